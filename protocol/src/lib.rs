@@ -1,0 +1,198 @@
+//! Wire types shared by the host runtime and the guest program.
+//!
+//! This crate is the whole contract across the container boundary:
+//! - [`Turn`]: what the host writes, as one JSON document, on the guest's stdin;
+//! - [`Reply`]: what the guest prints, as one JSON document, on its stdout;
+//! - the broker's HTTP surface ([`paths`], [`ToolCallResult`], [`ErrorBody`]) that the
+//!   guest reaches through the unix socket mounted at [`BROKER_SOCKET`].
+//!
+//! Nothing here holds a secret or a host path: a [`Turn`] is safe to show to the guest.
+//! Every type denies unknown fields, because the other side of this boundary is hostile.
+
+#![forbid(unsafe_code)]
+
+use serde::{Deserialize, Serialize};
+
+/// Where the turn's run dir (holding only `broker.sock`) is mounted, read-only.
+pub const RUN_MOUNT: &str = "/run/roundtable";
+/// The broker's socket inside the container.
+pub const BROKER_SOCKET: &str = "/run/roundtable/broker.sock";
+/// Where the channel's workspace is mounted, read-write.
+pub const WORKSPACE_MOUNT: &str = "/workspace";
+/// The default number of model steps in one turn.
+pub const DEFAULT_MAX_STEPS: u32 = 16;
+
+/// The person who wrote the message, as admitted by the host with that message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Speaker {
+    pub id: String,
+    pub name: String,
+}
+
+/// A tool the guest may call: its name, description and JSON-schema parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub parameters: serde_json::Value,
+}
+
+/// The allow-listed tools of one MCP server, with the schemas pinned by the host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpServerSpec {
+    pub server: String,
+    pub tools: Vec<ToolSpec>,
+}
+
+/// One turn, written by the host on the guest's stdin. Never the key, never a host path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Turn {
+    pub text: String,
+    pub speaker: Speaker,
+    pub model: String,
+    pub prompt: String,
+    pub time_zone: String,
+    pub reset: bool,
+    pub tools: Vec<ToolSpec>,
+    pub mcp: Vec<McpServerSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<u32>,
+    /// The session's compaction budget in estimated tokens; `None` lets the guest choose.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_budget: Option<u64>,
+}
+
+/// What a turn used, as counted by the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct Usage {
+    #[serde(default)]
+    pub model_calls: u32,
+    #[serde(default)]
+    pub tool_calls: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
+}
+
+/// The guest's answer, printed as one JSON document on stdout.
+///
+/// On the wire: `{"ok":true,"text":"…","usage":{…}}` or `{"ok":false,"error":"…"}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+impl Reply {
+    /// A successful reply.
+    pub fn text(text: impl Into<String>, usage: Usage) -> Self {
+        Self {
+            ok: true,
+            text: Some(text.into()),
+            error: None,
+            usage: Some(usage),
+        }
+    }
+
+    /// A failed reply.
+    pub fn error(error: impl Into<String>) -> Self {
+        Self {
+            ok: false,
+            text: None,
+            error: Some(error.into()),
+            usage: None,
+        }
+    }
+
+    /// Checks the shape a well-formed reply must have: `ok` with `text`, or not `ok` with `error`.
+    pub fn check_shape(&self) -> Result<(), &'static str> {
+        match (self.ok, &self.text, &self.error) {
+            (true, Some(_), None) => Ok(()),
+            (true, _, _) => Err("an ok reply must carry text and no error"),
+            (false, None, Some(_)) => Ok(()),
+            (false, _, _) => Err("a failed reply must carry an error and no text"),
+        }
+    }
+}
+
+/// The broker's HTTP paths, relative to the unix socket.
+pub mod paths {
+    /// OpenAI-compatible chat completions, forwarded to the configured model.
+    pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+    /// `POST /v1/tools/{name}` with the arguments object as the body.
+    pub const TOOLS_PREFIX: &str = "/v1/tools/";
+    /// `POST /v1/mcp/{server}/{tool}` with the arguments object as the body.
+    pub const MCP_PREFIX: &str = "/v1/mcp/";
+}
+
+/// The broker's answer to a host or MCP tool call (HTTP 200).
+///
+/// `ok: false` means the tool ran and failed; its `error` is readable and carries no host
+/// internals. Requests the broker refuses get a 4xx status with an [`ErrorBody`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCallResult {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// The body of every 4xx/5xx answer from the broker: `{"error":"…"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turn_round_trips_in_camel_case() {
+        let turn = Turn {
+            text: "hi".into(),
+            speaker: Speaker {
+                id: "1".into(),
+                name: "ann".into(),
+            },
+            model: "m".into(),
+            prompt: "p".into(),
+            time_zone: "UTC".into(),
+            reset: true,
+            tools: vec![],
+            mcp: vec![],
+            max_steps: None,
+            session_budget: None,
+        };
+        let json = serde_json::to_string(&turn).unwrap();
+        assert!(json.contains("\"timeZone\":\"UTC\""), "{json}");
+        assert_eq!(serde_json::from_str::<Turn>(&json).unwrap(), turn);
+    }
+
+    #[test]
+    fn reply_rejects_unknown_fields_and_bad_shapes() {
+        assert!(serde_json::from_str::<Reply>(r#"{"ok":true,"text":"x","host":1}"#).is_err());
+        let r: Reply = serde_json::from_str(r#"{"ok":true,"error":"x"}"#).unwrap();
+        assert_eq!(
+            r.check_shape(),
+            Err("an ok reply must carry text and no error")
+        );
+        let r: Reply = serde_json::from_str(r#"{"ok":false,"error":"x"}"#).unwrap();
+        assert_eq!(r.check_shape(), Ok(()));
+    }
+}

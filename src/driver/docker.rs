@@ -1,0 +1,554 @@
+//! The Docker Engine driver, on bollard.
+//!
+//! One turn: create (sealed [`HostConfig`]), attach before start (`stdin_once`), start, write
+//! the turn and close stdin, then read stdout/stderr (capped) while waiting for the exit;
+//! inspect for an OOM kill. Every API call has a deadline; cancellation kills the container.
+//! The container is removed by [`ContainerDriver::remove`], or by a drop guard when the
+//! run's future is dropped half-way (a panicking or aborted caller).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bollard::container::LogOutput;
+use bollard::errors::Error as BollardError;
+use bollard::models::{
+    ContainerCreateBody, HostConfig, HostConfigLogConfig, Mount, MountBindOptions,
+    MountBindOptionsPropagationEnum, MountType, ResourcesUlimits,
+};
+use bollard::query_parameters::{
+    AttachContainerOptions, CreateContainerOptionsBuilder, KillContainerOptionsBuilder,
+    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, WaitContainerOptions,
+};
+use bollard::{ClientVersion, Docker};
+use futures_util::StreamExt;
+use roundtable_sandbox_protocol::{Reply, RUN_MOUNT, WORKSPACE_MOUNT};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    parse_reply, BoxFuture, ContainerDriver, ContainerSpec, DriverError, KEEP_CONTAINERS_ENV,
+    LABEL_RUNTIME,
+};
+
+/// How the driver reaches the engine.
+#[derive(Debug, Clone)]
+pub struct DockerOptions {
+    /// `unix:///path/to/docker.sock`, or a bare path.
+    pub host: String,
+    /// Deadline of each API call (create, attach, start, inspect, kill, remove, list).
+    pub call_timeout: Duration,
+}
+
+impl Default for DockerOptions {
+    fn default() -> Self {
+        let host = std::env::var("DOCKER_HOST")
+            .ok()
+            .filter(|h| h.starts_with("unix://"))
+            .unwrap_or_else(|| "unix:///var/run/docker.sock".to_owned());
+        Self {
+            host,
+            call_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
+/// The oldest engine API this driver speaks (Docker 20.10); newer engines are negotiated.
+const MIN_API: ClientVersion = ClientVersion {
+    major_version: 1,
+    minor_version: 41,
+};
+
+/// Runs turns in Docker containers.
+#[derive(Debug, Clone)]
+pub struct DockerDriver {
+    options: DockerOptions,
+    docker: Arc<OnceCell<Docker>>,
+}
+
+impl DockerDriver {
+    /// A driver for the given engine; nothing is contacted until the first call.
+    pub fn new(options: DockerOptions) -> Self {
+        Self {
+            options,
+            docker: Arc::new(OnceCell::new()),
+        }
+    }
+
+    /// The engine's client, connected and version-negotiated on first use.
+    pub async fn client(&self) -> Result<&Docker, DriverError> {
+        self.docker
+            .get_or_try_init(|| async {
+                let path = self.options.host.trim_start_matches("unix://");
+                // bollard's own timeout would cut the wait and attach streams: ours apply per call.
+                let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
+                    .map_err(|e| unreachable_error(&e))?;
+                let negotiated = tokio::time::timeout(
+                    self.options.call_timeout,
+                    docker.negotiate_version(),
+                )
+                .await
+                .map_err(|_| DriverError::DaemonUnreachable {
+                    reason: format!(
+                        "no answer from {} within {:?}",
+                        self.options.host, self.options.call_timeout
+                    ),
+                })?
+                .map_err(|e| unreachable_error(&e))?;
+                // Never go below the API that has every field this driver sets.
+                let v = negotiated.client_version();
+                if (v.major_version, v.minor_version) < (1, 41) {
+                    return Err(DriverError::DaemonUnreachable {
+                        reason: format!(
+                            "engine API {}.{} is older than 1.41",
+                            v.major_version, v.minor_version
+                        ),
+                    });
+                }
+                Ok(negotiated)
+            })
+            .await
+    }
+
+    /// The engine's version string (for `doctor`).
+    pub async fn version(&self) -> Result<String, DriverError> {
+        let docker = self.client().await?;
+        let v = self
+            .call("version", "engine", docker.version())
+            .await?;
+        Ok(format!(
+            "{} (API {})",
+            v.version.unwrap_or_default(),
+            v.api_version.unwrap_or_default()
+        ))
+    }
+
+    /// Whether the image is present locally.
+    pub async fn image_present(&self, image: &str) -> Result<bool, DriverError> {
+        let docker = self.client().await?;
+        match tokio::time::timeout(self.options.call_timeout, docker.inspect_image(image)).await
+        {
+            Err(_) => Err(DriverError::DockerTimeout {
+                op: "inspect image",
+                container: image.to_owned(),
+                after: self.options.call_timeout,
+            }),
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(BollardError::DockerResponseServerError {
+                status_code: 404, ..
+            })) => Ok(false),
+            Ok(Err(e)) => Err(classify("inspect image", image, e)),
+        }
+    }
+
+    async fn call<T>(
+        &self,
+        op: &'static str,
+        container: &str,
+        fut: impl std::future::Future<Output = Result<T, BollardError>>,
+    ) -> Result<T, DriverError> {
+        match tokio::time::timeout(self.options.call_timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(classify(op, container, e)),
+            Err(_) => Err(DriverError::DockerTimeout {
+                op,
+                container: container.to_owned(),
+                after: self.options.call_timeout,
+            }),
+        }
+    }
+
+    async fn kill(&self, docker: &Docker, name: &str) {
+        let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
+        if let Err(e) = self
+            .call("kill", name, docker.kill_container(name, Some(opts)))
+            .await
+        {
+            tracing::debug!(container = name, error = %e, "kill after cancel");
+        }
+    }
+
+    async fn run_inner(
+        &self,
+        spec: &ContainerSpec,
+        stdin: &[u8],
+        cancel: CancellationToken,
+    ) -> Result<Reply, DriverError> {
+        if cancel.is_cancelled() {
+            return Err(DriverError::Cancelled);
+        }
+        let docker = tokio::select! {
+            d = self.client() => d?,
+            _ = cancel.cancelled() => return Err(DriverError::Cancelled),
+        };
+        let name = spec.name.as_str();
+        let create = CreateContainerOptionsBuilder::new().name(name).build();
+        match self
+            .call(
+                "create",
+                name,
+                docker.create_container(Some(create), create_body(spec)),
+            )
+            .await
+        {
+            Ok(_) => {}
+            Err(DriverError::Docker { reason, .. })
+                if reason.contains("No such image") || reason.starts_with("404") =>
+            {
+                return Err(DriverError::ImageMissing {
+                    image: spec.image.clone(),
+                })
+            }
+            Err(e) => return Err(e),
+        }
+        let attach = AttachContainerOptions {
+            stdin: true,
+            stdout: true,
+            stderr: true,
+            stream: true,
+            logs: false,
+            detach_keys: None,
+        };
+        let mut io = self
+            .call("attach", name, docker.attach_container(name, Some(attach)))
+            .await?;
+        let mut wait = docker.wait_container(name, None::<WaitContainerOptions>);
+        self.call("start", name, docker.start_container(name, None))
+            .await?;
+
+        // Write the turn and close stdin; a guest that never reads cannot block us past
+        // the cancellation (the write is raced with it below).
+        let write = async {
+            io.input.write_all(stdin).await?;
+            io.input.flush().await?;
+            io.input.shutdown().await
+        };
+        tokio::select! {
+            r = write => if let Err(e) = r {
+                // A guest that exits without reading closes the pipe: judge it by its exit.
+                tracing::debug!(container = name, error = %e, "write turn to stdin");
+            },
+            _ = cancel.cancelled() => {
+                self.kill(docker, name).await;
+                return Err(DriverError::Cancelled);
+            }
+        }
+
+        let mut stdout: Vec<u8> = Vec::new();
+        let mut stderr: Vec<u8> = Vec::new();
+        let mut overflow = false;
+        let mut output_done = false;
+        let mut exit: Option<Result<i64, DriverError>> = None;
+        loop {
+            if output_done && exit.is_some() {
+                break;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    self.kill(docker, name).await;
+                    return Err(DriverError::Cancelled);
+                }
+                item = io.output.next(), if !output_done => match item {
+                    Some(Ok(LogOutput::StdOut { message })) | Some(Ok(LogOutput::Console { message })) => {
+                        if stdout.len() + message.len() > spec.output_cap {
+                            overflow = true;
+                            output_done = true;
+                            self.kill(docker, name).await;
+                        } else {
+                            stdout.extend_from_slice(&message);
+                        }
+                    }
+                    Some(Ok(LogOutput::StdErr { message })) => {
+                        let room = spec.stderr_cap.saturating_sub(stderr.len());
+                        stderr.extend_from_slice(&message[..message.len().min(room)]);
+                    }
+                    Some(Ok(LogOutput::StdIn { .. })) => {}
+                    Some(Err(e)) => {
+                        tracing::debug!(container = name, error = %e, "attach stream");
+                        output_done = true;
+                    }
+                    None => output_done = true,
+                },
+                status = wait.next(), if exit.is_none() => {
+                    exit = Some(match status {
+                        Some(Ok(r)) => Ok(r.status_code),
+                        Some(Err(BollardError::DockerContainerWaitError { code, .. })) => Ok(code),
+                        Some(Err(e)) => Err(classify("wait", name, e)),
+                        None => Err(DriverError::Docker { op: "wait", container: name.to_owned(), reason: "wait stream ended".into() }),
+                    });
+                    if !output_done {
+                        // The attach stream ends at exit; give it a moment to drain.
+                        let drain = async {
+                            while let Some(item) = io.output.next().await {
+                                match item {
+                                    Ok(LogOutput::StdOut { message }) | Ok(LogOutput::Console { message }) => {
+                                        if stdout.len() + message.len() > spec.output_cap { overflow = true; break; }
+                                        stdout.extend_from_slice(&message);
+                                    }
+                                    Ok(LogOutput::StdErr { message }) => {
+                                        let room = spec.stderr_cap.saturating_sub(stderr.len());
+                                        stderr.extend_from_slice(&message[..message.len().min(room)]);
+                                    }
+                                    Ok(LogOutput::StdIn { .. }) => {}
+                                    Err(_) => break,
+                                }
+                            }
+                        };
+                        let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
+                        output_done = true;
+                    }
+                }
+            }
+        }
+        if !stderr.is_empty() {
+            tracing::debug!(
+                container = name,
+                stderr = %String::from_utf8_lossy(&stderr),
+                "guest stderr"
+            );
+        }
+        let code = exit.unwrap_or(Ok(-1))?;
+        let state = self
+            .call("inspect", name, docker.inspect_container(name, None))
+            .await?
+            .state
+            .unwrap_or_default();
+        if state.oom_killed == Some(true) {
+            return Err(DriverError::OutOfMemory {
+                limit_mb: spec.memory_mb,
+            });
+        }
+        if overflow {
+            return Err(DriverError::OutputTooLarge {
+                cap: spec.output_cap,
+            });
+        }
+        if code != 0 {
+            // 137 under the init process: SIGKILL, which the memory cgroup uses too.
+            return Err(DriverError::Exit { code });
+        }
+        parse_reply(&stdout, spec.output_cap)
+    }
+}
+
+impl Default for DockerDriver {
+    fn default() -> Self {
+        Self::new(DockerOptions::default())
+    }
+}
+
+/// Removes the container when a run's future is dropped before it finished.
+struct RemoveGuard<'a> {
+    driver: &'a DockerDriver,
+    name: &'a str,
+    armed: bool,
+}
+
+impl Drop for RemoveGuard<'_> {
+    fn drop(&mut self) {
+        if !self.armed || keep_containers() {
+            return;
+        }
+        let driver = self.driver.clone();
+        let name = self.name.to_owned();
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = driver.remove_inner(&name).await {
+                    tracing::warn!(container = %name, error = %e, "remove after abandoned run");
+                }
+            });
+        }
+    }
+}
+
+fn keep_containers() -> bool {
+    std::env::var(KEEP_CONTAINERS_ENV).is_ok_and(|v| v == "1")
+}
+
+impl DockerDriver {
+    async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {
+        if keep_containers() {
+            tracing::warn!(container = name, "{KEEP_CONTAINERS_ENV}=1: container kept");
+            return Ok(());
+        }
+        let docker = self.client().await?;
+        let opts = RemoveContainerOptionsBuilder::new()
+            .force(true)
+            .v(true)
+            .build();
+        match self
+            .call("remove", name, docker.remove_container(name, Some(opts)))
+            .await
+        {
+            Ok(()) => Ok(()),
+            Err(DriverError::Docker { reason, .. })
+                if reason.starts_with("404") || reason.contains("is already in progress") =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl ContainerDriver for DockerDriver {
+    fn run<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        stdin: &'a [u8],
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Reply, DriverError>> {
+        Box::pin(async move {
+            let mut guard = RemoveGuard {
+                driver: self,
+                name: &spec.name,
+                armed: true,
+            };
+            let result = self.run_inner(spec, stdin, cancel).await;
+            // Finished: removal is now the caller's teardown.
+            guard.armed = false;
+            result
+        })
+    }
+
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        Box::pin(self.remove_inner(name))
+    }
+
+    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+        Box::pin(async move {
+            let docker = self.client().await?;
+            let filters: HashMap<&str, Vec<String>> =
+                HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
+            let list = ListContainersOptionsBuilder::new()
+                .all(true)
+                .filters(&filters)
+                .build();
+            let found = self
+                .call("list", instance, docker.list_containers(Some(list)))
+                .await?;
+            let mut removed = Vec::new();
+            let mut first_error = None;
+            for c in found {
+                let Some(id) = c.id else { continue };
+                let name = c
+                    .names
+                    .and_then(|n| n.into_iter().next())
+                    .map(|n| n.trim_start_matches('/').to_owned())
+                    .unwrap_or_else(|| id.clone());
+                match self.remove_inner(&id).await {
+                    Ok(()) => removed.push(name),
+                    Err(e) => {
+                        tracing::warn!(container = %name, error = %e, "sweep");
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+            match first_error {
+                Some(e) if removed.is_empty() => Err(e),
+                _ => Ok(removed),
+            }
+        })
+    }
+}
+
+/// The sealed container: no network, read-only root, no capabilities, no new privileges,
+/// an init process, caps on memory (no swap), cpu, pids and /tmp; only the two mounts.
+pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
+    let memory = (spec.memory_mb as i64) * 1024 * 1024;
+    let bind = |source: &std::path::Path, target: &str, read_only: bool| Mount {
+        target: Some(target.to_owned()),
+        source: Some(source.to_string_lossy().into_owned()),
+        typ: Some(MountType::BIND),
+        read_only: Some(read_only),
+        bind_options: Some(MountBindOptions {
+            propagation: Some(MountBindOptionsPropagationEnum::RPRIVATE),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let host_config = HostConfig {
+        network_mode: Some("none".into()),
+        readonly_rootfs: Some(true),
+        cap_drop: Some(vec!["ALL".into()]),
+        security_opt: Some(vec!["no-new-privileges:true".into()]),
+        memory: Some(memory),
+        memory_swap: Some(memory),
+        nano_cpus: Some((spec.cpus * 1e9) as i64),
+        pids_limit: Some(spec.pids),
+        init: Some(true),
+        ipc_mode: Some("private".into()),
+        tmpfs: Some(HashMap::from([(
+            "/tmp".to_owned(),
+            format!("rw,nosuid,nodev,size={}m,mode=1777", spec.tmpfs_mb),
+        )])),
+        mounts: Some(vec![
+            bind(&spec.run_dir, RUN_MOUNT, true),
+            bind(&spec.workspace_dir, WORKSPACE_MOUNT, false),
+        ]),
+        ulimits: Some(vec![ResourcesUlimits {
+            name: Some("nofile".into()),
+            soft: Some(1024),
+            hard: Some(1024),
+        }]),
+        // Output goes through attach only; nothing is stored by the daemon.
+        log_config: Some(HostConfigLogConfig {
+            typ: Some("none".into()),
+            config: None,
+        }),
+        auto_remove: Some(false),
+        ..Default::default()
+    };
+    ContainerCreateBody {
+        image: Some(spec.image.clone()),
+        user: Some(format!("{}:{}", spec.uid, spec.gid)),
+        entrypoint: spec.command.clone(),
+        cmd: None,
+        env: Some(vec!["PATH=/bin".into(), format!("HOME={WORKSPACE_MOUNT}")]),
+        working_dir: Some(WORKSPACE_MOUNT.into()),
+        attach_stdin: Some(true),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        open_stdin: Some(true),
+        stdin_once: Some(true),
+        tty: Some(false),
+        network_disabled: Some(true),
+        labels: Some(spec.labels.clone().into_iter().collect()),
+        host_config: Some(host_config),
+        ..Default::default()
+    }
+}
+
+fn unreachable_error(e: &BollardError) -> DriverError {
+    DriverError::DaemonUnreachable {
+        reason: e.to_string(),
+    }
+}
+
+/// Maps a bollard error: transport failures mean the daemon is unreachable; a server
+/// answer keeps its status code first (`404 …`).
+fn classify(op: &'static str, container: &str, e: BollardError) -> DriverError {
+    match e {
+        BollardError::DockerResponseServerError {
+            status_code,
+            message,
+        } => DriverError::Docker {
+            op,
+            container: container.to_owned(),
+            reason: format!("{status_code} {message}"),
+        },
+        BollardError::IOError { .. }
+        | BollardError::HyperResponseError { .. }
+        | BollardError::HyperLegacyError { .. }
+        | BollardError::SocketNotFoundError(_)
+        | BollardError::RequestTimeoutError => DriverError::DaemonUnreachable {
+            reason: e.to_string(),
+        },
+        other => DriverError::Docker {
+            op,
+            container: container.to_owned(),
+            reason: other.to_string(),
+        },
+    }
+}

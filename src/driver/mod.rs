@@ -1,0 +1,156 @@
+//! Container drivers: how one turn's sealed container is created, run and removed.
+//!
+//! Parts:
+//! - [`ContainerSpec`]: everything that shapes the container (name, identity, mounts,
+//!   limits, labels); built by the turn runner, never from guest input;
+//! - [`ContainerDriver`]: the pluggable trait (Docker by default; a recording fake in tests);
+//! - [`DriverError`]: each way a run can fail, mapped to a distinct reply by the runner;
+//! - [`parse_reply`]: the strict parser of the guest's stdout;
+//! - [`docker`]: the Docker Engine driver on bollard.
+
+pub mod docker;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use roundtable_sandbox_protocol::Reply;
+use tokio_util::sync::CancellationToken;
+
+pub use crate::broker::BoxFuture;
+pub use docker::{DockerDriver, DockerOptions};
+
+/// Label set on every container of this project; its value is the runtime instance.
+pub const LABEL_RUNTIME: &str = "roundtable-sandbox";
+/// Label with the first 16 hex digits of the channel's hash.
+pub const LABEL_CHANNEL: &str = "roundtable-sandbox.channel";
+/// Label with the turn id.
+pub const LABEL_TURN: &str = "roundtable-sandbox.turn";
+/// Set to `1` to keep containers after their turn (debugging only).
+pub const KEEP_CONTAINERS_ENV: &str = "ROUNDTABLE_SANDBOX_KEEP_CONTAINERS";
+
+/// The shape of one turn's container.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContainerSpec {
+    pub name: String,
+    pub image: String,
+    /// Host dir holding only `broker.sock`; mounted read-only at `/run/roundtable`.
+    pub run_dir: PathBuf,
+    /// Host dir of this channel's workspace; mounted read-write at `/workspace`.
+    pub workspace_dir: PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+    pub memory_mb: u64,
+    pub cpus: f64,
+    pub pids: i64,
+    pub tmpfs_mb: u64,
+    /// Cap on stdout bytes; past it the container is killed and the turn fails.
+    pub output_cap: usize,
+    /// Cap on stderr bytes kept for the debug log.
+    pub stderr_cap: usize,
+    pub labels: BTreeMap<String, String>,
+    /// Replaces the image's entrypoint (tests and benchmarks).
+    pub command: Option<Vec<String>>,
+}
+
+/// How a container run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error("turn cancelled")]
+    Cancelled,
+    #[error("guest killed: out of memory (limit {limit_mb} MiB)")]
+    OutOfMemory { limit_mb: u64 },
+    #[error("guest exited with code {code}")]
+    Exit { code: i64 },
+    #[error("guest output exceeds {cap} bytes")]
+    OutputTooLarge { cap: usize },
+    #[error("guest output is not a valid reply: {reason}")]
+    MalformedOutput { reason: String },
+    #[error("sandbox image not found: {image} (build it with scripts/build-image.sh)")]
+    ImageMissing { image: String },
+    #[error("docker daemon unreachable: {reason}")]
+    DaemonUnreachable { reason: String },
+    #[error("docker {op} of {container} timed out after {after:?}")]
+    DockerTimeout {
+        op: &'static str,
+        container: String,
+        after: Duration,
+    },
+    #[error("docker {op} of {container} failed: {reason}")]
+    Docker {
+        op: &'static str,
+        container: String,
+        reason: String,
+    },
+}
+
+/// Runs turns in containers. Implementations must be cancellation-safe: when `cancel`
+/// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
+pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
+    /// Creates and starts the container, writes `stdin` (the turn JSON) to it, and returns
+    /// the parsed reply. The container is left for [`ContainerDriver::remove`].
+    fn run<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        stdin: &'a [u8],
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Reply, DriverError>>;
+
+    /// Removes the named container (killing it); absent is not an error.
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
+
+    /// Removes every container labelled with this runtime instance; returns their names.
+    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>>;
+}
+
+/// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace
+/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes.
+pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, DriverError> {
+    if stdout.len() > cap {
+        return Err(DriverError::OutputTooLarge { cap });
+    }
+    if stdout.iter().all(u8::is_ascii_whitespace) {
+        return Err(DriverError::MalformedOutput {
+            reason: "no output".into(),
+        });
+    }
+    let reply: Reply =
+        serde_json::from_slice(stdout).map_err(|e| DriverError::MalformedOutput {
+            reason: e.to_string(),
+        })?;
+    reply
+        .check_shape()
+        .map_err(|reason| DriverError::MalformedOutput {
+            reason: reason.into(),
+        })?;
+    Ok(reply)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_reply_is_strict() {
+        assert_eq!(
+            parse_reply(b" {\"ok\":true,\"text\":\"hi\"}\n", 100)
+                .unwrap()
+                .text
+                .as_deref(),
+            Some("hi")
+        );
+        let err = |b: &[u8]| parse_reply(b, 64).unwrap_err().to_string();
+        assert_eq!(
+            err(b""),
+            "guest output is not a valid reply: no output"
+        );
+        assert!(err(b"garbage").starts_with("guest output is not a valid reply: expected value"));
+        assert!(err(b"{\"ok\":true,\"text\":\"a\"} trailing").contains("trailing characters"));
+        assert!(err(b"{\"ok\":true,\"text\":\"a\",\"admin\":true}").contains("unknown field"));
+        assert_eq!(
+            err(b"{\"ok\":true}"),
+            "guest output is not a valid reply: an ok reply must carry text and no error"
+        );
+        assert_eq!(err(&[b' '; 65]), "guest output exceeds 64 bytes");
+    }
+}

@@ -1,0 +1,109 @@
+//! roundtable-sandbox: every guest turn in a sealed, short-lived container, with a
+//! host-side credential broker as its only door out.
+//!
+//! This crate is the core (no actix): it trusts the operator's configuration and nothing
+//! else. Its parts, by trust boundary:
+//! - [`config`]: the operator's settings, validated once ([`Config::resolve`]);
+//! - [`broker`]: the per-turn HTTP server on a unix socket that holds the key and the
+//!   allow-listed host and MCP tools (guest requests are hostile);
+//! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
+//! - [`turn`]: one turn's lifecycle and teardown;
+//! - [`sweep`]: removal of what a crashed runtime left behind.
+//!
+//! [`Sandbox`] ties them together; the actor layer (`roundtable-sandbox-actors`) drives it.
+
+#![forbid(unsafe_code)]
+
+pub mod broker;
+pub mod config;
+pub mod driver;
+pub mod sweep;
+pub mod turn;
+
+use std::sync::Arc;
+
+pub use broker::{ApiKey, Broker, HostTool, McpServerConfig, ToolCallContext};
+pub use config::{Config, ConfigError, Limits, ResolvedConfig};
+pub use driver::{ContainerDriver, DockerDriver, DriverError};
+pub use roundtable_sandbox_protocol as protocol;
+pub use roundtable_sandbox_protocol::{Reply, Speaker, Usage};
+pub use turn::{run_turn, PhaseObserver, TurnPhase, TurnRequest};
+
+/// A configured runtime: the resolved configuration, the broker and the driver.
+/// Cheap to clone; share one per process.
+#[derive(Debug, Clone)]
+pub struct Sandbox {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: ResolvedConfig,
+    broker: Arc<Broker>,
+    driver: Arc<dyn ContainerDriver>,
+}
+
+/// Errors of starting a runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("start broker: {0}")]
+    Broker(#[from] broker::BrokerError),
+}
+
+impl Sandbox {
+    /// Validates the configuration and prepares the broker (MCP servers are started and
+    /// their allow-listed tools pinned). Starts no container.
+    pub async fn new(config: Config) -> Result<Self, SandboxError> {
+        let resolved = config.resolve()?;
+        let broker = Broker::new(resolved.config.broker_policy(resolved.uid)).await?;
+        let driver: Arc<dyn ContainerDriver> = match &resolved.config.driver {
+            Some(d) => d.clone(),
+            None => {
+                let mut options = driver::DockerOptions::default();
+                if let Some(host) = &resolved.config.docker_host {
+                    options.host = host.clone();
+                }
+                Arc::new(DockerDriver::new(options))
+            }
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config: resolved,
+                broker: Arc::new(broker),
+                driver,
+            }),
+        })
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &ResolvedConfig {
+        &self.inner.config
+    }
+
+    /// The broker.
+    pub fn broker(&self) -> &Arc<Broker> {
+        &self.inner.broker
+    }
+
+    /// The container driver.
+    pub fn driver(&self) -> &Arc<dyn ContainerDriver> {
+        &self.inner.driver
+    }
+
+    /// Runs one turn (see [`turn::run_turn`]).
+    pub async fn run_turn(&self, request: TurnRequest) -> Reply {
+        turn::run_turn(self, request, |_| {}, None).await
+    }
+
+    /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]).
+    pub async fn sweep(&self) -> sweep::SweepReport {
+        sweep::sweep(self).await
+    }
+
+    /// Ends the runtime-long parts (MCP children).
+    pub async fn shutdown(&self) {
+        self.inner.broker.shutdown().await;
+    }
+}
