@@ -1,16 +1,48 @@
 //! The credential broker: the only door out of a turn's container.
 //!
-//! One [`Broker`] lives as long as the runtime (it owns the upstream HTTP client and the
-//! MCP server pool); each turn gets a [`BrokerListener`] on `<run_dir>/broker.sock`, bound
-//! to that turn's [`TurnContext`] (channel, speaker, cancellation).
+//! One [`Broker`] lives as long as the runtime (it owns the upstream HTTP client, the
+//! compiled host-tool schemas and the MCP server pool); each turn gets a [`BrokerListener`]
+//! on `<run_dir>/broker.sock`, bound to that turn's [`TurnContext`] (channel, speaker,
+//! cancellation). Every request on the socket comes from a hostile guest; upstream model
+//! responses and MCP servers are not trusted either.
 //!
-//! Parts:
+//! Parts (this file is the public API and the pure policy checks):
 //! - [`ApiKey`]: the model key, a secret that never prints, static or from an async provider;
 //! - [`HostTool`]: the trait a bot author implements for a host tool;
 //! - [`McpServerConfig`]: an MCP server and the allow-list of its tools;
 //! - [`BrokerLimits`]: per-turn caps on sizes, call counts and call time;
-//! - [`BrokerPolicy`]: all of the above plus the model endpoint, validated at setup.
+//! - [`BrokerPolicy`]: all of the above plus the model endpoint, checked by
+//!   [`validate_policy`] without side effects;
+//! - [`Broker`] / [`BrokerListener`]: the runtime-long broker and one turn's listener.
+//!
+//! The other files: `server` (HTTP/1.1 on the unix socket: peer check, routing, limits),
+//! `model` (the upstream chat-completions proxy), `tools` (host tools and their schemas),
+//! `mcp` (the rmcp client pool with pinned tools), `redact` (removing the key from
+//! everything that flows back).
+//!
+//! # Wire behaviour (see `roundtable_sandbox_protocol::paths`)
+//! - `POST /v1/chat/completions`: forwarded to `{model_url}/chat/completions` (the
+//!   configured `model_url` is the API base, e.g. `https://api.example.com/v1`). The body's
+//!   `model` is **replaced** by the configured model (a guest cannot pick another). Only
+//!   `content-type` (always `application/json`) and `accept` are forwarded from the guest;
+//!   `Authorization: Bearer <key>` is set exactly once. Redirects are not followed and no
+//!   proxy is used, so the key goes nowhere but `model_url`. With `"stream": true` the
+//!   upstream body is relayed chunk by chunk; otherwise it is read whole, capped at
+//!   `max_response_bytes`. Upstream failures become `502` (`504` past the deadline) with
+//!   a readable message; the key is redacted from everything returned.
+//! - `POST /v1/tools/{name}`, `POST /v1/mcp/{server}/{tool}`: the body is the arguments
+//!   object, validated against the tool's schema first; `200` with a `ToolCallResult`.
+//! - Refusals: `400` malformed JSON or arguments, `404` unknown route or tool, `405`
+//!   not POST, `413` body too large, `429` too many calls in the turn, `502` upstream or
+//!   MCP server failure, `504` past the per-call deadline; always `{"error": "..."}`.
 
+mod mcp;
+mod model;
+mod redact;
+mod server;
+mod tools;
+
+use std::collections::BTreeSet;
 use std::fmt;
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -38,6 +70,18 @@ pub enum BrokerError {
     InvalidToolName(String),
     #[error("duplicate tool name: {0}")]
     DuplicateToolName(String),
+    #[error("invalid JSON schema for tool {tool}: {error}")]
+    InvalidToolSchema { tool: String, error: String },
+    #[error("invalid broker limits: {0}")]
+    InvalidLimits(String),
+    #[error("MCP server {server}: {reason}")]
+    InvalidMcpServer { server: String, reason: String },
+    #[error("MCP server {server} could not be started: {error}")]
+    McpStart { server: String, error: String },
+    #[error("MCP server {server} has no tool {tool} (named in its allow-list)")]
+    McpUnknownTool { server: String, tool: String },
+    #[error("build the upstream HTTP client: {0}")]
+    HttpClient(String),
     #[error("bind broker socket {path}: {source}")]
     Bind {
         path: PathBuf,
@@ -70,12 +114,25 @@ impl ApiKey {
         ApiKey::Static(Arc::new(SecretString::from(key.into())))
     }
 
+    /// A key from an async provider, asked once per model call.
+    pub fn from_provider(provider: impl ApiKeyProvider + 'static) -> Self {
+        ApiKey::Provider(Arc::new(provider))
+    }
+
     /// Resolves the key for one call.
     pub async fn resolve(&self) -> Result<Option<SecretString>, BrokerError> {
         match self {
             ApiKey::Static(k) => Ok(Some(SecretString::from(k.expose_secret().to_owned()))),
             ApiKey::Provider(p) => p.key().await.map(Some).map_err(BrokerError::ApiKey),
             ApiKey::None => Ok(None),
+        }
+    }
+
+    /// The key when it is known without an await (a static key); used to redact tool output.
+    fn known(&self) -> Option<&str> {
+        match self {
+            ApiKey::Static(k) if !k.expose_secret().is_empty() => Some(k.expose_secret()),
+            _ => None,
         }
     }
 }
@@ -106,7 +163,8 @@ pub trait HostTool: Send + Sync {
     fn description(&self) -> &str;
     /// The JSON schema of the arguments object.
     fn parameters(&self) -> serde_json::Value;
-    /// Runs the tool with validated arguments; an `Err` reaches the guest as a readable error.
+    /// Runs the tool with validated arguments; an `Err` reaches the guest as a readable
+    /// error (`{"ok":false,"error":...}`), so it must not carry host internals.
     fn call(
         &self,
         args: serde_json::Value,
@@ -118,7 +176,9 @@ pub trait HostTool: Send + Sync {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case", tag = "transport")]
 pub enum McpTransport {
-    /// A child process speaking MCP on stdio; its env stays on the host.
+    /// A child process speaking MCP on stdio. Its env stays on the host; the child does
+    /// not inherit the runtime's environment beyond `PATH`, `HOME`, `LANG`, `LC_ALL`,
+    /// `TZ` and `TMPDIR` (so a key held in the runtime's env does not reach it).
     Stdio {
         command: String,
         #[serde(default)]
@@ -126,7 +186,7 @@ pub enum McpTransport {
         #[serde(default)]
         env: std::collections::BTreeMap<String, String>,
     },
-    /// A streamable-HTTP MCP endpoint.
+    /// A streamable-HTTP MCP endpoint; `headers` (e.g. its credentials) stay on the host.
     Http {
         url: String,
         #[serde(default)]
@@ -148,10 +208,17 @@ pub struct McpServerConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BrokerLimits {
+    /// Largest request body the guest may send (`413` past it).
     pub max_request_bytes: usize,
+    /// Largest model or tool response relayed to the guest (a streamed answer is cut off
+    /// past it with an error event; a whole one gets `502`).
     pub max_response_bytes: usize,
+    /// Model calls per turn (`429` past it).
     pub max_model_calls: u32,
+    /// Host plus MCP tool calls per turn (`429` past it).
     pub max_tool_calls: u32,
+    /// Deadline of one call (`504` past it); for a streamed answer, the time to the
+    /// response head and the longest gap between two chunks.
     #[serde(with = "secs")]
     pub call_timeout: Duration,
 }
@@ -168,11 +235,38 @@ impl Default for BrokerLimits {
     }
 }
 
+impl BrokerLimits {
+    fn validate(&self) -> Result<(), BrokerError> {
+        let err = |m: &str| Err(BrokerError::InvalidLimits(m.to_owned()));
+        if !(1024..=256 << 20).contains(&self.max_request_bytes) {
+            return err("max_request_bytes must be 1 KiB to 256 MiB");
+        }
+        if !(1024..=1 << 30).contains(&self.max_response_bytes) {
+            return err("max_response_bytes must be 1 KiB to 1 GiB");
+        }
+        if !(1..=10_000).contains(&self.max_model_calls) {
+            return err("max_model_calls must be 1 to 10000");
+        }
+        if !(1..=10_000).contains(&self.max_tool_calls) {
+            return err("max_tool_calls must be 1 to 10000");
+        }
+        if self.call_timeout < Duration::from_millis(100)
+            || self.call_timeout > Duration::from_secs(3600)
+        {
+            return err("call_timeout must be 0.1 s to 3600 s");
+        }
+        Ok(())
+    }
+}
+
 mod secs {
     use serde::{Deserialize, Deserializer};
     use std::time::Duration;
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        Ok(Duration::from_secs_f64(f64::deserialize(d)?))
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(|_| {
+            serde::de::Error::custom("call_timeout must be a positive number of seconds")
+        })
     }
 }
 
@@ -200,9 +294,17 @@ impl fmt::Debug for BrokerPolicy {
                 "tools",
                 &self.tools.iter().map(|t| t.name()).collect::<Vec<_>>(),
             )
-            .field("mcp", &self.mcp)
+            .field(
+                "mcp",
+                &self
+                    .mcp
+                    .iter()
+                    .map(|m| (&m.name, &m.tools))
+                    .collect::<Vec<_>>(),
+            )
             .field("allow_http", &self.allow_http)
             .field("limits", &self.limits)
+            .field("worker_uid", &self.worker_uid)
             .finish()
     }
 }
@@ -215,20 +317,13 @@ pub struct TurnContext {
     pub cancel: CancellationToken,
 }
 
-/// Checks the policy without any side effect (no process started, no connection made).
+/// Checks the policy without any side effect (no process started, no connection made):
+/// the model URL, the limits, host tool names and schemas, MCP server names, transports
+/// and allow-lists. That the allow-listed tools exist is checked by [`Broker::new`].
 pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
-    let url = policy.model_url.trim();
-    let scheme = url.split("://").next().unwrap_or("");
-    if !url.contains("://") || url.len() <= scheme.len() + 3 {
-        return Err(BrokerError::InvalidModelUrl(policy.model_url.clone()));
-    }
-    match scheme {
-        "https" => {}
-        "http" if policy.allow_http => {}
-        "http" => return Err(BrokerError::InsecureModelUrl(policy.model_url.clone())),
-        _ => return Err(BrokerError::InvalidModelUrl(policy.model_url.clone())),
-    }
-    let mut seen = std::collections::BTreeSet::new();
+    model::chat_url(&policy.model_url, policy.allow_http)?;
+    policy.limits.validate()?;
+    let mut seen = BTreeSet::new();
     for tool in &policy.tools {
         let name = tool.name();
         if !valid_tool_name(name) {
@@ -236,6 +331,17 @@ pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
         }
         if !seen.insert(name.to_owned()) {
             return Err(BrokerError::DuplicateToolName(name.to_owned()));
+        }
+        tools::compile_schema(name, &tool.parameters())?;
+    }
+    let mut servers = BTreeSet::new();
+    for server in &policy.mcp {
+        mcp::validate_config(server, policy.allow_http)?;
+        if !servers.insert(server.name.as_str()) {
+            return Err(BrokerError::InvalidMcpServer {
+                server: server.name.clone(),
+                reason: "configured twice".into(),
+            });
         }
     }
     Ok(())
@@ -249,20 +355,41 @@ pub fn valid_tool_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
-/// The runtime-long broker: upstream client and MCP pool.
-#[derive(Debug)]
+/// The runtime-long broker: upstream client, host tools and MCP pool.
 pub struct Broker {
     policy: BrokerPolicy,
+    upstream: model::Upstream,
+    tools: tools::HostTools,
+    mcp: mcp::McpPool,
+}
+
+impl fmt::Debug for Broker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Broker")
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Broker {
-    /// Validates the policy and prepares the shared parts.
+    /// Validates the policy and prepares the shared parts: the upstream client, the
+    /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
+    /// tools checked and pinned).
     pub async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
         validate_policy(&policy)?;
-        Ok(Self { policy })
+        let upstream = model::Upstream::new(&policy)?;
+        let tools = tools::HostTools::new(&policy.tools)?;
+        let mcp = mcp::McpPool::start(&policy.mcp, policy.limits.call_timeout).await?;
+        Ok(Self {
+            policy,
+            upstream,
+            tools,
+            mcp,
+        })
     }
 
-    /// The tool specs handed to each turn: host tools, then allow-listed MCP tools.
+    /// The tool specs handed to each turn: host tools, then the allow-listed MCP tools with
+    /// the descriptions and schemas pinned when first read.
     pub fn turn_tools(&self) -> (Vec<ToolSpec>, Vec<McpServerSpec>) {
         let tools = self
             .policy
@@ -274,10 +401,11 @@ impl Broker {
                 parameters: t.parameters(),
             })
             .collect();
-        (tools, Vec::new())
+        (tools, self.mcp.specs())
     }
 
-    /// Listens on `socket` for one turn.
+    /// Listens on `socket` for one turn. Each connection is its own task; the listener's
+    /// cancellation (a child of the turn's) ends every call in flight.
     pub async fn listen(
         self: &Arc<Self>,
         socket: &Path,
@@ -288,18 +416,7 @@ impl Broker {
             source,
         })?;
         let stop = ctx.cancel.child_token();
-        let task_stop = stop.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = task_stop.cancelled() => break,
-                    accepted = listener.accept() => {
-                        let Ok((stream, _)) = accepted else { continue };
-                        drop(stream);
-                    }
-                }
-            }
-        });
+        let task = tokio::spawn(server::serve(self.clone(), listener, ctx, stop.clone()));
         Ok(BrokerListener {
             path: socket.to_owned(),
             stop,
@@ -307,8 +424,11 @@ impl Broker {
         })
     }
 
-    /// Ends the runtime-long parts (MCP children).
-    pub async fn shutdown(&self) {}
+    /// Ends the runtime-long parts: every MCP child is closed, then killed if it lingers,
+    /// and reaped. Later MCP calls are refused.
+    pub async fn shutdown(&self) {
+        self.mcp.shutdown().await;
+    }
 }
 
 /// One turn's listener. Stopping (or dropping) it ends every call in flight.
@@ -343,12 +463,8 @@ impl Drop for BrokerListener {
     fn drop(&mut self) {
         self.stop.cancel();
         if let Some(task) = self.task.take() {
+            // Aborting the accept task drops its JoinSet, which aborts every connection.
             task.abort();
         }
     }
-}
-
-#[allow(dead_code)]
-fn _assert_expose(s: &SecretString) -> usize {
-    s.expose_secret().len()
 }

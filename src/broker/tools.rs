@@ -1,0 +1,143 @@
+//! Host tools: `POST /v1/tools/{name}`.
+//!
+//! - [`compile_schema`]: a tool's JSON schema, compiled at setup (no remote `$ref` is ever
+//!   fetched: the validator is built without its HTTP and file resolvers);
+//! - [`check_args`]: validation before any handler runs; the `400` message names the
+//!   failing property (its JSON pointer) and never echoes the guest's value;
+//! - [`HostTools::call`]: the handler runs with the channel, speaker and a cancellation
+//!   that fires when the turn ends or the call's deadline passes; a panic or an error
+//!   becomes a readable `{"ok":false}`, the key is redacted from any result.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use hyper::StatusCode;
+use roundtable_sandbox_protocol::ToolCallResult;
+use tokio_util::sync::CancellationToken;
+
+use super::redact::redact;
+use super::server::{error_response, json_response, Response};
+use super::{BrokerError, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
+
+/// Compiles a tool's argument schema.
+pub(crate) fn compile_schema(
+    tool: &str,
+    schema: &serde_json::Value,
+) -> Result<jsonschema::Validator, BrokerError> {
+    jsonschema::validator_for(schema).map_err(|e| BrokerError::InvalidToolSchema {
+        tool: tool.to_owned(),
+        error: e.to_string(),
+    })
+}
+
+/// Validates arguments; the error names the failing property.
+pub(crate) fn check_args(
+    validator: &jsonschema::Validator,
+    args: &serde_json::Value,
+) -> Result<(), String> {
+    match validator.validate(args) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let message: String = e.masked().to_string().chars().take(300).collect();
+            let at = e.instance_path().as_str();
+            Err(if at.is_empty() {
+                format!("invalid arguments: {message}")
+            } else {
+                format!("invalid arguments at {at}: {message}")
+            })
+        }
+    }
+}
+
+/// A tool result for the guest: `ok` with content (capped, redacted) or a readable error.
+pub(crate) fn tool_result(result: Result<String, String>, policy: &BrokerPolicy) -> Response {
+    let key = policy.api_key.known();
+    let cap = policy.limits.max_response_bytes;
+    let body = match result {
+        Ok(content) if content.len() > cap => ToolCallResult {
+            ok: false,
+            content: None,
+            error: Some(format!("tool result too large (limit {cap} bytes)")),
+        },
+        Ok(content) => ToolCallResult {
+            ok: true,
+            content: Some(redact(&content, key)),
+            error: None,
+        },
+        Err(error) => ToolCallResult {
+            ok: false,
+            content: None,
+            error: Some(redact(&error.chars().take(4096).collect::<String>(), key)),
+        },
+    };
+    json_response(StatusCode::OK, &body)
+}
+
+/// The configured host tools with their compiled schemas.
+pub(crate) struct HostTools {
+    tools: BTreeMap<String, (Arc<dyn HostTool>, jsonschema::Validator)>,
+}
+
+impl HostTools {
+    pub(crate) fn new(tools: &[Arc<dyn HostTool>]) -> Result<Self, BrokerError> {
+        let mut map = BTreeMap::new();
+        for tool in tools {
+            let validator = compile_schema(tool.name(), &tool.parameters())?;
+            map.insert(tool.name().to_owned(), (tool.clone(), validator));
+        }
+        Ok(Self { tools: map })
+    }
+
+    pub(crate) fn contains(&self, name: &str) -> bool {
+        self.tools.contains_key(name)
+    }
+
+    pub(crate) async fn call(
+        &self,
+        name: &str,
+        args: serde_json::Map<String, serde_json::Value>,
+        ctx: &TurnContext,
+        stop: &CancellationToken,
+        policy: &BrokerPolicy,
+    ) -> Response {
+        let Some((tool, validator)) = self.tools.get(name) else {
+            return error_response(StatusCode::NOT_FOUND, &format!("unknown tool: {name}"));
+        };
+        let args = serde_json::Value::Object(args);
+        if let Err(msg) = check_args(validator, &args) {
+            return error_response(StatusCode::BAD_REQUEST, &msg);
+        }
+        let cancel = stop.child_token();
+        // Cancels the handler's token however this call ends (deadline, turn stop, drop).
+        let _guard = cancel.clone().drop_guard();
+        let call_ctx = ToolCallContext {
+            channel: ctx.channel.clone(),
+            speaker: ctx.speaker.clone(),
+            cancel: cancel.clone(),
+        };
+        let timeout = policy.limits.call_timeout;
+        let call = AssertUnwindSafe(tool.call(args, call_ctx)).catch_unwind();
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(timeout, call) => r,
+            _ = stop.cancelled() => {
+                return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
+            }
+        };
+        match outcome {
+            Err(_) => {
+                tracing::info!(tool = name, "host tool timed out");
+                error_response(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    &format!("tool call timed out after {timeout:?}"),
+                )
+            }
+            Ok(Err(_panic)) => {
+                tracing::warn!(tool = name, "host tool panicked");
+                tool_result(Err("the tool failed".into()), policy)
+            }
+            Ok(Ok(result)) => tool_result(result, policy),
+        }
+    }
+}
