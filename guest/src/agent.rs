@@ -19,6 +19,8 @@ use crate::session::Session;
 
 /// The most tool calls run for one model step; further calls in the same step are dropped.
 const MAX_CALLS_PER_STEP: usize = 16;
+/// The reply when the model ends the turn with neither text nor tool calls.
+pub const NO_ANSWER: &str = "(no answer)";
 /// The longest tool name or call id kept.
 const MAX_ID: usize = 128;
 
@@ -83,7 +85,9 @@ impl AgentConfig {
         Self {
             max_steps: max_steps.clamp(1, 100),
             budget,
-            tool_result_cap: usize::try_from(budget).unwrap_or(usize::MAX).clamp(512, 32 * 1024),
+            tool_result_cap: usize::try_from(budget)
+                .unwrap_or(usize::MAX)
+                .clamp(512, 32 * 1024),
         }
     }
 }
@@ -166,7 +170,14 @@ pub fn run_turn<M: Model, T: Tools>(
         let tokens = request.estimate_tokens();
         if tokens > config.budget {
             let overhead = build_request(system, &Session::default(), &defs).estimate_tokens();
-            if compact::compact(model, &mut meter, &mut session, config.budget, overhead, tokens) {
+            if compact::compact(
+                model,
+                &mut meter,
+                &mut session,
+                config.budget,
+                overhead,
+                tokens,
+            ) {
                 request = build_request(system, &session, &defs);
             }
         }
@@ -176,7 +187,10 @@ pub fn run_turn<M: Model, T: Tools>(
         };
         meter.model_call(Some(&reply));
         if reply.tool_calls.is_empty() {
-            let text = reply.content.unwrap_or_default();
+            let text = reply
+                .content
+                .filter(|c| !c.trim().is_empty())
+                .unwrap_or_else(|| NO_ANSWER.to_string());
             session.messages.push(Message::Assistant {
                 content: Some(text.clone()),
                 tool_calls: Vec::new(),
@@ -365,13 +379,18 @@ pub(crate) mod tests {
 
     #[test]
     fn tool_call_then_result_then_final_answer() {
-        let mut model = ScriptedModel::new(vec![
-            calls(&[("c1", "echo", r#"{"x":1}"#)]),
-            text("done"),
-        ]);
+        let mut model =
+            ScriptedModel::new(vec![calls(&[("c1", "echo", r#"{"x":1}"#)]), text("done")]);
         let mut tools = EchoTools::default();
-        let out = run_turn(&mut model, &mut tools, &config(), &Session::default(), "sys", "ann: hi".into())
-            .unwrap();
+        let out = run_turn(
+            &mut model,
+            &mut tools,
+            &config(),
+            &Session::default(),
+            "sys",
+            "ann: hi".into(),
+        )
+        .unwrap();
         assert_eq!(out.text, "done");
         assert_eq!(tools.calls.len(), 1);
         assert_eq!(tools.calls[0].0, "echo");
@@ -386,9 +405,21 @@ pub(crate) mod tests {
         );
         // The second request carries the call and its result after the user message.
         let second = &model.requests[1].messages;
-        assert_eq!(second[0], Message::System { content: "sys".into() });
-        assert_eq!(second[1], Message::User { content: "ann: hi".into() });
-        assert!(matches!(&second[2], Message::Assistant { tool_calls, .. } if tool_calls[0].id == "c1"));
+        assert_eq!(
+            second[0],
+            Message::System {
+                content: "sys".into()
+            }
+        );
+        assert_eq!(
+            second[1],
+            Message::User {
+                content: "ann: hi".into()
+            }
+        );
+        assert!(
+            matches!(&second[2], Message::Assistant { tool_calls, .. } if tool_calls[0].id == "c1")
+        );
         assert_eq!(
             second[3],
             Message::Tool {
@@ -403,7 +434,9 @@ pub(crate) mod tests {
 
     #[test]
     fn the_step_limit_ends_the_turn() {
-        let looping: Vec<_> = (0..10).map(|i| calls(&[(&format!("c{i}"), "echo", "{}")])).collect();
+        let looping: Vec<_> = (0..10)
+            .map(|i| calls(&[(&format!("c{i}"), "echo", "{}")]))
+            .collect();
         let mut model = ScriptedModel::new(looping);
         let mut tools = EchoTools::default();
         let out = run_turn(
@@ -434,8 +467,15 @@ pub(crate) mod tests {
             text("sorry"),
         ]);
         let mut tools = EchoTools::default();
-        let out = run_turn(&mut model, &mut tools, &config(), &Session::default(), "sys", "ann: x".into())
-            .unwrap();
+        let out = run_turn(
+            &mut model,
+            &mut tools,
+            &config(),
+            &Session::default(),
+            "sys",
+            "ann: x".into(),
+        )
+        .unwrap();
         assert_eq!(out.text, "sorry");
         let results: Vec<&str> = out
             .session
@@ -446,8 +486,15 @@ pub(crate) mod tests {
                 _ => None,
             })
             .collect();
-        assert!(results[0].starts_with("error: the tool arguments are not valid json"), "{}", results[0]);
-        assert_eq!(results[1], "error: the tool arguments must be a json object");
+        assert!(
+            results[0].starts_with("error: the tool arguments are not valid json"),
+            "{}",
+            results[0]
+        );
+        assert_eq!(
+            results[1],
+            "error: the tool arguments must be a json object"
+        );
         assert_eq!(results[2], "error: unknown tool 'nope'");
         assert_eq!(results[3], "echo {}");
         // The duplicate id was replaced, so the history stays sendable.
@@ -460,8 +507,13 @@ pub(crate) mod tests {
     fn a_model_error_returns_an_error_and_no_session() {
         let before = Session {
             messages: vec![
-                Message::User { content: "ann: old".into() },
-                Message::Assistant { content: Some("ok".into()), tool_calls: vec![] },
+                Message::User {
+                    content: "ann: old".into(),
+                },
+                Message::Assistant {
+                    content: Some("ok".into()),
+                    tool_calls: vec![],
+                },
             ],
             ..Session::default()
         };
@@ -470,10 +522,36 @@ pub(crate) mod tests {
             Err(ModelError("broker answered 502: upstream down".into())),
         ]);
         let mut tools = EchoTools::default();
-        let err = run_turn(&mut model, &mut tools, &config(), &before, "sys", "ann: new".into()).unwrap_err();
-        assert_eq!(err.to_string(), "the model call failed: broker answered 502: upstream down");
+        let err = run_turn(
+            &mut model,
+            &mut tools,
+            &config(),
+            &before,
+            "sys",
+            "ann: new".into(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "the model call failed: broker answered 502: upstream down"
+        );
         // The first request carried the earlier history.
         assert_eq!(model.requests[0].messages.len(), 4);
+    }
+
+    #[test]
+    fn an_empty_answer_becomes_no_answer() {
+        let mut model = ScriptedModel::new(vec![text("  ")]);
+        let out = run_turn(
+            &mut model,
+            &mut EchoTools::default(),
+            &config(),
+            &Session::default(),
+            "s",
+            "a: b".into(),
+        )
+        .unwrap();
+        assert_eq!(out.text, NO_ANSWER);
     }
 
     #[test]
@@ -489,8 +567,18 @@ pub(crate) mod tests {
         }
         let mut model = ScriptedModel::new(vec![calls(&[("c1", "big", "{}")]), text("ok")]);
         let cfg = config();
-        let out = run_turn(&mut model, &mut Big, &cfg, &Session::default(), "s", "a: b".into()).unwrap();
-        let Message::Tool { content, .. } = &out.session.messages[2] else { panic!() };
+        let out = run_turn(
+            &mut model,
+            &mut Big,
+            &cfg,
+            &Session::default(),
+            "s",
+            "a: b".into(),
+        )
+        .unwrap();
+        let Message::Tool { content, .. } = &out.session.messages[2] else {
+            panic!()
+        };
         assert!(content.len() < cfg.tool_result_cap + 100);
     }
 }

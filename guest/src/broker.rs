@@ -30,7 +30,12 @@ pub struct Broker {
 
 impl Broker {
     /// A broker client; `model` is sent as the request's model (the broker forces its own).
-    pub fn new(client: UnixHttpClient, model: String, model_timeout: Duration, tool_timeout: Duration) -> Self {
+    pub fn new(
+        client: UnixHttpClient,
+        model: String,
+        model_timeout: Duration,
+        tool_timeout: Duration,
+    ) -> Self {
         Self {
             client,
             model,
@@ -132,7 +137,11 @@ pub fn parse_completion(body: &[u8]) -> Result<ModelReply, ModelError> {
                 Some(Value::String(s)) => s.clone(),
                 Some(other) => other.to_string(),
             };
-            let id = call.get("id").and_then(Value::as_str).unwrap_or("").to_string();
+            let id = call
+                .get("id")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
             tool_calls.push(ToolCall {
                 id,
                 kind: "function".into(),
@@ -152,7 +161,8 @@ pub fn parse_completion(body: &[u8]) -> Result<ModelReply, ModelError> {
 
 impl Remote for Broker {
     fn call(&mut self, path: &str, args: &Map<String, Value>) -> Result<String, String> {
-        let body = serde_json::to_vec(args).map_err(|e| format!("cannot encode the arguments: {e}"))?;
+        let body =
+            serde_json::to_vec(args).map_err(|e| format!("cannot encode the arguments: {e}"))?;
         let response = self
             .client
             .post_json(path, &body, self.tool_timeout)
@@ -187,11 +197,17 @@ mod tests {
         assert_eq!(reply.content, None);
         assert_eq!(reply.tool_calls.len(), 2);
         assert_eq!(reply.tool_calls[0].function.arguments, r#"{"path":"a"}"#);
-        assert_eq!(reply.tool_calls[1].function.arguments, r#"{"command":"ls"}"#);
+        assert_eq!(
+            reply.tool_calls[1].function.arguments,
+            r#"{"command":"ls"}"#
+        );
         assert_eq!(reply.prompt_tokens, Some(12));
         assert_eq!(reply.completion_tokens, Some(3));
         let parts = br#"{"choices":[{"message":{"content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}}]}"#;
-        assert_eq!(parse_completion(parts).unwrap().content.as_deref(), Some("ab"));
+        assert_eq!(
+            parse_completion(parts).unwrap().content.as_deref(),
+            Some("ab")
+        );
         assert!(parse_completion(b"{}").is_err());
         assert!(parse_completion(b"nope").is_err());
     }

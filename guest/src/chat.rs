@@ -28,27 +28,6 @@ pub enum Message {
     },
 }
 
-impl Message {
-    /// The message's text content, if any.
-    pub fn text(&self) -> Option<&str> {
-        match self {
-            Message::System { content } | Message::User { content } => Some(content),
-            Message::Assistant { content, .. } => content.as_deref(),
-            Message::Tool { content, .. } => Some(content),
-        }
-    }
-
-    /// The role's wire name.
-    pub fn role(&self) -> &'static str {
-        match self {
-            Message::System { .. } => "system",
-            Message::User { .. } => "user",
-            Message::Assistant { .. } => "assistant",
-            Message::Tool { .. } => "tool",
-        }
-    }
-}
-
 /// A tool call made by the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -177,7 +156,9 @@ pub fn validate_history(messages: &[Message]) -> Result<(), HistoryError> {
     if pending.is_empty() {
         Ok(())
     } else {
-        Err(HistoryError("the last tool calls were never answered".into()))
+        Err(HistoryError(
+            "the last tool calls were never answered".into(),
+        ))
     }
 }
 
@@ -190,7 +171,12 @@ pub fn cap_text(text: &str, max: usize) -> String {
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}\n[truncated: {} of {} bytes shown]", &text[..end], end, text.len())
+    format!(
+        "{}\n[truncated: {} of {} bytes shown]",
+        &text[..end],
+        end,
+        text.len()
+    )
 }
 
 #[cfg(test)]

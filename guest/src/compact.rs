@@ -65,7 +65,12 @@ pub fn compact<M: Model>(
     let outcome = model.complete(&request);
     meter.model_call(outcome.as_ref().ok());
     let summary = match outcome {
-        Ok(reply) if reply.content.as_deref().is_some_and(|c| !c.trim().is_empty()) => {
+        Ok(reply)
+            if reply
+                .content
+                .as_deref()
+                .is_some_and(|c| !c.trim().is_empty()) =>
+        {
             let mut text = reply.content.unwrap_or_default().trim().to_string();
             if !text.contains(RELOAD_HEADING) && !reload.is_empty() {
                 text.push_str(&format!("\n\n{}", reload_section(&reload)));
@@ -111,7 +116,9 @@ fn split_point(messages: &[Message], keep: u64) -> usize {
         None => 0,
         Some(Message::Tool { .. }) => messages
             .iter()
-            .rposition(|m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()))
+            .rposition(
+                |m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+            )
             .unwrap_or(0),
         Some(_) => messages.len() - 1,
     };
@@ -124,7 +131,8 @@ fn reload_list(previous: Option<&str>, older: &[Message]) -> Vec<String> {
     let mut list: Vec<String> = Vec::new();
     let mut add = |path: &str| {
         let path = crate::prompt::clean_label(path);
-        if !path.is_empty() && path.len() <= 200 && !list.contains(&path) && list.len() < MAX_RELOAD {
+        if !path.is_empty() && path.len() <= 200 && !list.contains(&path) && list.len() < MAX_RELOAD
+        {
             list.push(path);
         }
     };
@@ -170,9 +178,15 @@ fn transcript(older: &[Message]) -> String {
             Message::System { content } | Message::User { content } => {
                 entries.push(cap_text(content, MAX_TRANSCRIPT_ENTRY));
             }
-            Message::Assistant { content, tool_calls } => {
+            Message::Assistant {
+                content,
+                tool_calls,
+            } => {
                 if let Some(content) = content.as_deref().filter(|c| !c.is_empty()) {
-                    entries.push(format!("assistant: {}", cap_text(content, MAX_TRANSCRIPT_ENTRY)));
+                    entries.push(format!(
+                        "assistant: {}",
+                        cap_text(content, MAX_TRANSCRIPT_ENTRY)
+                    ));
                 }
                 for call in tool_calls {
                     entries.push(format!(
@@ -183,7 +197,10 @@ fn transcript(older: &[Message]) -> String {
                 }
             }
             Message::Tool { content, .. } => {
-                entries.push(format!("tool result: {}", cap_text(content, MAX_TRANSCRIPT_ENTRY / 2)));
+                entries.push(format!(
+                    "tool result: {}",
+                    cap_text(content, MAX_TRANSCRIPT_ENTRY / 2)
+                ));
             }
         }
     }
@@ -202,12 +219,24 @@ fn transcript(older: &[Message]) -> String {
 }
 
 /// The summary request: previous summary once, the conversation, the goal, the reload list.
-fn summary_request(previous: Option<&str>, older: &[Message], reload: &[String], words: usize) -> ChatRequest {
+fn summary_request(
+    previous: Option<&str>,
+    older: &[Message],
+    reload: &[String],
+    words: usize,
+) -> ChatRequest {
     let mut user = String::new();
     if let Some(previous) = previous {
-        let _ = write!(user, "<previous-summary>\n{previous}\n</previous-summary>\n\n");
+        let _ = write!(
+            user,
+            "<previous-summary>\n{previous}\n</previous-summary>\n\n"
+        );
     }
-    let _ = write!(user, "<conversation>\n{}\n</conversation>\n\n", transcript(older));
+    let _ = write!(
+        user,
+        "<conversation>\n{}\n</conversation>\n\n",
+        transcript(older)
+    );
     let _ = write!(
         user,
         "Goal: write one updated summary that replaces {} the conversation above. \
@@ -218,10 +247,10 @@ fn summary_request(previous: Option<&str>, older: &[Message], reload: &[String],
         if previous.is_some() { "the previous summary and" } else { "" },
         words.max(50),
     );
-    let _ = write!(
+    let _ = writeln!(
         user,
         "End the summary with a section headed exactly \"{RELOAD_HEADING}\" listing, one per line as \
-         \"- path\", the workspace files worth re-reading to continue. Candidates from the conversation:\n"
+         \"- path\", the workspace files worth re-reading to continue. Candidates from the conversation:"
     );
     if reload.is_empty() {
         user.push_str("(none)\n");
@@ -241,7 +270,12 @@ fn summary_request(previous: Option<&str>, older: &[Message], reload: &[String],
 }
 
 /// The fallback: the previous summary (shortened), the latest guest messages, the reload list.
-fn plain_summary(previous: Option<&str>, older: &[Message], reload: &[String], max: usize) -> String {
+fn plain_summary(
+    previous: Option<&str>,
+    older: &[Message],
+    reload: &[String],
+    max: usize,
+) -> String {
     let mut out = String::from("Plain summary (the summarising call failed; older messages were condensed mechanically).\n");
     if let Some(previous) = previous {
         let _ = write!(out, "Previous summary:\n{}\n", cap_text(previous, max / 2));
@@ -304,7 +338,10 @@ mod tests {
             });
         }
         Session {
-            summary: Some("PREVIOUS-SUMMARY-MARKER: ann set RULE-ALPHA.\n\nFiles to reload:\n- rules.md\n".into()),
+            summary: Some(
+                "PREVIOUS-SUMMARY-MARKER: ann set RULE-ALPHA.\n\nFiles to reload:\n- rules.md\n"
+                    .into(),
+            ),
             messages,
             ..Session::default()
         }
@@ -319,7 +356,8 @@ mod tests {
             text("c'est fait"),
         ]);
         let mut tools = EchoTools::default();
-        let before = crate::agent::build_request("sys", &session, &tools.definitions()).estimate_tokens();
+        let before =
+            crate::agent::build_request("sys", &session, &tools.definitions()).estimate_tokens();
         assert!(before > budget);
         let out = run_turn(
             &mut model,
@@ -333,15 +371,26 @@ mod tests {
         assert_eq!(out.text, "c'est fait");
         assert_eq!(model.requests.len(), 2);
         let summary_request = serde_json::to_string(&model.requests[0].to_wire("m")).unwrap();
-        assert_eq!(summary_request.matches("PREVIOUS-SUMMARY-MARKER").count(), 1, "{summary_request}");
+        assert_eq!(
+            summary_request.matches("PREVIOUS-SUMMARY-MARKER").count(),
+            1,
+            "{summary_request}"
+        );
         assert!(summary_request.contains("standing rule"));
         assert!(summary_request.contains("Files to reload:"));
-        assert!(summary_request.contains("- notes/item"), "{summary_request}");
+        assert!(
+            summary_request.contains("- notes/item"),
+            "{summary_request}"
+        );
         assert!(summary_request.contains("- rules.md"));
         assert!(model.requests[0].tools.is_empty());
         // The next model request carries the new summary (not the old one) and fits.
         let next = &model.requests[1];
-        assert!(next.estimate_tokens() <= budget, "{} > {budget}", next.estimate_tokens());
+        assert!(
+            next.estimate_tokens() <= budget,
+            "{} > {budget}",
+            next.estimate_tokens()
+        );
         let next_json = serde_json::to_string(&next.to_wire("m")).unwrap();
         assert!(!next_json.contains("PREVIOUS-SUMMARY-MARKER"));
         assert!(next_json.contains("bob noted items 0-11"));
@@ -360,17 +409,29 @@ mod tests {
         let budget = 2000;
         let session = history();
         let mut model = ScriptedModel::new(vec![
-            Err(ModelError("broker answered 429: too many model calls".into())),
+            Err(ModelError(
+                "broker answered 429: too many model calls".into(),
+            )),
             text("ok"),
         ]);
         let mut tools = EchoTools::default();
-        let out = run_turn(&mut model, &mut tools, &AgentConfig::new(16, budget), &session, "sys", "ann: hi".into())
-            .unwrap();
+        let out = run_turn(
+            &mut model,
+            &mut tools,
+            &AgentConfig::new(16, budget),
+            &session,
+            "sys",
+            "ann: hi".into(),
+        )
+        .unwrap();
         assert_eq!(out.text, "ok");
         let summary = out.session.summary.as_deref().unwrap();
         assert!(summary.starts_with("Plain summary"), "{summary}");
         assert!(summary.contains("PREVIOUS-SUMMARY-MARKER"), "{summary}");
-        assert!(summary.contains("Files to reload:\n- notes/item"), "{summary}");
+        assert!(
+            summary.contains("Files to reload:\n- notes/item"),
+            "{summary}"
+        );
         assert!(summary.contains("- rules.md"), "{summary}");
         assert!(model.requests[1].estimate_tokens() <= budget);
         assert_eq!(out.usage.model_calls, 2);
@@ -416,11 +477,23 @@ mod tests {
         let mut tools = EchoTools::default();
         let mut session = Session::default();
         for i in 0..4 {
-            session.messages.push(Message::User { content: format!("ann: {i} {}", "q".repeat(300)) });
-            session.messages.push(Message::Assistant { content: Some("a".repeat(300)), tool_calls: vec![] });
+            session.messages.push(Message::User {
+                content: format!("ann: {i} {}", "q".repeat(300)),
+            });
+            session.messages.push(Message::Assistant {
+                content: Some("a".repeat(300)),
+                tool_calls: vec![],
+            });
         }
-        let out = run_turn(&mut model, &mut tools, &AgentConfig::new(16, budget), &session, "s", "ann: go".into())
-            .unwrap();
+        let out = run_turn(
+            &mut model,
+            &mut tools,
+            &AgentConfig::new(16, budget),
+            &session,
+            "s",
+            "ann: go".into(),
+        )
+        .unwrap();
         assert_eq!(out.text, "final");
         assert_eq!(out.session.compactions, 1);
         crate::chat::validate_history(&out.session.messages).unwrap();

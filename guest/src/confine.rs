@@ -130,12 +130,34 @@ impl Root {
 
     /// Resolves a path that must exist; symlinks are followed and must stay inside.
     pub fn existing(&self, raw: &str) -> Result<PathBuf, PathError> {
-        let joined = self.canonical.join(self.relative(raw)?);
+        let rel = self.relative(raw)?;
+        let joined = self.canonical.join(&rel);
         let canonical = joined.canonicalize().map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound if self.dangling_link(&rel) => {
+                PathError::Outside(raw.to_string())
+            }
             io::ErrorKind::NotFound => PathError::NotFound(raw.to_string()),
             _ => PathError::Io(raw.to_string(), e),
         })?;
         self.inside(canonical, raw)
+    }
+
+    /// Whether some component of `rel` is a symlink that resolves nowhere (for instance
+    /// to `/etc/passwd` in an image that has no such file): such a path is refused as
+    /// leading out rather than reported missing.
+    fn dangling_link(&self, rel: &Path) -> bool {
+        let mut current = self.canonical.clone();
+        for part in rel.components() {
+            current.push(part);
+            match current.symlink_metadata() {
+                Ok(meta) if meta.file_type().is_symlink() => {
+                    return current.canonicalize().is_err();
+                }
+                Ok(_) => {}
+                Err(_) => return false,
+            }
+        }
+        false
     }
 
     /// Resolves a file path to create or overwrite: the parent must resolve inside the
@@ -245,10 +267,7 @@ mod tests {
             root.for_writing("a/../../x", true),
             Err(PathError::Outside(_))
         ));
-        assert!(matches!(
-            root.existing("a\0b"),
-            Err(PathError::Invalid(_))
-        ));
+        assert!(matches!(root.existing("a\0b"), Err(PathError::Invalid(_))));
         std::fs::write(dir.path().join("x"), "1").unwrap();
         let abs = dir.path().join("x");
         assert_eq!(root.existing(abs.to_str().unwrap()).unwrap(), abs);
@@ -264,6 +283,15 @@ mod tests {
         std::os::unix::fs::symlink("/etc", dir.path().join("etc")).unwrap();
         std::os::unix::fs::symlink("/nonexistent/x", dir.path().join("dangling")).unwrap();
         assert!(matches!(root.existing("pw"), Err(PathError::Outside(_))));
+        // A link to a file the image lacks is refused as leading out, not "missing".
+        assert!(matches!(
+            root.existing("dangling"),
+            Err(PathError::Outside(_))
+        ));
+        assert!(matches!(
+            root.existing("missing.txt"),
+            Err(PathError::NotFound(_))
+        ));
         assert!(matches!(
             root.existing("etc/passwd"),
             Err(PathError::Outside(_))
@@ -296,9 +324,7 @@ mod tests {
     fn fifos_do_not_block_and_are_refused() {
         let dir = TempDir::new();
         let fifo = dir.path().join("fifo");
-        let status = std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status();
+        let status = std::process::Command::new("mkfifo").arg(&fifo).status();
         if !status.is_ok_and(|s| s.success()) {
             return; // no mkfifo on this machine
         }

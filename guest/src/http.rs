@@ -86,10 +86,23 @@ impl UnixHttpClient {
              Accept: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
-        conn.write_all(head.as_bytes()).map_err(io_error)?;
-        conn.write_all(body).map_err(io_error)?;
-        conn.flush().map_err(io_error)?;
-        read_response(BufReader::new(conn), self.max_body)
+        let sent = conn
+            .write_all(head.as_bytes())
+            .and_then(|()| conn.write_all(body))
+            .and_then(|()| conn.flush());
+        match sent {
+            Ok(()) => read_response(conn, self.max_body),
+            // The server may answer (413, 400 …) and close before reading the whole body.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                read_response(conn, self.max_body).map_err(|_| io_error(e))
+            }
+            Err(e) => Err(io_error(e)),
+        }
     }
 }
 
@@ -293,8 +306,8 @@ pub fn encode_segment(segment: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::net::UnixListener;
     use crate::testutil::TempDir;
+    use std::os::unix::net::UnixListener;
     use std::thread;
 
     /// Serves one connection: reads the request head and body, answers `canned`,
@@ -341,7 +354,10 @@ mod tests {
         assert_eq!(response.status, 200);
         assert_eq!(response.body, br#"{"ok":true}"#);
         let request = String::from_utf8(server.join().unwrap()).unwrap();
-        assert!(request.starts_with("POST /v1/tools/echo HTTP/1.1\r\n"), "{request}");
+        assert!(
+            request.starts_with("POST /v1/tools/echo HTTP/1.1\r\n"),
+            "{request}"
+        );
         assert!(request.contains("Host: broker\r\n"));
         assert!(request.contains("Content-Length: 7\r\n"));
         assert!(request.contains("Connection: close\r\n"));
@@ -384,6 +400,30 @@ mod tests {
         let ok = read_response(&b"HTTP/1.1 204 No Content\r\n\r\n"[..], 10).unwrap();
         assert_eq!(ok.status, 204);
         assert!(ok.body.is_empty());
+    }
+
+    #[test]
+    fn an_early_answer_to_an_unread_body_is_still_read() {
+        let dir = TempDir::new();
+        let path = dir.path().join("early.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut head = [0u8; 64];
+            let _ = stream.read(&mut head).unwrap();
+            stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 24\r\n\r\n{\"error\":\"body too big\"}")
+                .unwrap();
+            drop(stream);
+        });
+        let client = UnixHttpClient::new(&path, 1024);
+        let body = vec![b' '; 8 << 20];
+        let response = client
+            .post_json("/v1/tools/x", &body, Duration::from_secs(5))
+            .unwrap();
+        assert_eq!(response.status, 413);
+        assert_eq!(response.body, br#"{"error":"body too big"}"#);
+        server.join().unwrap();
     }
 
     #[test]

@@ -32,15 +32,22 @@ fn main() {
         println!("roundtable-guest {}", env!("CARGO_PKG_VERSION"));
         return;
     }
-    let reply = match std::panic::catch_unwind(|| read_turn().map(|turn| runner::run(&turn, &runner::Config::container()))) {
+    let reply = match std::panic::catch_unwind(|| {
+        read_turn().map(|turn| runner::run(&turn, &runner::Config::container()))
+    }) {
         Ok(Ok(reply)) => reply,
         Ok(Err(error)) => Reply::error(error),
         Err(_) => Reply::error("the guest failed unexpectedly"),
     };
-    let mut out = serde_json::to_vec(&reply).unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the reply"}"#.to_vec());
+    let mut out = serde_json::to_vec(&reply)
+        .unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the reply"}"#.to_vec());
     out.push(b'\n');
     let mut stdout = std::io::stdout().lock();
-    if stdout.write_all(&out).and_then(|()| stdout.flush()).is_err() {
+    if stdout
+        .write_all(&out)
+        .and_then(|()| stdout.flush())
+        .is_err()
+    {
         std::process::exit(1);
     }
 }

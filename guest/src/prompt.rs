@@ -65,7 +65,12 @@ pub fn time_zone(name: &str) -> (Tz, bool) {
 }
 
 /// The system prompt for one turn.
-pub fn system_prompt(configured: &str, now: DateTime<Utc>, tz_name: &str, speaker: &Speaker) -> String {
+pub fn system_prompt(
+    configured: &str,
+    now: DateTime<Utc>,
+    tz_name: &str,
+    speaker: &Speaker,
+) -> String {
     let (tz, known) = time_zone(tz_name);
     let local = now.with_timezone(&tz);
     let zone = if known { tz.name() } else { "UTC" };

@@ -55,7 +55,12 @@ impl Config {
 /// Runs a turn against the broker.
 pub fn run(turn: &Turn, config: &Config) -> Reply {
     let client = UnixHttpClient::new(&config.socket, config.max_response);
-    let broker = Broker::new(client, turn.model.clone(), config.model_timeout, config.tool_timeout);
+    let broker = Broker::new(
+        client,
+        turn.model.clone(),
+        config.model_timeout,
+        config.tool_timeout,
+    );
     run_with(turn, config, broker.clone(), broker, Utc::now())
 }
 
@@ -79,7 +84,10 @@ pub fn run_with<M: Model, R: Remote>(
         store.load()
     };
     if !prompt::time_zone(&turn.time_zone).1 {
-        log(&format!("unknown time zone '{}'; using UTC", prompt::clean_label(&turn.time_zone)));
+        log(&format!(
+            "unknown time zone '{}'; using UTC",
+            prompt::clean_label(&turn.time_zone)
+        ));
     }
     let system = prompt::system_prompt(&turn.prompt, now, &turn.time_zone, &turn.speaker);
     let user = prompt::user_message(&turn.speaker, &turn.text);
@@ -176,7 +184,11 @@ mod tests {
         Utc.with_ymd_and_hms(2025, 6, 1, 12, 0, 0).unwrap()
     }
 
-    fn run_scripted(t: &Turn, cfg: &Config, script: Vec<Result<ModelReply, ModelError>>) -> (Reply, Vec<ChatRequest>) {
+    fn run_scripted(
+        t: &Turn,
+        cfg: &Config,
+        script: Vec<Result<ModelReply, ModelError>>,
+    ) -> (Reply, Vec<ChatRequest>) {
         let model = Shared::default();
         model.0.borrow_mut().replies = script.into();
         let reply = run_with(t, cfg, model.clone(), NoRemote, now());
@@ -192,8 +204,15 @@ mod tests {
             &turn("note that the door code is 1234", "ann", false),
             &cfg,
             vec![
-                calls(&[("c1", "write", r#"{"path":"note.txt","content":"door code 1234\n"}"#)]),
-                calls(&[("c2", "read", r#"{"path":"note.txt"}"#), ("c3", "sh", r#"{"command":"echo hi | wc -c"}"#)]),
+                calls(&[(
+                    "c1",
+                    "write",
+                    r#"{"path":"note.txt","content":"door code 1234\n"}"#,
+                )]),
+                calls(&[
+                    ("c2", "read", r#"{"path":"note.txt"}"#),
+                    ("c3", "sh", r#"{"command":"echo hi | wc -c"}"#),
+                ]),
                 text("noted"),
             ],
         );
@@ -202,11 +221,21 @@ mod tests {
         let usage = reply.usage.unwrap();
         assert_eq!((usage.model_calls, usage.tool_calls), (3, 3));
         let first = &requests[0].messages;
-        let Message::System { content } = &first[0] else { panic!() };
+        let Message::System { content } = &first[0] else {
+            panic!()
+        };
         assert!(content.starts_with("You assist the guests."));
-        assert!(content.contains("Sunday, 1 June 2025, 14:00 (Europe/Paris, UTC+02:00)"), "{content}");
+        assert!(
+            content.contains("Sunday, 1 June 2025, 14:00 (Europe/Paris, UTC+02:00)"),
+            "{content}"
+        );
         assert!(content.contains("Now speaking: ann (id id-ann)."));
-        assert_eq!(first[1], Message::User { content: "ann: note that the door code is 1234".into() });
+        assert_eq!(
+            first[1],
+            Message::User {
+                content: "ann: note that the door code is 1234".into()
+            }
+        );
         let third = &requests[2].messages;
         let results: Vec<&str> = third
             .iter()
@@ -216,14 +245,27 @@ mod tests {
             })
             .collect();
         assert_eq!(results[1], "door code 1234\n");
-        assert!(results[2].contains("stdout:\n") && results[2].trim_end().ends_with('3'), "{}", results[2]);
+        assert!(
+            results[2].contains("stdout:\n") && results[2].trim_end().ends_with('3'),
+            "{}",
+            results[2]
+        );
 
         // The next turn's request carries the history, attributed to its speakers.
-        let (reply, requests) = run_scripted(&turn("what is the code?", "bob", false), &cfg, vec![text("1234")]);
+        let (reply, requests) = run_scripted(
+            &turn("what is the code?", "bob", false),
+            &cfg,
+            vec![text("1234")],
+        );
         assert_eq!(reply.text.as_deref(), Some("1234"));
         let msgs = &requests[0].messages;
         assert_eq!(msgs.len(), 1 + 7 + 1);
-        assert_eq!(msgs[8], Message::User { content: "bob: what is the code?".into() });
+        assert_eq!(
+            msgs[8],
+            Message::User {
+                content: "bob: what is the code?".into()
+            }
+        );
 
         // After a reset the request carries none of it, and the old session is archived.
         let (reply, requests) = run_scripted(&turn("hello", "bob", true), &cfg, vec![text("hi")]);
@@ -231,7 +273,13 @@ mod tests {
         assert_eq!(requests[0].messages.len(), 2);
         let archived = std::fs::read_dir(ws.path().join(".roundtable"))
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with("session.reset-"))
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("session.reset-")
+            })
             .count();
         assert_eq!(archived, 1);
         let (_, requests) = run_scripted(&turn("again", "ann", false), &cfg, vec![text("x")]);
@@ -254,11 +302,18 @@ mod tests {
                 Err(ModelError("broker answered 502: upstream failed".into())),
             ],
         );
-        assert_eq!(reply, Reply::error("the model call failed: broker answered 502: upstream failed"));
+        assert_eq!(
+            reply,
+            Reply::error("the model call failed: broker answered 502: upstream failed")
+        );
         assert_eq!(reply.check_shape(), Ok(()));
         assert_eq!(std::fs::read(&file).unwrap(), before);
         // A failed reset turn archives nothing either.
-        let (reply, _) = run_scripted(&turn("hi", "ann", true), &cfg, vec![Err(ModelError("down".into()))]);
+        let (reply, _) = run_scripted(
+            &turn("hi", "ann", true),
+            &cfg,
+            vec![Err(ModelError("down".into()))],
+        );
         assert!(!reply.ok);
         assert_eq!(std::fs::read(&file).unwrap(), before);
     }
@@ -268,7 +323,11 @@ mod tests {
         let ws = TempDir::new();
         let cfg = config(&ws);
         std::fs::create_dir(ws.path().join(".roundtable")).unwrap();
-        std::fs::write(ws.path().join(".roundtable/session.json"), b"{\"version\":1,\"messages\":[{\"ro").unwrap();
+        std::fs::write(
+            ws.path().join(".roundtable/session.json"),
+            b"{\"version\":1,\"messages\":[{\"ro",
+        )
+        .unwrap();
         let (reply, requests) = run_scripted(&turn("hi", "ann", false), &cfg, vec![text("hello")]);
         assert!(reply.ok, "{reply:?}");
         assert_eq!(requests[0].messages.len(), 2);
@@ -276,7 +335,10 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
-        assert!(names.iter().any(|n| n.starts_with("session.corrupt-")), "{names:?}");
+        assert!(
+            names.iter().any(|n| n.starts_with("session.corrupt-")),
+            "{names:?}"
+        );
     }
 
     #[test]
@@ -300,20 +362,35 @@ mod tests {
         let (reply, requests) = run_scripted(
             &t,
             &cfg,
-            vec![calls(&[("c1", "weather", "{}"), ("c2", "mcp__docs__search", "{}")]), text("done")],
+            vec![
+                calls(&[("c1", "weather", "{}"), ("c2", "mcp__docs__search", "{}")]),
+                text("done"),
+            ],
         );
         assert!(reply.ok);
         let names: Vec<&str> = requests[0].tools.iter().map(|d| d.name.as_str()).collect();
-        assert!(names.contains(&"weather") && names.contains(&"mcp__docs__search"), "{names:?}");
+        assert!(
+            names.contains(&"weather") && names.contains(&"mcp__docs__search"),
+            "{names:?}"
+        );
         let msgs = &requests[1].messages;
-        assert!(msgs.contains(&Message::Tool { tool_call_id: "c1".into(), content: "error: no broker for /v1/tools/weather".into() }));
-        assert!(msgs.contains(&Message::Tool { tool_call_id: "c2".into(), content: "error: no broker for /v1/mcp/docs/search".into() }));
+        assert!(msgs.contains(&Message::Tool {
+            tool_call_id: "c1".into(),
+            content: "error: no broker for /v1/tools/weather".into()
+        }));
+        assert!(msgs.contains(&Message::Tool {
+            tool_call_id: "c2".into(),
+            content: "error: no broker for /v1/mcp/docs/search".into()
+        }));
 
         let mut missing = cfg.clone();
         missing.workspace = ws.path().join("absent");
         let (reply, _) = run_scripted(&turn("hi", "ann", false), &missing, vec![text("x")]);
         assert!(!reply.ok);
-        assert!(reply.error.unwrap().starts_with("the workspace is not available"));
+        assert!(reply
+            .error
+            .unwrap()
+            .starts_with("the workspace is not available"));
     }
 
     #[test]
@@ -350,7 +427,12 @@ mod tests {
                 reader.read_exact(&mut body).unwrap();
                 seen.push((head, String::from_utf8(body).unwrap()));
                 let mut stream = stream;
-                write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{answer}", answer.len()).unwrap();
+                write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{answer}",
+                    answer.len()
+                )
+                .unwrap();
             }
             seen
         });
@@ -363,7 +445,15 @@ mod tests {
         let reply = run(&t, &cfg);
         assert_eq!(reply.text.as_deref(), Some("It is sunny."), "{reply:?}");
         let usage = reply.usage.unwrap();
-        assert_eq!((usage.model_calls, usage.tool_calls, usage.prompt_tokens, usage.completion_tokens), (2, 1, Some(16), Some(5)));
+        assert_eq!(
+            (
+                usage.model_calls,
+                usage.tool_calls,
+                usage.prompt_tokens,
+                usage.completion_tokens
+            ),
+            (2, 1, Some(16), Some(5))
+        );
         let seen = server.join().unwrap();
         assert!(seen[0].0.starts_with("POST /v1/chat/completions HTTP/1.1"));
         let body: Value = serde_json::from_str(&seen[0].1).unwrap();

@@ -119,8 +119,12 @@ impl SessionStore {
         match dir.symlink_metadata() {
             Ok(meta) if meta.is_dir() => return Ok(dir),
             Ok(_) => {
-                let aside = self.root.join(format!("{SESSION_DIR}.displaced-{}", stamp()));
-                log(&format!("'{SESSION_DIR}' is not a directory; moving it aside"));
+                let aside = self
+                    .root
+                    .join(format!("{SESSION_DIR}.displaced-{}", stamp()));
+                log(&format!(
+                    "'{SESSION_DIR}' is not a directory; moving it aside"
+                ));
                 fs::rename(&dir, aside).map_err(SessionError::Dir)?;
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}

@@ -94,11 +94,17 @@ impl<R: Remote> Toolbox<R> {
             .collect();
         for tool in host {
             if !valid_name(&tool.name) {
-                log(&format!("host tool '{}' has an invalid name; left out", cap_text(&tool.name, 80)));
+                log(&format!(
+                    "host tool '{}' has an invalid name; left out",
+                    cap_text(&tool.name, 80)
+                ));
                 continue;
             }
             if routes.contains_key(&tool.name) {
-                log(&format!("host tool '{}' clashes with another tool; left out", tool.name));
+                log(&format!(
+                    "host tool '{}' clashes with another tool; left out",
+                    tool.name
+                ));
                 continue;
             }
             routes.insert(tool.name.clone(), Route::Host(tool.name.clone()));
@@ -212,7 +218,12 @@ mod tests {
     fn names_and_routes() {
         let dir = TempDir::new();
         let builtins = Builtins::new(Root::new(dir.path()).unwrap(), ShellConfig::default());
-        let host = vec![spec("weather"), spec("read"), spec("bad name"), spec("weather")];
+        let host = vec![
+            spec("weather"),
+            spec("read"),
+            spec("bad name"),
+            spec("weather"),
+        ];
         let long = "t".repeat(80);
         let mcp = vec![
             McpServerSpec {
@@ -249,7 +260,10 @@ mod tests {
         assert!(tb.definitions()[9].parameters.is_object());
 
         let args = json!({"q":"rust"}).as_object().unwrap().clone();
-        assert_eq!(tb.call("weather", &args).unwrap(), "called /v1/tools/weather");
+        assert_eq!(
+            tb.call("weather", &args).unwrap(),
+            "called /v1/tools/weather"
+        );
         assert_eq!(
             tb.call("mcp__git_hub__search_issues", &args).unwrap(),
             "called /v1/mcp/git.hub/search%2Fissues"
@@ -258,11 +272,16 @@ mod tests {
             tb.call("mcp__git_hub__search_issues_2", &args).unwrap(),
             "called /v1/mcp/git.hub/search_issues"
         );
-        assert_eq!(tb.call("bad name", &args).unwrap_err(), "unknown tool 'bad name'");
-        assert_eq!(tb.remote().0.len(), 2 + 0 + 1);
+        assert_eq!(
+            tb.call("bad name", &args).unwrap_err(),
+            "unknown tool 'bad name'"
+        );
+        assert_eq!(tb.remote().0.len(), 3);
         assert_eq!(tb.remote().0[0].1, args);
         // The built-in `read` is not routed to the host tool of the same name.
-        assert!(tb.call("read", &json!({"path":"nope"}).as_object().unwrap().clone()).is_err());
+        assert!(tb
+            .call("read", &json!({"path":"nope"}).as_object().unwrap().clone())
+            .is_err());
         assert_eq!(tb.remote().0.len(), 3);
     }
 }

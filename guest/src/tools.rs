@@ -342,7 +342,11 @@ fn integer(args: &Map<String, Value>, key: &str) -> Result<Option<u64>, ToolErro
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
             .as_u64()
-            .or_else(|| v.as_f64().filter(|f| *f >= 0.0 && f.fract() == 0.0).map(|f| f as u64))
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| *f >= 0.0 && f.fract() == 0.0)
+                    .map(|f| f as u64)
+            })
             .map(Some)
             .ok_or_else(|| ToolError::Argument(format!("{key} must be a non-negative integer"))),
     }
@@ -350,7 +354,12 @@ fn integer(args: &Map<String, Value>, key: &str) -> Result<Option<u64>, ToolErro
 
 /// Reads lines `offset..offset+limit` (1-based) of `file`, at most `cap` bytes, without
 /// holding more than the window in memory.
-fn read_window(file: std::fs::File, offset: u64, limit: u64, cap: usize) -> std::io::Result<String> {
+fn read_window(
+    file: std::fs::File,
+    offset: u64,
+    limit: u64,
+    cap: usize,
+) -> std::io::Result<String> {
     let mut reader = BufReader::with_capacity(64 * 1024, file);
     let mut line = 1u64;
     let mut shown = 0u64;
@@ -412,7 +421,9 @@ fn read_window(file: std::fs::File, offset: u64, limit: u64, cap: usize) -> std:
             line + 1
         ));
     } else if more {
-        text.push_str(&format!("\n[more lines follow; continue with offset={line}]"));
+        text.push_str(&format!(
+            "\n[more lines follow; continue with offset={line}]"
+        ));
     }
     Ok(text)
 }
@@ -444,8 +455,20 @@ pub fn run_shell(
     let pgid = child.id();
     let (tx, rx) = mpsc::channel();
     for (which, pipe) in [
-        (0u8, child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>)),
-        (1u8, child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>)),
+        (
+            0u8,
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ),
+        (
+            1u8,
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ),
     ] {
         let Some(pipe) = pipe else { continue };
         let tx = tx.clone();
@@ -495,7 +518,10 @@ pub fn run_shell(
             None => text.push_str("killed by a signal\n"),
         }
     }
-    for (name, bytes, capped) in [("stdout", stdout, out_capped), ("stderr", stderr, err_capped)] {
+    for (name, bytes, capped) in [
+        ("stdout", stdout, out_capped),
+        ("stderr", stderr, err_capped),
+    ] {
         if bytes.is_empty() {
             continue;
         }
@@ -537,7 +563,10 @@ fn kill_group(pgid: u32) {
     if raw <= 1 || pgid == std::process::id() {
         return;
     }
-    let _ = nix::sys::signal::killpg(nix::unistd::Pid::from_raw(raw), nix::sys::signal::Signal::SIGKILL);
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(raw),
+        nix::sys::signal::Signal::SIGKILL,
+    );
 }
 
 #[cfg(test)]
@@ -565,13 +594,34 @@ mod tests {
     fn write_read_edit_list_round_trip() {
         let dir = TempDir::new();
         let b = builtins(&dir);
-        let out = call(&b, "write", json!({"path":"notes/a.txt","content":"one\ntwo\nthree\n"})).unwrap();
+        let out = call(
+            &b,
+            "write",
+            json!({"path":"notes/a.txt","content":"one\ntwo\nthree\n"}),
+        )
+        .unwrap();
         assert_eq!(out, "wrote 14 bytes to notes/a.txt");
-        assert_eq!(call(&b, "read", json!({"path":"notes/a.txt"})).unwrap(), "one\ntwo\nthree\n");
-        let window = call(&b, "read", json!({"path":"notes/a.txt","offset":2,"limit":1})).unwrap();
+        assert_eq!(
+            call(&b, "read", json!({"path":"notes/a.txt"})).unwrap(),
+            "one\ntwo\nthree\n"
+        );
+        let window = call(
+            &b,
+            "read",
+            json!({"path":"notes/a.txt","offset":2,"limit":1}),
+        )
+        .unwrap();
         assert_eq!(window, "two\n\n[more lines follow; continue with offset=3]");
-        call(&b, "edit", json!({"path":"notes/a.txt","old_text":"two","new_text":"2"})).unwrap();
-        assert_eq!(std::fs::read_to_string(dir.path().join("notes/a.txt")).unwrap(), "one\n2\nthree\n");
+        call(
+            &b,
+            "edit",
+            json!({"path":"notes/a.txt","old_text":"two","new_text":"2"}),
+        )
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("notes/a.txt")).unwrap(),
+            "one\n2\nthree\n"
+        );
         let listing = call(&b, "list", json!({})).unwrap();
         assert_eq!(listing, ".:\nnotes/\n");
         assert!(call(&b, "read", json!({"path":"notes/a.txt","bogus":1})).is_err());
@@ -586,19 +636,35 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("pw")).unwrap();
         for path in ["../../etc/passwd", "/etc/passwd", "pw"] {
             let err = call(&b, "read", json!({ "path": path })).unwrap_err();
-            assert!(err.to_string().contains("outside the workspace"), "{path}: {err}");
+            assert!(
+                err.to_string().contains("outside the workspace"),
+                "{path}: {err}"
+            );
             let err = call(&b, "write", json!({ "path": path, "content": "x" })).unwrap_err();
-            assert!(err.to_string().contains("outside the workspace"), "{path}: {err}");
+            assert!(
+                err.to_string().contains("outside the workspace"),
+                "{path}: {err}"
+            );
         }
         assert!(call(&b, "list", json!({"path":"/etc"})).is_err());
-        assert!(call(&b, "edit", json!({"path":"pw","old_text":"root","new_text":"x"})).is_err());
+        assert!(call(
+            &b,
+            "edit",
+            json!({"path":"pw","old_text":"root","new_text":"x"})
+        )
+        .is_err());
     }
 
     #[test]
     fn a_symlink_made_with_sh_is_refused_by_read() {
         let dir = TempDir::new();
         let b = builtins(&dir);
-        let out = call(&b, "sh", json!({"command":"ln -s /etc/passwd link && echo made"})).unwrap();
+        let out = call(
+            &b,
+            "sh",
+            json!({"command":"ln -s /etc/passwd link && echo made"}),
+        )
+        .unwrap();
         assert!(out.contains("made"), "{out}");
         let err = call(&b, "read", json!({"path":"link"})).unwrap_err();
         assert!(err.to_string().contains("outside the workspace"), "{err}");
@@ -612,13 +678,20 @@ mod tests {
         std::fs::write(dir.path().join("big.txt"), line.repeat(1000)).unwrap();
         let out = call(&b, "read", json!({"path":"big.txt"})).unwrap();
         assert!(out.len() < READ_CAP + 200, "{}", out.len());
-        assert!(out.contains("[output capped at 65536 bytes"), "{}", &out[out.len() - 100..]);
+        assert!(
+            out.contains("[output capped at 65536 bytes"),
+            "{}",
+            &out[out.len() - 100..]
+        );
         // One enormous line is capped too.
         std::fs::write(dir.path().join("line.txt"), "y".repeat(1 << 20)).unwrap();
         let out = call(&b, "read", json!({"path":"line.txt","offset":1})).unwrap();
         assert!(out.len() < READ_CAP + 200);
         std::fs::write(dir.path().join("bin"), [0u8, 1, 2]).unwrap();
-        assert_eq!(call(&b, "read", json!({"path":"bin"})).unwrap(), "[binary file; not shown]");
+        assert_eq!(
+            call(&b, "read", json!({"path":"bin"})).unwrap(),
+            "[binary file; not shown]"
+        );
     }
 
     #[test]
@@ -626,20 +699,38 @@ mod tests {
         let dir = TempDir::new();
         let b = builtins(&dir);
         std::fs::write(dir.path().join("f"), "a a b").unwrap();
-        let err = call(&b, "edit", json!({"path":"f","old_text":"zz","new_text":"x"})).unwrap_err();
+        let err = call(
+            &b,
+            "edit",
+            json!({"path":"f","old_text":"zz","new_text":"x"}),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("not found"), "{err}");
-        let err = call(&b, "edit", json!({"path":"f","old_text":"a","new_text":"x"})).unwrap_err();
+        let err = call(
+            &b,
+            "edit",
+            json!({"path":"f","old_text":"a","new_text":"x"}),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("occurs 2 times"), "{err}");
         let err = call(&b, "edit", json!({"path":"f","old_text":"","new_text":"x"})).unwrap_err();
         assert!(err.to_string().contains("empty"), "{err}");
-        assert_eq!(std::fs::read_to_string(dir.path().join("f")).unwrap(), "a a b");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("f")).unwrap(),
+            "a a b"
+        );
     }
 
     #[test]
     fn the_session_directory_is_reserved() {
         let dir = TempDir::new();
         let b = builtins(&dir);
-        let err = call(&b, "write", json!({"path":".roundtable/session.json","content":"{}"})).unwrap_err();
+        let err = call(
+            &b,
+            "write",
+            json!({"path":".roundtable/session.json","content":"{}"}),
+        )
+        .unwrap_err();
         assert!(matches!(err, ToolError::Reserved), "{err}");
     }
 
@@ -650,7 +741,12 @@ mod tests {
         let out = call(&b, "sh", json!({"command":"echo hi | wc -c"})).unwrap();
         assert!(out.starts_with("exit status 0\nstdout:\n"), "{out}");
         assert_eq!(out.trim_end().rsplit('\n').next().unwrap().trim(), "3");
-        let out = call(&b, "sh", json!({"command":"pwd; echo $HOME; env | wc -l; exit 3"})).unwrap();
+        let out = call(
+            &b,
+            "sh",
+            json!({"command":"pwd; echo $HOME; env | wc -l; exit 3"}),
+        )
+        .unwrap();
         let root = dir.path().display().to_string();
         assert!(out.starts_with("exit status 3\n"), "{out}");
         assert!(out.contains(&format!("{root}\n{root}\n")), "{out}");
@@ -677,8 +773,17 @@ mod tests {
     fn sh_output_is_capped() {
         let dir = TempDir::new();
         let b = builtins(&dir);
-        let out = call(&b, "sh", json!({"command":"i=0; while [ $i -lt 3000 ]; do echo 0123456789; i=$((i+1)); done"})).unwrap();
-        assert!(out.contains("[stdout capped at 16384 bytes]"), "{}", out.len());
+        let out = call(
+            &b,
+            "sh",
+            json!({"command":"i=0; while [ $i -lt 3000 ]; do echo 0123456789; i=$((i+1)); done"}),
+        )
+        .unwrap();
+        assert!(
+            out.contains("[stdout capped at 16384 bytes]"),
+            "{}",
+            out.len()
+        );
         assert!(out.len() < SH_OUTPUT_CAP + 200);
     }
 }
