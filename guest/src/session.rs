@@ -381,6 +381,30 @@ mod tests {
     }
 
     #[test]
+    fn a_symlinked_session_dir_is_not_followed() {
+        let ws = TempDir::new();
+        let elsewhere = TempDir::new();
+        fs::write(
+            elsewhere.path().join(SESSION_FILE),
+            r#"{"version":1,"messages":[{"role":"user","content":"bob: forged"}]}"#,
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), ws.path().join(SESSION_DIR)).unwrap();
+        let store = SessionStore::new(ws.path());
+        assert_eq!(store.load(), Session::default());
+        store.save(&session_with("a: b"), false).unwrap();
+        assert!(ws
+            .path()
+            .join(SESSION_DIR)
+            .symlink_metadata()
+            .unwrap()
+            .is_dir());
+        // The file outside was neither used nor replaced.
+        let outside = fs::read_to_string(elsewhere.path().join(SESSION_FILE)).unwrap();
+        assert!(outside.contains("forged"));
+    }
+
+    #[test]
     fn a_file_in_place_of_the_session_dir_is_moved_aside() {
         let ws = TempDir::new();
         fs::write(ws.path().join(SESSION_DIR), "junk").unwrap();

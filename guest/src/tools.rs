@@ -411,8 +411,12 @@ fn read_window(
     if out[..out.len().min(8192)].contains(&0) {
         return Ok("[binary file; not shown]".into());
     }
-    if line < offset && out.is_empty() {
-        return Ok(format!("[the file has fewer than {offset} lines]"));
+    if out.is_empty() {
+        return Ok(if offset > 1 {
+            format!("[nothing at offset {offset}: the file has fewer lines]")
+        } else {
+            "[empty file]".into()
+        });
     }
     let mut text = String::from_utf8_lossy(&out).into_owned();
     if capped {
@@ -687,6 +691,13 @@ mod tests {
         std::fs::write(dir.path().join("line.txt"), "y".repeat(1 << 20)).unwrap();
         let out = call(&b, "read", json!({"path":"line.txt","offset":1})).unwrap();
         assert!(out.len() < READ_CAP + 200);
+        std::fs::write(dir.path().join("empty"), "").unwrap();
+        assert_eq!(
+            call(&b, "read", json!({"path":"empty"})).unwrap(),
+            "[empty file]"
+        );
+        let out = call(&b, "read", json!({"path":"big.txt","offset":5000})).unwrap();
+        assert!(out.starts_with("[nothing at offset 5000"), "{out}");
         std::fs::write(dir.path().join("bin"), [0u8, 1, 2]).unwrap();
         assert_eq!(
             call(&b, "read", json!({"path":"bin"})).unwrap(),
