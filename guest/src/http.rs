@@ -290,11 +290,37 @@ fn read_chunked<R: BufRead>(reader: &mut R, max_body: usize) -> Result<Vec<u8>, 
     }
 }
 
-/// Percent-encodes one path segment (everything but RFC 3986 unreserved characters).
+/// Percent-encodes one path segment: everything but RFC 3986 `pchar` (unreserved,
+/// sub-delims, `:` and `@`), so `/`, `%`, `?`, `#`, spaces and non-ASCII are encoded and
+/// ordinary names pass unchanged (the broker matches raw path segments).
 pub fn encode_segment(segment: &str) -> String {
+    if segment == "." || segment == ".." {
+        // Dot-segments would be path navigation to whoever normalises the path.
+        return segment.replace('.', "%2E");
+    }
     let mut out = String::with_capacity(segment.len());
     for b in segment.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+        if b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'_'
+                    | b'.'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b':'
+                    | b'@'
+            )
+        {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));
@@ -448,5 +474,8 @@ mod tests {
     fn segments_are_percent_encoded() {
         assert_eq!(encode_segment("a b/../c"), "a%20b%2F..%2Fc");
         assert_eq!(encode_segment("get_weather-1.0"), "get_weather-1.0");
+        assert_eq!(encode_segment("ns:tool@v2"), "ns:tool@v2");
+        assert_eq!(encode_segment("a?b#c%d"), "a%3Fb%23c%25d");
+        assert_eq!(encode_segment(".."), "%2E%2E");
     }
 }
