@@ -1186,3 +1186,99 @@ async fn mcp_shutdown_reaps_every_child() {
     assert_eq!(a.status, 502);
     assert_eq!(a.error(), "MCP server stub is shut down");
 }
+
+/// The streamable-HTTP server of `tests/support/mcp_http.py`, killed when dropped.
+struct HttpMcp {
+    child: std::process::Child,
+    url: String,
+}
+
+impl HttpMcp {
+    async fn start(token: &str) -> Self {
+        let python = venv().join("bin/python");
+        mcp_time_bin(); // the same venv: fail clearly when it is missing
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new(python)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/mcp_http.py"))
+            .arg(port.to_string())
+            .env("MCP_TOKEN", token)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the HTTP MCP server did not start"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Self {
+            child,
+            url: format!("http://127.0.0.1:{port}/mcp"),
+        }
+    }
+
+    fn config(&self, token: &str) -> McpServerConfig {
+        McpServerConfig {
+            name: "remote".into(),
+            transport: McpTransport::Http {
+                url: self.url.clone(),
+                headers: [("x-mcp-token".to_owned(), token.to_owned())].into(),
+            },
+            tools: vec!["echo".into()],
+        }
+    }
+}
+
+impl Drop for HttpMcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test]
+async fn mcp_over_streamable_http_with_host_side_headers() {
+    let server = HttpMcp::start("host-secret-token").await;
+    let config = server.config("host-secret-token");
+    assert!(!format!("{config:?}").contains("host-secret-token"));
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![config];
+    let broker = broker(p).await;
+    let (_, mcp) = broker.turn_tools();
+    assert_eq!(mcp[0].server, "remote");
+    assert_eq!(mcp[0].tools.len(), 1);
+    assert_eq!(mcp[0].tools[0].description, "Echo the text");
+    let turn = TestTurn::start(&broker).await;
+    let a = post_json(
+        turn.socket(),
+        "/v1/mcp/remote/echo",
+        &json!({"text": "over http"}),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json(), json!({"ok": true, "content": "over http"}));
+    let a = post_json(turn.socket(), "/v1/mcp/remote/hidden", &json!({})).await;
+    assert_eq!(a.status, 404);
+    broker.shutdown().await;
+
+    // Without the right header the server refuses, and the broker fails at setup.
+    let config = server.config("wrong");
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![config];
+    let err = Broker::new(p).await.unwrap_err().to_string();
+    assert!(
+        err.starts_with("MCP server remote could not be started: "),
+        "{err}"
+    );
+    assert!(!err.contains("wrong"), "{err}");
+}

@@ -172,8 +172,8 @@ pub trait HostTool: Send + Sync {
     ) -> BoxFuture<'_, Result<String, String>>;
 }
 
-/// How an MCP server is reached.
-#[derive(Debug, Clone, Deserialize)]
+/// How an MCP server is reached. Its `Debug` shows env and header names, never values.
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case", tag = "transport")]
 pub enum McpTransport {
     /// A child process speaking MCP on stdio. Its env stays on the host; the child does
@@ -192,6 +192,24 @@ pub enum McpTransport {
         #[serde(default)]
         headers: std::collections::BTreeMap<String, String>,
     },
+}
+
+impl fmt::Debug for McpTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            McpTransport::Stdio { command, args, env } => f
+                .debug_struct("Stdio")
+                .field("command", command)
+                .field("args", args)
+                .field("env", &env.keys().collect::<Vec<_>>())
+                .finish(),
+            McpTransport::Http { url, headers } => f
+                .debug_struct("Http")
+                .field("url", url)
+                .field("headers", &headers.keys().collect::<Vec<_>>())
+                .finish(),
+        }
+    }
 }
 
 /// An MCP server and the tools of it that the guest may call.
