@@ -542,7 +542,8 @@ pub fn valid_image_reference(reference: &str) -> bool {
         }
     }
     let mut parts: Vec<&str> = name.split('/').collect();
-    if parts.len() > 1 && (parts[0].contains('.') || parts[0].contains(':') || parts[0] == "localhost")
+    if parts.len() > 1
+        && (parts[0].contains('.') || parts[0].contains(':') || parts[0] == "localhost")
     {
         let host = parts.remove(0);
         let (h, port) = match host.split_once(':') {

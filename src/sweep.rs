@@ -40,10 +40,9 @@ pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
                 }
             }
         }
-        Err(e) => report.errors.push(format!(
-            "read run root {}: {e}",
-            config.run_root.display()
-        )),
+        Err(e) => report
+            .errors
+            .push(format!("read run root {}: {e}", config.run_root.display())),
     }
     if !report.containers.is_empty() || !report.run_dirs.is_empty() {
         tracing::info!(

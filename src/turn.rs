@@ -172,7 +172,10 @@ async fn run_turn_inner(
         };
         listener = Some(l);
         phase(TurnPhase::BrokerListening);
-        tracing::debug!(elapsed_ms = started.elapsed().as_millis() as u64, "broker listening");
+        tracing::debug!(
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "broker listening"
+        );
 
         let (tools, mcp) = sandbox.broker().turn_tools();
         let turn = Turn {
@@ -188,7 +191,14 @@ async fn run_turn_inner(
             session_budget: None,
         };
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
-        let spec = container_spec(sandbox, &container_name, &segment, &turn_id, &dir, &workspace_dir);
+        let spec = container_spec(
+            sandbox,
+            &container_name,
+            &segment,
+            &turn_id,
+            &dir,
+            &workspace_dir,
+        );
 
         phase(TurnPhase::ContainerRunning);
         container_started = true;

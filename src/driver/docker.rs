@@ -84,18 +84,16 @@ impl DockerDriver {
                 // bollard's own timeout would cut the wait and attach streams: ours apply per call.
                 let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
                     .map_err(|e| unreachable_error(&e))?;
-                let negotiated = tokio::time::timeout(
-                    self.options.call_timeout,
-                    docker.negotiate_version(),
-                )
-                .await
-                .map_err(|_| DriverError::DaemonUnreachable {
-                    reason: format!(
-                        "no answer from {} within {:?}",
-                        self.options.host, self.options.call_timeout
-                    ),
-                })?
-                .map_err(|e| unreachable_error(&e))?;
+                let negotiated =
+                    tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
+                        .await
+                        .map_err(|_| DriverError::DaemonUnreachable {
+                            reason: format!(
+                                "no answer from {} within {:?}",
+                                self.options.host, self.options.call_timeout
+                            ),
+                        })?
+                        .map_err(|e| unreachable_error(&e))?;
                 // Never go below the API that has every field this driver sets.
                 let v = negotiated.client_version();
                 if (v.major_version, v.minor_version) < (1, 41) {
@@ -114,9 +112,7 @@ impl DockerDriver {
     /// The engine's version string (for `doctor`).
     pub async fn version(&self) -> Result<String, DriverError> {
         let docker = self.client().await?;
-        let v = self
-            .call("version", "engine", docker.version())
-            .await?;
+        let v = self.call("version", "engine", docker.version()).await?;
         Ok(format!(
             "{} (API {})",
             v.version.unwrap_or_default(),
@@ -127,8 +123,7 @@ impl DockerDriver {
     /// Whether the image is present locally.
     pub async fn image_present(&self, image: &str) -> Result<bool, DriverError> {
         let docker = self.client().await?;
-        match tokio::time::timeout(self.options.call_timeout, docker.inspect_image(image)).await
-        {
+        match tokio::time::timeout(self.options.call_timeout, docker.inspect_image(image)).await {
             Err(_) => Err(DriverError::DockerTimeout {
                 op: "inspect image",
                 container: image.to_owned(),
@@ -157,6 +152,11 @@ impl DockerDriver {
                 after: self.options.call_timeout,
             }),
         }
+    }
+
+    fn spawn_kill(&self, docker: &Docker, name: &str) {
+        let (driver, docker, name) = (self.clone(), docker.clone(), name.to_owned());
+        tokio::spawn(async move { driver.kill(&docker, &name).await });
     }
 
     async fn kill(&self, docker: &Docker, name: &str) {
@@ -210,60 +210,60 @@ impl DockerDriver {
             logs: false,
             detach_keys: None,
         };
-        let mut io = self
+        let io = self
             .call("attach", name, docker.attach_container(name, Some(attach)))
             .await?;
         let mut wait = docker.wait_container(name, None::<WaitContainerOptions>);
         self.call("start", name, docker.start_container(name, None))
             .await?;
 
-        // Write the turn and close stdin; a guest that never reads cannot block us past
-        // the cancellation (the write is raced with it below).
+        // Write the turn and close stdin while reading: a guest that floods stdout without
+        // reading stdin cannot deadlock the exchange.
+        let bollard::container::AttachContainerResults {
+            mut output,
+            mut input,
+        } = io;
         let write = async {
-            io.input.write_all(stdin).await?;
-            io.input.flush().await?;
-            io.input.shutdown().await
+            input.write_all(stdin).await?;
+            input.flush().await?;
+            input.shutdown().await
         };
-        tokio::select! {
-            r = write => if let Err(e) = r {
-                // A guest that exits without reading closes the pipe: judge it by its exit.
-                tracing::debug!(container = name, error = %e, "write turn to stdin");
-            },
-            _ = cancel.cancelled() => {
-                self.kill(docker, name).await;
-                return Err(DriverError::Cancelled);
-            }
-        }
+        tokio::pin!(write);
+        let mut written = false;
 
-        let mut stdout: Vec<u8> = Vec::new();
-        let mut stderr: Vec<u8> = Vec::new();
-        let mut overflow = false;
+        // Keep reading while a kill is under way: a daemon whose attach copier is blocked
+        // on a full pipe does not answer the kill.
+        let mut out = Collected::new(spec.output_cap, spec.stderr_cap);
         let mut output_done = false;
         let mut exit: Option<Result<i64, DriverError>> = None;
-        loop {
-            if output_done && exit.is_some() {
-                break;
-            }
+        let mut killing = false;
+        let mut cancelled = false;
+        let mut give_up: Option<tokio::time::Instant> = None;
+        let far = tokio::time::Instant::now() + Duration::from_secs(86400 * 365);
+        while !(output_done && exit.is_some()) {
             tokio::select! {
-                _ = cancel.cancelled() => {
-                    self.kill(docker, name).await;
-                    return Err(DriverError::Cancelled);
+                _ = cancel.cancelled(), if !cancelled => {
+                    cancelled = true;
+                    give_up = Some(tokio::time::Instant::now() + self.options.call_timeout);
+                    if !killing {
+                        killing = true;
+                        self.spawn_kill(docker, name);
+                    }
                 }
-                item = io.output.next(), if !output_done => match item {
-                    Some(Ok(LogOutput::StdOut { message })) | Some(Ok(LogOutput::Console { message })) => {
-                        if stdout.len() + message.len() > spec.output_cap {
-                            overflow = true;
-                            output_done = true;
-                            self.kill(docker, name).await;
-                        } else {
-                            stdout.extend_from_slice(&message);
+                r = &mut write, if !written => {
+                    written = true;
+                    if let Err(e) = r {
+                        // A guest that exits without reading closes the pipe: judge it by its exit.
+                        tracing::debug!(container = name, error = %e, "write turn to stdin");
+                    }
+                }
+                item = output.next(), if !output_done => match item {
+                    Some(Ok(o)) => {
+                        if out.push(o) && !killing {
+                            killing = true;
+                            self.spawn_kill(docker, name);
                         }
                     }
-                    Some(Ok(LogOutput::StdErr { message })) => {
-                        let room = spec.stderr_cap.saturating_sub(stderr.len());
-                        stderr.extend_from_slice(&message[..message.len().min(room)]);
-                    }
-                    Some(Ok(LogOutput::StdIn { .. })) => {}
                     Some(Err(e)) => {
                         tracing::debug!(container = name, error = %e, "attach stream");
                         output_done = true;
@@ -277,30 +277,22 @@ impl DockerDriver {
                         Some(Err(e)) => Err(classify("wait", name, e)),
                         None => Err(DriverError::Docker { op: "wait", container: name.to_owned(), reason: "wait stream ended".into() }),
                     });
-                    if !output_done {
-                        // The attach stream ends at exit; give it a moment to drain.
-                        let drain = async {
-                            while let Some(item) = io.output.next().await {
-                                match item {
-                                    Ok(LogOutput::StdOut { message }) | Ok(LogOutput::Console { message }) => {
-                                        if stdout.len() + message.len() > spec.output_cap { overflow = true; break; }
-                                        stdout.extend_from_slice(&message);
-                                    }
-                                    Ok(LogOutput::StdErr { message }) => {
-                                        let room = spec.stderr_cap.saturating_sub(stderr.len());
-                                        stderr.extend_from_slice(&message[..message.len().min(room)]);
-                                    }
-                                    Ok(LogOutput::StdIn { .. }) => {}
-                                    Err(_) => break,
-                                }
-                            }
-                        };
-                        let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
-                        output_done = true;
-                    }
+                    // The attach stream ends at exit; give it a moment to drain.
+                    let drain = tokio::time::Instant::now() + Duration::from_secs(2);
+                    give_up = Some(give_up.map_or(drain, |g| g.min(drain)));
                 }
+                _ = tokio::time::sleep_until(give_up.unwrap_or(far)), if give_up.is_some() => break,
             }
         }
+        if cancelled {
+            return Err(DriverError::Cancelled);
+        }
+        let Collected {
+            stdout,
+            stderr,
+            overflow,
+            ..
+        } = out;
         if !stderr.is_empty() {
             tracing::debug!(
                 container = name,
@@ -329,6 +321,52 @@ impl DockerDriver {
             return Err(DriverError::Exit { code });
         }
         parse_reply(&stdout, spec.output_cap)
+    }
+}
+
+/// The guest's output as read so far: stdout up to its cap (past it: overflow), stderr
+/// truncated at its cap.
+struct Collected {
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    overflow: bool,
+    stdout_cap: usize,
+    stderr_cap: usize,
+}
+
+impl Collected {
+    fn new(stdout_cap: usize, stderr_cap: usize) -> Self {
+        Self {
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            overflow: false,
+            stdout_cap,
+            stderr_cap,
+        }
+    }
+
+    /// Takes one frame; returns true when stdout has just passed its cap.
+    fn push(&mut self, frame: LogOutput) -> bool {
+        match frame {
+            LogOutput::StdOut { message } | LogOutput::Console { message } => {
+                if self.overflow {
+                    return false;
+                }
+                if self.stdout.len() + message.len() > self.stdout_cap {
+                    self.overflow = true;
+                    self.stdout = Vec::new();
+                    return true;
+                }
+                self.stdout.extend_from_slice(&message);
+            }
+            LogOutput::StdErr { message } => {
+                let room = self.stderr_cap.saturating_sub(self.stderr.len());
+                self.stderr
+                    .extend_from_slice(&message[..message.len().min(room)]);
+            }
+            LogOutput::StdIn { .. } => {}
+        }
+        false
     }
 }
 
@@ -372,7 +410,10 @@ impl DockerDriver {
             tracing::warn!(container = name, "{KEEP_CONTAINERS_ENV}=1: container kept");
             return Ok(());
         }
-        let docker = self.client().await?;
+        // Without a connection this driver never created anything: nothing to remove.
+        let Some(docker) = self.docker.get() else {
+            return Ok(());
+        };
         let opts = RemoveContainerOptionsBuilder::new()
             .force(true)
             .v(true)

@@ -140,10 +140,7 @@ mod tests {
             Some("hi")
         );
         let err = |b: &[u8]| parse_reply(b, 64).unwrap_err().to_string();
-        assert_eq!(
-            err(b""),
-            "guest output is not a valid reply: no output"
-        );
+        assert_eq!(err(b""), "guest output is not a valid reply: no output");
         assert!(err(b"garbage").starts_with("guest output is not a valid reply: expected value"));
         assert!(err(b"{\"ok\":true,\"text\":\"a\"} trailing").contains("trailing characters"));
         assert!(err(b"{\"ok\":true,\"text\":\"a\",\"admin\":true}").contains("unknown field"));

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what the tests and the demo need on a fresh Debian machine, as root:
+# the static busybox, the non-root service user (the runtime refuses root) with access to
+# the Docker socket, and the MCP servers' venv. Idempotent. Run as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+user="${ROUNDTABLE_USER:-roundtable}"
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup: run as root (it installs packages and creates the service user $user)" >&2
+  exit 1
+fi
+need=()
+static_busybox() { [ -x /bin/busybox ] && { ldd /bin/busybox 2>&1 || true; } | grep -q "not a dynamic"; }
+static_busybox || need+=(busybox-static)
+command -v setpriv >/dev/null || need+=(util-linux)
+command -v docker >/dev/null || need+=(docker.io)
+python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing ${need[*]}" >&2
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+docker_up() { for _ in $(seq "$1"); do docker info >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+if ! docker_up 1; then
+  echo "setup: the Docker daemon is not answering; starting it" >&2
+  service docker start >/dev/null 2>&1 || true
+  if ! docker_up 20; then
+    rm -f /var/run/docker.pid
+    (setsid nohup dockerd >>/var/log/dockerd.log 2>&1 </dev/null &)
+    docker_up 40 || { echo "setup: could not start the Docker daemon (see /var/log/dockerd.log)" >&2; exit 1; }
+  fi
+fi
+getent group docker >/dev/null || groupadd --system docker
+if ! id "$user" >/dev/null 2>&1; then
+  useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$user"
+  echo "setup: created the service user $user" >&2
+fi
+sock="${DOCKER_HOST:-unix:///var/run/docker.sock}"; sock="${sock#unix://}"
+sock_group=$(stat -c %G "$sock")
+id -nG "$user" | tr ' ' '\n' | grep -qx "$sock_group" || usermod -aG "$sock_group" "$user"
+if [ -x scripts/mcp-venv.sh ]; then scripts/mcp-venv.sh; fi
+echo "setup: ready (service user $user: uid $(id -u "$user"), groups $(id -nG "$user"))" >&2

@@ -1,0 +1,208 @@
+//! Every configuration rule, each rejected with its exact message, before any side effect
+//! that matters (no container, no broker). Runs as the non-root service user.
+
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use roundtable_sandbox::{ApiKey, Config};
+use sandbox_support::*;
+
+fn err(config: &Config) -> String {
+    config.resolve().unwrap_err().to_string()
+}
+
+#[test]
+fn each_rule_has_its_message() {
+    let env = Env::new();
+    let base = env.config();
+
+    let mut c = base.clone();
+    c.model = "  ".into();
+    assert_eq!(err(&c), "model is required");
+
+    let mut c = base.clone();
+    c.time_zone = Some("Mars/Olympus".into());
+    assert_eq!(err(&c), "invalid time zone: \"Mars/Olympus\"");
+
+    for bad in [Duration::from_millis(999), Duration::from_secs(601)] {
+        let mut c = base.clone();
+        c.turn_timeout = Some(bad);
+        assert_eq!(
+            err(&c),
+            format!("turn_timeout must be 1 s to 600 s, got {bad:?}")
+        );
+    }
+
+    let mut c = base.clone();
+    c.image = "Not An Image".into();
+    assert_eq!(err(&c), "invalid image reference: \"Not An Image\"");
+
+    let mut c = base.clone();
+    c.limits.memory_mb = 8;
+    assert_eq!(err(&c), "limits.memory_mb must be 16 to 1048576, got 8");
+    let mut c = base.clone();
+    c.limits.cpus = -1.0;
+    assert_eq!(
+        err(&c),
+        "limits.cpus must be above 0 and at most 1024, got -1"
+    );
+    let mut c = base.clone();
+    c.limits.pids = 4;
+    assert_eq!(err(&c), "limits.pids must be 8 to 65536, got 4");
+
+    let me = nix::unistd::getuid().as_raw();
+    let mut c = base.clone();
+    c.uid = Some(0);
+    assert_eq!(
+        err(&c),
+        "run the host as a non-root user; worker uid/gid must match it"
+    );
+    let mut c = base.clone();
+    c.uid = Some(me + 1);
+    assert_eq!(
+        err(&c),
+        "run the host as a non-root user; worker uid/gid must match it"
+    );
+    let mut c = base.clone();
+    c.gid = Some(0);
+    assert_eq!(
+        err(&c),
+        "run the host as a non-root user; worker uid/gid must match it"
+    );
+
+    let mut c = base.clone();
+    c.model_url = "http://127.0.0.1:9/v1".into();
+    c.allow_http = false;
+    assert_eq!(
+        err(&c),
+        "invalid broker policy: model_url must use https (set allow_http only for offline tests): http://127.0.0.1:9/v1"
+    );
+
+    let mut c = base.clone();
+    c.run_root = PathBuf::from("relative/run");
+    assert_eq!(
+        err(&c),
+        "sandbox roots must be absolute dedicated directories: relative/run"
+    );
+    let mut c = base.clone();
+    c.workspace_root = PathBuf::from("/");
+    assert_eq!(
+        err(&c),
+        "sandbox roots must be absolute dedicated directories: /"
+    );
+
+    // Nothing was created by the failed pure checks above.
+    assert!(!env.run_root.exists() && !env.workspace_root.exists());
+    let mut c = base.clone();
+    c.time_zone = Some("Europe/Berlin".into());
+    assert_eq!(c.resolve().unwrap().time_zone, "Europe/Berlin");
+}
+
+#[test]
+fn roots_must_be_private_separate_and_short() {
+    let env = Env::new();
+    let base = env.config();
+
+    // An existing root with group/other bits is refused, not silently fixed.
+    let open = env.dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = base.clone();
+    c.run_root = open.clone();
+    assert_eq!(
+        err(&c),
+        format!(
+            "sandbox roots must be private directories owned by the service user: {}",
+            open.display()
+        )
+    );
+
+    // A file is not a directory.
+    let file = env.dir.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    let mut c = base.clone();
+    c.workspace_root = file.clone();
+    assert!(err(&c).starts_with(&format!("create sandbox root {}", file.display())));
+
+    // Equal or nested roots.
+    let mut c = base.clone();
+    c.workspace_root = c.run_root.clone();
+    let run = env.dir.path().join("run");
+    assert_eq!(
+        err(&c),
+        format!(
+            "sandbox roots must be separate: {} and {}",
+            run.display(),
+            run.display()
+        )
+    );
+    let mut c = base.clone();
+    c.workspace_root = env.run_root.join("ws");
+    assert!(err(&c).starts_with("sandbox roots must be separate: "));
+
+    // A symlinked root is canonicalised before the check.
+    let link = env.dir.path().join("link");
+    std::os::unix::fs::symlink(&env.run_root, &link).unwrap();
+    let mut c = base.clone();
+    c.workspace_root = link;
+    assert!(err(&c).starts_with("sandbox roots must be separate: "));
+
+    // The socket path must fit.
+    let long = env.dir.path().join("r".repeat(80));
+    let mut c = base.clone();
+    c.run_root = long.clone();
+    assert_eq!(
+        err(&c),
+        format!(
+            "broker socket path too long: {} leaves no room for /turn-XXXXXX/broker.sock in 100 bytes",
+            long.display()
+        )
+    );
+
+    // Created roots are 0700 and canonical.
+    let ok = base.resolve().unwrap();
+    for root in [&ok.run_root, &ok.workspace_root] {
+        assert_eq!(
+            std::fs::metadata(root).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        assert_eq!(root, &std::fs::canonicalize(root).unwrap());
+    }
+}
+
+#[test]
+fn toml_file_loads_and_rejects_unknown_keys() {
+    let env = Env::new();
+    let path = env.dir.path().join("sandbox.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
+             model = \"m\"\nmodel_url = \"https://models.invalid/v1\"\ntime_zone = \"Asia/Tokyo\"\n\
+             [limits]\nmemory_mb = 256\npids = 64\n",
+            env.run_root.display(),
+            env.workspace_root.display()
+        ),
+    )
+    .unwrap();
+    let config = Config::from_toml_file(&path).unwrap();
+    assert_eq!(config.limits.memory_mb, 256);
+    assert!(matches!(config.api_key, ApiKey::None));
+    let resolved = config.resolve().unwrap();
+    assert_eq!(resolved.time_zone, "Asia/Tokyo");
+
+    std::fs::write(&path, "image = \"x\"\nimgae = \"y\"\n").unwrap();
+    let e = Config::from_toml_file(&path).unwrap_err().to_string();
+    assert!(
+        e.starts_with(&format!(
+            "config file {}: unknown field `imgae`",
+            path.display()
+        )),
+        "{e}"
+    );
+    assert!(e.ends_with("(at line 2, column 1)"), "{e}");
+}

@@ -1,0 +1,345 @@
+//! The sealed turn against the real Docker engine, the runtime running as a non-root user.
+//!
+//! Most turns here replace the guest with a busybox `sh -c` script from the project's image,
+//! so each test controls exactly what the "guest" does: probe its sandbox, sleep, flood,
+//! bomb memory or pids. Every test ends by checking that nothing leaked.
+
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use roundtable_sandbox::{run_turn, Sandbox};
+use sandbox_support::*;
+
+/// Reads the turn, then prints `{"ok":true,"text":<what the script echoes>}`.
+fn reply_with(body: &str) -> String {
+    format!("cat >/dev/null; out=$({{ {body}; }} | tr '\\n' ' ' | sed 's/ *$//'); printf '{{\"ok\":true,\"text\":\"%s\"}}' \"$out\"")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sealed_container_as_observed_from_inside() {
+    let env = Env::new();
+    let probe = r#"
+        cat > /tmp/turn.json
+        r=""
+        touch /workspace/probe 2>/dev/null && r="$r workspace=rw" || r="$r workspace=ro"
+        touch /run/roundtable/x 2>/dev/null && r="$r rundir=rw" || r="$r rundir=ro"
+        touch /rootfs-probe 2>/dev/null && r="$r rootfs=rw" || r="$r rootfs=ro"
+        r="$r net=$(ls /sys/class/net | tr '\n' ',')"
+        r="$r uid=$(id -u) gid=$(id -g)"
+        r="$r capeff=$(grep CapEff /proc/self/status | tr -d ' \t' | cut -d: -f2)"
+        r="$r capbnd=$(grep CapBnd /proc/self/status | tr -d ' \t' | cut -d: -f2)"
+        r="$r nnp=$(grep NoNewPrivs /proc/self/status | tr -d ' \t' | cut -d: -f2)"
+        test -S /run/roundtable/broker.sock && r="$r socket=yes" || r="$r socket=no"
+        r="$r rundir_entries=$(ls -A /run/roundtable | tr '\n' ',')"
+        r="$r pid1=$(cat /proc/1/comm)"
+        grep -q '"reset":false' /tmp/turn.json && r="$r turn=json" || r="$r turn=$(wc -c < /tmp/turn.json)"
+        grep -q 'sk-test' /tmp/turn.json && r="$r key=LEAKED"
+        env | grep -q 'sk-test' && r="$r env=LEAKED"
+        printf '{"ok":true,"text":"%s"}' "$r"
+    "#;
+    let sandbox = Sandbox::new(env.sh_config(probe)).await.unwrap();
+    let reply = sandbox.run_turn(request("#probe", "hello")).await;
+    assert!(reply.ok, "{reply:?}");
+    let text = reply.text.unwrap();
+    let uid = nix::unistd::getuid().as_raw();
+    let gid = nix::unistd::getgid().as_raw();
+    for expected in [
+        "workspace=rw".to_string(),
+        "rundir=ro".into(),
+        "rootfs=ro".into(),
+        "net=lo,".into(),
+        format!("uid={uid} gid={gid}"),
+        "capeff=0000000000000000".into(),
+        "capbnd=0000000000000000".into(),
+        "nnp=1".into(),
+        "socket=yes".into(),
+        "rundir_entries=broker.sock,".into(),
+        "turn=json".into(),
+    ] {
+        assert!(text.contains(&expected), "missing {expected:?} in {text:?}");
+    }
+    assert!(!text.contains("LEAKED"), "{text}");
+    // An init process is PID 1, the guest is its child.
+    assert!(!text.contains("pid1=sh"), "{text}");
+    // The workspace file landed in this channel's own dir, created 0700.
+    let ws = env.workspace_of("#probe");
+    assert!(ws.join("probe").exists());
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&ws).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn workspace_persists_per_channel_and_the_root_is_never_mounted() {
+    let env = Env::new();
+    let script = reply_with(
+        "echo seen >> /workspace/log; wc -l < /workspace/log | tr -d ' '; ls -A /workspace; \
+         grep ' /workspace ' /proc/self/mountinfo | cut -d' ' -f4",
+    );
+    let sandbox = Sandbox::new(env.sh_config(&script)).await.unwrap();
+    let a1 = sandbox.run_turn(request("#a", "one")).await;
+    let a2 = sandbox.run_turn(request("#a", "two")).await;
+    let b1 = sandbox.run_turn(request("#b", "one")).await;
+    let text = |r: roundtable_sandbox::Reply| r.text.unwrap_or_else(|| panic!("{:?}", r.error));
+    let (a1, a2, b1) = (text(a1), text(a2), text(b1));
+    assert!(a1.starts_with('1'), "{a1}");
+    assert!(
+        a2.starts_with('2'),
+        "second turn of #a sees the first: {a2}"
+    );
+    assert!(b1.starts_with('1'), "#b has its own workspace: {b1}");
+    // The mounted directory is the channel's segment, not the workspace root.
+    let seg_a = roundtable_sandbox::turn::channel_segment("#a");
+    assert!(a1.ends_with(&seg_a), "mount root is the channel dir: {a1}");
+    assert_ne!(
+        env.workspace_of("#a"),
+        env.workspace_of("#b"),
+        "channels map to distinct dirs"
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reply_reaches_the_callback_before_teardown() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config(&reply_with("echo hi")))
+        .await
+        .unwrap();
+    let seen = Arc::new(Mutex::new(None));
+    let seen2 = seen.clone();
+    let run_root = sandbox.config().run_root.clone();
+    let sb = sandbox.clone();
+    let reply = run_turn(
+        &sandbox,
+        request("#cb", "x"),
+        move |r| {
+            let dirs = run_root_entries(&run_root);
+            *seen2.lock().unwrap() = Some((r.clone(), dirs));
+        },
+        None,
+    )
+    .await;
+    let (cb_reply, dirs_at_callback) = seen.lock().unwrap().take().unwrap();
+    assert_eq!(cb_reply, reply);
+    assert_eq!(reply.text.as_deref(), Some("hi"));
+    assert_eq!(dirs_at_callback.len(), 1, "run dir still there at callback");
+    assert!(dirs_at_callback[0].starts_with("turn-"));
+    assert_no_leftovers(&sb).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn timeout_kills_the_container_promptly() {
+    let env = Env::new();
+    let mut config = env.sh_config("cat >/dev/null; sleep 300");
+    config.turn_timeout = Some(Duration::from_secs(2));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#slow", "x")).await;
+    let elapsed = started.elapsed();
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 2s"));
+    assert_no_leftovers(&sandbox).await;
+    assert!(
+        elapsed < Duration::from_secs(4),
+        "container gone within 2 s of the deadline, took {elapsed:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_ends_the_turn_with_the_stopped_error() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 300"))
+        .await
+        .unwrap();
+    let req = request("#stop", "x");
+    let stop = req.stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        stop.cancel();
+    });
+    let started = Instant::now();
+    let reply = sandbox.run_turn(req).await;
+    assert_eq!(reply.error.as_deref(), Some("turn stopped"));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_before_start_is_clean() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 300"))
+        .await
+        .unwrap();
+    let req = request("#early", "x");
+    req.stop.cancel();
+    let reply = sandbox.run_turn(req).await;
+    assert_eq!(reply.error.as_deref(), Some("turn stopped"));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn memory_bomb_gives_the_memory_error() {
+    let env = Env::new();
+    let mut config =
+        env.sh_config("cat >/dev/null; x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}");
+    config.limits.memory_mb = 32;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#oom", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("guest killed: out of memory (limit 32 MiB)")
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fork_bomb_is_bounded_by_the_pids_limit() {
+    let env = Env::new();
+    // The bomb cannot pass 16 processes; the turn still ends (here by its timeout).
+    let mut config = env.sh_config(
+        "cat >/dev/null; b() { b | b & }; b; sleep 1; n=$(ls -d /proc/[0-9]* | wc -l); printf '{\"ok\":true,\"text\":\"%s\"}' $n; sleep 300",
+    );
+    config.limits.pids = 16;
+    config.turn_timeout = Some(Duration::from_secs(5));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#fork", "x")).await;
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 5s"));
+    assert!(started.elapsed() < Duration::from_secs(9));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stdout_flood_garbage_and_exit_codes_each_give_their_error() {
+    let env = Env::new();
+    let cases: [(&str, u64, &str); 4] = [
+        ("cat >/dev/null; yes", 4, "guest output exceeds 4096 bytes"),
+        (
+            "cat >/dev/null; echo 'I am the host: all is fine'",
+            1024,
+            "guest output is not a valid reply: expected value at line 1 column 1",
+        ),
+        ("cat >/dev/null; exit 3", 1024, "guest exited with code 3"),
+        (
+            "cat >/dev/null; echo '{\"ok\":true,\"text\":\"x\",\"from\":\"host\"}'",
+            1024,
+            "guest output is not a valid reply: unknown field `from`, expected one of `ok`, `text`, `error`, `usage` at line 1 column 28",
+        ),
+    ];
+    for (script, output_kb, expected) in cases {
+        let mut config = env.sh_config(script);
+        config.limits.output_kb = output_kb;
+        let sandbox = Sandbox::new(config).await.unwrap();
+        let reply = sandbox.run_turn(request("#bad", "x")).await;
+        assert_eq!(reply.error.as_deref(), Some(expected), "{script}");
+        assert!(!reply.ok);
+        assert_no_leftovers(&sandbox).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_image_and_unreachable_daemon_give_clear_errors() {
+    let env = Env::new();
+    let mut config = env.sh_config("true");
+    config.image = "roundtable-sandbox-missing:nope".into();
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#img", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("sandbox image not found: roundtable-sandbox-missing:nope (build it with scripts/build-image.sh)")
+    );
+    assert_no_leftovers(&sandbox).await;
+
+    let mut config = env.sh_config("true");
+    config.docker_host = Some(format!(
+        "unix://{}/no-docker.sock",
+        env.dir.path().display()
+    ));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#daemon", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(error.starts_with("docker daemon unreachable: "), "{error}");
+    assert!(run_root_entries(&sandbox.config().run_root).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_that_never_answers_is_cut_by_the_call_deadline() {
+    // A socket that accepts and never answers: the per-call deadline ends the wait.
+    let env = Env::new();
+    let path = env.dir.path().join("silent.sock");
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            if let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        }
+    });
+    let mut config = env.sh_config("true");
+    config.docker_host = Some(format!("unix://{}", path.display()));
+    config.turn_timeout = Some(Duration::from_secs(60));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#hung", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(
+        error.starts_with("docker daemon unreachable: no answer from"),
+        "{error}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert!(run_root_entries(&sandbox.config().run_root).is_empty());
+    hold.abort();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sweep_removes_labelled_containers_and_stale_run_dirs() {
+    use roundtable_sandbox::driver::{docker::create_body, ContainerSpec, LABEL_RUNTIME};
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config("true")).await.unwrap();
+    // What a killed runtime leaves: a labelled container still running, a run dir.
+    let stale_dir = sandbox.config().run_root.join("turn-stale1");
+    std::fs::create_dir(&stale_dir).unwrap();
+    let ws = env.workspace_of("#crash");
+    std::fs::create_dir_all(&ws).unwrap();
+    let spec = ContainerSpec {
+        name: format!("roundtable-sandbox-test-{}", &sandbox.config().instance),
+        image: image(),
+        run_dir: stale_dir.clone(),
+        workspace_dir: ws,
+        uid: sandbox.config().uid,
+        gid: sandbox.config().gid,
+        memory_mb: 64,
+        cpus: 0.5,
+        pids: 16,
+        tmpfs_mb: 1,
+        output_cap: 1024,
+        stderr_cap: 1024,
+        labels: [(LABEL_RUNTIME.to_string(), sandbox.config().instance.clone())].into(),
+        command: Some(vec!["/bin/sleep".into(), "300".into()]),
+    };
+    let driver = roundtable_sandbox::DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let opts = bollard::query_parameters::CreateContainerOptionsBuilder::new()
+        .name(&spec.name)
+        .build();
+    docker
+        .create_container(Some(opts), create_body(&spec))
+        .await
+        .unwrap();
+    docker.start_container(&spec.name, None).await.unwrap();
+    assert_eq!(labelled_containers(&sandbox).await.len(), 1);
+
+    // The restarted runtime sweeps at startup.
+    let restarted = Sandbox::new(env.sh_config("true")).await.unwrap();
+    let report = restarted.sweep().await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.containers, vec![spec.name.clone()]);
+    assert_eq!(report.run_dirs, vec![stale_dir]);
+    assert_no_leftovers(&restarted).await;
+}

@@ -1,0 +1,134 @@
+//! Test support for runtimes against the real Docker engine: private roots, a config for
+//! the project's guest image, and the leftover check run after every turn.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bollard::query_parameters::ListContainersOptionsBuilder;
+use roundtable_sandbox::driver::LABEL_RUNTIME;
+use roundtable_sandbox::{ApiKey, Config, DockerDriver, Sandbox, Speaker, TurnRequest};
+use tokio_util::sync::CancellationToken;
+
+/// The guest image the test script builds.
+pub fn image() -> String {
+    std::env::var("ROUNDTABLE_IMAGE").unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into())
+}
+
+/// The runtime refuses root: the tests must run as the service user (scripts/test.sh).
+pub fn require_non_root() {
+    assert_ne!(
+        nix::unistd::getuid().as_raw(),
+        0,
+        "these tests run the runtime, which refuses root: run them with scripts/test.sh \
+         (it runs them as the non-root service user)"
+    );
+}
+
+/// A private scratch area with the two roots.
+pub struct Env {
+    pub dir: tempfile::TempDir,
+    pub run_root: PathBuf,
+    pub workspace_root: PathBuf,
+}
+
+impl Env {
+    pub fn new() -> Self {
+        require_non_root();
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+        let dir = tempfile::Builder::new()
+            .prefix("rts-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let run_root = dir.path().join("run");
+        let workspace_root = dir.path().join("ws");
+        Self {
+            dir,
+            run_root,
+            workspace_root,
+        }
+    }
+
+    /// A config for the project's image; the model endpoint is a closed loopback port.
+    pub fn config(&self) -> Config {
+        let mut c = Config::new(
+            image(),
+            &self.run_root,
+            &self.workspace_root,
+            "test-model",
+            "http://127.0.0.1:9/v1",
+            ApiKey::from_static("sk-test-never-in-the-container"),
+        );
+        c.allow_http = true;
+        c.turn_timeout = Some(Duration::from_secs(30));
+        c
+    }
+
+    /// A config whose container runs `sh -c script` instead of the guest.
+    pub fn sh_config(&self, script: &str) -> Config {
+        let mut c = self.config();
+        c.command = Some(vec!["/bin/sh".into(), "-c".into(), script.into()]);
+        c
+    }
+
+    pub fn workspace_of(&self, channel: &str) -> PathBuf {
+        self.workspace_root
+            .join(roundtable_sandbox::turn::channel_segment(channel))
+    }
+}
+
+pub fn request(channel: &str, text: &str) -> TurnRequest {
+    TurnRequest {
+        channel: channel.into(),
+        speaker: Speaker {
+            id: "u1".into(),
+            name: "ann".into(),
+        },
+        text: text.into(),
+        reset: false,
+        stop: CancellationToken::new(),
+    }
+}
+
+/// Containers carrying this runtime's instance label.
+pub async fn labelled_containers(sandbox: &Sandbox) -> Vec<String> {
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let filters = std::collections::HashMap::from([(
+        "label",
+        vec![format!("{LABEL_RUNTIME}={}", sandbox.config().instance)],
+    )]);
+    let opts = ListContainersOptionsBuilder::new()
+        .all(true)
+        .filters(&filters)
+        .build();
+    docker
+        .list_containers(Some(opts))
+        .await
+        .unwrap()
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .collect()
+}
+
+/// Entries of the run root (turn dirs, sockets).
+pub fn run_root_entries(root: &Path) -> Vec<String> {
+    std::fs::read_dir(root)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Nothing of a turn may be left: no labelled container, no turn dir, no socket.
+pub async fn assert_no_leftovers(sandbox: &Sandbox) {
+    let containers = labelled_containers(sandbox).await;
+    assert!(containers.is_empty(), "leaked containers: {containers:?}");
+    let entries = run_root_entries(&sandbox.config().run_root);
+    assert!(entries.is_empty(), "leaked run dir entries: {entries:?}");
+}
