@@ -22,6 +22,7 @@ use roundtable_sandbox::Speaker;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
+use tracing_subscriber::Layer;
 
 const KEY: &str = "sk-test-4f9a1c2b7d3e8a6f";
 const MODEL: &str = "configured-model";
@@ -1281,4 +1282,89 @@ async fn mcp_over_streamable_http_with_host_side_headers() {
         "{err}"
     );
     assert!(!err.contains("wrong"), "{err}");
+}
+
+// ---------------------------------------------------------------- logs
+
+/// Collects everything logged (every level) while it is the default subscriber.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+/// Logs at TRACE and INFO+ in a current-thread runtime, so every task of the broker
+/// (connections, upstream client) logs into this test's subscribers.
+#[test]
+fn logs_never_hold_the_key_nor_guest_text_at_info() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let all = Captured::default();
+    let info = Captured::default();
+    let subscriber = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(all.clone())
+                .with_ansi(false)
+                .with_filter(tracing_subscriber::filter::LevelFilter::TRACE),
+        )
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(info.clone())
+                .with_ansi(false)
+                .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+        );
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    const GUEST: &str = "guest-words-7c1d";
+    rt.block_on(async {
+        let model = ScriptedModel::start(vec![
+            Step::EchoKey,
+            Step::EchoKeyError(401),
+            Step::EchoKeyStream,
+            Step::Hang,
+        ])
+        .await;
+        let mut p = policy(&model.url());
+        p.limits.call_timeout = Duration::from_millis(300);
+        p.tools = vec![Arc::new(Weather::default())];
+        let broker = broker(p).await;
+        let turn = TestTurn::start(&broker).await;
+        let s = turn.socket();
+        let mut body = chat_body(false);
+        body["messages"][0]["content"] = json!(GUEST);
+        for stream in [false, false, true, false] {
+            body["stream"] = json!(stream);
+            post_json(s, CHAT, &body).await;
+        }
+        post_json(s, "/v1/tools/weather", &json!({"city": GUEST})).await;
+        post_json(s, "/v1/tools/weather", &json!({"city": 1, "x": GUEST})).await;
+        post(s, CHAT, &[], format!("{{{GUEST}")).await.unwrap();
+        post_json(s, &format!("/v1/tools/{GUEST}"), &json!({})).await;
+    });
+    drop(rt);
+    let all = String::from_utf8(all.0.lock().unwrap().clone()).unwrap();
+    let info = String::from_utf8(info.0.lock().unwrap().clone()).unwrap();
+    assert!(all.contains("model call"), "nothing was captured:\n{all}");
+    assert!(!all.contains(KEY), "the key was logged:\n{all}");
+    assert!(
+        !info.contains(GUEST),
+        "guest text was logged at info:\n{info}"
+    );
 }

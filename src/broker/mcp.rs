@@ -138,6 +138,8 @@ struct Server {
 /// The MCP servers of a broker.
 pub(crate) struct McpPool {
     servers: BTreeMap<String, Arc<Server>>,
+    /// Server names in configuration order (the order handed to the turn).
+    order: Vec<String>,
     http: reqwest::Client,
 }
 
@@ -150,6 +152,7 @@ impl McpPool {
         let http = super::model::http_client(call_timeout.min(Duration::from_secs(10)))?;
         let mut pool = Self {
             servers: BTreeMap::new(),
+            order: configs.iter().map(|c| c.name.clone()).collect(),
             http,
         };
         for config in configs {
@@ -214,8 +217,9 @@ impl McpPool {
 
     /// The allow-listed tools, as pinned, for the turn.
     pub(crate) fn specs(&self) -> Vec<McpServerSpec> {
-        self.servers
-            .values()
+        self.order
+            .iter()
+            .filter_map(|name| self.servers.get(name))
             .map(|s| McpServerSpec {
                 server: s.config.name.clone(),
                 tools: s
