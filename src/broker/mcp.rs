@@ -281,15 +281,26 @@ impl McpPool {
                 Err(ServiceError::McpError(e)) => Err(CallError::Tool(e.message.to_string())),
                 Err(e) => {
                     tracing::warn!(server, error = %e, "MCP call failed");
-                    let mut state = srv.state.lock().await;
-                    if let State::Running(s) = &*state {
-                        if s.is_closed() || s.peer().is_transport_closed() {
-                            *state = State::Dead;
+                    let closed = matches!(
+                        e,
+                        ServiceError::TransportClosed | ServiceError::TransportSend(_)
+                    ) || peer.is_transport_closed();
+                    if closed {
+                        // Restarted on next use.
+                        let mut state = srv.state.lock().await;
+                        if let State::Running(s) = &*state {
+                            if s.is_closed() || s.peer().is_transport_closed() {
+                                *state = State::Dead;
+                            }
                         }
+                        Err(CallError::Failed(format!(
+                            "MCP server {server} stopped during the call"
+                        )))
+                    } else {
+                        Err(CallError::Failed(format!(
+                            "MCP server {server} failed the call"
+                        )))
                     }
-                    Err(CallError::Failed(format!(
-                        "MCP server {server} stopped during the call"
-                    )))
                 }
             }
         };
