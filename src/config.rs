@@ -53,6 +53,8 @@ pub enum ConfigError {
     OutputLimit(u64),
     #[error("max_steps must be 1 to 256, got {0}")]
     MaxSteps(u32),
+    #[error("session_budget must be 1000 to 10000000 estimated tokens, got {0}")]
+    SessionBudget(u64),
     #[error("sandbox roots must be absolute dedicated directories: {0}")]
     RootNotAbsolute(PathBuf),
     #[error("create sandbox root {path}: {source}")]
@@ -162,6 +164,8 @@ pub struct Config {
     pub instance: Option<String>,
     /// Model steps per turn (default 16).
     pub max_steps: Option<u32>,
+    /// The guest compacts the session past this many estimated tokens (guest default 32000).
+    pub session_budget: Option<u64>,
     /// Docker endpoint (`unix:///path`); default `DOCKER_HOST` or `/var/run/docker.sock`.
     pub docker_host: Option<String>,
     /// Overrides the image's entrypoint (tests and benchmarks).
@@ -214,6 +218,7 @@ impl Config {
             broker_limits: BrokerLimits::default(),
             instance: None,
             max_steps: None,
+            session_budget: None,
             docker_host: None,
             command: None,
         }
@@ -256,6 +261,11 @@ impl Config {
         if let Some(steps) = self.max_steps {
             if !(1..=256).contains(&steps) {
                 return Err(ConfigError::MaxSteps(steps));
+            }
+        }
+        if let Some(budget) = self.session_budget {
+            if !(1000..=10_000_000).contains(&budget) {
+                return Err(ConfigError::SessionBudget(budget));
             }
         }
         let process_uid = nix::unistd::getuid().as_raw();
@@ -405,6 +415,8 @@ pub struct ConfigFile {
     #[serde(default)]
     pub max_steps: Option<u32>,
     #[serde(default)]
+    pub session_budget: Option<u64>,
+    #[serde(default)]
     pub docker_host: Option<String>,
 }
 
@@ -466,6 +478,7 @@ impl ConfigFile {
         config.mcp = self.mcp;
         config.instance = self.instance;
         config.max_steps = self.max_steps;
+        config.session_budget = self.session_budget;
         config.docker_host = self.docker_host;
         Ok(config)
     }

@@ -188,7 +188,7 @@ async fn run_turn_inner(
             tools,
             mcp,
             max_steps: config.config.max_steps,
-            session_budget: None,
+            session_budget: config.config.session_budget,
         };
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
         let spec = container_spec(
