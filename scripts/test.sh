@@ -16,3 +16,10 @@ echo "== guest image" >&2
 scripts/build-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
+if [ "$(id -u)" -eq 0 ]; then
+  echo "== doctor, run as root, refuses root" >&2
+  if out=$(target/debug/roundtable-sandbox doctor 2>&1); then
+    echo "doctor passed as root: $out" >&2; exit 1
+  fi
+  grep -q "FAIL user            running as root" <<<"$out" || { echo "$out" >&2; exit 1; }
+fi

@@ -8,7 +8,10 @@
 //!   allow-listed host and MCP tools (guest requests are hostile);
 //! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
 //! - [`turn`]: one turn's lifecycle and teardown;
-//! - [`sweep`]: removal of what a crashed runtime left behind.
+//! - [`sweep`]: removal of what a crashed runtime left behind;
+//! - [`image`]: the guest image, built FROM scratch from two static binaries;
+//! - [`offline`]: an embedded offline model for first runs and demos (loopback only);
+//! - [`settings`]: config file, flags and defaults for programs embedding the runtime.
 //!
 //! [`Sandbox`] ties them together; the actor layer (`roundtable-sandbox-actors`) drives it.
 
@@ -17,6 +20,9 @@
 pub mod broker;
 pub mod config;
 pub mod driver;
+pub mod image;
+pub mod offline;
+pub mod settings;
 pub mod sweep;
 pub mod turn;
 

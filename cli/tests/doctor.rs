@@ -1,0 +1,98 @@
+//! `doctor` against the real engine, run as the non-root service user: each failure is
+//! detected with its hint and a failing exit code. (Running as root is covered by a unit
+//! test of the check and by scripts/test.sh, which runs `doctor` once as root.)
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+fn doctor(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"));
+    cmd.arg("doctor").args(args).env_remove("DOCKER_HOST");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+fn roots() -> (tempfile::TempDir, String, String) {
+    let dir = tempfile::Builder::new()
+        .prefix("rtd-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let run = dir.path().join("run");
+    let ws = dir.path().join("ws");
+    (dir, run.display().to_string(), ws.display().to_string())
+}
+
+#[test]
+fn a_healthy_host_passes_every_check() {
+    assert_ne!(
+        nix::unistd::getuid().as_raw(),
+        0,
+        "run through scripts/test.sh"
+    );
+    let (_d, run, ws) = roots();
+    let (code, out) = doctor(&["--run-root", &run, "--workspace-root", &ws], &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("all 6 checks passed"), "{out}");
+}
+
+#[test]
+fn a_root_dir_with_a_wrong_mode_is_detected() {
+    let (_d, run, ws) = roots();
+    std::fs::create_dir(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (code, out) = doctor(&["--run-root", &run, "--workspace-root", &ws], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!("FAIL run_root        {run} has mode 755")),
+        "{out}"
+    );
+    assert!(out.contains(&format!("fix: chmod 700 {run}")), "{out}");
+}
+
+#[test]
+fn a_missing_image_is_detected() {
+    let (_d, run, ws) = roots();
+    let (code, out) = doctor(
+        &[
+            "--run-root",
+            &run,
+            "--workspace-root",
+            &ws,
+            "--image",
+            "roundtable-missing:none",
+        ],
+        &[],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL image           roundtable-missing:none is missing"),
+        "{out}"
+    );
+    assert!(
+        out.contains("fix: build it: scripts/build-image.sh"),
+        "{out}"
+    );
+}
+
+#[test]
+fn an_unreachable_docker_is_detected() {
+    let (d, run, ws) = roots();
+    let sock = format!("unix://{}/no-docker.sock", d.path().display());
+    let (code, out) = doctor(
+        &["--run-root", &run, "--workspace-root", &ws],
+        &[("DOCKER_HOST", &sock)],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL docker          docker daemon unreachable"),
+        "{out}"
+    );
+    assert!(out.contains("fix: start the daemon"), "{out}");
+    assert!(out.contains("not checked, Docker is unreachable"), "{out}");
+}
