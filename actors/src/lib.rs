@@ -1,1 +1,57 @@
+//! roundtable-sandbox-actors: the actix face of roundtable-sandbox for chat bots.
+//!
+//! A bot turns each incoming channel message into a [`GuestMessage`] for the
+//! [`SandboxSupervisor`] and posts the response. The layer has three kinds of actor:
+//!
+//! - [`SandboxSupervisor`] (one per process): validates the whole configuration before it
+//!   starts anything ([`SandboxSupervisor::start`]), sweeps what a crashed runtime left
+//!   behind, spawns one [`ChannelActor`] per channel on its first message, restarts a
+//!   channel actor that panicked, retires idle ones, and keeps every channel's **pending
+//!   reset generation** so neither a restart nor a retirement loses it. It answers
+//!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
+//! - [`ChannelActor`] (one per live channel): serializes the channel's turns in arrival
+//!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), snapshots
+//!   the reset generation when it admits a turn, and stops the active turn on [`Stop`].
+//! - [`TurnActor`] (one per turn, short-lived): owns the turn's future — run dir, broker
+//!   listener and container, through [`roundtable_sandbox::run_turn`] — waits for a slot
+//!   under the global container cap (a FIFO semaphore, so channels are served fairly),
+//!   answers the caller and reports to its channel **before** teardown, and makes sure
+//!   teardown runs on every path, panics included.
+//!
+//! Reset generation (the 0.7.18 semantics): [`StartFresh`] increments the channel's
+//! generation; a turn snapshots it when admitted (before any await), runs with
+//! `reset = generation > 0`, and a *successful* reply clears it only if it still equals
+//! the snapshot. A reset requested while a turn starts or runs is kept for the next turn;
+//! a failed turn consumes nothing.
+//!
+//! Panics: actix does not restart a supervised actor when a handler panics, so every
+//! [`ChannelActor`] handler runs under `catch_unwind`; a caught panic aborts the turn in
+//! flight (its caller gets [`SandboxActorError::ChannelRestarted`], its container is
+//! removed) and stops the actor, which actix's [`actix::Supervisor`] then restarts with
+//! its queue and the channel's reset generation intact. A turn's own work runs in a
+//! spawned task whose panic is observed as a `JoinError` and answered with
+//! [`SandboxActorError::TurnPanicked`]; the core's drop guards tear the turn down.
+//!
+//! Everything runs on the current actix arbiter: start the supervisor inside an actix
+//! `System` (e.g. `#[actix::main]`).
 
+#![forbid(unsafe_code)]
+
+mod channel;
+mod config;
+mod error;
+mod messages;
+mod reset;
+mod supervisor;
+mod turn;
+
+pub use channel::ChannelActor;
+pub use config::{ProgressCallback, SupervisorConfig};
+pub use error::SandboxActorError;
+pub use messages::{
+    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, Shutdown,
+    ShutdownReport, StartFresh, Status, StatusReport, Stop, Totals, TurnProgress,
+};
+pub use roundtable_sandbox::{Config, Reply, Speaker, TurnPhase};
+pub use supervisor::SandboxSupervisor;
+pub use turn::TurnActor;

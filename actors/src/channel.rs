@@ -1,0 +1,449 @@
+//! The [`ChannelActor`]: one channel's admission, queue, stop and reset snapshot.
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use roundtable_sandbox::Reply;
+use tokio::sync::oneshot;
+
+use crate::error::AbortReason;
+use crate::reset::ResetGeneration;
+use crate::supervisor::{ChannelIdle, ChannelRestartedNotice, SandboxSupervisor, Shared};
+use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
+use crate::{
+    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, SandboxActorError,
+    Stop,
+};
+
+/// One channel: serializes its turns in arrival order behind a bounded queue, snapshots the
+/// channel's reset generation when it admits a turn, and stops the active turn on [`Stop`].
+///
+/// Spawned by the [`SandboxSupervisor`] under [`actix::Supervisor`]. Every handler runs
+/// under `catch_unwind`: a panic aborts the turn in flight (its caller is answered
+/// [`SandboxActorError::ChannelRestarted`]) and stops the actor, which actix then restarts
+/// at the same address with its queue; the reset generation lives in a cell the
+/// supervisor keeps. An idle actor asks to be retired after `idle_timeout`.
+pub struct ChannelActor {
+    key: String,
+    shared: Arc<Shared>,
+    reset: ResetGeneration,
+    supervisor: Addr<SandboxSupervisor>,
+    actor_id: u64,
+    queue: VecDeque<Pending>,
+    active: Option<ActiveTurn>,
+    /// Guest messages received (the supervisor counts those it forwarded: retirement
+    /// happens only when both agree, so no message can be in flight to a retired actor).
+    received: u64,
+    restarts: u32,
+    turns_done: u64,
+    shutting_down: bool,
+    drained: Vec<oneshot::Sender<()>>,
+    idle_timer: Option<SpawnHandle>,
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for ChannelActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChannelActor")
+            .field("actor_id", &self.actor_id)
+            .field("queued", &self.queue.len())
+            .field("active", &self.active.as_ref().map(|a| a.id))
+            .field("restarts", &self.restarts)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Pending {
+    message: GuestMessage,
+    responder: Responder,
+}
+
+struct ActiveTurn {
+    id: u64,
+    control: TurnControl,
+    admitted: Instant,
+}
+
+impl Drop for ActiveTurn {
+    fn drop(&mut self) {
+        // Normally the turn is over when this is dropped. If the channel's state is dropped
+        // with a turn still running (the actor died), the turn is stopped with a clear error.
+        if !self.control.replied() {
+            self.control.abort(AbortReason::ChannelRestarted);
+        }
+    }
+}
+
+/// From the [`TurnActor`], before teardown: the turn answered.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct TurnReplied {
+    pub(crate) turn: u64,
+    pub(crate) ok: bool,
+}
+
+/// From the [`TurnActor`], after teardown (or when it is dropped): the channel is free.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct TurnDone {
+    pub(crate) turn: u64,
+}
+
+/// From the supervisor: the channel's status.
+#[derive(Debug, Message)]
+#[rtype(result = "ChannelStatus")]
+pub(crate) struct QueryStatus;
+
+/// From the supervisor: refuse the queue, stop the active turn, answer once torn down.
+#[derive(Debug, Message)]
+#[rtype(result = "ChannelShutdown")]
+pub(crate) struct ShutdownChannel;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct ChannelShutdown {
+    pub(crate) stopped: bool,
+    pub(crate) refused: usize,
+}
+
+/// From the supervisor, which has dropped its address: stop if still idle.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Retire;
+
+impl ChannelActor {
+    pub(crate) fn new(
+        key: String,
+        shared: Arc<Shared>,
+        reset: ResetGeneration,
+        supervisor: Addr<SandboxSupervisor>,
+        actor_id: u64,
+    ) -> Self {
+        let segment = roundtable_sandbox::turn::channel_segment(&key);
+        let span = tracing::info_span!("channel", channel = &segment[..16], actor = actor_id);
+        Self {
+            key,
+            shared,
+            reset,
+            supervisor,
+            actor_id,
+            queue: VecDeque::new(),
+            active: None,
+            received: 0,
+            restarts: 0,
+            turns_done: 0,
+            shutting_down: false,
+            drained: Vec::new(),
+            idle_timer: None,
+            span,
+        }
+    }
+
+    fn is_idle(&self) -> bool {
+        self.active.is_none() && self.queue.is_empty()
+    }
+
+    /// Runs a handler's logic; a panic in it restarts the actor instead of killing it
+    /// silently (actix restarts a supervised actor only when it stops).
+    fn guarded<R>(
+        &mut self,
+        ctx: &mut Context<Self>,
+        what: &'static str,
+        f: impl FnOnce(&mut Self, &mut Context<Self>) -> R,
+    ) -> Option<R> {
+        let span = self.span.clone();
+        let _entered = span.enter();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(self, ctx))) {
+            Ok(r) => Some(r),
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                tracing::error!(handler = what, %message, "channel actor panicked; restarting it");
+                if let Some(active) = &self.active {
+                    active.control.abort(AbortReason::ChannelRestarted);
+                }
+                ctx.stop();
+                None
+            }
+        }
+    }
+
+    fn accept(
+        &mut self,
+        message: GuestMessage,
+        ctx: &mut Context<Self>,
+    ) -> Result<oneshot::Receiver<Result<Reply, SandboxActorError>>, SandboxActorError> {
+        if self.shutting_down {
+            return Err(SandboxActorError::ShuttingDown);
+        }
+        if self.active.is_some() && self.queue.len() >= self.shared.queue_limit {
+            tracing::info!(waiting = self.queue.len(), "busy: message refused");
+            return Err(SandboxActorError::Busy {
+                waiting: self.queue.len(),
+            });
+        }
+        let ahead = self.queue.len() + usize::from(self.active.is_some());
+        if ahead > 0 {
+            ProgressSink {
+                channel: self.key.clone(),
+                turn: 0,
+                recipient: message.progress.clone(),
+                callback: self.shared.progress.clone(),
+            }
+            .emit(ProgressEvent::Queued { ahead });
+        }
+        let (responder, answer) = oneshot::channel();
+        self.queue.push_back(Pending { message, responder });
+        self.admit_next(ctx);
+        Ok(answer)
+    }
+
+    /// Admits the next queued message if no turn is active; arms the idle timer otherwise.
+    fn admit_next(&mut self, ctx: &mut Context<Self>) {
+        if self.active.is_some() {
+            return;
+        }
+        while let Some(pending) = self.queue.pop_front() {
+            if pending.responder.is_closed() {
+                tracing::debug!("caller gave up while queued; skipped");
+                continue;
+            }
+            self.admit(pending, ctx);
+            return;
+        }
+        self.arm_idle_timer(ctx);
+    }
+
+    fn admit(&mut self, pending: Pending, ctx: &mut Context<Self>) {
+        if let Some(timer) = self.idle_timer.take() {
+            ctx.cancel_future(timer);
+        }
+        let id = self.shared.next_turn_id();
+        // The admission snapshot, before anything yields: a reset requested from here on
+        // stays pending for the next turn.
+        let snapshot = self.reset.snapshot();
+        let control = TurnControl::default();
+        let Pending { message, responder } = pending;
+        let progress = ProgressSink {
+            channel: self.key.clone(),
+            turn: id,
+            recipient: message.progress,
+            callback: self.shared.progress.clone(),
+        };
+        let job = TurnJob {
+            shared: self.shared.clone(),
+            speaker: message.speaker,
+            text: message.text,
+            snapshot,
+            reset: self.reset.clone(),
+            responder,
+            progress,
+        };
+        let span = tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset = snapshot > 0);
+        tracing::debug!(turn = id, generation = snapshot, "turn admitted");
+        TurnActor::new(id, job, control.clone(), ctx.address(), span).start();
+        self.active = Some(ActiveTurn {
+            id,
+            control,
+            admitted: Instant::now(),
+        });
+    }
+
+    fn arm_idle_timer(&mut self, ctx: &mut Context<Self>) {
+        if self.idle_timer.is_some() || !self.is_idle() || self.shutting_down {
+            return;
+        }
+        let timeout = self.shared.idle_timeout;
+        self.idle_timer = Some(ctx.run_later(timeout, |act, _ctx| {
+            act.idle_timer = None;
+            if act.is_idle() && !act.shutting_down {
+                act.supervisor.do_send(ChannelIdle {
+                    channel: act.key.clone(),
+                    actor_id: act.actor_id,
+                    received: act.received,
+                });
+            }
+        }));
+    }
+
+    fn status(&self) -> ChannelStatus {
+        ChannelStatus {
+            channel: self.key.clone(),
+            state: self
+                .active
+                .as_ref()
+                .map_or(ChannelState::Idle, |a| a.control.state()),
+            queued: self.queue.len(),
+            pending_reset: self.reset.snapshot(),
+            live: true,
+            restarts: self.restarts,
+            turns_done: self.turns_done,
+            active_for: self.active.as_ref().map(|a| a.admitted.elapsed()),
+        }
+    }
+}
+
+impl Actor for ChannelActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        tracing::debug!(parent: &self.span, restarts = self.restarts, "channel actor started");
+        self.arm_idle_timer(ctx);
+    }
+
+    fn stopped(&mut self, _ctx: &mut Self::Context) {
+        tracing::debug!(parent: &self.span, "channel actor stopped");
+    }
+}
+
+impl actix::Supervised for ChannelActor {
+    fn restarting(&mut self, _ctx: &mut Self::Context) {
+        // The queue, the counters and the reset cell are kept; the aborted turn (if any)
+        // stays active until its TurnActor reports it torn down, so turns never overlap.
+        self.restarts += 1;
+        self.idle_timer = None;
+        tracing::warn!(parent: &self.span, restarts = self.restarts, "channel actor restarted");
+        self.supervisor.do_send(ChannelRestartedNotice {
+            channel: self.key.clone(),
+        });
+    }
+}
+
+impl Handler<GuestMessage> for ChannelActor {
+    type Result = ResponseFuture<Result<Reply, SandboxActorError>>;
+
+    fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
+        self.received += 1;
+        match self.guarded(ctx, "guest message", |act, ctx| act.accept(message, ctx)) {
+            Some(Ok(answer)) => Box::pin(async move {
+                answer.await.unwrap_or(Err(SandboxActorError::TurnLost))
+            }),
+            Some(Err(e)) => Box::pin(std::future::ready(Err(e))),
+            None => Box::pin(std::future::ready(Err(SandboxActorError::ChannelRestarted))),
+        }
+    }
+}
+
+impl Handler<Stop> for ChannelActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: Stop, ctx: &mut Self::Context) -> bool {
+        self.guarded(ctx, "stop", |act, _| {
+            let stopped = act.active.as_ref().is_some_and(|a| a.control.stop());
+            tracing::info!(stopped, "stop requested");
+            stopped
+        })
+        .unwrap_or(false)
+    }
+}
+
+impl Handler<TurnReplied> for ChannelActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: TurnReplied, ctx: &mut Self::Context) {
+        self.guarded(ctx, "turn replied", |act, _| {
+            if act.active.as_ref().is_some_and(|a| a.id == msg.turn) {
+                tracing::debug!(turn = msg.turn, ok = msg.ok, "turn replied; tearing down");
+            }
+        });
+    }
+}
+
+impl Handler<TurnDone> for ChannelActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: TurnDone, ctx: &mut Self::Context) {
+        self.guarded(ctx, "turn done", |act, ctx| {
+            if !act.active.as_ref().is_some_and(|a| a.id == msg.turn) {
+                return;
+            }
+            act.active = None;
+            act.turns_done += 1;
+            if act.shutting_down {
+                for waiter in act.drained.drain(..) {
+                    let _ = waiter.send(());
+                }
+            } else {
+                act.admit_next(ctx);
+            }
+        });
+    }
+}
+
+impl Handler<QueryStatus> for ChannelActor {
+    type Result = MessageResult<QueryStatus>;
+
+    fn handle(&mut self, _: QueryStatus, ctx: &mut Self::Context) -> Self::Result {
+        let status = self.guarded(ctx, "status", |act, _| act.status());
+        MessageResult(status.unwrap_or_else(|| self.status()))
+    }
+}
+
+impl Handler<ShutdownChannel> for ChannelActor {
+    type Result = ResponseFuture<ChannelShutdown>;
+
+    fn handle(&mut self, _: ShutdownChannel, ctx: &mut Self::Context) -> Self::Result {
+        let outcome = self.guarded(ctx, "shutdown", |act, ctx| {
+            act.shutting_down = true;
+            if let Some(timer) = act.idle_timer.take() {
+                ctx.cancel_future(timer);
+            }
+            let mut report = ChannelShutdown::default();
+            for pending in act.queue.drain(..) {
+                if pending
+                    .responder
+                    .send(Err(SandboxActorError::ShuttingDown))
+                    .is_ok()
+                {
+                    report.refused += 1;
+                }
+            }
+            let wait = act.active.as_ref().map(|active| {
+                report.stopped = !active.control.replied();
+                active.control.abort(AbortReason::ShuttingDown);
+                let (tx, rx) = oneshot::channel();
+                act.drained.push(tx);
+                rx
+            });
+            tracing::info!(
+                stopped = report.stopped,
+                refused = report.refused,
+                "channel shutting down"
+            );
+            (report, wait)
+        });
+        match outcome {
+            Some((report, Some(wait))) => Box::pin(async move {
+                let _ = wait.await;
+                report
+            }),
+            Some((report, None)) => Box::pin(std::future::ready(report)),
+            None => Box::pin(std::future::ready(ChannelShutdown::default())),
+        }
+    }
+}
+
+impl Handler<Retire> for ChannelActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Retire, ctx: &mut Self::Context) {
+        self.guarded(ctx, "retire", |act, ctx| {
+            if act.is_idle() {
+                tracing::debug!("idle channel actor retired");
+                ctx.stop();
+            }
+        });
+    }
+}
+
+impl Handler<InjectPanic> for ChannelActor {
+    type Result = bool;
+
+    fn handle(&mut self, _: InjectPanic, ctx: &mut Self::Context) -> bool {
+        self.guarded(ctx, "inject panic", |_, _| -> bool {
+            panic!("panic injected into the channel actor (test hook)")
+        });
+        true
+    }
+}

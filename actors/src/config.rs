@@ -1,0 +1,93 @@
+//! The actor layer's own settings, around the core's [`Config`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use roundtable_sandbox::Config;
+
+use crate::{SandboxActorError, TurnProgress};
+
+/// Receives every turn's progress (see [`TurnProgress`]); called on the actor thread, so
+/// it must return quickly. A panic in it is caught and logged; the turn goes on.
+pub type ProgressCallback = Arc<dyn Fn(&TurnProgress) + Send + Sync>;
+
+/// What [`SandboxSupervisor::start`](crate::SandboxSupervisor::start) takes: the core's
+/// configuration and the settings of the actor layer.
+#[derive(Clone)]
+pub struct SupervisorConfig {
+    /// The core configuration (validated by [`roundtable_sandbox::Sandbox::new`]).
+    pub sandbox: Config,
+    /// Messages that may wait behind a channel's running turn; past it a message is
+    /// answered [`SandboxActorError::Busy`] at once. 0 to 10 000; default 8.
+    pub queue_limit: usize,
+    /// Containers running at once across all channels; past it admitted turns wait for a
+    /// slot, first come first served (so channels take turns). 1 to 1024; default 4.
+    pub max_containers: usize,
+    /// A channel actor idle this long is retired (its pending reset is kept by the
+    /// supervisor). 10 ms to 24 h; default 10 min.
+    pub idle_timeout: Duration,
+    /// Run the orphan sweep at start (default true).
+    pub sweep_on_start: bool,
+    /// Progress of every turn, e.g. for a status line ("starting container…").
+    pub progress: Option<ProgressCallback>,
+}
+
+impl std::fmt::Debug for SupervisorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SupervisorConfig")
+            .field("sandbox", &self.sandbox)
+            .field("queue_limit", &self.queue_limit)
+            .field("max_containers", &self.max_containers)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("sweep_on_start", &self.sweep_on_start)
+            .field("progress", &self.progress.as_ref().map(|_| "callback"))
+            .finish()
+    }
+}
+
+impl SupervisorConfig {
+    /// Default queue bound.
+    pub const DEFAULT_QUEUE_LIMIT: usize = 8;
+    /// Default global container cap.
+    pub const DEFAULT_MAX_CONTAINERS: usize = 4;
+    /// Default idle time before a channel actor is retired.
+    pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+    /// The actor settings at their defaults around `sandbox`.
+    pub fn new(sandbox: Config) -> Self {
+        Self {
+            sandbox,
+            queue_limit: Self::DEFAULT_QUEUE_LIMIT,
+            max_containers: Self::DEFAULT_MAX_CONTAINERS,
+            idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
+            sweep_on_start: true,
+            progress: None,
+        }
+    }
+
+    /// Checks the actor settings (the core checks its own).
+    pub fn validate(&self) -> Result<(), SandboxActorError> {
+        let bad = |field, reason: String| Err(SandboxActorError::InvalidSettings { field, reason });
+        if self.queue_limit > 10_000 {
+            return bad(
+                "queue_limit",
+                format!("must be 0 to 10000, got {}", self.queue_limit),
+            );
+        }
+        if !(1..=1024).contains(&self.max_containers) {
+            return bad(
+                "max_containers",
+                format!("must be 1 to 1024, got {}", self.max_containers),
+            );
+        }
+        if self.idle_timeout < Duration::from_millis(10)
+            || self.idle_timeout > Duration::from_secs(86_400)
+        {
+            return bad(
+                "idle_timeout",
+                format!("must be 10 ms to 24 h, got {:?}", self.idle_timeout),
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,65 @@
+//! The one error type of the actor layer.
+
+/// Everything the actor layer can refuse or fail with. Each message is meant to be shown
+/// as it is (to the operator for the start-up errors, to the guest for the others).
+///
+/// A turn that ran and failed (timeout, stop, guest error…) is not an error here: it is an
+/// `Ok` [`Reply`](roundtable_sandbox::Reply) with `ok: false`.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxActorError {
+    /// A setting of the actor layer is out of range (checked before anything starts).
+    #[error("invalid actor settings: {field} {reason}")]
+    InvalidSettings { field: &'static str, reason: String },
+    /// The core refused the configuration or could not prepare the broker; nothing started.
+    #[error("cannot start the sandbox: {0}")]
+    Start(#[from] roundtable_sandbox::SandboxError),
+    /// The channel's queue is full.
+    #[error(
+        "this channel is busy: a turn is running and {waiting} message(s) are already waiting \
+         (the limit); try again when it has answered"
+    )]
+    Busy { waiting: usize },
+    /// The supervisor is shutting down (or has shut down) and admits nothing.
+    #[error("the sandbox is shutting down; this message was not processed")]
+    ShuttingDown,
+    /// The channel's actor failed with an internal error and was restarted; the turn in
+    /// flight was stopped and its container removed.
+    #[error(
+        "the channel's worker failed with an internal error and was restarted; this turn was \
+         stopped and its container removed; send the message again"
+    )]
+    ChannelRestarted,
+    /// The turn's own task panicked; its run dir, listener and container are cleaned up by
+    /// the core's drop guards.
+    #[error("the turn failed with an internal error ({message}); its resources were cleaned up")]
+    TurnPanicked { message: String },
+    /// The turn ended without delivering a reply (an internal error; never expected).
+    #[error("the turn ended without a reply (internal error)")]
+    TurnLost,
+    /// The channel's actor could not be reached.
+    #[error("the channel's worker is unavailable: {0}")]
+    ChannelUnavailable(#[from] actix::MailboxError),
+}
+
+impl SandboxActorError {
+    /// The error as an `{ok:false}` reply, for a bot that posts every answer the same way.
+    pub fn to_reply(&self) -> roundtable_sandbox::Reply {
+        roundtable_sandbox::Reply::error(self.to_string())
+    }
+}
+
+/// Why the layer itself ended a turn (not the guest, not the user's [`Stop`](crate::Stop)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AbortReason {
+    ShuttingDown,
+    ChannelRestarted,
+}
+
+impl AbortReason {
+    pub(crate) fn into_error(self) -> SandboxActorError {
+        match self {
+            AbortReason::ShuttingDown => SandboxActorError::ShuttingDown,
+            AbortReason::ChannelRestarted => SandboxActorError::ChannelRestarted,
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! The messages a bot sends to the [`SandboxSupervisor`](crate::SandboxSupervisor) and
+//! what they are answered with.
+
+use std::time::Duration;
+
+use actix::{Message, Recipient};
+use roundtable_sandbox::{Reply, Speaker, TurnPhase};
+
+use crate::SandboxActorError;
+
+/// A guest's message in a channel. Answered, when the turn is over, with the turn's reply
+/// (`Ok`, which may be `ok: false` for a timeout, a stop or a guest error) or with a
+/// refusal of the layer (`Err`: busy, shutting down, an internal failure).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Reply, SandboxActorError>")]
+pub struct GuestMessage {
+    /// The channel key (any string; it is hashed before it names anything on disk).
+    pub channel: String,
+    /// Who wrote it, as the bot admitted them; the turn and its tool calls carry it.
+    pub speaker: Speaker,
+    pub text: String,
+    /// Receives this message's progress (queued, waiting for a slot, each turn phase).
+    pub progress: Option<Recipient<TurnProgress>>,
+}
+
+impl GuestMessage {
+    /// A message without a progress recipient.
+    pub fn new(channel: impl Into<String>, speaker: Speaker, text: impl Into<String>) -> Self {
+        Self {
+            channel: channel.into(),
+            speaker,
+            text: text.into(),
+            progress: None,
+        }
+    }
+
+    /// Sends this message's progress to `recipient`.
+    pub fn with_progress(mut self, recipient: Recipient<TurnProgress>) -> Self {
+        self.progress = Some(recipient);
+        self
+    }
+}
+
+/// Requests a fresh session for the channel's next turn (increments its pending reset
+/// generation). Needs no channel actor; kept across restarts and retirement.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct StartFresh {
+    pub channel: String,
+}
+
+/// Stops the channel's active turn (its container is killed). Answered with whether a
+/// turn was active (admitted and not yet answered). Queued messages stay queued.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "bool")]
+pub struct Stop {
+    pub channel: String,
+}
+
+/// Stops admitting, answers every queued message [`SandboxActorError::ShuttingDown`],
+/// stops every active turn, and resolves once all of them have torn down and the broker's
+/// long-lived parts (MCP servers) have ended. Idempotent: a second `Shutdown` waits for
+/// the same end and gets the same report.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "ShutdownReport")]
+pub struct Shutdown;
+
+/// What [`Shutdown`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Turns that were active (running or waiting for a slot) and were stopped.
+    pub stopped_turns: usize,
+    /// Queued messages answered with [`SandboxActorError::ShuttingDown`].
+    pub refused_queued: usize,
+}
+
+/// Asks for every channel's state and the totals.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "StatusReport")]
+pub struct Status;
+
+/// Where a channel is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChannelState {
+    /// No turn (the actor may even be retired).
+    Idle,
+    /// A turn is admitted and waits for a container slot (the global cap).
+    WaitingForSlot,
+    /// A turn is in this phase.
+    Running(TurnPhase),
+    /// The active turn was stopped and is tearing down.
+    Stopping,
+}
+
+impl ChannelState {
+    /// Whether a turn occupies the channel.
+    pub fn is_busy(&self) -> bool {
+        !matches!(self, ChannelState::Idle)
+    }
+}
+
+/// One channel in a [`StatusReport`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelStatus {
+    pub channel: String,
+    pub state: ChannelState,
+    /// Messages waiting behind the active turn.
+    pub queued: usize,
+    /// The pending reset generation (0: none); the next turn starts a fresh session if > 0.
+    pub pending_reset: u64,
+    /// Whether a channel actor is alive (false: retired, only a pending reset is kept).
+    pub live: bool,
+    /// How often this channel's actor was restarted after a panic.
+    pub restarts: u32,
+    /// Turns this actor has finished (since it was spawned).
+    pub turns_done: u64,
+    /// How long the active turn has been admitted.
+    pub active_for: Option<Duration>,
+}
+
+/// Answer to [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusReport {
+    /// Channels with a live actor or a pending reset, sorted by key.
+    pub channels: Vec<ChannelStatus>,
+    pub totals: Totals,
+}
+
+/// Totals of a [`StatusReport`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Live channel actors.
+    pub live_channels: usize,
+    /// Channels with an active turn.
+    pub busy_channels: usize,
+    /// Messages queued across channels.
+    pub queued: usize,
+    /// Channels with a pending reset.
+    pub pending_resets: usize,
+    /// Container slots in use (at most `max_containers`).
+    pub containers_in_use: usize,
+    pub max_containers: usize,
+    /// Admitted turns waiting for a container slot.
+    pub waiting_for_slot: usize,
+    /// Channel actor restarts after panics, since start.
+    pub restarts: u64,
+    /// Channel actors retired for idleness, since start.
+    pub retired: u64,
+    pub shutting_down: bool,
+}
+
+/// Progress of one message's turn, for a bot's status display.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct TurnProgress {
+    pub channel: String,
+    /// The turn's id (unique in this supervisor); 0 while the message is only queued.
+    pub turn: u64,
+    pub event: ProgressEvent,
+}
+
+/// A step of a message's way through the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProgressEvent {
+    /// Queued behind `ahead` turns of the channel (the running one included).
+    Queued { ahead: usize },
+    /// Admitted; all container slots are taken, waiting for one.
+    WaitingForSlot,
+    /// A phase of the core's turn runner (preparing, broker listening, container running,
+    /// replied, tearing down, done).
+    Phase(TurnPhase),
+}
+
+/// Test hook: makes the channel's actor panic inside a handler, to exercise the restart.
+/// Answered with whether the channel had a live actor to receive it.
+#[doc(hidden)]
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "bool")]
+pub struct InjectPanic {
+    pub channel: String,
+}

@@ -1,0 +1,388 @@
+//! The [`SandboxSupervisor`]: the bot's entry point.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use roundtable_sandbox::sweep::SweepReport;
+use roundtable_sandbox::{Reply, Sandbox};
+use tokio::sync::{watch, Semaphore};
+
+use crate::channel::{ChannelActor, QueryStatus, Retire, ShutdownChannel};
+use crate::reset::ResetGeneration;
+use crate::{
+    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressCallback, SandboxActorError,
+    Shutdown, ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorConfig, Totals,
+};
+
+/// What every actor of one supervisor shares.
+pub(crate) struct Shared {
+    pub(crate) sandbox: Sandbox,
+    /// The global cap on running containers (FIFO: fair across channels).
+    pub(crate) limiter: Arc<Semaphore>,
+    pub(crate) max_containers: usize,
+    pub(crate) queue_limit: usize,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) progress: Option<ProgressCallback>,
+    waiting_for_slot: AtomicUsize,
+    next_turn: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn next_turn_id(&self) -> u64 {
+        self.next_turn.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Counts a turn waiting for a slot while the guard lives.
+    pub(crate) fn waiting_guard(self: &Arc<Self>) -> WaitingGuard {
+        self.waiting_for_slot.fetch_add(1, Ordering::SeqCst);
+        WaitingGuard(self.clone())
+    }
+}
+
+pub(crate) struct WaitingGuard(Arc<Shared>);
+
+impl Drop for WaitingGuard {
+    fn drop(&mut self) {
+        self.0.waiting_for_slot.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The sandbox's supervisor: one per process, the address a bot sends its messages to.
+///
+/// Started by [`SandboxSupervisor::start`], which validates the whole configuration first.
+/// Spawns one [`ChannelActor`] per channel on its first [`GuestMessage`] (under
+/// [`actix::Supervisor`], restarted after a panic), keeps every channel's pending reset
+/// generation (so a restart or a retirement never loses it), retires idle channel actors,
+/// and answers [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
+pub struct SandboxSupervisor {
+    shared: Arc<Shared>,
+    channels: HashMap<String, ChannelEntry>,
+    /// Pending reset generations, by channel. Shared with the live channel actor; kept
+    /// here when it is restarted or retired (an entry at 0 goes with its actor).
+    resets: HashMap<String, ResetGeneration>,
+    next_actor: u64,
+    restarts: u64,
+    retired: u64,
+    shutdown: Option<watch::Receiver<Option<ShutdownReport>>>,
+}
+
+impl std::fmt::Debug for SandboxSupervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SandboxSupervisor")
+            .field("channels", &self.channels.len())
+            .field("pending_resets", &self.resets.len())
+            .field("shutting_down", &self.shutdown.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+struct ChannelEntry {
+    addr: Addr<ChannelActor>,
+    actor_id: u64,
+    /// Guest messages forwarded to this actor (see `ChannelIdle`).
+    forwarded: u64,
+}
+
+/// From an idle channel actor: retire me if nothing is on its way to me.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct ChannelIdle {
+    pub(crate) channel: String,
+    pub(crate) actor_id: u64,
+    pub(crate) received: u64,
+}
+
+/// From a channel actor being restarted after a panic (counted for [`Status`]).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct ChannelRestartedNotice {
+    pub(crate) channel: String,
+}
+
+impl SandboxSupervisor {
+    /// Validates the actor settings and the core configuration (a bad one is an error and
+    /// nothing is started), prepares the broker, runs the orphan sweep (unless disabled; its
+    /// failures are logged, not fatal: the daemon may come up later), then starts the
+    /// supervisor on the current arbiter. Call it inside an actix `System`.
+    pub async fn start(config: SupervisorConfig) -> Result<Addr<Self>, SandboxActorError> {
+        Ok(Self::start_with_sweep(config).await?.0)
+    }
+
+    /// [`SandboxSupervisor::start`], also returning what the sweep removed.
+    pub async fn start_with_sweep(
+        config: SupervisorConfig,
+    ) -> Result<(Addr<Self>, SweepReport), SandboxActorError> {
+        config.validate()?;
+        let sandbox = Sandbox::new(config.sandbox.clone()).await?;
+        let report = if config.sweep_on_start {
+            sandbox.sweep().await
+        } else {
+            SweepReport::default()
+        };
+        for error in &report.errors {
+            tracing::warn!(%error, "startup sweep");
+        }
+        tracing::info!(
+            instance = %sandbox.config().instance,
+            swept_containers = report.containers.len(),
+            swept_run_dirs = report.run_dirs.len(),
+            max_containers = config.max_containers,
+            queue_limit = config.queue_limit,
+            "sandbox supervisor starting"
+        );
+        let shared = Arc::new(Shared {
+            sandbox,
+            limiter: Arc::new(Semaphore::new(config.max_containers)),
+            max_containers: config.max_containers,
+            queue_limit: config.queue_limit,
+            idle_timeout: config.idle_timeout,
+            progress: config.progress.clone(),
+            waiting_for_slot: AtomicUsize::new(0),
+            next_turn: AtomicU64::new(0),
+        });
+        let supervisor = Self {
+            shared,
+            channels: HashMap::new(),
+            resets: HashMap::new(),
+            next_actor: 0,
+            restarts: 0,
+            retired: 0,
+            shutdown: None,
+        };
+        Ok((supervisor.start(), report))
+    }
+
+    /// The channel's live actor, spawned if it has none (first message, retired, or died
+    /// beyond a restart).
+    fn channel(&mut self, key: &str, ctx: &mut Context<Self>) -> &mut ChannelEntry {
+        let dead = self
+            .channels
+            .get(key)
+            .is_some_and(|entry| !entry.addr.connected());
+        if dead {
+            tracing::error!("a channel actor died beyond restart; spawning a new one");
+            self.restarts += 1;
+            self.channels.remove(key);
+        }
+        if !self.channels.contains_key(key) {
+            self.next_actor += 1;
+            let actor_id = self.next_actor;
+            let reset = self.resets.entry(key.to_owned()).or_default().clone();
+            let (shared, supervisor, owned_key) = (self.shared.clone(), ctx.address(), key.to_owned());
+            let addr = actix::Supervisor::start(move |_| {
+                ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
+            });
+            self.channels.insert(
+                key.to_owned(),
+                ChannelEntry {
+                    addr,
+                    actor_id,
+                    forwarded: 0,
+                },
+            );
+        }
+        self.channels.get_mut(key).expect("inserted above")
+    }
+}
+
+impl Actor for SandboxSupervisor {
+    type Context = Context<Self>;
+}
+
+impl Handler<GuestMessage> for SandboxSupervisor {
+    type Result = ResponseFuture<Result<Reply, SandboxActorError>>;
+
+    fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
+        if self.shutdown.is_some() {
+            return Box::pin(std::future::ready(Err(SandboxActorError::ShuttingDown)));
+        }
+        let entry = self.channel(&message.channel, ctx);
+        entry.forwarded += 1;
+        let answer = entry.addr.send(message);
+        Box::pin(async move { answer.await? })
+    }
+}
+
+impl Handler<StartFresh> for SandboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: StartFresh, _: &mut Self::Context) {
+        let generation = self.resets.entry(msg.channel).or_default().request();
+        tracing::info!(generation, "fresh session requested");
+    }
+}
+
+impl Handler<Stop> for SandboxSupervisor {
+    type Result = ResponseFuture<bool>;
+
+    fn handle(&mut self, msg: Stop, _: &mut Self::Context) -> Self::Result {
+        match self.channels.get(&msg.channel) {
+            Some(entry) => {
+                let answer = entry.addr.send(msg);
+                Box::pin(async move { answer.await.unwrap_or(false) })
+            }
+            None => Box::pin(std::future::ready(false)),
+        }
+    }
+}
+
+impl Handler<InjectPanic> for SandboxSupervisor {
+    type Result = ResponseFuture<bool>;
+
+    fn handle(&mut self, msg: InjectPanic, _: &mut Self::Context) -> Self::Result {
+        match self.channels.get(&msg.channel) {
+            Some(entry) => {
+                let answer = entry.addr.send(msg);
+                Box::pin(async move { answer.await.unwrap_or(false) })
+            }
+            None => Box::pin(std::future::ready(false)),
+        }
+    }
+}
+
+impl Handler<ChannelIdle> for SandboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ChannelIdle, _: &mut Self::Context) {
+        if self.shutdown.is_some() {
+            return;
+        }
+        let current = self.channels.get(&msg.channel).is_some_and(|entry| {
+            entry.actor_id == msg.actor_id && entry.forwarded == msg.received
+        });
+        if !current {
+            // A message is on its way to it (it will go idle again later), or it was replaced.
+            return;
+        }
+        if let Some(entry) = self.channels.remove(&msg.channel) {
+            entry.addr.do_send(Retire);
+        }
+        if self
+            .resets
+            .get(&msg.channel)
+            .is_some_and(|g| g.snapshot() == 0)
+        {
+            self.resets.remove(&msg.channel);
+        }
+        self.retired += 1;
+    }
+}
+
+impl Handler<ChannelRestartedNotice> for SandboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ChannelRestartedNotice, _: &mut Self::Context) {
+        self.restarts += 1;
+        let segment = roundtable_sandbox::turn::channel_segment(&msg.channel);
+        tracing::warn!(channel = &segment[..16], "channel actor restarted after a panic");
+    }
+}
+
+impl Handler<Status> for SandboxSupervisor {
+    type Result = ResponseFuture<StatusReport>;
+
+    fn handle(&mut self, _: Status, _: &mut Self::Context) -> Self::Result {
+        let queries: Vec<_> = self
+            .channels
+            .iter()
+            .map(|(key, entry)| (key.clone(), entry.addr.send(QueryStatus)))
+            .collect();
+        let retired: Vec<ChannelStatus> = self
+            .resets
+            .iter()
+            .filter(|(key, g)| !self.channels.contains_key(*key) && g.snapshot() > 0)
+            .map(|(key, g)| ChannelStatus {
+                channel: key.clone(),
+                state: ChannelState::Idle,
+                queued: 0,
+                pending_reset: g.snapshot(),
+                live: false,
+                restarts: 0,
+                turns_done: 0,
+                active_for: None,
+            })
+            .collect();
+        let shared = self.shared.clone();
+        let (restarts, retired_count) = (self.restarts, self.retired);
+        let shutting_down = self.shutdown.is_some();
+        Box::pin(async move {
+            let mut channels = retired;
+            for (key, query) in queries {
+                match query.await {
+                    Ok(status) => channels.push(status),
+                    Err(_) => channels.push(ChannelStatus {
+                        channel: key,
+                        state: ChannelState::Idle,
+                        queued: 0,
+                        pending_reset: 0,
+                        live: false,
+                        restarts: 0,
+                        turns_done: 0,
+                        active_for: None,
+                    }),
+                }
+            }
+            channels.sort_by(|a, b| a.channel.cmp(&b.channel));
+            let totals = Totals {
+                live_channels: channels.iter().filter(|c| c.live).count(),
+                busy_channels: channels.iter().filter(|c| c.state.is_busy()).count(),
+                queued: channels.iter().map(|c| c.queued).sum(),
+                pending_resets: channels.iter().filter(|c| c.pending_reset > 0).count(),
+                containers_in_use: shared.max_containers - shared.limiter.available_permits(),
+                max_containers: shared.max_containers,
+                waiting_for_slot: shared.waiting_for_slot.load(Ordering::SeqCst),
+                restarts,
+                retired: retired_count,
+                shutting_down,
+            };
+            StatusReport { channels, totals }
+        })
+    }
+}
+
+impl Handler<Shutdown> for SandboxSupervisor {
+    type Result = ResponseFuture<ShutdownReport>;
+
+    fn handle(&mut self, _: Shutdown, _: &mut Self::Context) -> Self::Result {
+        let mut done = match &self.shutdown {
+            Some(done) => done.clone(),
+            None => {
+                tracing::info!(channels = self.channels.len(), "shutting down");
+                let (tx, rx) = watch::channel(None);
+                self.shutdown = Some(rx.clone());
+                let channels: Vec<_> = self
+                    .channels
+                    .values()
+                    .map(|entry| entry.addr.send(ShutdownChannel))
+                    .collect();
+                let sandbox = self.shared.sandbox.clone();
+                actix_rt::spawn(async move {
+                    let mut report = ShutdownReport::default();
+                    for channel in channels {
+                        if let Ok(c) = channel.await {
+                            report.stopped_turns += usize::from(c.stopped);
+                            report.refused_queued += c.refused;
+                        }
+                    }
+                    sandbox.shutdown().await;
+                    tracing::info!(
+                        stopped_turns = report.stopped_turns,
+                        refused_queued = report.refused_queued,
+                        "shut down"
+                    );
+                    let _ = tx.send(Some(report));
+                });
+                rx
+            }
+        };
+        Box::pin(async move {
+            match done.wait_for(Option::is_some).await {
+                Ok(report) => report.unwrap_or_default(),
+                Err(_) => ShutdownReport::default(),
+            }
+        })
+    }
+}

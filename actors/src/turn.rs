@@ -1,0 +1,357 @@
+//! The [`TurnActor`]: one turn, from admission to the end of its teardown.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use actix::prelude::*;
+use roundtable_sandbox::turn::TurnError;
+use roundtable_sandbox::{run_turn, PhaseObserver, Reply, Speaker, TurnPhase, TurnRequest};
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::channel::{ChannelActor, TurnDone, TurnReplied};
+use crate::error::AbortReason;
+use crate::reset::ResetGeneration;
+use crate::supervisor::Shared;
+use crate::{ChannelState, ProgressCallback, ProgressEvent, SandboxActorError, TurnProgress};
+
+/// Where a caller's answer goes.
+pub(crate) type Responder = oneshot::Sender<Result<Reply, SandboxActorError>>;
+
+/// The handle a channel keeps on its active turn: stop it, say why, see its phase.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TurnControl(Arc<ControlInner>);
+
+#[derive(Debug, Default)]
+struct ControlInner {
+    stop: CancellationToken,
+    abort: OnceLock<AbortReason>,
+    /// 0: admitted; 1: waiting for a slot; 2 + n: the core's phase n.
+    phase: AtomicU8,
+    replied: AtomicBool,
+}
+
+const PHASES: [TurnPhase; 6] = [
+    TurnPhase::Preparing,
+    TurnPhase::BrokerListening,
+    TurnPhase::ContainerRunning,
+    TurnPhase::Replied,
+    TurnPhase::TearingDown,
+    TurnPhase::Done,
+];
+
+impl TurnControl {
+    /// Stops the turn; returns whether it was still active (admitted, not yet answered,
+    /// not already stopped).
+    pub(crate) fn stop(&self) -> bool {
+        let was_active = !self.0.stop.is_cancelled() && !self.replied();
+        self.0.stop.cancel();
+        was_active
+    }
+
+    /// Stops the turn for a reason of the layer; its caller gets that reason's error.
+    pub(crate) fn abort(&self, reason: AbortReason) {
+        let _ = self.0.abort.set(reason);
+        self.0.stop.cancel();
+    }
+
+    pub(crate) fn replied(&self) -> bool {
+        self.0.replied.load(Ordering::SeqCst)
+    }
+
+    fn set_phase(&self, phase: u8) {
+        self.0.phase.store(phase, Ordering::SeqCst);
+    }
+
+    fn set_turn_phase(&self, phase: TurnPhase) {
+        let n = PHASES.iter().position(|p| *p == phase).unwrap_or(0) as u8;
+        self.set_phase(2 + n);
+    }
+
+    /// The channel's state as this turn makes it.
+    pub(crate) fn state(&self) -> ChannelState {
+        if self.0.stop.is_cancelled() && !self.replied() {
+            return ChannelState::Stopping;
+        }
+        match self.0.phase.load(Ordering::SeqCst) {
+            0 => ChannelState::Running(TurnPhase::Preparing),
+            1 => ChannelState::WaitingForSlot,
+            n => ChannelState::Running(
+                PHASES
+                    .get(usize::from(n - 2))
+                    .copied()
+                    .unwrap_or(TurnPhase::Done),
+            ),
+        }
+    }
+}
+
+/// Sends a message's progress to its recipient and to the supervisor-wide callback.
+#[derive(Clone)]
+pub(crate) struct ProgressSink {
+    pub(crate) channel: String,
+    pub(crate) turn: u64,
+    pub(crate) recipient: Option<Recipient<TurnProgress>>,
+    pub(crate) callback: Option<ProgressCallback>,
+}
+
+impl ProgressSink {
+    pub(crate) fn emit(&self, event: ProgressEvent) {
+        if self.recipient.is_none() && self.callback.is_none() {
+            return;
+        }
+        let progress = TurnProgress {
+            channel: self.channel.clone(),
+            turn: self.turn,
+            event,
+        };
+        if let Some(callback) = &self.callback {
+            if std::panic::catch_unwind(AssertUnwindSafe(|| callback(&progress))).is_err() {
+                tracing::warn!("the progress callback panicked; the turn goes on");
+            }
+        }
+        if let Some(recipient) = &self.recipient {
+            recipient.do_send(progress);
+        }
+    }
+}
+
+/// Everything a turn needs, handed over by its channel at admission.
+pub(crate) struct TurnJob {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) speaker: Speaker,
+    pub(crate) text: String,
+    /// The reset generation snapshotted at admission.
+    pub(crate) snapshot: u64,
+    pub(crate) reset: ResetGeneration,
+    pub(crate) responder: Responder,
+    pub(crate) progress: ProgressSink,
+}
+
+/// One turn. Owns the turn's future (run dir, broker listener, container: all through
+/// [`roundtable_sandbox::run_turn`]), which runs in its own task so that a panic in it is
+/// caught (as a `JoinError`) instead of taking an actor down.
+///
+/// In order: waits for a container slot (or a stop); runs the turn; from the core's reply
+/// callback — before any teardown — consumes the reset generation if the reply is ok and
+/// the generation is still the admitted one, answers the caller and reports
+/// [`TurnReplied`] to its [`ChannelActor`]; after teardown reports [`TurnDone`] and stops.
+/// If the actor is dropped early it cancels the turn (the core's guards tear it down) and
+/// still reports `TurnDone`, so its channel never waits forever.
+pub struct TurnActor {
+    id: u64,
+    job: Option<TurnJob>,
+    control: TurnControl,
+    channel: Addr<ChannelActor>,
+    done_reported: bool,
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for TurnActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnActor")
+            .field("id", &self.id)
+            .field("state", &self.control.state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TurnActor {
+    pub(crate) fn new(
+        id: u64,
+        job: TurnJob,
+        control: TurnControl,
+        channel: Addr<ChannelActor>,
+        span: tracing::Span,
+    ) -> Self {
+        Self {
+            id,
+            job: Some(job),
+            control,
+            channel,
+            done_reported: false,
+            span,
+        }
+    }
+}
+
+impl Actor for TurnActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let Some(job) = self.job.take() else {
+            return;
+        };
+        let responder = Arc::new(Mutex::new(Some(job.responder)));
+        let delivery = Delivery {
+            turn: self.id,
+            responder: responder.clone(),
+            control: self.control.clone(),
+            reset: job.reset,
+            snapshot: job.snapshot,
+            channel: self.channel.clone(),
+        };
+        let work = run_job(
+            job.shared,
+            job.speaker,
+            job.text,
+            job.snapshot,
+            job.progress,
+            self.control.clone(),
+            delivery,
+        )
+        .instrument(self.span.clone());
+        let task = actix_rt::spawn(work);
+        ctx.spawn(actix::fut::wrap_future::<_, Self>(task).map(
+            move |outcome, act, ctx| {
+                if let Err(e) = outcome {
+                    let error = if e.is_panic() {
+                        let message = panic_message(e.into_panic().as_ref());
+                        tracing::error!(parent: &act.span, %message, "the turn's task panicked");
+                        SandboxActorError::TurnPanicked { message }
+                    } else {
+                        SandboxActorError::TurnLost
+                    };
+                    act.control.0.replied.store(true, Ordering::SeqCst);
+                    if let Some(tx) = take(&responder) {
+                        let _ = tx.send(Err(error));
+                    }
+                }
+                act.report_done();
+                ctx.stop();
+            },
+        ));
+    }
+}
+
+impl TurnActor {
+    fn report_done(&mut self) {
+        if !self.done_reported {
+            self.done_reported = true;
+            self.channel.do_send(TurnDone { turn: self.id });
+        }
+    }
+}
+
+impl Drop for TurnActor {
+    fn drop(&mut self) {
+        // Dropped before its task finished (the arbiter is going away): cancel the turn,
+        // whose teardown goes on in its task, and free the channel.
+        self.control.0.stop.cancel();
+        self.report_done();
+    }
+}
+
+fn take(responder: &Mutex<Option<Responder>>) -> Option<Responder> {
+    responder
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+}
+
+/// The reply's way out, run from the core's `on_reply` (before teardown).
+struct Delivery {
+    turn: u64,
+    responder: Arc<Mutex<Option<Responder>>>,
+    control: TurnControl,
+    reset: ResetGeneration,
+    snapshot: u64,
+    channel: Addr<ChannelActor>,
+}
+
+impl Delivery {
+    fn deliver(&self, reply: &Reply) {
+        self.control.0.replied.store(true, Ordering::SeqCst);
+        if reply.ok && self.reset.consume(self.snapshot) {
+            tracing::debug!(generation = self.snapshot, "pending reset consumed");
+        }
+        let answer = match self.control.0.abort.get() {
+            Some(reason) if !reply.ok => Err(reason.into_error()),
+            _ => Ok(reply.clone()),
+        };
+        if let Some(tx) = take(&self.responder) {
+            let _ = tx.send(answer);
+        }
+        self.channel.do_send(TurnReplied {
+            turn: self.turn,
+            ok: reply.ok,
+        });
+    }
+}
+
+async fn run_job(
+    shared: Arc<Shared>,
+    speaker: Speaker,
+    text: String,
+    snapshot: u64,
+    progress: ProgressSink,
+    control: TurnControl,
+    delivery: Delivery,
+) {
+    let stopped = || {
+        let reply = Reply::error(TurnError::Stopped.to_string());
+        delivery.deliver(&reply);
+        progress.emit(ProgressEvent::Phase(TurnPhase::Done));
+    };
+    let token = control.0.stop.clone();
+    if token.is_cancelled() {
+        return stopped();
+    }
+    // A container slot under the global cap. The semaphore is FIFO and each channel has at
+    // most one turn waiting, so waiting channels are served in turn.
+    let limiter = shared.limiter.clone();
+    let _permit = match limiter.clone().try_acquire_owned() {
+        Ok(permit) => permit,
+        Err(_) => {
+            control.set_phase(1);
+            progress.emit(ProgressEvent::WaitingForSlot);
+            let _waiting = shared.waiting_guard();
+            tokio::select! {
+                biased;
+                _ = token.cancelled() => return stopped(),
+                permit = limiter.acquire_owned() => match permit {
+                    Ok(permit) => permit,
+                    Err(_) => {
+                        delivery.deliver(&Reply::error("the container limiter is closed"));
+                        return;
+                    }
+                },
+            }
+        }
+    };
+    let observer: PhaseObserver = {
+        let control = control.clone();
+        let progress = progress.clone();
+        Arc::new(move |phase| {
+            control.set_turn_phase(phase);
+            progress.emit(ProgressEvent::Phase(phase));
+        })
+    };
+    let request = TurnRequest {
+        channel: progress.channel.clone(),
+        speaker,
+        text,
+        reset: snapshot > 0,
+        stop: token,
+    };
+    run_turn(
+        &shared.sandbox,
+        request,
+        |reply| delivery.deliver(reply),
+        Some(observer),
+    )
+    .await;
+    // The permit is released here, after teardown: a slot is a container.
+}
+
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic".to_owned()
+    }
+}
