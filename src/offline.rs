@@ -7,6 +7,9 @@
 //! schema), then answer with what each step returned. It decides by looking at the tool
 //! results since the last user message, so it keeps no state between requests.
 //!
+//! Like a real model it does what the guest asks: a message of the form `name: run: CMD`
+//! makes the `sh` step run `CMD` (a guest could ask a real model the same).
+//!
 //! It listens on `127.0.0.1` only; use it with `allow_http`.
 
 use std::convert::Infallible;
@@ -148,11 +151,17 @@ pub fn next_message(request: &Value) -> Value {
     match results.len() {
         0 => call(0, "write", json!({"path": NOTE, "content": said})),
         1 => call(1, "read", json!({"path": NOTE})),
-        2 => call(
-            2,
-            "sh",
-            json!({"command": "echo \"uid $(id -u), net: $(ls /sys/class/net | tr '\\n' ' ')\"; wc -c < notes/last-message.txt"}),
-        ),
+        2 => {
+            let asked = said
+                .split_once(": ")
+                .map_or(said.as_str(), |(_, t)| t)
+                .strip_prefix("run: ");
+            let command = asked.map_or_else(
+                || "echo \"uid $(id -u), net: $(ls /sys/class/net | tr '\\n' ' ')\"; wc -c < notes/last-message.txt".to_owned(),
+                str::to_owned,
+            );
+            call(2, "sh", json!({"command": command, "timeout_seconds": 120}))
+        }
         3 if host_tool.is_some() => {
             let (name, args) = host_tool.expect("checked");
             call(3, &name, args)
@@ -256,6 +265,13 @@ mod tests {
             "{content}"
         );
         assert!(content.contains("0 earlier message(s)"), "{content}");
+        let mut asked = req(2, false);
+        asked["messages"][1]["content"] = json!("ann: run: sleep 30");
+        let sh = next_message(&asked);
+        assert_eq!(
+            sh["tool_calls"][0]["function"]["arguments"],
+            json!({"command": "sleep 30", "timeout_seconds": 120}).to_string()
+        );
         // Without a host tool the answer comes after sh.
         assert!(next_message(&req(3, false))["content"].is_string());
     }
