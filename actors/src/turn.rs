@@ -33,10 +33,12 @@ struct ControlInner {
     replied: AtomicBool,
 }
 
-const PHASES: [TurnPhase; 6] = [
+const PHASES: [TurnPhase; 8] = [
     TurnPhase::Preparing,
     TurnPhase::BrokerListening,
     TurnPhase::ContainerRunning,
+    TurnPhase::ModelCall,
+    TurnPhase::ToolCall,
     TurnPhase::Replied,
     TurnPhase::TearingDown,
     TurnPhase::Done,

@@ -1,0 +1,679 @@
+//! The actor layer against a recording fake driver: ordering, reset generation, stop,
+//! shutdown, supervision, retirement and the global cap. Each test ends by checking that
+//! no run dir is left.
+
+#[path = "support/fake.rs"]
+mod fake;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use fake::*;
+use futures_util::future::join_all;
+use roundtable_sandbox::{Reply, TurnPhase};
+use roundtable_sandbox_actors::*;
+
+type Answer = Result<Reply, SandboxActorError>;
+
+const SECS5: Duration = Duration::from_secs(5);
+
+fn send(
+    addr: &Addr<SandboxSupervisor>,
+    channel: &str,
+    who: &str,
+    text: &str,
+) -> tokio::task::JoinHandle<Answer> {
+    let request = addr.send(GuestMessage::new(channel, speaker(who), text));
+    actix_rt::spawn(async move { request.await.expect("supervisor alive") })
+}
+
+async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str, who: &str, text: &str) -> Answer {
+    send(addr, channel, who, text).await.unwrap()
+}
+
+fn ok_text(answer: Answer) -> String {
+    let reply = answer.expect("an answer, not a refusal");
+    assert!(reply.ok, "{reply:?}");
+    reply.text.unwrap()
+}
+
+fn error_text(answer: Answer) -> String {
+    let reply = answer.expect("a turn reply, not a refusal");
+    assert!(!reply.ok, "{reply:?}");
+    reply.error.unwrap()
+}
+
+fn channel_status<'a>(status: &'a StatusReport, channel: &str) -> Option<&'a ChannelStatus> {
+    status.channels.iter().find(|c| c.channel == channel)
+}
+
+fn pending(status: &StatusReport, channel: &str) -> u64 {
+    channel_status(status, channel).map_or(0, |c| c.pending_reset)
+}
+
+/// Waits until every turn has torn down (replies come before teardown).
+async fn settle(addr: &Addr<SandboxSupervisor>) {
+    status_until(addr, "every turn torn down", |s| s.totals.busy_channels == 0).await;
+}
+
+async fn start(config: SupervisorConfig) -> Addr<SandboxSupervisor> {
+    SandboxSupervisor::start(config).await.expect("valid config")
+}
+
+#[actix_rt::test]
+async fn invalid_configuration_starts_nothing() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+
+    let mut config = env.fake(&driver, &tool);
+    config.max_containers = 0;
+    let err = SandboxSupervisor::start(config).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid actor settings: max_containers must be 1 to 1024, got 0"
+    );
+    assert!(
+        !env.run_root.exists(),
+        "actor settings are checked before anything is created"
+    );
+
+    let mut config = env.fake(&driver, &tool);
+    config.sandbox.model = " ".into();
+    let err = SandboxSupervisor::start(config).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "cannot start the sandbox: invalid configuration: model is required"
+    );
+
+    let mut config = env.fake(&driver, &tool);
+    config.sandbox.turn_timeout = Some(Duration::from_millis(10));
+    let err = SandboxSupervisor::start(config).await.unwrap_err();
+    assert!(err.to_string().contains("turn_timeout must be 1 s to 600 s"), "{err}");
+    assert_eq!(driver.started(), 0);
+}
+
+#[actix_rt::test]
+async fn failure_cleanup_and_the_channel_goes_on() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    assert_eq!(
+        error_text(ask(&addr, "#f", "ann", "please fail").await),
+        "guest exited with code 3"
+    );
+    // The failed turn's container was removed and its run dir is gone.
+    let runs = driver.runs();
+    assert_eq!(runs.len(), 1);
+    eventually("container removed", SECS5, || driver.removed() == vec![runs[0].name.clone()]).await;
+    status_until(&addr, "channel idle", |s| {
+        channel_status(s, "#f").is_some_and(|c| c.state == ChannelState::Idle)
+    })
+    .await;
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+
+    // A panicking turn (here: in the driver) is answered, cleaned up, and the channel goes on.
+    let err = ask(&addr, "#f", "ann", "panic now").await.unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("the turn failed with an internal error (fake driver panic (test))"),
+        "{err}"
+    );
+    assert!(ok_text(ask(&addr, "#f", "ann", "next").await).starts_with("ann|next|"));
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}
+
+#[actix_rt::test]
+async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    // Requests a fresh start the moment the first turn's broker is listening.
+    let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
+    let armed = Arc::new(AtomicBool::new(true));
+    let (sup, arm) = (supervisor.clone(), armed.clone());
+    config.progress = Some(Arc::new(move |p: &TurnProgress| {
+        if p.event == ProgressEvent::Phase(TurnPhase::BrokerListening)
+            && arm.swap(false, Ordering::SeqCst)
+        {
+            sup.get().unwrap().do_send(StartFresh {
+                channel: p.channel.clone(),
+            });
+        }
+    }));
+    let addr = start(config).await;
+    supervisor.set(addr.clone()).unwrap();
+
+    let first = send(&addr, "#r", "ann", "block one");
+    status_until(&addr, "reset requested during start-up", |s| pending(s, "#r") == 1).await;
+    driver.release(1);
+    assert_eq!(
+        ok_text(first.await.unwrap()),
+        "ann|block one|reset=false|",
+        "admitted before the reset"
+    );
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(pending(&s, "#r"), 1, "kept: the turn started with generation 0");
+
+    assert_eq!(ok_text(ask(&addr, "#r", "ann", "two").await), "ann|two|reset=true|");
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(pending(&s, "#r"), 0, "consumed by the turn that started with it");
+    assert_eq!(ok_text(ask(&addr, "#r", "ann", "three").await), "ann|three|reset=false|");
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty());
+}
+
+#[actix_rt::test]
+async fn a_successful_turn_consumes_only_the_generation_it_started_with() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+    let fresh = || StartFresh {
+        channel: "#g".into(),
+    };
+
+    addr.send(fresh()).await.unwrap();
+    let first = send(&addr, "#g", "ann", "block one");
+    eventually("first turn running", SECS5, || driver.running() == 1).await;
+    // A reset requested during the active turn.
+    addr.send(fresh()).await.unwrap();
+    driver.release(1);
+    assert_eq!(ok_text(first.await.unwrap()), "ann|block one|reset=true|");
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(pending(&s, "#g"), 2, "generation 2 was not the turn's (1)");
+
+    assert_eq!(ok_text(ask(&addr, "#g", "ann", "two").await), "ann|two|reset=true|");
+    assert_eq!(pending(&addr.send(Status).await.unwrap(), "#g"), 0);
+    assert_eq!(ok_text(ask(&addr, "#g", "ann", "three").await), "ann|three|reset=false|");
+}
+
+#[actix_rt::test]
+async fn a_failed_or_stopped_turn_consumes_no_reset() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+    addr.send(StartFresh {
+        channel: "#x".into(),
+    })
+    .await
+    .unwrap();
+
+    assert_eq!(error_text(ask(&addr, "#x", "ann", "fail").await), "guest exited with code 3");
+    assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
+
+    let stopped = send(&addr, "#x", "ann", "block");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    assert!(addr.send(Stop { channel: "#x".into() }).await.unwrap());
+    assert_eq!(error_text(stopped.await.unwrap()), "turn stopped");
+    assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
+
+    assert_eq!(ok_text(ask(&addr, "#x", "ann", "ok").await), "ann|ok|reset=true|");
+    assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 0);
+    let resets: Vec<bool> = driver.runs().iter().map(|r| r.turn.reset).collect();
+    assert_eq!(resets, vec![true, true, true]);
+}
+
+#[actix_rt::test]
+async fn channels_are_independent() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    let slow = send(&addr, "#slow", "ann", "block");
+    eventually("#slow running", SECS5, || driver.running() == 1).await;
+    // Another channel answers at once, and a failure there does not touch #slow.
+    let started = Instant::now();
+    assert!(ok_text(ask(&addr, "#fast", "bob", "hi").await).starts_with("bob|hi|"));
+    error_text(ask(&addr, "#fast", "bob", "fail").await);
+    assert!(ok_text(ask(&addr, "#fast", "bob", "again").await).starts_with("bob|again|"));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    status_until(&addr, "#fast torn down", |s| s.totals.busy_channels == 1).await;
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(
+        channel_status(&s, "#slow").unwrap().state,
+        ChannelState::Running(TurnPhase::ContainerRunning)
+    );
+    assert_eq!(channel_status(&s, "#fast").unwrap().state, ChannelState::Idle);
+    assert_eq!(s.totals.busy_channels, 1);
+    driver.release(1);
+    ok_text(slow.await.unwrap());
+}
+
+#[actix_rt::test]
+async fn the_turn_and_its_tool_calls_carry_the_admitted_speaker() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    let first = send(&addr, "#who", "alice", "block whoami 1");
+    eventually("alice's turn running", SECS5, || driver.running() == 1).await;
+    let second = send(&addr, "#who", "bob", "whoami 2");
+    let third = send(&addr, "#who", "carol", "whoami 3");
+    status_until(&addr, "two queued", |s| {
+        channel_status(s, "#who").is_some_and(|c| c.queued == 2)
+    })
+    .await;
+    driver.release(1);
+    let texts = [first, second, third];
+    let mut answers = Vec::new();
+    for t in texts {
+        answers.push(ok_text(t.await.unwrap()));
+    }
+    for (answer, (who, n)) in answers.iter().zip([("alice", 1), ("bob", 2), ("carol", 3)]) {
+        assert!(answer.starts_with(&format!("{who}|")), "{answer}");
+        assert!(answer.contains(&format!("whoami {n}|")), "{answer}");
+        assert!(answer.contains(&format!("speaker={who}")), "tool saw {answer}");
+    }
+    let seen = tool.seen.lock().unwrap().clone();
+    assert_eq!(
+        seen,
+        vec![
+            ("#who".to_string(), "alice".to_string()),
+            ("#who".into(), "bob".into()),
+            ("#who".into(), "carol".into())
+        ]
+    );
+}
+
+#[actix_rt::test]
+async fn twenty_messages_to_one_channel_run_in_order_one_at_a_time() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    let answers: Vec<_> = (0..20)
+        .map(|i| send(&addr, "#seq", &format!("u{i}"), &format!("m{i}")))
+        .collect();
+    let answers = join_all(answers).await;
+    for (i, a) in answers.into_iter().enumerate() {
+        assert_eq!(ok_text(a.unwrap()), format!("u{i}|m{i}|reset=false|"));
+    }
+    let expected: Vec<String> = (0..20)
+        .flat_map(|i| [format!("start m{i}"), format!("end m{i}")])
+        .collect();
+    assert_eq!(driver.events(), expected, "in order, never two at once");
+    assert_eq!(driver.max_running(), 1);
+    assert!(!driver.overlap());
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty());
+}
+
+#[actix_rt::test]
+async fn ten_channels_run_at_once() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    let answers: Vec<_> = (0..10)
+        .map(|i| send(&addr, &format!("#c{i}"), "ann", &format!("block {i}")))
+        .collect();
+    eventually("ten containers at once", SECS5, || driver.running() == 10).await;
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(s.totals.busy_channels, 10);
+    assert_eq!(s.totals.containers_in_use, 10);
+    driver.release(10);
+    for (i, a) in join_all(answers).await.into_iter().enumerate() {
+        assert_eq!(ok_text(a.unwrap()), format!("ann|block {i}|reset=false|"));
+    }
+    assert!(!driver.overlap());
+}
+
+#[actix_rt::test]
+async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    config.queue_limit = 2;
+    let addr = start(config).await;
+
+    let running = send(&addr, "#b", "ann", "block");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    let queued = [send(&addr, "#b", "bob", "q1"), send(&addr, "#b", "cy", "q2")];
+    let started = Instant::now();
+    let err = ask(&addr, "#b", "dan", "too many").await.unwrap_err();
+    assert!(started.elapsed() < Duration::from_millis(500));
+    assert!(matches!(err, SandboxActorError::Busy { waiting: 2 }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "this channel is busy: a turn is running and 2 message(s) are already waiting (the \
+         limit); try again when it has answered"
+    );
+    driver.release(1);
+    ok_text(running.await.unwrap());
+    for q in queued {
+        ok_text(q.await.unwrap());
+    }
+    assert_eq!(driver.texts(), vec!["block", "q1", "q2"]);
+}
+
+#[actix_rt::test]
+async fn stop_with_nothing_running_answers_false() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+    assert!(!addr.send(Stop { channel: "#none".into() }).await.unwrap());
+    ok_text(ask(&addr, "#idle", "ann", "hi").await);
+    assert!(!addr.send(Stop { channel: "#idle".into() }).await.unwrap());
+    let s = addr.send(Status).await.unwrap();
+    assert!(channel_status(&s, "#none").is_none(), "Stop spawns no actor");
+}
+
+#[actix_rt::test]
+async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    let turn = send(&addr, "#s", "ann", "block");
+    let queued = send(&addr, "#s", "bob", "after");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    let started = Instant::now();
+    assert!(addr.send(Stop { channel: "#s".into() }).await.unwrap());
+    assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    assert_eq!(driver.runs()[0].outcome, Some("cancelled"));
+    // The queued message is not stopped: it runs next.
+    assert!(ok_text(queued.await.unwrap()).starts_with("bob|after|"));
+    let runs = driver.runs();
+    eventually("both containers removed", SECS5, || driver.removed().len() == 2).await;
+    assert_eq!(driver.removed()[0], runs[0].name);
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty());
+}
+
+#[actix_rt::test]
+async fn stop_during_startup_ends_the_turn_before_its_container() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    // Stops the turn the moment its broker listens (the container is not started yet).
+    let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
+    let sup = supervisor.clone();
+    config.progress = Some(Arc::new(move |p: &TurnProgress| {
+        if p.channel == "#early" && p.event == ProgressEvent::Phase(TurnPhase::BrokerListening) {
+            sup.get().unwrap().do_send(Stop {
+                channel: p.channel.clone(),
+            });
+        }
+    }));
+    config.max_containers = 1;
+    let addr = start(config).await;
+    supervisor.set(addr.clone()).unwrap();
+
+    // 1. Stopped during broker start-up: the turn never reaches a running container.
+    assert_eq!(error_text(ask(&addr, "#early", "ann", "block").await), "turn stopped");
+    assert!(
+        driver.runs().iter().all(|r| r.outcome == Some("cancelled")),
+        "{:?}",
+        driver.runs()
+    );
+
+    // 2. Stopped while admitted and waiting for a container slot: no container at all.
+    let holder = send(&addr, "#holder", "ann", "block");
+    eventually("holder running", SECS5, || driver.running() == 1).await;
+    let waiting = send(&addr, "#w", "bob", "block never");
+    status_until(&addr, "waiting for a slot", |s| {
+        channel_status(s, "#w").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
+    })
+    .await;
+    assert!(addr.send(Stop { channel: "#w".into() }).await.unwrap());
+    assert_eq!(error_text(waiting.await.unwrap()), "turn stopped");
+    assert!(!driver.texts().contains(&"block never".to_string()));
+    driver.release(1);
+    ok_text(holder.await.unwrap());
+    status_until(&addr, "all idle", |s| s.totals.busy_channels == 0).await;
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}
+
+#[actix_rt::test]
+async fn shutdown_answers_every_caller_and_waits_for_teardown() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    config.max_containers = 2;
+    let addr = start(config).await;
+
+    let mut callers = vec![send(&addr, "#a", "ann", "block a1")];
+    eventually("a1", SECS5, || driver.running() == 1).await;
+    callers.push(send(&addr, "#b", "bob", "block b1"));
+    eventually("b1", SECS5, || driver.running() == 2).await;
+    callers.push(send(&addr, "#c", "cy", "block c1")); // waits for a slot
+    callers.push(send(&addr, "#a", "ann", "a2")); // queued
+    callers.push(send(&addr, "#a", "ann", "a3")); // queued
+    status_until(&addr, "c waiting, a2 a3 queued", |s| {
+        s.totals.waiting_for_slot == 1 && s.totals.queued == 2
+    })
+    .await;
+
+    let started = Instant::now();
+    let report = addr.send(Shutdown).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert_eq!(
+        report,
+        ShutdownReport {
+            stopped_turns: 3,
+            refused_queued: 2
+        }
+    );
+    // Resolved after teardown: nothing runs, nothing is left.
+    assert_eq!(driver.running(), 0);
+    assert_eq!(driver.removed().len(), 2);
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+    for caller in callers {
+        let answer = tokio::time::timeout(SECS5, caller).await.unwrap().unwrap();
+        assert!(
+            matches!(answer, Err(SandboxActorError::ShuttingDown)),
+            "{answer:?}"
+        );
+    }
+    // Nothing is admitted any more; a second Shutdown gets the same report.
+    assert!(matches!(
+        ask(&addr, "#d", "dan", "hi").await,
+        Err(SandboxActorError::ShuttingDown)
+    ));
+    assert_eq!(addr.send(Shutdown).await.unwrap(), report);
+    assert!(addr.send(Status).await.unwrap().totals.shutting_down);
+}
+
+#[actix_rt::test]
+async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    addr.send(StartFresh {
+        channel: "#p".into(),
+    })
+    .await
+    .unwrap();
+    let in_flight = send(&addr, "#p", "ann", "block");
+    let queued = send(&addr, "#p", "bob", "queued");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+
+    // The turn in flight ends with a clear error, and its container is removed.
+    let err = tokio::time::timeout(SECS5, in_flight)
+        .await
+        .expect("no hang")
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, SandboxActorError::ChannelRestarted), "{err:?}");
+    assert!(err.to_string().contains("restarted"));
+    let first = driver.runs()[0].clone();
+    assert_eq!(first.outcome, Some("cancelled"));
+    assert!(first.turn.reset);
+    eventually("container removed", SECS5, || driver.removed().contains(&first.name)).await;
+
+    // Restarted; the queued message and the pending reset survive, the next turn works.
+    assert_eq!(ok_text(queued.await.unwrap()), "bob|queued|reset=true|");
+    let s = addr.send(Status).await.unwrap();
+    let p = channel_status(&s, "#p").unwrap();
+    assert_eq!((p.restarts, p.pending_reset, p.live), (1, 0, true));
+    assert_eq!(s.totals.restarts, 1);
+    assert_eq!(ok_text(ask(&addr, "#p", "ann", "next").await), "ann|next|reset=false|");
+
+    // A panic with a reset pending and nothing running: the reset is kept.
+    addr.send(StartFresh {
+        channel: "#p".into(),
+    })
+    .await
+    .unwrap();
+    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(channel_status(&s, "#p").unwrap().restarts, 2);
+    assert_eq!(pending(&s, "#p"), 1);
+    assert_eq!(ok_text(ask(&addr, "#p", "ann", "fresh").await), "ann|fresh|reset=true|");
+    settle(&addr).await;
+    assert!(env.turn_dirs().is_empty());
+}
+
+#[actix_rt::test]
+async fn idle_retirement_keeps_a_pending_reset() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    config.idle_timeout = Duration::from_millis(100);
+    let addr = start(config).await;
+
+    addr.send(StartFresh {
+        channel: "#i".into(),
+    })
+    .await
+    .unwrap();
+    error_text(ask(&addr, "#i", "ann", "fail").await);
+    ok_text(ask(&addr, "#other", "ann", "hi").await);
+    let s = status_until(&addr, "both retired", |s| s.totals.live_channels == 0).await;
+    assert_eq!(s.totals.retired, 2);
+    let i = channel_status(&s, "#i").expect("a retired channel with a pending reset is listed");
+    assert_eq!((i.live, i.pending_reset), (false, 1));
+    assert!(channel_status(&s, "#other").is_none(), "nothing kept for #other");
+
+    // A reset requested while retired counts too; the next turn (new actor) starts fresh.
+    addr.send(StartFresh {
+        channel: "#i".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(ok_text(ask(&addr, "#i", "ann", "back").await), "ann|back|reset=true|");
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(pending(&s, "#i"), 0);
+    assert!(channel_status(&s, "#i").unwrap().live);
+}
+
+#[actix_rt::test]
+async fn the_global_cap_serves_waiting_channels_in_turn() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    config.max_containers = 1;
+    let addr = start(config).await;
+
+    // #a sends three, then #b and #c three each.
+    let mut answers = Vec::new();
+    answers.push(send(&addr, "#a", "ann", "block a1"));
+    eventually("a1 running", SECS5, || driver.running() == 1).await;
+    for ch in ["a", "b", "c"] {
+        for n in 1..=3 {
+            if ch == "a" && n == 1 {
+                continue;
+            }
+            answers.push(send(&addr, &format!("#{ch}"), "ann", &format!("block {ch}{n}")));
+        }
+    }
+    status_until(&addr, "b1 and c1 wait for the slot", |s| {
+        s.totals.waiting_for_slot == 2 && s.totals.queued == 6
+    })
+    .await;
+    for n in 1..9 {
+        driver.release(1);
+        eventually("next turn started", SECS5, || driver.started() == n + 1).await;
+    }
+    driver.release(1);
+    for a in join_all(answers).await {
+        ok_text(a.unwrap());
+    }
+    assert_eq!(
+        driver.texts(),
+        ["a1", "b1", "c1", "a2", "b2", "c2", "a3", "b3", "c3"].map(|t| format!("block {t}")),
+        "one turn per waiting channel in turn"
+    );
+    assert_eq!(driver.max_running(), 1);
+}
+
+#[actix_rt::test]
+async fn progress_reaches_the_message_recipient() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let collector = Collector { seen: seen.clone() }.start();
+
+    let first = send(&addr, "#pr", "ann", "block");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    let second = addr.send(
+        GuestMessage::new("#pr", speaker("bob"), "hi").with_progress(collector.recipient()),
+    );
+    let second = actix_rt::spawn(second);
+    status_until(&addr, "queued", |s| s.totals.queued == 1).await;
+    driver.release(1);
+    ok_text(first.await.unwrap());
+    ok_text(second.await.unwrap().unwrap());
+    eventually("Done seen", SECS5, || {
+        seen.lock()
+            .unwrap()
+            .last()
+            .is_some_and(|p| p.event == ProgressEvent::Phase(TurnPhase::Done))
+    })
+    .await;
+    let events: Vec<ProgressEvent> = seen.lock().unwrap().iter().map(|p| p.event).collect();
+    use TurnPhase::*;
+    assert_eq!(
+        events,
+        vec![
+            ProgressEvent::Queued { ahead: 1 },
+            ProgressEvent::Phase(Preparing),
+            ProgressEvent::Phase(BrokerListening),
+            ProgressEvent::Phase(ContainerRunning),
+            ProgressEvent::Phase(Replied),
+            ProgressEvent::Phase(TearingDown),
+            ProgressEvent::Phase(Done),
+        ]
+    );
+}
+
+/// Memory of idle channel actors: prints the figure (run with `--nocapture`).
+#[actix_rt::test]
+async fn idle_channel_actors_cost_little() {
+    fn rss_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = env.fake(&driver, &tool);
+    config.max_containers = 64;
+    let addr = start(config).await;
+    // Warm up allocator and code paths.
+    join_all((0..200).map(|i| send(&addr, &format!("#warm{i}"), "ann", "hi"))).await;
+    let n = 2000;
+    let before = rss_kib();
+    for batch in 0..(n / 200) {
+        join_all((0..200).map(|i| send(&addr, &format!("#idle{batch}-{i}"), "ann", "hi"))).await;
+    }
+    let s = addr.send(Status).await.unwrap();
+    assert_eq!(s.totals.live_channels, n + 200);
+    let after = rss_kib();
+    let per = (after.saturating_sub(before) * 1024) / n as u64;
+    println!("idle channel actors: {n} took {} KiB of RSS, ~{per} bytes each", after - before);
+    assert!(per < 16 * 1024, "{per} bytes per idle channel actor");
+}

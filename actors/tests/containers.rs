@@ -1,0 +1,231 @@
+//! The actor layer against the real Docker engine: stop, shutdown, supervision and cleanup.
+//! The guest is replaced by a busybox script of the project's image that branches on the
+//! turn's text: `sleep…` sleeps 300 s, `fail…` exits 3, anything else answers "hi".
+//! Every test ends by checking that no labelled container and no run dir is left.
+
+#[path = "support/fake.rs"]
+mod fake;
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use bollard::query_parameters::ListContainersOptionsBuilder;
+use fake::*;
+use roundtable_sandbox::driver::LABEL_RUNTIME;
+use roundtable_sandbox::{DockerDriver, Reply, TurnPhase};
+use roundtable_sandbox_actors::*;
+
+type Answer = Result<Reply, SandboxActorError>;
+
+const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'"text":"fail'*) exit 3;; esac; printf '{"ok":true,"text":"hi"}'"#;
+
+fn image() -> String {
+    std::env::var("ROUNDTABLE_IMAGE").unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into())
+}
+
+fn config(env: &Env) -> SupervisorConfig {
+    let mut c = env.config(&image());
+    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    let mut s = SupervisorConfig::new(c);
+    s.max_containers = 4;
+    s
+}
+
+/// The runtime instance's label value, as the core derives it from the run root.
+async fn instance_of(env: &Env) -> String {
+    let sandbox = roundtable_sandbox::Sandbox::new(env.config(&image()))
+        .await
+        .unwrap();
+    sandbox.config().instance.clone()
+}
+
+async fn labelled_containers(instance: &str) -> Vec<String> {
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let filters = std::collections::HashMap::from([(
+        "label",
+        vec![format!("{LABEL_RUNTIME}={instance}")],
+    )]);
+    let opts = ListContainersOptionsBuilder::new()
+        .all(true)
+        .filters(&filters)
+        .build();
+    docker
+        .list_containers(Some(opts))
+        .await
+        .unwrap()
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .collect()
+}
+
+async fn running_containers(instance: &str) -> usize {
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let filters = std::collections::HashMap::from([
+        ("label", vec![format!("{LABEL_RUNTIME}={instance}")]),
+        ("status", vec!["running".to_string()]),
+    ]);
+    let opts = ListContainersOptionsBuilder::new().filters(&filters).build();
+    docker.list_containers(Some(opts)).await.unwrap().len()
+}
+
+async fn assert_no_leftovers(env: &Env, instance: &str) {
+    let containers = labelled_containers(instance).await;
+    assert!(containers.is_empty(), "leaked containers: {containers:?}");
+    assert!(env.turn_dirs().is_empty(), "leaked run dirs: {:?}", env.turn_dirs());
+}
+
+fn send(addr: &Addr<SandboxSupervisor>, channel: &str, text: &str) -> tokio::task::JoinHandle<Answer> {
+    let request = addr.send(GuestMessage::new(channel, speaker("ann"), text));
+    actix_rt::spawn(async move { request.await.unwrap() })
+}
+
+async fn until_running(addr: &Addr<SandboxSupervisor>, instance: &str, n: usize) {
+    status_until(addr, "containers running", |s| {
+        s.channels
+            .iter()
+            .filter(|c| c.state == ChannelState::Running(TurnPhase::ContainerRunning))
+            .count()
+            >= n
+    })
+    .await;
+    let started = Instant::now();
+    while running_containers(instance).await < n {
+        assert!(started.elapsed() < Duration::from_secs(10), "containers never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn until_idle(addr: &Addr<SandboxSupervisor>) {
+    status_until(addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
+}
+
+#[actix_rt::test]
+async fn replies_and_failures_leave_nothing_behind() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
+    let ok = send(&addr, "#c", "hello").await.unwrap().unwrap();
+    assert_eq!(ok.text.as_deref(), Some("hi"), "{ok:?}");
+    let failed = send(&addr, "#c", "fail please").await.unwrap().unwrap();
+    assert_eq!(failed.error.as_deref(), Some("guest exited with code 3"));
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn stop_kills_the_running_container_within_a_second() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
+    let turn = send(&addr, "#stop", "sleep long");
+    until_running(&addr, &instance, 1).await;
+
+    let started = Instant::now();
+    assert!(addr.send(Stop { channel: "#stop".into() }).await.unwrap());
+    let reply = turn.await.unwrap().unwrap();
+    let replied = started.elapsed();
+    assert_eq!(reply.error.as_deref(), Some("turn stopped"));
+    // The reply comes once the driver saw the container exit: it is dead by now.
+    assert_eq!(running_containers(&instance).await, 0);
+    assert!(replied < Duration::from_secs(1), "stopped in {replied:?}");
+    until_idle(&addr).await;
+    let torn_down = started.elapsed();
+    assert_no_leftovers(&env, &instance).await;
+    println!("stop: reply after {replied:?}, torn down after {torn_down:?}");
+}
+
+#[actix_rt::test]
+async fn stop_during_broker_startup_leaves_nothing_behind() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut config = config(&env);
+    let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
+    let sup = supervisor.clone();
+    config.progress = Some(Arc::new(move |p: &TurnProgress| {
+        if p.event == ProgressEvent::Phase(TurnPhase::BrokerListening) {
+            sup.get().unwrap().do_send(Stop {
+                channel: p.channel.clone(),
+            });
+        }
+    }));
+    let addr = SandboxSupervisor::start(config).await.unwrap();
+    supervisor.set(addr.clone()).unwrap();
+    let started = Instant::now();
+    let reply = send(&addr, "#early", "sleep long").await.unwrap().unwrap();
+    assert_eq!(reply.error.as_deref(), Some("turn stopped"));
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothing() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut config = config(&env);
+    config.max_containers = 2;
+    let addr = SandboxSupervisor::start(config).await.unwrap();
+    let mut callers = vec![send(&addr, "#a", "sleep a"), send(&addr, "#b", "sleep b")];
+    until_running(&addr, &instance, 2).await;
+    callers.push(send(&addr, "#c", "sleep c")); // waits for a slot
+    callers.push(send(&addr, "#a", "queued a2"));
+    callers.push(send(&addr, "#b", "queued b2"));
+    status_until(&addr, "queued", |s| s.totals.queued == 2 && s.totals.waiting_for_slot == 1)
+        .await;
+
+    let started = Instant::now();
+    let report = addr.send(Shutdown).await.unwrap();
+    let took = started.elapsed();
+    assert_eq!(
+        report,
+        ShutdownReport {
+            stopped_turns: 3,
+            refused_queued: 2
+        }
+    );
+    // Resolved after teardown.
+    assert_no_leftovers(&env, &instance).await;
+    for caller in callers {
+        let answer = tokio::time::timeout(Duration::from_secs(1), caller)
+            .await
+            .expect("answered")
+            .unwrap();
+        assert!(matches!(answer, Err(SandboxActorError::ShuttingDown)), "{answer:?}");
+    }
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    println!("shutdown of 2 running containers took {took:?}");
+}
+
+#[actix_rt::test]
+async fn a_channel_actor_panic_ends_the_running_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
+    addr.send(StartFresh {
+        channel: "#p".into(),
+    })
+    .await
+    .unwrap();
+    let turn = send(&addr, "#p", "sleep long");
+    until_running(&addr, &instance, 1).await;
+    let started = Instant::now();
+    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+    let answer = tokio::time::timeout(Duration::from_secs(5), turn)
+        .await
+        .expect("no hang")
+        .unwrap();
+    assert!(matches!(answer, Err(SandboxActorError::ChannelRestarted)), "{answer:?}");
+    assert!(started.elapsed() < Duration::from_secs(1));
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+    let s = addr.send(Status).await.unwrap();
+    let p = s.channels.iter().find(|c| c.channel == "#p").unwrap();
+    assert_eq!((p.restarts, p.pending_reset), (1, 1));
+    let next = send(&addr, "#p", "hello").await.unwrap().unwrap();
+    assert_eq!(next.text.as_deref(), Some("hi"));
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+}
