@@ -104,7 +104,8 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
 }
 
 /// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace
-/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes.
+/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes. A failed
+/// reply's error is prefixed with [`GUEST_ERROR_PREFIX`].
 pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, DriverError> {
     if stdout.len() > cap {
         return Err(DriverError::OutputTooLarge { cap });
@@ -118,13 +119,22 @@ pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, DriverError> {
         serde_json::from_slice(stdout).map_err(|e| DriverError::MalformedOutput {
             reason: e.to_string(),
         })?;
+    let mut reply = reply;
     reply
         .check_shape()
         .map_err(|reason| DriverError::MalformedOutput {
             reason: reason.into(),
         })?;
+    // A failure the guest reports is marked as the guest's: it can never pass for one of
+    // the host's own errors (a timeout, a stop, an out-of-memory kill).
+    if let Some(error) = reply.error.take() {
+        reply.error = Some(format!("{GUEST_ERROR_PREFIX}{error}"));
+    }
     Ok(reply)
 }
+
+/// What every failure reported by the guest itself starts with (see [`parse_reply`]).
+pub const GUEST_ERROR_PREFIX: &str = "the guest reported an error: ";
 
 #[cfg(test)]
 mod tests {
@@ -149,5 +159,12 @@ mod tests {
             "guest output is not a valid reply: an ok reply must carry text and no error"
         );
         assert_eq!(err(&[b' '; 65]), "guest output exceeds 64 bytes");
+        assert_eq!(
+            parse_reply(b"{\"ok\":false,\"error\":\"turn stopped\"}", 100)
+                .unwrap()
+                .error
+                .as_deref(),
+            Some("the guest reported an error: turn stopped")
+        );
     }
 }
