@@ -14,6 +14,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "== guest image" >&2
 scripts/build-image.sh
+scripts/build-hostile-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
 if [ "$(id -u)" -eq 0 ]; then

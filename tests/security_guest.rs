@@ -1,0 +1,559 @@
+//! Hostile guests against the sealed container. Each test is one attack, run by a guest
+//! built to attack (the hostile image of scripts/build-hostile-image.sh: a static attack
+//! program, a setuid-root bait, busybox). Each attack must fail, the turn must end with a
+//! clear reply, and nothing may be left behind (no container, run dir or socket).
+//! docs/security.md maps each control to its test here.
+
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+#[path = "support/hostile.rs"]
+mod hostile;
+
+use std::time::{Duration, Instant};
+
+use roundtable_sandbox::{ApiKey, Sandbox};
+use sandbox_support::*;
+
+const KEY: &str = "sk-sec-otter-9191-never-inside";
+
+/// Prints `{"ok":true,"text":"<out>"}` after `body`, `out` being what `body` set.
+fn reply_after(body: &str) -> String {
+    format!("cat >/dev/null; out=''\n{body}\nprintf '{{\"ok\":true,\"text\":\"%s\"}}' \"$out\"")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_read_the_api_key_anywhere() {
+    let env = Env::new();
+    // The key is assembled from halves so the probe's own command line never holds it.
+    let probe = r#"
+        cat > /tmp/turn.json
+        K="sk-sec-otter"; K="$K-9191-never-inside"
+        out=""
+        grep -q "$K" /tmp/turn.json && out="$out turn-json"
+        env | grep -q "$K" && out="$out env"
+        for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline /proc/1/environ; do
+          grep -q "$K" "$f" 2>/dev/null && out="$out $f"
+        done
+        grep -rqs "$K" /workspace /run /tmp /etc /bin /roundtable-hostile /root-only && out="$out files"
+        cat /run/roundtable/broker.sock >/dev/null 2>&1 && out="$out socket-readable"
+        runs=$(ls -A /run/roundtable | tr '\n' ',')
+        env_names=$(env | cut -d= -f1 | sort | tr '\n' ',')
+        printf '{"ok":true,"text":"found=[%s];run=%s;env=%s"}' "$out" "$runs" "$env_names"
+    "#;
+    let mut config = hostile::sh_config(&env, probe);
+    config.api_key = ApiKey::from_static(KEY);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#key", "what is the key?")).await;
+    let f = hostile::findings(&reply);
+    assert_eq!(f["found"], "[]", "{reply:?}");
+    assert_eq!(
+        f["run"], "broker.sock,",
+        "the run dir holds only the socket"
+    );
+    assert_eq!(
+        f["env"], "HOME,HOSTNAME,PATH,PWD,SHLVL,",
+        "no secret in the environment"
+    );
+    assert!(!format!("{reply:?}").contains(KEY));
+    assert_no_leftovers(&sandbox).await;
+
+    // The turn the guest is given holds neither the key nor any host path.
+    let mut config = hostile::config(&env, &["turn"]);
+    config.api_key = ApiKey::from_static(KEY);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#key", "show me the turn")).await;
+    let turn = reply.text.clone().unwrap();
+    assert!(turn.contains("show me the turn"), "{turn}");
+    for secret in [
+        KEY.to_owned(),
+        env.dir.path().display().to_string(),
+        sandbox.config().run_root.display().to_string(),
+        sandbox.config().workspace_root.display().to_string(),
+        "127.0.0.1:9".to_owned(),
+    ] {
+        assert!(!turn.contains(&secret), "turn holds {secret:?}: {turn}");
+    }
+    assert_no_leftovers(&sandbox).await;
+}
+
+/// The docker bridge's gateway address as the host sees it.
+async fn bridge_gateway() -> String {
+    let driver = roundtable_sandbox::DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let net = docker
+        .inspect_network(
+            "bridge",
+            None::<bollard::query_parameters::InspectNetworkOptions>,
+        )
+        .await
+        .unwrap();
+    net.ipam
+        .and_then(|i| i.config)
+        .and_then(|c| c.into_iter().find_map(|c| c.gateway))
+        .unwrap_or_else(|| "172.17.0.1".into())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_reach_any_network() {
+    let env = Env::new();
+    // Live targets on the host: a TCP listener on every address (the bridge gateway
+    // included) and an abstract unix socket; both are reachable from the host itself.
+    let tcp = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    tcp.set_nonblocking(true).unwrap();
+    let port = tcp.local_addr().unwrap().port();
+    let gateway = bridge_gateway().await;
+    std::net::TcpStream::connect((gateway.as_str(), port)).expect("the gateway target is live");
+    while tcp.accept().is_ok() {}
+    let abstract_name = format!("roundtable-sec-{}", std::process::id());
+    let abstract_listener = {
+        use std::os::linux::net::SocketAddrExt;
+        let addr =
+            std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes()).unwrap();
+        std::os::unix::net::UnixListener::bind_addr(&addr).unwrap()
+    };
+    abstract_listener.set_nonblocking(true).unwrap();
+
+    let targets = [
+        format!("tcp:{gateway}:{port}"),
+        format!("tcp:127.0.0.1:{port}"),
+        "tcp:1.1.1.1:443".to_owned(),
+        format!("dns:{gateway}:53"),
+        "dns:127.0.0.11:53".to_owned(),
+        "dns:8.8.8.8:53".to_owned(),
+        format!("abstract:{abstract_name}"),
+        "unix:/run/roundtable/broker.sock".to_owned(),
+    ];
+    let args: Vec<&str> = std::iter::once("net")
+        .chain(targets.iter().map(String::as_str))
+        .collect();
+    let sandbox = Sandbox::new(hostile::config(&env, &args)).await.unwrap();
+    let reply = sandbox.run_turn(request("#net", "call home")).await;
+    let f = hostile::findings(&reply);
+    // The probe works: the one door out (the broker socket) answers.
+    assert_eq!(f["unix:/run/roundtable/broker.sock"], "connected", "{f:?}");
+    for t in &targets[..7] {
+        let result = &f[t.as_str()];
+        assert!(
+            result.starts_with("error("),
+            "{t} must be unreachable, got {result}"
+        );
+    }
+    // 101 ENETUNREACH: no route at all (only `lo` exists); 111: the container's own loopback.
+    assert_eq!(f[&targets[0]], "error(101)");
+    assert_eq!(f[&targets[1]], "error(111)");
+    assert_eq!(f[&format!("abstract:{abstract_name}")], "error(111)");
+    assert!(tcp.accept().is_err(), "nothing reached the host listener");
+    assert!(abstract_listener.accept().is_err());
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_write_to_the_run_dir() {
+    let env = Env::new();
+    let script = reply_after(
+        r#"
+        try() { if "$@" 2>/dev/null; then out="$out $1:WROTE"; else out="$out $1:refused"; fi; }
+        try touch /run/roundtable/x
+        try mkdir /run/roundtable/d
+        try rm -f /run/roundtable/broker.sock
+        try mv /run/roundtable/broker.sock /run/roundtable/b
+        try ln -s /workspace /run/roundtable/l
+        try chmod 777 /run/roundtable
+        try mknod /run/roundtable/p p
+        try sh -c 'echo x > /run/roundtable/broker.sock'
+        try touch /etc/passwd
+        try touch /new-root-file
+        out="$out entries=$(ls -A /run/roundtable | tr '\n' ',')"
+        "#,
+    );
+    let sandbox = Sandbox::new(hostile::sh_config(&env, &script))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#rundir", "x")).await;
+    let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    assert!(!text.contains("WROTE"), "{text}");
+    assert_eq!(text.matches(":refused").count(), 10, "{text}");
+    assert!(text.ends_with("entries=broker.sock,"), "{text}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_reach_another_channels_workspace() {
+    let env = Env::new();
+    // Channel #a keeps a secret in its workspace.
+    let sandbox = Sandbox::new(hostile::sh_config(
+        &env,
+        &reply_after("echo a-secret > /workspace/secret-of-a"),
+    ))
+    .await
+    .unwrap();
+    assert!(sandbox.run_turn(request("#a", "x")).await.ok);
+    let a_dir = env.workspace_of("#a");
+    assert!(a_dir.join("secret-of-a").exists());
+
+    // Channel #b looks for it everywhere, through the host path of its own mount (which
+    // mountinfo shows), `..`, and a symlink planted for a later turn.
+    let a_host = a_dir.display().to_string();
+    let probe = reply_after(&format!(
+        r#"
+        found=$(find / -xdev -name 'secret-of-a*' 2>/dev/null | tr '\n' ',')
+        out="$out find=[$found]"
+        mine=$(grep ' /workspace ' /proc/self/mountinfo | cut -d' ' -f4)
+        out="$out mount_root_is_segment=$(test "${{mine##*/}}" = "$(basename {a_host})" && echo A || echo B)"
+        cat {a_host}/secret-of-a 2>/dev/null && out="$out host-path:READ"
+        cat /workspace/../secret-of-a 2>/dev/null && out="$out dotdot:READ"
+        ls /workspace/.. | grep -q secret && out="$out listing:SEEN"
+        ln -s {a_host} /workspace/peek
+        cat /workspace/peek/secret-of-a 2>/dev/null && out="$out symlink:READ"
+        grep -rqs a-secret / --exclude-dir=proc --exclude-dir=sys && out="$out grep:FOUND"
+        "#
+    ));
+    let sandbox = Sandbox::new(hostile::sh_config(&env, &probe))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#b", "x")).await;
+    let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    assert_eq!(text, " find=[] mount_root_is_segment=B", "{text}");
+    // The planted link is still in #b's workspace; a later turn of #b follows it inside
+    // its own container, where the host path does not exist.
+    let follow =
+        reply_after("cat /workspace/peek/secret-of-a 2>/dev/null && out=READ || out=refused");
+    let sandbox = Sandbox::new(hostile::sh_config(&env, &follow))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#b", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("refused"));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_reach_the_docker_socket() {
+    let env = Env::new();
+    let script = reply_after(
+        r#"
+        for s in /var/run/docker.sock /run/docker.sock /run/containerd/containerd.sock /docker.sock; do
+          test -e "$s" && out="$out $s:PRESENT"
+        done
+        sockets=$(find / \( -path /proc -o -path /sys \) -prune -o -type s -print 2>/dev/null | tr '\n' ',')
+        out="$out sockets=[$sockets]"
+        grep -q docker.sock /proc/self/mountinfo && out="$out mountinfo:DOCKER"
+        grep -qi docker_host /proc/self/environ && out="$out env:DOCKER_HOST"
+        "#,
+    );
+    let sandbox = Sandbox::new(hostile::sh_config(&env, &script))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#docker", "x")).await;
+    assert_eq!(
+        reply.text.as_deref(),
+        Some(" sockets=[/run/roundtable/broker.sock,]"),
+        "{reply:?}"
+    );
+    // And the hostile program's own connect attempts.
+    let sandbox = Sandbox::new(hostile::config(
+        &env,
+        &["net", "unix:/var/run/docker.sock", "unix:/run/docker.sock"],
+    ))
+    .await
+    .unwrap();
+    let f = hostile::findings(&sandbox.run_turn(request("#docker", "x")).await);
+    assert_eq!(f["unix:/var/run/docker.sock"], "error(2)");
+    assert_eq!(f["unix:/run/docker.sock"], "error(2)");
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_escalate_through_a_setuid_binary() {
+    use roundtable_sandbox::driver::{docker::create_body, ContainerSpec};
+    let env = Env::new();
+    let uid = nix::unistd::getuid().as_raw();
+
+    // Control: the bait works. In a container like the sealed one but without
+    // no-new-privileges, the setuid-root program runs as root and reads the root-only file.
+    let ws = env.dir.path().join("control-ws");
+    std::fs::create_dir(&ws).unwrap();
+    let run = env.dir.path().join("control-run");
+    std::fs::create_dir(&run).unwrap();
+    let spec = ContainerSpec {
+        name: format!("roundtable-sec-control-{}", std::process::id()),
+        image: hostile::image(),
+        run_dir: run,
+        workspace_dir: ws,
+        uid,
+        gid: nix::unistd::getgid().as_raw(),
+        memory_mb: 64,
+        cpus: 0.5,
+        pids: 16,
+        tmpfs_mb: 1,
+        output_cap: 4096,
+        stderr_cap: 4096,
+        labels: Default::default(),
+        command: Some(vec!["/bin/suid-hostile".into(), "identity".into()]),
+    };
+    let mut body = create_body(&spec);
+    body.host_config.as_mut().unwrap().security_opt = None;
+    let control = run_raw_container(&spec.name, body).await;
+    assert!(
+        control.contains("euid=0") && control.contains("root_only=READ:ROOT-ONLY-SECRET"),
+        "the bait must work without no-new-privileges: {control}"
+    );
+
+    // The sealed container: the setuid bit is inert, the file stays closed.
+    let sandbox = Sandbox::new(hostile::config(&env, &["identity"]))
+        .await
+        .unwrap();
+    let mut config = hostile::config(&env, &["identity"]);
+    config.command = Some(vec!["/bin/suid-hostile".into(), "identity".into()]);
+    let sealed = Sandbox::new(config).await.unwrap();
+    let f = hostile::findings(&sealed.run_turn(request("#suid", "x")).await);
+    assert_eq!(f["euid"], uid.to_string(), "{f:?}");
+    assert_eq!(f["uids"], format!("{uid},{uid},{uid},{uid}"));
+    assert_eq!(f["capeff"], "0000000000000000");
+    assert_eq!(f["nnp"], "1");
+    assert_eq!(f["seccomp"], "2", "the default seccomp filter is on");
+    assert_eq!(f["root_only"], "denied(permission denied)");
+
+    // The other ways up: a setuid busybox, su, user namespaces, mount, chroot, raw sockets.
+    let script = reply_after(
+        r#"
+        try() { if "$@" >/dev/null 2>&1; then out="$out $1:DID"; else out="$out $1:refused"; fi; }
+        out="$out busybox-suid-id=$(/bin/busybox-suid id -u)"
+        try /bin/busybox-suid cat /root-only
+        try su -c true root
+        try unshare -Ur true
+        try unshare -m true
+        try mount -t tmpfs none /tmp
+        try chroot / true
+        try ping -c1 -W1 127.0.0.1
+        try chown 0 /workspace
+        try nsenter -t 1 -m true
+        try mknod /tmp/sda b 8 0
+        "#,
+    );
+    let probe = Sandbox::new(hostile::sh_config(&env, &script))
+        .await
+        .unwrap();
+    let reply = probe.run_turn(request("#suid", "x")).await;
+    let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    assert!(text.contains(&format!("busybox-suid-id={uid}")), "{text}");
+    assert!(!text.contains(":DID"), "{text}");
+    assert_eq!(text.matches(":refused").count(), 10, "{text}");
+    for s in [&sandbox, &sealed, &probe] {
+        assert_no_leftovers(s).await;
+    }
+}
+
+/// Runs a container straight through the engine (no runtime) and returns its stdout.
+async fn run_raw_container(name: &str, body: bollard::models::ContainerCreateBody) -> String {
+    use bollard::query_parameters::{
+        CreateContainerOptionsBuilder, LogsOptionsBuilder, RemoveContainerOptionsBuilder,
+        WaitContainerOptions,
+    };
+    use futures_util::StreamExt;
+    let driver = roundtable_sandbox::DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let mut body = body;
+    body.open_stdin = Some(false);
+    body.attach_stdin = Some(false);
+    body.host_config.as_mut().unwrap().log_config = None;
+    let opts = CreateContainerOptionsBuilder::new().name(name).build();
+    docker.create_container(Some(opts), body).await.unwrap();
+    docker.start_container(name, None).await.unwrap();
+    let _ = docker
+        .wait_container(name, None::<WaitContainerOptions>)
+        .collect::<Vec<_>>()
+        .await;
+    let logs = LogsOptionsBuilder::new().stdout(true).build();
+    let out: Vec<_> = docker.logs(name, Some(logs)).collect().await;
+    let text = out
+        .into_iter()
+        .flatten()
+        .map(|o| o.to_string())
+        .collect::<String>();
+    let rm = RemoveContainerOptionsBuilder::new().force(true).build();
+    docker.remove_container(name, Some(rm)).await.unwrap();
+    text
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_exhaust_pids() {
+    let env = Env::new();
+    // A fork bomb; the shell then waits and counts with builtins only (no fork) and answers.
+    let mut config = hostile::sh_config(
+        &env,
+        r#"cat >/dev/null; b() { b | b & }; b
+           i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done
+           n=0; for p in /proc/[0-9]*; do n=$((n+1)); done
+           printf '{"ok":true,"text":"%s"}' "$n""#,
+    );
+    config.limits.pids = 24;
+    config.turn_timeout = Some(Duration::from_secs(20));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#pids", "x")).await;
+    // The shell answers while the bomb is held at the limit (or, if a failed fork ends the
+    // shell, the exit is reported): either way a clear reply, never a hang.
+    match (&reply.text, &reply.error) {
+        (Some(n), None) => {
+            let n: i64 = n.parse().unwrap();
+            assert!((2..=24).contains(&n), "{n} processes");
+        }
+        (None, Some(e)) => assert!(e.starts_with("guest exited with code "), "{e}"),
+        _ => panic!("{reply:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_exhaust_memory() {
+    let env = Env::new();
+    // The shell grows a variable without bound; the memory cgroup kills it.
+    let mut config = hostile::sh_config(&env, "cat >/dev/null; x=a; while :; do x=$x$x; done");
+    config.limits.memory_mb = 32;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#mem", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("guest killed: out of memory (limit 32 MiB)")
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_exhaust_tmpfs() {
+    let env = Env::new();
+    let mut config = hostile::sh_config(
+        &env,
+        &reply_after(
+            "dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; \
+             out=$(($(stat -c %s /tmp/fill) / 1048576)); \
+             echo more >> /tmp/other 2>/dev/null || out=\"$out full\"",
+        ),
+    );
+    config.limits.tmpfs_mb = 8;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#tmpfs", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("8 full"), "{reply:?}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_flood_stderr() {
+    let env = Env::new();
+    // 64 MiB on stderr, then a valid reply: stderr is drained (and capped), the reply stands.
+    let sandbox = Sandbox::new(hostile::sh_config(
+        &env,
+        &reply_after("head -c 67108864 /dev/zero | tr '\\0' e >&2; out=done"),
+    ))
+    .await
+    .unwrap();
+    let reply = sandbox.run_turn(request("#stderr", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
+    assert_no_leftovers(&sandbox).await;
+
+    // Both streams at once, forever: the deadline ends it.
+    let mut config = hostile::sh_config(&env, "cat >/dev/null; yes >&2 & yes 1>&2 & yes");
+    config.turn_timeout = Some(Duration::from_secs(3));
+    config.limits.output_kb = 65536;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#stderr", "x")).await;
+    assert!(!reply.ok);
+    let error = reply.error.unwrap();
+    assert!(
+        error == "turn timed out after 3s" || error.starts_with("guest output exceeds"),
+        "{error}"
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_hang_forever() {
+    let env = Env::new();
+    // Never reads its stdin (the turn text is larger than a pipe buffer), ignores SIGTERM
+    // and SIGINT, and leaves a detached daemon behind.
+    let mut config = hostile::sh_config(
+        &env,
+        "trap '' TERM INT HUP; setsid sleep 1000 & while :; do :; done",
+    );
+    config.turn_timeout = Some(Duration::from_secs(3));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox
+        .run_turn(request("#hang", &"z".repeat(512 * 1024)))
+        .await;
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 3s"));
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_no_leftovers(&sandbox).await;
+
+    // A guest that answers and leaves a detached daemon behind: the init process ends
+    // with the guest, and the container with it.
+    let sandbox = Sandbox::new(hostile::sh_config(
+        &env,
+        &reply_after("setsid sleep 1000 & out=bye"),
+    ))
+    .await
+    .unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#hang", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("bye"));
+    assert!(started.elapsed() < Duration::from_secs(8));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_print_a_reply_that_pretends_to_come_from_the_host() {
+    let env = Env::new();
+    let cases: [(&str, &str); 8] = [
+        (
+            r#"echo '{"ok":true,"text":"hi","from":"host"}'"#,
+            "guest output is not a valid reply: unknown field `from`, expected one of `ok`, `text`, `error`, `usage` at line 1 column 29",
+        ),
+        (
+            r#"echo '{"ok":false,"ok":true,"text":"x"}'"#,
+            "guest output is not a valid reply: duplicate field `ok` at line 1 column 16",
+        ),
+        (
+            r#"echo '{"ok":false,"error":"a"}{"ok":true,"text":"b"}'"#,
+            "guest output is not a valid reply: trailing characters at line 1 column 25",
+        ),
+        (
+            r#"echo 'HOST: the sandbox is disabled'"#,
+            "guest output is not a valid reply: expected value at line 1 column 1",
+        ),
+        (
+            r#"echo '{"ok":true,"text":"fine"}' >&2"#,
+            "guest output is not a valid reply: no output",
+        ),
+        (
+            r#"printf '\357\273\277{"ok":true,"text":"bom"}'"#,
+            "guest output is not a valid reply: expected value at line 1 column 1",
+        ),
+        (
+            r#"printf '{"ok":true,"text":"\377"}'"#,
+            "guest output is not a valid reply: invalid unicode code point at line 1 column 20",
+        ),
+        // A guest-reported failure can never pass for one of the host's own errors.
+        (
+            r#"echo '{"ok":false,"error":"turn timed out after 30s"}'"#,
+            "the guest reported an error: turn timed out after 30s",
+        ),
+    ];
+    for (script, expected) in cases {
+        let sandbox = Sandbox::new(hostile::sh_config(
+            &env,
+            &format!("cat >/dev/null; {script}"),
+        ))
+        .await
+        .unwrap();
+        let reply = sandbox.run_turn(request("#forge", "x")).await;
+        assert!(!reply.ok, "{script}: {reply:?}");
+        assert_eq!(reply.error.as_deref(), Some(expected), "{script}");
+        assert_no_leftovers(&sandbox).await;
+    }
+}

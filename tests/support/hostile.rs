@@ -1,0 +1,117 @@
+//! Support for the security suite: the hostile image (scripts/build-hostile-image.sh, its
+//! program in `hostile_guest.rs`), configs that run it, and the parsing of its findings.
+//!
+//! ```ignore
+//! #[path = "support/sandbox.rs"]
+//! mod sandbox_support;
+//! #[path = "support/hostile.rs"]
+//! mod hostile;
+//! let config = hostile::config(&env, &["identity"]);
+//! let findings = hostile::findings(&reply); // name -> result
+//! ```
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use roundtable_sandbox::broker::{BoxFuture, McpServerConfig, McpTransport};
+use roundtable_sandbox::{Config, HostTool, Reply, Speaker, ToolCallContext};
+
+use super::sandbox_support::Env;
+
+/// The hostile image the test script builds.
+pub fn image() -> String {
+    std::env::var("ROUNDTABLE_HOSTILE_IMAGE")
+        .unwrap_or_else(|_| "roundtable-sandbox-hostile:latest".into())
+}
+
+/// A config running the hostile program with `args` (its entrypoint is the program).
+pub fn config(env: &Env, args: &[&str]) -> Config {
+    let mut c = env.config();
+    c.image = image();
+    c.command = Some(
+        std::iter::once("/roundtable-hostile")
+            .chain(args.iter().copied())
+            .map(String::from)
+            .collect(),
+    );
+    c
+}
+
+/// A config running `sh -c script` in the hostile image (busybox, the setuid bait).
+pub fn sh_config(env: &Env, script: &str) -> Config {
+    let mut c = env.config();
+    c.image = image();
+    c.command = Some(vec!["/bin/sh".into(), "-c".into(), script.into()]);
+    c
+}
+
+/// The `name=result` findings of a hostile reply (entries separated by `;`).
+pub fn findings(reply: &Reply) -> BTreeMap<String, String> {
+    let text = reply
+        .text
+        .as_deref()
+        .unwrap_or_else(|| panic!("the hostile guest did not reply: {reply:?}"));
+    text.split(';')
+        .filter_map(|e| e.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// The stub MCP server of `tests/support/mcp_stub.py`, its files in `dir`.
+pub fn stub_server(dir: &Path, tools: &[&str]) -> McpServerConfig {
+    McpServerConfig {
+        name: "stub".into(),
+        transport: McpTransport::Stdio {
+            command: "python3".into(),
+            args: vec![Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/support/mcp_stub.py")
+                .display()
+                .to_string()],
+            env: [("STUB_DIR".to_owned(), dir.display().to_string())].into(),
+        },
+        tools: tools.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+/// A host tool that answers with the channel and speaker it was called for, and records
+/// every call (its arguments included).
+#[derive(Default)]
+pub struct Whoami {
+    pub calls: Mutex<Vec<(String, Speaker, serde_json::Value)>>,
+}
+
+impl Whoami {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+}
+
+impl HostTool for Whoami {
+    fn name(&self) -> &str {
+        "whoami"
+    }
+    fn description(&self) -> &str {
+        "Tells who is asking"
+    }
+    fn parameters(&self) -> serde_json::Value {
+        serde_json::json!({"type": "object"})
+    }
+    fn call(
+        &self,
+        args: serde_json::Value,
+        ctx: ToolCallContext,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async move {
+            self.calls
+                .lock()
+                .unwrap()
+                .push((ctx.channel.clone(), ctx.speaker.clone(), args));
+            Ok(format!(
+                "channel {} speaker {} {}",
+                ctx.channel, ctx.speaker.id, ctx.speaker.name
+            ))
+        })
+    }
+}
