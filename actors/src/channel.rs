@@ -14,8 +14,7 @@ use crate::reset::ResetGeneration;
 use crate::supervisor::{ChannelIdle, ChannelRestartedNotice, SandboxSupervisor, Shared};
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
 use crate::{
-    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, SandboxActorError,
-    Stop,
+    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, SandboxActorError, Stop,
 };
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, snapshots the
@@ -240,7 +239,8 @@ impl ChannelActor {
             responder,
             progress,
         };
-        let span = tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset = snapshot > 0);
+        let span =
+            tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset = snapshot > 0);
         tracing::debug!(turn = id, generation = snapshot, "turn admitted");
         TurnActor::new(id, job, control.clone(), ctx.address(), span).start();
         self.active = Some(ActiveTurn {
@@ -316,9 +316,9 @@ impl Handler<GuestMessage> for ChannelActor {
     fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
         self.received += 1;
         match self.guarded(ctx, "guest message", |act, ctx| act.accept(message, ctx)) {
-            Some(Ok(answer)) => Box::pin(async move {
-                answer.await.unwrap_or(Err(SandboxActorError::TurnLost))
-            }),
+            Some(Ok(answer)) => {
+                Box::pin(async move { answer.await.unwrap_or(Err(SandboxActorError::TurnLost)) })
+            }
             Some(Err(e)) => Box::pin(std::future::ready(Err(e))),
             None => Box::pin(std::future::ready(Err(SandboxActorError::ChannelRestarted))),
         }
@@ -355,7 +355,7 @@ impl Handler<TurnDone> for ChannelActor {
 
     fn handle(&mut self, msg: TurnDone, ctx: &mut Self::Context) {
         self.guarded(ctx, "turn done", |act, ctx| {
-            if !act.active.as_ref().is_some_and(|a| a.id == msg.turn) {
+            if act.active.as_ref().is_none_or(|a| a.id != msg.turn) {
                 return;
             }
             act.active = None;

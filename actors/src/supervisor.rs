@@ -171,7 +171,8 @@ impl SandboxSupervisor {
             self.next_actor += 1;
             let actor_id = self.next_actor;
             let reset = self.resets.entry(key.to_owned()).or_default().clone();
-            let (shared, supervisor, owned_key) = (self.shared.clone(), ctx.address(), key.to_owned());
+            let (shared, supervisor, owned_key) =
+                (self.shared.clone(), ctx.address(), key.to_owned());
             let addr = actix::Supervisor::start(move |_| {
                 ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
             });
@@ -250,9 +251,10 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         if self.shutdown.is_some() {
             return;
         }
-        let current = self.channels.get(&msg.channel).is_some_and(|entry| {
-            entry.actor_id == msg.actor_id && entry.forwarded == msg.received
-        });
+        let current = self
+            .channels
+            .get(&msg.channel)
+            .is_some_and(|entry| entry.actor_id == msg.actor_id && entry.forwarded == msg.received);
         if !current {
             // A message is on its way to it (it will go idle again later), or it was replaced.
             return;
@@ -277,7 +279,10 @@ impl Handler<ChannelRestartedNotice> for SandboxSupervisor {
     fn handle(&mut self, msg: ChannelRestartedNotice, _: &mut Self::Context) {
         self.restarts += 1;
         let segment = roundtable_sandbox::turn::channel_segment(&msg.channel);
-        tracing::warn!(channel = &segment[..16], "channel actor restarted after a panic");
+        tracing::warn!(
+            channel = &segment[..16],
+            "channel actor restarted after a panic"
+        );
     }
 }
 

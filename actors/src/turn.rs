@@ -206,8 +206,8 @@ impl Actor for TurnActor {
         )
         .instrument(self.span.clone());
         let task = actix_rt::spawn(work);
-        ctx.spawn(actix::fut::wrap_future::<_, Self>(task).map(
-            move |outcome, act, ctx| {
+        ctx.spawn(
+            actix::fut::wrap_future::<_, Self>(task).map(move |outcome, act, ctx| {
                 if let Err(e) = outcome {
                     let error = if e.is_panic() {
                         let message = panic_message(e.into_panic().as_ref());
@@ -223,8 +223,8 @@ impl Actor for TurnActor {
                 }
                 act.report_done();
                 ctx.stop();
-            },
-        ));
+            }),
+        );
     }
 }
 

@@ -55,11 +55,16 @@ fn pending(status: &StatusReport, channel: &str) -> u64 {
 
 /// Waits until every turn has torn down (replies come before teardown).
 async fn settle(addr: &Addr<SandboxSupervisor>) {
-    status_until(addr, "every turn torn down", |s| s.totals.busy_channels == 0).await;
+    status_until(addr, "every turn torn down", |s| {
+        s.totals.busy_channels == 0
+    })
+    .await;
 }
 
 async fn start(config: SupervisorConfig) -> Addr<SandboxSupervisor> {
-    SandboxSupervisor::start(config).await.expect("valid config")
+    SandboxSupervisor::start(config)
+        .await
+        .expect("valid config")
 }
 
 #[actix_rt::test]
@@ -90,7 +95,11 @@ async fn invalid_configuration_starts_nothing() {
     let mut config = env.fake(&driver, &tool);
     config.sandbox.turn_timeout = Some(Duration::from_millis(10));
     let err = SandboxSupervisor::start(config).await.unwrap_err();
-    assert!(err.to_string().contains("turn_timeout must be 1 s to 600 s"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("turn_timeout must be 1 s to 600 s"),
+        "{err}"
+    );
     assert_eq!(driver.started(), 0);
 }
 
@@ -107,7 +116,10 @@ async fn failure_cleanup_and_the_channel_goes_on() {
     // The failed turn's container was removed and its run dir is gone.
     let runs = driver.runs();
     assert_eq!(runs.len(), 1);
-    eventually("container removed", SECS5, || driver.removed() == vec![runs[0].name.clone()]).await;
+    eventually("container removed", SECS5, || {
+        driver.removed() == vec![runs[0].name.clone()]
+    })
+    .await;
     status_until(&addr, "channel idle", |s| {
         channel_status(s, "#f").is_some_and(|c| c.state == ChannelState::Idle)
     })
@@ -149,7 +161,10 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
     supervisor.set(addr.clone()).unwrap();
 
     let first = send(&addr, "#r", "ann", "block one");
-    status_until(&addr, "reset requested during start-up", |s| pending(s, "#r") == 1).await;
+    status_until(&addr, "reset requested during start-up", |s| {
+        pending(s, "#r") == 1
+    })
+    .await;
     driver.release(1);
     assert_eq!(
         ok_text(first.await.unwrap()),
@@ -157,12 +172,26 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
         "admitted before the reset"
     );
     let s = addr.send(Status).await.unwrap();
-    assert_eq!(pending(&s, "#r"), 1, "kept: the turn started with generation 0");
+    assert_eq!(
+        pending(&s, "#r"),
+        1,
+        "kept: the turn started with generation 0"
+    );
 
-    assert_eq!(ok_text(ask(&addr, "#r", "ann", "two").await), "ann|two|reset=true|");
+    assert_eq!(
+        ok_text(ask(&addr, "#r", "ann", "two").await),
+        "ann|two|reset=true|"
+    );
     let s = addr.send(Status).await.unwrap();
-    assert_eq!(pending(&s, "#r"), 0, "consumed by the turn that started with it");
-    assert_eq!(ok_text(ask(&addr, "#r", "ann", "three").await), "ann|three|reset=false|");
+    assert_eq!(
+        pending(&s, "#r"),
+        0,
+        "consumed by the turn that started with it"
+    );
+    assert_eq!(
+        ok_text(ask(&addr, "#r", "ann", "three").await),
+        "ann|three|reset=false|"
+    );
     settle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
@@ -186,9 +215,15 @@ async fn a_successful_turn_consumes_only_the_generation_it_started_with() {
     let s = addr.send(Status).await.unwrap();
     assert_eq!(pending(&s, "#g"), 2, "generation 2 was not the turn's (1)");
 
-    assert_eq!(ok_text(ask(&addr, "#g", "ann", "two").await), "ann|two|reset=true|");
+    assert_eq!(
+        ok_text(ask(&addr, "#g", "ann", "two").await),
+        "ann|two|reset=true|"
+    );
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#g"), 0);
-    assert_eq!(ok_text(ask(&addr, "#g", "ann", "three").await), "ann|three|reset=false|");
+    assert_eq!(
+        ok_text(ask(&addr, "#g", "ann", "three").await),
+        "ann|three|reset=false|"
+    );
 }
 
 #[actix_rt::test]
@@ -202,16 +237,27 @@ async fn a_failed_or_stopped_turn_consumes_no_reset() {
     .await
     .unwrap();
 
-    assert_eq!(error_text(ask(&addr, "#x", "ann", "fail").await), "guest exited with code 3");
+    assert_eq!(
+        error_text(ask(&addr, "#x", "ann", "fail").await),
+        "guest exited with code 3"
+    );
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
 
     let stopped = send(&addr, "#x", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
-    assert!(addr.send(Stop { channel: "#x".into() }).await.unwrap());
+    assert!(addr
+        .send(Stop {
+            channel: "#x".into()
+        })
+        .await
+        .unwrap());
     assert_eq!(error_text(stopped.await.unwrap()), "turn stopped");
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
 
-    assert_eq!(ok_text(ask(&addr, "#x", "ann", "ok").await), "ann|ok|reset=true|");
+    assert_eq!(
+        ok_text(ask(&addr, "#x", "ann", "ok").await),
+        "ann|ok|reset=true|"
+    );
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 0);
     let resets: Vec<bool> = driver.runs().iter().map(|r| r.turn.reset).collect();
     assert_eq!(resets, vec![true, true, true]);
@@ -237,7 +283,10 @@ async fn channels_are_independent() {
         channel_status(&s, "#slow").unwrap().state,
         ChannelState::Running(TurnPhase::ContainerRunning)
     );
-    assert_eq!(channel_status(&s, "#fast").unwrap().state, ChannelState::Idle);
+    assert_eq!(
+        channel_status(&s, "#fast").unwrap().state,
+        ChannelState::Idle
+    );
     assert_eq!(s.totals.busy_channels, 1);
     driver.release(1);
     ok_text(slow.await.unwrap());
@@ -266,7 +315,10 @@ async fn the_turn_and_its_tool_calls_carry_the_admitted_speaker() {
     for (answer, (who, n)) in answers.iter().zip([("alice", 1), ("bob", 2), ("carol", 3)]) {
         assert!(answer.starts_with(&format!("{who}|")), "{answer}");
         assert!(answer.contains(&format!("whoami {n}|")), "{answer}");
-        assert!(answer.contains(&format!("speaker={who}")), "tool saw {answer}");
+        assert!(
+            answer.contains(&format!("speaker={who}")),
+            "tool saw {answer}"
+        );
     }
     let seen = tool.seen.lock().unwrap().clone();
     assert_eq!(
@@ -332,11 +384,17 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
 
     let running = send(&addr, "#b", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
-    let queued = [send(&addr, "#b", "bob", "q1"), send(&addr, "#b", "cy", "q2")];
+    let queued = [
+        send(&addr, "#b", "bob", "q1"),
+        send(&addr, "#b", "cy", "q2"),
+    ];
     let started = Instant::now();
     let err = ask(&addr, "#b", "dan", "too many").await.unwrap_err();
     assert!(started.elapsed() < Duration::from_millis(500));
-    assert!(matches!(err, SandboxActorError::Busy { waiting: 2 }), "{err:?}");
+    assert!(
+        matches!(err, SandboxActorError::Busy { waiting: 2 }),
+        "{err:?}"
+    );
     assert_eq!(
         err.to_string(),
         "this channel is busy: a turn is running and 2 message(s) are already waiting (the \
@@ -355,11 +413,24 @@ async fn stop_with_nothing_running_answers_false() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(env.fake(&driver, &tool)).await;
-    assert!(!addr.send(Stop { channel: "#none".into() }).await.unwrap());
+    assert!(!addr
+        .send(Stop {
+            channel: "#none".into()
+        })
+        .await
+        .unwrap());
     ok_text(ask(&addr, "#idle", "ann", "hi").await);
-    assert!(!addr.send(Stop { channel: "#idle".into() }).await.unwrap());
+    assert!(!addr
+        .send(Stop {
+            channel: "#idle".into()
+        })
+        .await
+        .unwrap());
     let s = addr.send(Status).await.unwrap();
-    assert!(channel_status(&s, "#none").is_none(), "Stop spawns no actor");
+    assert!(
+        channel_status(&s, "#none").is_none(),
+        "Stop spawns no actor"
+    );
 }
 
 #[actix_rt::test]
@@ -372,14 +443,22 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
     let queued = send(&addr, "#s", "bob", "after");
     eventually("running", SECS5, || driver.running() == 1).await;
     let started = Instant::now();
-    assert!(addr.send(Stop { channel: "#s".into() }).await.unwrap());
+    assert!(addr
+        .send(Stop {
+            channel: "#s".into()
+        })
+        .await
+        .unwrap());
     assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(driver.runs()[0].outcome, Some("cancelled"));
     // The queued message is not stopped: it runs next.
     assert!(ok_text(queued.await.unwrap()).starts_with("bob|after|"));
     let runs = driver.runs();
-    eventually("both containers removed", SECS5, || driver.removed().len() == 2).await;
+    eventually("both containers removed", SECS5, || {
+        driver.removed().len() == 2
+    })
+    .await;
     assert_eq!(driver.removed()[0], runs[0].name);
     settle(&addr).await;
     assert!(env.turn_dirs().is_empty());
@@ -405,7 +484,10 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
     supervisor.set(addr.clone()).unwrap();
 
     // 1. Stopped during broker start-up: the turn never reaches a running container.
-    assert_eq!(error_text(ask(&addr, "#early", "ann", "block").await), "turn stopped");
+    assert_eq!(
+        error_text(ask(&addr, "#early", "ann", "block").await),
+        "turn stopped"
+    );
     assert!(
         driver.runs().iter().all(|r| r.outcome == Some("cancelled")),
         "{:?}",
@@ -420,7 +502,12 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
         channel_status(s, "#w").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
     })
     .await;
-    assert!(addr.send(Stop { channel: "#w".into() }).await.unwrap());
+    assert!(addr
+        .send(Stop {
+            channel: "#w".into()
+        })
+        .await
+        .unwrap());
     assert_eq!(error_text(waiting.await.unwrap()), "turn stopped");
     assert!(!driver.texts().contains(&"block never".to_string()));
     driver.release(1);
@@ -494,7 +581,12 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     let in_flight = send(&addr, "#p", "ann", "block");
     let queued = send(&addr, "#p", "bob", "queued");
     eventually("running", SECS5, || driver.running() == 1).await;
-    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+    assert!(addr
+        .send(InjectPanic {
+            channel: "#p".into()
+        })
+        .await
+        .unwrap());
 
     // The turn in flight ends with a clear error, and its container is removed.
     let err = tokio::time::timeout(SECS5, in_flight)
@@ -502,12 +594,18 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
         .expect("no hang")
         .unwrap()
         .unwrap_err();
-    assert!(matches!(err, SandboxActorError::ChannelRestarted), "{err:?}");
+    assert!(
+        matches!(err, SandboxActorError::ChannelRestarted),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("restarted"));
     let first = driver.runs()[0].clone();
     assert_eq!(first.outcome, Some("cancelled"));
     assert!(first.turn.reset);
-    eventually("container removed", SECS5, || driver.removed().contains(&first.name)).await;
+    eventually("container removed", SECS5, || {
+        driver.removed().contains(&first.name)
+    })
+    .await;
 
     // Restarted; the queued message and the pending reset survive, the next turn works.
     assert_eq!(ok_text(queued.await.unwrap()), "bob|queued|reset=true|");
@@ -515,7 +613,10 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     let p = channel_status(&s, "#p").unwrap();
     assert_eq!((p.restarts, p.pending_reset, p.live), (1, 0, true));
     assert_eq!(s.totals.restarts, 1);
-    assert_eq!(ok_text(ask(&addr, "#p", "ann", "next").await), "ann|next|reset=false|");
+    assert_eq!(
+        ok_text(ask(&addr, "#p", "ann", "next").await),
+        "ann|next|reset=false|"
+    );
 
     // A panic with a reset pending and nothing running: the reset is kept.
     addr.send(StartFresh {
@@ -523,11 +624,19 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     })
     .await
     .unwrap();
-    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+    assert!(addr
+        .send(InjectPanic {
+            channel: "#p".into()
+        })
+        .await
+        .unwrap());
     let s = addr.send(Status).await.unwrap();
     assert_eq!(channel_status(&s, "#p").unwrap().restarts, 2);
     assert_eq!(pending(&s, "#p"), 1);
-    assert_eq!(ok_text(ask(&addr, "#p", "ann", "fresh").await), "ann|fresh|reset=true|");
+    assert_eq!(
+        ok_text(ask(&addr, "#p", "ann", "fresh").await),
+        "ann|fresh|reset=true|"
+    );
     settle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
@@ -551,7 +660,10 @@ async fn idle_retirement_keeps_a_pending_reset() {
     assert_eq!(s.totals.retired, 2);
     let i = channel_status(&s, "#i").expect("a retired channel with a pending reset is listed");
     assert_eq!((i.live, i.pending_reset), (false, 1));
-    assert!(channel_status(&s, "#other").is_none(), "nothing kept for #other");
+    assert!(
+        channel_status(&s, "#other").is_none(),
+        "nothing kept for #other"
+    );
 
     // A reset requested while retired counts too; the next turn (new actor) starts fresh.
     addr.send(StartFresh {
@@ -559,7 +671,10 @@ async fn idle_retirement_keeps_a_pending_reset() {
     })
     .await
     .unwrap();
-    assert_eq!(ok_text(ask(&addr, "#i", "ann", "back").await), "ann|back|reset=true|");
+    assert_eq!(
+        ok_text(ask(&addr, "#i", "ann", "back").await),
+        "ann|back|reset=true|"
+    );
     let s = addr.send(Status).await.unwrap();
     assert_eq!(pending(&s, "#i"), 0);
     assert!(channel_status(&s, "#i").unwrap().live);
@@ -582,7 +697,12 @@ async fn the_global_cap_serves_waiting_channels_in_turn() {
             if ch == "a" && n == 1 {
                 continue;
             }
-            answers.push(send(&addr, &format!("#{ch}"), "ann", &format!("block {ch}{n}")));
+            answers.push(send(
+                &addr,
+                &format!("#{ch}"),
+                "ann",
+                &format!("block {ch}{n}"),
+            ));
         }
     }
     status_until(&addr, "b1 and c1 wait for the slot", |s| {
@@ -615,9 +735,8 @@ async fn progress_reaches_the_message_recipient() {
 
     let first = send(&addr, "#pr", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
-    let second = addr.send(
-        GuestMessage::new("#pr", speaker("bob"), "hi").with_progress(collector.recipient()),
-    );
+    let second = addr
+        .send(GuestMessage::new("#pr", speaker("bob"), "hi").with_progress(collector.recipient()));
     let second = actix_rt::spawn(second);
     status_until(&addr, "queued", |s| s.totals.queued == 1).await;
     driver.release(1);
@@ -674,6 +793,9 @@ async fn idle_channel_actors_cost_little() {
     assert_eq!(s.totals.live_channels, n + 200);
     let after = rss_kib();
     let per = (after.saturating_sub(before) * 1024) / n as u64;
-    println!("idle channel actors: {n} took {} KiB of RSS, ~{per} bytes each", after - before);
+    println!(
+        "idle channel actors: {n} took {} KiB of RSS, ~{per} bytes each",
+        after - before
+    );
     assert!(per < 16 * 1024, "{per} bytes per idle channel actor");
 }

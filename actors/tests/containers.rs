@@ -43,10 +43,8 @@ async fn instance_of(env: &Env) -> String {
 async fn labelled_containers(instance: &str) -> Vec<String> {
     let driver = DockerDriver::default();
     let docker = driver.client().await.unwrap();
-    let filters = std::collections::HashMap::from([(
-        "label",
-        vec![format!("{LABEL_RUNTIME}={instance}")],
-    )]);
+    let filters =
+        std::collections::HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
     let opts = ListContainersOptionsBuilder::new()
         .all(true)
         .filters(&filters)
@@ -67,17 +65,27 @@ async fn running_containers(instance: &str) -> usize {
         ("label", vec![format!("{LABEL_RUNTIME}={instance}")]),
         ("status", vec!["running".to_string()]),
     ]);
-    let opts = ListContainersOptionsBuilder::new().filters(&filters).build();
+    let opts = ListContainersOptionsBuilder::new()
+        .filters(&filters)
+        .build();
     docker.list_containers(Some(opts)).await.unwrap().len()
 }
 
 async fn assert_no_leftovers(env: &Env, instance: &str) {
     let containers = labelled_containers(instance).await;
     assert!(containers.is_empty(), "leaked containers: {containers:?}");
-    assert!(env.turn_dirs().is_empty(), "leaked run dirs: {:?}", env.turn_dirs());
+    assert!(
+        env.turn_dirs().is_empty(),
+        "leaked run dirs: {:?}",
+        env.turn_dirs()
+    );
 }
 
-fn send(addr: &Addr<SandboxSupervisor>, channel: &str, text: &str) -> tokio::task::JoinHandle<Answer> {
+fn send(
+    addr: &Addr<SandboxSupervisor>,
+    channel: &str,
+    text: &str,
+) -> tokio::task::JoinHandle<Answer> {
     let request = addr.send(GuestMessage::new(channel, speaker("ann"), text));
     actix_rt::spawn(async move { request.await.unwrap() })
 }
@@ -93,7 +101,10 @@ async fn until_running(addr: &Addr<SandboxSupervisor>, instance: &str, n: usize)
     .await;
     let started = Instant::now();
     while running_containers(instance).await < n {
-        assert!(started.elapsed() < Duration::from_secs(10), "containers never ran");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "containers never ran"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -124,7 +135,12 @@ async fn stop_kills_the_running_container_within_a_second() {
     until_running(&addr, &instance, 1).await;
 
     let started = Instant::now();
-    assert!(addr.send(Stop { channel: "#stop".into() }).await.unwrap());
+    assert!(addr
+        .send(Stop {
+            channel: "#stop".into()
+        })
+        .await
+        .unwrap());
     let reply = turn.await.unwrap().unwrap();
     let replied = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
@@ -156,7 +172,11 @@ async fn stop_during_broker_startup_leaves_nothing_behind() {
     let started = Instant::now();
     let reply = send(&addr, "#early", "sleep long").await.unwrap().unwrap();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
-    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;
 }
@@ -173,8 +193,10 @@ async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothi
     callers.push(send(&addr, "#c", "sleep c")); // waits for a slot
     callers.push(send(&addr, "#a", "queued a2"));
     callers.push(send(&addr, "#b", "queued b2"));
-    status_until(&addr, "queued", |s| s.totals.queued == 2 && s.totals.waiting_for_slot == 1)
-        .await;
+    status_until(&addr, "queued", |s| {
+        s.totals.queued == 2 && s.totals.waiting_for_slot == 1
+    })
+    .await;
 
     let started = Instant::now();
     let report = addr.send(Shutdown).await.unwrap();
@@ -193,7 +215,10 @@ async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothi
             .await
             .expect("answered")
             .unwrap();
-        assert!(matches!(answer, Err(SandboxActorError::ShuttingDown)), "{answer:?}");
+        assert!(
+            matches!(answer, Err(SandboxActorError::ShuttingDown)),
+            "{answer:?}"
+        );
     }
     assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
     println!("shutdown of 2 running containers took {took:?}");
@@ -212,12 +237,20 @@ async fn a_channel_actor_panic_ends_the_running_container() {
     let turn = send(&addr, "#p", "sleep long");
     until_running(&addr, &instance, 1).await;
     let started = Instant::now();
-    assert!(addr.send(InjectPanic { channel: "#p".into() }).await.unwrap());
+    assert!(addr
+        .send(InjectPanic {
+            channel: "#p".into()
+        })
+        .await
+        .unwrap());
     let answer = tokio::time::timeout(Duration::from_secs(5), turn)
         .await
         .expect("no hang")
         .unwrap();
-    assert!(matches!(answer, Err(SandboxActorError::ChannelRestarted)), "{answer:?}");
+    assert!(
+        matches!(answer, Err(SandboxActorError::ChannelRestarted)),
+        "{answer:?}"
+    );
     assert!(started.elapsed() < Duration::from_secs(1));
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;

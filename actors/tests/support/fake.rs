@@ -119,7 +119,9 @@ impl Drop for Running<'_> {
     fn drop(&mut self) {
         self.driver.running.fetch_sub(1, Ordering::SeqCst);
         let mut r = self.driver.record.lock().unwrap_or_else(|e| e.into_inner());
-        *r.running_by_channel.entry(self.channel.clone()).or_default() -= 1;
+        *r.running_by_channel
+            .entry(self.channel.clone())
+            .or_default() -= 1;
         r.events.push(format!("end {}", self.text));
     }
 }
