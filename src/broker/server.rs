@@ -106,6 +106,9 @@ pub(crate) async fn serve(
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT)
                 .max_buf_size(MAX_HEAD_BYTES)
+                // max_buf_size alone is a soft bound (a read may overshoot it); the
+                // parsed head is checked exactly, with a 431.
+                .max_header_size(MAX_HEAD_BYTES)
                 .serve_connection(TokioIo::new(stream), service);
             tokio::select! {
                 r = conn => {
