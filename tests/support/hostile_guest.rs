@@ -13,7 +13,7 @@
 //! - `net <target>…`: each target is `tcp:IP:PORT`, `dns:IP:PORT` (a UDP DNS query),
 //!   `abstract:NAME` (an abstract unix socket) or `unix:PATH`; the result is `connected`,
 //!   `answered` or the OS error.
-//! - `broker`: raw HTTP/1.1 requests on the broker socket that forge the model, the URL,
+//! - `broker [forge|tools|speaker]`: raw HTTP/1.1 requests on the broker socket that forge the model, the URL,
 //!   the credentials and the speaker, and probe tools that are not allow-listed; the
 //!   result of each is its status and (for some) its body.
 //! - `turn`: prints the turn it was given, as text.
@@ -31,7 +31,7 @@ fn main() {
     let findings = match args.first().map(String::as_str) {
         Some("identity") => identity(),
         Some("net") => args[1..].iter().map(|t| net(t)).collect(),
-        Some("broker") => broker(),
+        Some("broker") => broker(args.get(1).map_or("all", String::as_str)),
         Some("turn") => vec![turn],
         other => vec![format!("unknown attack {other:?}")],
     };
@@ -155,7 +155,7 @@ fn post(target: &str, headers: &[&str], body: &str) -> Vec<u8> {
     r.into_bytes()
 }
 
-fn broker() -> Vec<String> {
+fn broker(group: &str) -> Vec<String> {
     let chat = r#"{"model":"gpt-evil","messages":[{"role":"user","content":"hi"}],"base_url":"http://evil.example/v1","api_key":"sk-guest"}"#;
     let forged = [
         "Authorization: Bearer sk-guest-forged",
@@ -253,8 +253,16 @@ fn broker() -> Vec<String> {
             false,
         ),
     ];
+    let group_of = |name: &str| match name {
+        "forged_model" | "absolute_uri" | "query_url" | "get" | "huge_head" => "forge",
+        "speaker" | "not_json" => "speaker",
+        _ => "tools",
+    };
     let mut out = Vec::new();
     for (name, request, show_body) in cases {
+        if group != "all" && group_of(name) != group {
+            continue;
+        }
         out.push(match raw(&request) {
             Ok((status, body)) if show_body => {
                 format!(
@@ -265,6 +273,9 @@ fn broker() -> Vec<String> {
             Ok((status, _)) => format!("{name}={status}"),
             Err(e) => format!("{name}=error({e})"),
         });
+    }
+    if group != "all" && group != "forge" {
+        return out;
     }
     // The call budget: the configured number of model calls, then 429.
     let mut budget = Vec::new();
