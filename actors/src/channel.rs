@@ -289,7 +289,18 @@ impl Actor for ChannelActor {
 
     fn started(&mut self, ctx: &mut Self::Context) {
         tracing::debug!(parent: &self.span, restarts = self.restarts, "channel actor started");
-        self.arm_idle_timer(ctx);
+        // After a restart, pick up where the panic left off: the next queued message if no
+        // turn is active any more, or the shutdown waiters if the channel has drained.
+        if self.shutting_down {
+            if self.active.is_none() {
+                for waiter in self.drained.drain(..) {
+                    let _ = waiter.send(());
+                }
+            }
+        } else {
+            let _entered = self.span.clone().entered();
+            self.admit_next(ctx);
+        }
     }
 
     fn stopped(&mut self, _ctx: &mut Self::Context) {

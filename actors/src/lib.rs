@@ -34,6 +34,39 @@
 //!
 //! Everything runs on the current actix arbiter: start the supervisor inside an actix
 //! `System` (e.g. `#[actix::main]`).
+//!
+//! ```no_run
+//! use roundtable_sandbox::{ApiKey, Config, Speaker};
+//! use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Shutdown, SupervisorConfig};
+//!
+//! #[actix::main]
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let config = Config::new(
+//!         "roundtable-sandbox-guest:latest",
+//!         "/srv/roundtable/run",
+//!         "/srv/roundtable/ws",
+//!         "gpt-4o-mini",
+//!         "https://api.openai.com/v1",
+//!         ApiKey::from_static(std::env::var("OPENAI_API_KEY")?),
+//!     );
+//!     let mut settings = SupervisorConfig::new(config);
+//!     settings.max_containers = 2;
+//!     // An invalid configuration is an error here, before anything starts.
+//!     let sandbox = SandboxSupervisor::start(settings).await?;
+//!
+//!     let speaker = Speaker { id: "42".into(), name: "ann".into() };
+//!     let answer = sandbox
+//!         .send(GuestMessage::new("#general", speaker, "What time is it?"))
+//!         .await?;
+//!     match answer {
+//!         Ok(reply) if reply.ok => println!("{}", reply.text.unwrap_or_default()),
+//!         Ok(reply) => println!("(turn failed: {})", reply.error.unwrap_or_default()),
+//!         Err(refused) => println!("({refused})"),
+//!     }
+//!     sandbox.send(Shutdown).await?;
+//!     Ok(())
+//! }
+//! ```
 
 #![forbid(unsafe_code)]
 

@@ -139,7 +139,7 @@ pub(crate) struct TurnJob {
 /// In order: waits for a container slot (or a stop); runs the turn; from the core's reply
 /// callback — before any teardown — consumes the reset generation if the reply is ok and
 /// the generation is still the admitted one, answers the caller and reports
-/// [`TurnReplied`] to its [`ChannelActor`]; after teardown reports [`TurnDone`] and stops.
+/// that it replied to its [`ChannelActor`]; after teardown reports that it is done and stops.
 /// If the actor is dropped early it cancels the turn (the core's guards tear it down) and
 /// still reports `TurnDone`, so its channel never waits forever.
 pub struct TurnActor {
