@@ -17,7 +17,7 @@ use sha2::Digest;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::broker::TurnContext;
+use crate::broker::{BrokerEvent, TurnContext};
 use crate::driver::{ContainerSpec, DriverError, LABEL_CHANNEL, LABEL_RUNTIME, LABEL_TURN};
 use crate::Sandbox;
 
@@ -39,6 +39,10 @@ pub enum TurnPhase {
     Preparing,
     BrokerListening,
     ContainerRunning,
+    /// The broker forwards a model call (reported at each call).
+    ModelCall,
+    /// The broker runs a host or MCP tool (reported at each call).
+    ToolCall,
     Replied,
     TearingDown,
     Done,
@@ -70,6 +74,8 @@ pub enum TurnError {
     Broker(#[from] crate::broker::BrokerError),
     #[error("{0}")]
     Driver(#[from] DriverError),
+    #[error("{0}")]
+    Quota(#[from] crate::quota::QuotaError),
 }
 
 /// `hex(sha256(channel))`: the channel's workspace segment.
@@ -146,6 +152,12 @@ async fn run_turn_inner(
 
     let result: Result<Reply, TurnError> = async {
         make_workspace(&workspace_dir)?;
+        // A workspace over its quota refuses the turn (metadata only; see crate::quota).
+        let quota = config.config.limits.workspace_quota();
+        let measured = workspace_dir.clone();
+        tokio::task::spawn_blocking(move || crate::quota::check(&measured, &quota))
+            .await
+            .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
         let dir = tempfile::Builder::new()
             .prefix("turn-")
             .rand_bytes(6)
@@ -161,10 +173,19 @@ async fn run_turn_inner(
         if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
             return Err(TurnError::SocketPathTooLong(socket));
         }
+        let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
+            Arc::new(move |e: BrokerEvent| {
+                o(match e {
+                    BrokerEvent::ModelCall => TurnPhase::ModelCall,
+                    BrokerEvent::ToolCall => TurnPhase::ToolCall,
+                })
+            }) as crate::broker::BrokerEvents
+        });
         let ctx = TurnContext {
             channel: request.channel.clone(),
             speaker: request.speaker.clone(),
             cancel: cancel.clone(),
+            events,
         };
         let l = tokio::select! {
             l = sandbox.broker().listen(&socket, ctx) => l?,
@@ -206,9 +227,16 @@ async fn run_turn_inner(
         tokio::pin!(run);
         let deadline = tokio::time::sleep(config.turn_timeout);
         tokio::pin!(deadline);
+        let over_quota = crate::quota::watch(workspace_dir.clone(), quota);
+        tokio::pin!(over_quota);
         let mut why: Option<TurnError> = None;
         let outcome = tokio::select! {
             r = &mut run => r,
+            e = &mut over_quota => {
+                why = Some(TurnError::Quota(e));
+                cancel.cancel();
+                run.await
+            }
             _ = &mut deadline => {
                 why = Some(TurnError::Timeout(config.turn_timeout));
                 cancel.cancel();
@@ -308,6 +336,7 @@ fn container_spec(
         cpus: limits.cpus,
         pids: limits.pids,
         tmpfs_mb: limits.tmpfs_mb,
+        file_size_mb: limits.workspace_mb,
         output_cap: (limits.output_kb as usize) * 1024,
         stderr_cap: 64 * 1024,
         labels: BTreeMap::from([

@@ -72,6 +72,7 @@ impl TestTurn {
             channel: "chan-1".into(),
             speaker: speaker(),
             cancel: cancel.clone(),
+            events: None,
         };
         let listener = broker.listen(&socket, ctx).await.unwrap();
         Self {

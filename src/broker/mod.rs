@@ -328,12 +328,37 @@ impl fmt::Debug for BrokerPolicy {
 }
 
 /// One turn's view: who speaks in which channel, and the turn's cancellation.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TurnContext {
     pub channel: String,
     pub speaker: Speaker,
     pub cancel: CancellationToken,
+    /// Told of each call the broker starts (for progress displays); never of its content.
+    pub events: Option<BrokerEvents>,
 }
+
+impl fmt::Debug for TurnContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TurnContext")
+            .field("channel", &self.channel)
+            .field("speaker", &self.speaker)
+            .field("cancel", &self.cancel)
+            .field("events", &self.events.as_ref().map(|_| "callback"))
+            .finish()
+    }
+}
+
+/// What the broker is doing for a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerEvent {
+    /// A model call is forwarded upstream.
+    ModelCall,
+    /// A host or MCP tool is called.
+    ToolCall,
+}
+
+/// Receives [`BrokerEvent`]s; called on the connection's task, so it must return quickly.
+pub type BrokerEvents = Arc<dyn Fn(BrokerEvent) + Send + Sync>;
 
 /// Checks the policy without any side effect (no process started, no connection made):
 /// the model URL, the limits, host tool names and schemas, MCP server names, transports

@@ -263,6 +263,12 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
             "the request body must be a JSON object",
         );
     };
+    if let Some(events) = &turn.ctx.events {
+        events(match route {
+            Route::Chat => super::BrokerEvent::ModelCall,
+            Route::Tool(_) | Route::Mcp(..) => super::BrokerEvent::ToolCall,
+        });
+    }
     match route {
         Route::Chat => {
             tracing::debug!("model call");

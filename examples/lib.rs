@@ -1,0 +1,60 @@
+//! Example bots embedding roundtable-sandbox, and what they share.
+//!
+//! - `terminal_bot.rs`: reads `#channel name: text` lines on stdin (and `/reset #channel`,
+//!   `/stop #channel`, `/status`), sends each as an actor message, prints the replies;
+//! - `irc_bot.rs`: each IRC channel is a sandbox channel, each nick the speaker;
+//! - [`RollDice`]: a host tool both bots offer to the guest agent.
+//!
+//! The README's embedding example is compiled here as a doctest.
+
+#![forbid(unsafe_code)]
+
+use roundtable_sandbox::broker::BoxFuture;
+use roundtable_sandbox::{HostTool, ToolCallContext};
+
+/// A host tool: rolls a die with the given number of sides. Runs on the host; the guest
+/// only sees its name, description and schema, and its result.
+#[derive(Debug, Default)]
+pub struct RollDice;
+
+impl HostTool for RollDice {
+    fn name(&self) -> &str {
+        "roll_dice"
+    }
+
+    fn description(&self) -> &str {
+        "Roll a fair die on the host and return the result."
+    }
+
+    fn parameters(&self) -> serde_json::Value {
+        serde_json::json!({
+            "type": "object",
+            "properties": {"sides": {"type": "integer", "minimum": 2, "maximum": 1000}},
+            "required": ["sides"],
+            "additionalProperties": false
+        })
+    }
+
+    fn call(
+        &self,
+        args: serde_json::Value,
+        ctx: ToolCallContext,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async move {
+            let sides = args["sides"].as_u64().ok_or("sides must be an integer")?;
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_err(|e| e.to_string())?
+                .subsec_nanos() as u64;
+            Ok(format!(
+                "{} rolled a d{sides}: {}",
+                ctx.speaker.name,
+                nanos % sides + 1
+            ))
+        })
+    }
+}
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

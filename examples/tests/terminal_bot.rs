@@ -1,0 +1,135 @@
+//! The terminal bot driven through stdin, for real: the actor layer, the broker, the
+//! embedded offline model and the guest in sealed containers. Runs as the service user.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+struct Bot {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+    _dir: tempfile::TempDir,
+}
+
+impl Bot {
+    fn start() -> Self {
+        assert_ne!(
+            nix::unistd::getuid().as_raw(),
+            0,
+            "run through scripts/test.sh"
+        );
+        let dir = tempfile::Builder::new()
+            .prefix("rtb-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_terminal-bot"))
+            .arg("--run-root")
+            .arg(dir.path().join("run"))
+            .arg("--workspace-root")
+            .arg(dir.path().join("ws"))
+            .arg("--offline")
+            .env_remove("OPENAI_API_KEY")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        Self {
+            child,
+            stdin,
+            lines,
+            seen: Vec::new(),
+            _dir: dir,
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    /// Waits for a line starting with `prefix`; returns it.
+    fn expect(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        if let Some(i) = self.seen.iter().position(|l| l.starts_with(prefix)) {
+            return self.seen.remove(i);
+        }
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return l,
+                Ok(l) => self.seen.push(l),
+                Err(_) => break,
+            }
+        }
+        panic!("no line starting with {prefix:?}; saw {:?}", self.seen);
+    }
+
+    fn finish(mut self) {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "bot exit {status}");
+    }
+}
+
+#[test]
+fn replies_for_two_channels_then_a_reset_shows_a_fresh_session() {
+    let mut bot = Bot::start();
+    bot.send("#a ann: hello from a");
+    bot.send("#b bob: hello from b");
+    let a = bot.expect("[#a] ");
+    let b = bot.expect("[#b] ");
+    assert!(a.contains("read it back (ann: hello from a)"), "{a}");
+    assert!(a.contains("roll_dice answered: ann rolled a d6"), "{a}");
+    assert!(b.contains("read it back (bob: hello from b)"), "{b}");
+    assert!(a.contains("holds 0 earlier message(s)"), "{a}");
+
+    bot.send("#a ann: second");
+    let a2 = bot.expect("[#a] ");
+    assert!(
+        a2.contains("holds 1 earlier message(s)"),
+        "history kept: {a2}"
+    );
+
+    bot.send("/reset #a");
+    assert_eq!(
+        bot.expect("[#a] reset"),
+        "[#a] reset: the next turn starts a fresh session"
+    );
+    bot.send("#a ann: after reset");
+    let a3 = bot.expect("[#a] ");
+    assert!(
+        a3.contains("holds 0 earlier message(s)"),
+        "fresh session: {a3}"
+    );
+    bot.finish();
+}
+
+#[test]
+fn stop_during_a_turn() {
+    let mut bot = Bot::start();
+    bot.send("#s ann: run: sleep 60");
+    std::thread::sleep(Duration::from_millis(1500));
+    bot.send("/stop #s");
+    assert_eq!(
+        bot.expect("[#s] stop"),
+        "[#s] stop: the running turn was stopped"
+    );
+    assert_eq!(bot.expect("[#s] error"), "[#s] error: turn stopped");
+    bot.send("/stop #s");
+    assert_eq!(bot.expect("[#s] stop"), "[#s] stop: nothing was running");
+    bot.finish();
+}
