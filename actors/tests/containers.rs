@@ -262,3 +262,82 @@ async fn a_channel_actor_panic_ends_the_running_container() {
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;
 }
+
+/// The Docker driver, except that a run still going after 1 s panics (inside the turn's
+/// task, with the real container running).
+#[derive(Debug, Default)]
+struct PanicsMidRun(DockerDriver);
+
+impl roundtable_sandbox::ContainerDriver for PanicsMidRun {
+    fn run<'a>(
+        &'a self,
+        spec: &'a roundtable_sandbox::driver::ContainerSpec,
+        stdin: &'a [u8],
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> roundtable_sandbox::driver::BoxFuture<'a, Result<Reply, roundtable_sandbox::DriverError>>
+    {
+        Box::pin(async move {
+            let run = self.0.run(spec, stdin, cancel);
+            tokio::pin!(run);
+            tokio::select! {
+                r = &mut run => r,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => panic!("driver panic mid-run (test)"),
+            }
+        })
+    }
+
+    fn remove<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> roundtable_sandbox::driver::BoxFuture<'a, Result<(), roundtable_sandbox::DriverError>>
+    {
+        self.0.remove(name)
+    }
+
+    fn sweep<'a>(
+        &'a self,
+        instance: &'a str,
+    ) -> roundtable_sandbox::driver::BoxFuture<
+        'a,
+        Result<Vec<String>, roundtable_sandbox::DriverError>,
+    > {
+        self.0.sweep(instance)
+    }
+}
+
+#[actix_rt::test]
+async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut config = config(&env);
+    config.sandbox.driver = Some(Arc::new(PanicsMidRun::default()));
+    let addr = SandboxSupervisor::start(config).await.unwrap();
+    let turn = send(&addr, "#tp", "sleep long");
+    until_running(&addr, &instance, 1).await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), turn)
+        .await
+        .expect("no hang")
+        .unwrap();
+    match answer {
+        Err(SandboxActorError::TurnPanicked { message }) => {
+            assert_eq!(message, "driver panic mid-run (test)")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The core's drop guards removed the run dir and spawned the container's removal.
+    let started = Instant::now();
+    while !labelled_containers(&instance).await.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "container left behind"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+    // The channel goes on.
+    let next = send(&addr, "#tp", "hello").await.unwrap().unwrap();
+    assert_eq!(next.text.as_deref(), Some("hi"));
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+}
