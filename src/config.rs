@@ -51,6 +51,10 @@ pub enum ConfigError {
     TmpfsLimit(u64),
     #[error("limits.output_kb must be 1 to 65536, got {0}")]
     OutputLimit(u64),
+    #[error("limits.workspace_mb must be 1 to 16777216, got {0}")]
+    WorkspaceLimit(u64),
+    #[error("limits.workspace_files must be 16 to 10000000, got {0}")]
+    WorkspaceFilesLimit(u64),
     #[error("max_steps must be 1 to 256, got {0}")]
     MaxSteps(u32),
     #[error("session_budget must be 1000 to 10000000 estimated tokens, got {0}")]
@@ -99,6 +103,11 @@ pub struct Limits {
     pub tmpfs_mb: u64,
     /// Cap on the guest's stdout (the reply) in KiB.
     pub output_kb: u64,
+    /// Disk quota of a channel's workspace in MiB (see [`crate::quota`]): no file may grow
+    /// past it, a turn that passes it is killed, and a workspace over it refuses turns.
+    pub workspace_mb: u64,
+    /// Entries (files, dirs, links) a channel's workspace may hold.
+    pub workspace_files: u64,
 }
 
 impl Default for Limits {
@@ -109,11 +118,21 @@ impl Default for Limits {
             pids: 128,
             tmpfs_mb: 64,
             output_kb: 1024,
+            workspace_mb: 1024,
+            workspace_files: 100_000,
         }
     }
 }
 
 impl Limits {
+    /// The workspace quota these limits set.
+    pub fn workspace_quota(&self) -> crate::quota::Quota {
+        crate::quota::Quota {
+            max_bytes: self.workspace_mb.saturating_mul(1 << 20),
+            max_entries: self.workspace_files,
+        }
+    }
+
     /// Checks each limit's range.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if !(16..=1 << 20).contains(&self.memory_mb) {
@@ -130,6 +149,12 @@ impl Limits {
         }
         if !(1..=65536).contains(&self.output_kb) {
             return Err(ConfigError::OutputLimit(self.output_kb));
+        }
+        if !(1..=1 << 24).contains(&self.workspace_mb) {
+            return Err(ConfigError::WorkspaceLimit(self.workspace_mb));
+        }
+        if !(16..=10_000_000).contains(&self.workspace_files) {
+            return Err(ConfigError::WorkspaceFilesLimit(self.workspace_files));
         }
         Ok(())
     }
@@ -680,6 +705,22 @@ mod tests {
             assert_eq!(limits.validate().unwrap_err().to_string(), msg);
         }
         assert!(Limits::default().validate().is_ok());
+        let w = Limits {
+            workspace_mb: 0,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.workspace_mb must be 1 to 16777216, got 0"
+        );
+        let w = Limits {
+            workspace_files: 15,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.workspace_files must be 16 to 10000000, got 15"
+        );
     }
 
     #[test]

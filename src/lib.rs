@@ -20,6 +20,7 @@
 pub mod broker;
 pub mod config;
 pub mod driver;
+pub mod quota;
 pub mod image;
 pub mod offline;
 pub mod settings;

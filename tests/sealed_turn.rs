@@ -318,6 +318,7 @@ async fn sweep_removes_labelled_containers_and_stale_run_dirs() {
         cpus: 0.5,
         pids: 16,
         tmpfs_mb: 1,
+        file_size_mb: 64,
         output_cap: 1024,
         stderr_cap: 1024,
         labels: [(LABEL_RUNTIME.to_string(), sandbox.config().instance.clone())].into(),

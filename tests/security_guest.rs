@@ -286,6 +286,7 @@ async fn attack_escalate_through_a_setuid_binary() {
         cpus: 0.5,
         pids: 16,
         tmpfs_mb: 1,
+        file_size_mb: 64,
         output_cap: 4096,
         stderr_cap: 4096,
         labels: Default::default(),
@@ -556,4 +557,105 @@ async fn attack_print_a_reply_that_pretends_to_come_from_the_host() {
         assert_eq!(reply.error.as_deref(), Some(expected), "{script}");
         assert_no_leftovers(&sandbox).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_fill_the_workspace_disk() {
+    use roundtable_sandbox::quota;
+    let env = Env::new();
+    let limits = |c: &mut roundtable_sandbox::Config| {
+        c.limits.workspace_mb = 8;
+        c.limits.workspace_files = 100;
+    };
+    let over = "this channel's workspace is over its quota";
+
+    // One file past the quota: the kernel stops it (RLIMIT_FSIZE), the turn says why.
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; echo note > /workspace/note; exec dd if=/dev/zero of=/workspace/big bs=1M count=100",
+    );
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#big", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("guest killed: a file grew past the workspace quota (8 MiB)")
+    );
+    let size = std::fs::metadata(env.workspace_of("#big").join("big"))
+        .unwrap()
+        .len();
+    assert_eq!(size, 8 << 20, "the file stopped at the quota");
+    // The workspace is now past its quota (the note): the next turn is refused
+    // before any container starts.
+    let reply = sandbox.run_turn(request("#big", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(error.starts_with(over), "{error}");
+    assert!(error.contains("the limit is 8 MiB"), "{error}");
+    // An operator frees space: turns run again.
+    std::fs::remove_file(env.workspace_of("#big").join("big")).unwrap();
+    let mut config = hostile::sh_config(&env, &reply_after("out=back"));
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    assert_eq!(
+        sandbox.run_turn(request("#big", "x")).await.text.as_deref(),
+        Some("back")
+    );
+    assert_no_leftovers(&sandbox).await;
+
+    // Many files, each under the per-file cap: the watcher kills the turn.
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; i=0; while :; do dd if=/dev/zero of=/workspace/f$i bs=1M count=1 2>/dev/null; i=$((i+1)); done",
+    );
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#many", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(error.starts_with(over), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let unbounded = quota::Quota {
+        max_bytes: u64::MAX,
+        max_entries: u64::MAX,
+    };
+    let used = quota::measure(&env.workspace_of("#many"), &unbounded).unwrap();
+    eprintln!("many files: {used:?} on disk after the kill (quota 8 MiB)");
+    assert!(used.bytes < 512 << 20, "overshoot bounded: {used:?}");
+    assert_no_leftovers(&sandbox).await;
+
+    // An inode flood: the entry count is a quota too.
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; i=0; while :; do : > /workspace/n$i; i=$((i+1)); done",
+    );
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#inodes", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(error.starts_with(over), "{error}");
+    assert!(error.contains("more than 100 entries"), "{error}");
+    assert_no_leftovers(&sandbox).await;
+
+    // Bytes hidden in a dir the guest made unreadable are still counted (metadata only).
+    let mut config = hostile::sh_config(
+        &env,
+        &reply_after(
+            "mkdir /workspace/h; dd if=/dev/zero of=/workspace/h/a bs=1M count=5 2>/dev/null; \
+             chmod 000 /workspace/h; ln -s / /workspace/root; out=hidden",
+        ),
+    );
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    assert_eq!(
+        sandbox
+            .run_turn(request("#hide", "x"))
+            .await
+            .text
+            .as_deref(),
+        Some("hidden")
+    );
+    let used = quota::measure(&env.workspace_of("#hide"), &unbounded).unwrap();
+    assert_eq!(used.entries, 3, "{used:?}");
+    assert!(used.bytes >= 5 << 20, "{used:?}");
+    assert_no_leftovers(&sandbox).await;
 }

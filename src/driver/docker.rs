@@ -316,6 +316,12 @@ impl DockerDriver {
                 cap: spec.output_cap,
             });
         }
+        if code == 128 + libc::SIGXFSZ as i64 {
+            // The init process reports the guest's death by SIGXFSZ: RLIMIT_FSIZE was hit.
+            return Err(DriverError::FileTooLarge {
+                limit_mb: spec.file_size_mb,
+            });
+        }
         if code != 0 {
             // 137 under the init process: SIGKILL, which the memory cgroup uses too.
             return Err(DriverError::Exit { code });
@@ -495,9 +501,11 @@ impl ContainerDriver for DockerDriver {
 }
 
 /// The sealed container: no network, read-only root, no capabilities, no new privileges,
-/// an init process, caps on memory (no swap), cpu, pids and /tmp; only the two mounts.
+/// an init process, caps on memory (no swap), cpu, pids, /tmp and file size; only the two
+/// mounts.
 pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
     let memory = (spec.memory_mb as i64) * 1024 * 1024;
+    let file_size = (spec.file_size_mb as i64).saturating_mul(1024 * 1024);
     let bind = |source: &std::path::Path, target: &str, read_only: bool| Mount {
         target: Some(target.to_owned()),
         source: Some(source.to_string_lossy().into_owned()),
@@ -528,11 +536,19 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
             bind(&spec.run_dir, RUN_MOUNT, true),
             bind(&spec.workspace_dir, WORKSPACE_MOUNT, false),
         ]),
-        ulimits: Some(vec![ResourcesUlimits {
-            name: Some("nofile".into()),
-            soft: Some(1024),
-            hard: Some(1024),
-        }]),
+        ulimits: Some(vec![
+            ResourcesUlimits {
+                name: Some("nofile".into()),
+                soft: Some(1024),
+                hard: Some(1024),
+            },
+            // No file may grow past the workspace quota (bytes; see crate::quota).
+            ResourcesUlimits {
+                name: Some("fsize".into()),
+                soft: Some(file_size),
+                hard: Some(file_size),
+            },
+        ]),
         // Output goes through attach only; nothing is stored by the daemon.
         log_config: Some(HostConfigLogConfig {
             typ: Some("none".into()),

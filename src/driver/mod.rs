@@ -44,6 +44,8 @@ pub struct ContainerSpec {
     pub cpus: f64,
     pub pids: i64,
     pub tmpfs_mb: u64,
+    /// Largest file the guest may write, in MiB (`RLIMIT_FSIZE`; the workspace quota).
+    pub file_size_mb: u64,
     /// Cap on stdout bytes; past it the container is killed and the turn fails.
     pub output_cap: usize,
     /// Cap on stderr bytes kept for the debug log.
@@ -62,6 +64,8 @@ pub enum DriverError {
     OutOfMemory { limit_mb: u64 },
     #[error("guest exited with code {code}")]
     Exit { code: i64 },
+    #[error("guest killed: a file grew past the workspace quota ({limit_mb} MiB)")]
+    FileTooLarge { limit_mb: u64 },
     #[error("guest output exceeds {cap} bytes")]
     OutputTooLarge { cap: usize },
     #[error("guest output is not a valid reply: {reason}")]
