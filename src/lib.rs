@@ -20,9 +20,9 @@
 pub mod broker;
 pub mod config;
 pub mod driver;
-pub mod quota;
 pub mod image;
 pub mod offline;
+pub mod quota;
 pub mod settings;
 pub mod sweep;
 pub mod turn;
