@@ -1,0 +1,286 @@
+//! The broker: a model call through the turn's unix socket against the same call straight
+//! to the scripted model on loopback.
+//!
+//! The client speaks like the guest does (`guest/src/http.rs`): one request per connection,
+//! `Connection: close`, the whole answer read to EOF. The scripted model answers a fixed
+//! completion, or for `"stream": true` one SSE event at once and the rest after
+//! [`STREAM_GAP`] (so the first streamed byte is distinct from the end).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::Frame;
+use hyper_util::rt::TokioIo;
+use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
+use roundtable_sandbox::protocol::Speaker;
+use roundtable_sandbox::{ApiKey, Broker};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// Gap between the first streamed event and the rest.
+pub const STREAM_GAP: Duration = Duration::from_millis(5);
+
+const COMPLETION: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"hello from the scripted model"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":6,"total_tokens":18}}"#;
+
+fn sse_event(text: &str) -> String {
+    format!(
+        "data: {{\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{text}\"}}}}]}}\n\n"
+    )
+}
+
+/// The scripted model: every request gets the same answer.
+pub struct Model {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+async fn answer(req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Body> {
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let stream = contains(&body, b"\"stream\":true");
+    if !stream {
+        return hyper::Response::builder()
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from_static(COMPLETION.as_bytes())).boxed())
+            .expect("a response");
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+    tokio::spawn(async move {
+        let _ = tx.send(Bytes::from(sse_event("hel"))).await;
+        tokio::time::sleep(STREAM_GAP).await;
+        let _ = tx.send(Bytes::from(sse_event("lo"))).await;
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    });
+    let frames = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    });
+    hyper::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(StreamBody::new(frames).boxed())
+        .expect("a response")
+}
+
+impl Model {
+    pub async fn start() -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|req| async move {
+                        Ok::<_, Infallible>(answer(req).await)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Ok(Self { addr, task })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+}
+
+/// A broker with the scripted model as its upstream, listening for one long "turn".
+pub struct BrokerUnderTest {
+    broker: Arc<Broker>,
+    dir: tempfile::TempDir,
+    listener: Option<BrokerListener>,
+    n: u32,
+}
+
+impl BrokerUnderTest {
+    pub async fn start(model_url: &str) -> Result<Self> {
+        let policy = BrokerPolicy {
+            model: "bench-model".into(),
+            model_url: model_url.into(),
+            api_key: ApiKey::from_static("sk-bench-never-in-the-container"),
+            tools: Vec::new(),
+            mcp: Vec::new(),
+            allow_http: true,
+            limits: BrokerLimits {
+                max_model_calls: 10_000,
+                ..BrokerLimits::default()
+            },
+            worker_uid: nix::unistd::getuid().as_raw(),
+        };
+        let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
+        let dir = tempfile::Builder::new()
+            .prefix("rtb-broker-")
+            .tempdir_in("/tmp")?;
+        let mut me = Self {
+            broker,
+            dir,
+            listener: None,
+            n: 0,
+        };
+        me.relisten().await?;
+        Ok(me)
+    }
+
+    /// A fresh listener (a new "turn", so the per-turn call count starts again).
+    pub async fn relisten(&mut self) -> Result<()> {
+        if let Some(l) = self.listener.take() {
+            l.stop().await?;
+        }
+        self.n += 1;
+        let socket = self.dir.path().join(format!("broker-{}.sock", self.n));
+        let ctx = TurnContext {
+            channel: "#bench".into(),
+            speaker: Speaker {
+                id: "u1".into(),
+                name: "ann".into(),
+            },
+            cancel: CancellationToken::new(),
+            events: None,
+        };
+        self.listener = Some(self.broker.listen(&socket, ctx).await?);
+        Ok(())
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.listener.as_ref().expect("listening").path().to_owned()
+    }
+}
+
+/// Where a call goes.
+#[derive(Debug, Clone)]
+pub enum Target {
+    Broker(PathBuf),
+    Direct(SocketAddr),
+}
+
+/// The request body of a model call, as a guest would send it.
+pub fn chat_body(stream: bool) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "model": "whatever-the-guest-says",
+        "stream": stream,
+        "messages": [
+            {"role": "system", "content": roundtable_sandbox::config::DEFAULT_PROMPT},
+            {"role": "user", "content": "ann: hello"}
+        ]
+    }))
+    .expect("json")
+}
+
+/// Times of one call.
+#[derive(Debug, Clone, Copy)]
+pub struct CallTiming {
+    /// Until the first byte of the first SSE event (`data:`) arrived.
+    pub first_event: Option<Duration>,
+    /// Until the connection closed with the whole answer.
+    pub total: Duration,
+}
+
+/// One model call, guest style: connect, send, read to EOF.
+pub async fn call(target: &Target, body: &[u8], stream: bool) -> Result<CallTiming> {
+    let t0 = Instant::now();
+    match target {
+        Target::Broker(path) => {
+            let s = tokio::net::UnixStream::connect(path).await?;
+            exchange(s, t0, body, stream).await
+        }
+        Target::Direct(addr) => {
+            let s = tokio::net::TcpStream::connect(addr).await?;
+            s.set_nodelay(true)?;
+            exchange(s, t0, body, stream).await
+        }
+    }
+}
+
+async fn exchange(
+    mut s: impl AsyncRead + AsyncWrite + Unpin,
+    t0: Instant,
+    body: &[u8],
+    stream: bool,
+) -> Result<CallTiming> {
+    let accept = if stream {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
+         Accept: {accept}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    s.write_all(&req).await?;
+    let mut buf = Vec::with_capacity(4096);
+    let mut chunk = [0u8; 8192];
+    let mut first_event = None;
+    loop {
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if stream && first_event.is_none() && contains(&buf, b"data:") {
+            first_event = Some(t0.elapsed());
+        }
+    }
+    let total = t0.elapsed();
+    if !buf.starts_with(b"HTTP/1.1 200") {
+        bail!(
+            "model call failed: {}",
+            String::from_utf8_lossy(&buf[..buf.len().min(300)])
+        );
+    }
+    let want: &[u8] = if stream { b"[DONE]" } else { b"scripted model" };
+    if !contains(&buf, want) {
+        bail!("incomplete answer: {}", String::from_utf8_lossy(&buf));
+    }
+    Ok(CallTiming { first_event, total })
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Calls per second with `workers` concurrent callers, `per_worker` calls each.
+pub async fn throughput(target: &Target, workers: usize, per_worker: usize) -> Result<f64> {
+    let body = Arc::new(chat_body(false));
+    let t0 = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..workers {
+        let (target, body) = (target.clone(), body.clone());
+        set.spawn(async move {
+            for _ in 0..per_worker {
+                call(&target, &body, false).await?;
+            }
+            Ok::<_, anyhow::Error>(())
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    Ok((workers * per_worker) as f64 / t0.elapsed().as_secs_f64())
+}

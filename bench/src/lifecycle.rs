@@ -1,0 +1,376 @@
+//! One trivial turn on each path: the whole runtime, the driver alone, the bare Docker API
+//! lifecycle, and the docker CLI.
+//!
+//! Every path runs the same image with the same entrypoint override (a busybox `sh -c`
+//! script that reads the turn and answers at once, no model call) and the same stdin (the
+//! turn JSON the runtime would send). Each returns when the reply is known (`reply`) and
+//! when the container is gone (`total`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bollard::models::{ContainerCreateBody, HostConfig, HostConfigLogConfig};
+use bollard::query_parameters::{
+    AttachContainerOptions, CreateContainerOptionsBuilder, ListContainersOptionsBuilder,
+    RemoveContainerOptionsBuilder, WaitContainerOptions,
+};
+use bollard::Docker;
+use futures_util::StreamExt;
+use roundtable_sandbox::driver::ContainerSpec;
+use roundtable_sandbox::protocol::{Speaker, Turn};
+use roundtable_sandbox::{
+    run_turn, ApiKey, Config, ContainerDriver, DockerDriver, PhaseObserver, Sandbox, TurnPhase,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// The guest of a trivial turn: read the turn, answer at once.
+pub const SCRIPT: &str = r#"cat >/dev/null; echo '{"ok":true,"text":"hi"}'"#;
+/// Label on every container the baselines create (swept before and after a run).
+pub const BENCH_LABEL: &str = "roundtable-bench";
+
+/// Times of one turn.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Until the reply is known (what a guest waits for).
+    pub reply: Duration,
+    /// Until the container is removed.
+    pub total: Duration,
+}
+
+/// The entrypoint override shared by every path.
+pub fn command() -> Vec<String> {
+    vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]
+}
+
+/// The stdin of every path: the turn JSON the runtime sends for a one-word message.
+pub fn turn_stdin() -> Vec<u8> {
+    let turn = Turn {
+        text: "hello".into(),
+        speaker: speaker(),
+        model: "bench-model".into(),
+        prompt: roundtable_sandbox::config::DEFAULT_PROMPT.into(),
+        time_zone: "UTC".into(),
+        reset: false,
+        tools: Vec::new(),
+        mcp: Vec::new(),
+        max_steps: None,
+        session_budget: None,
+    };
+    serde_json::to_vec(&turn).expect("a turn serialises")
+}
+
+fn speaker() -> Speaker {
+    Speaker {
+        id: "u1".into(),
+        name: "ann".into(),
+    }
+}
+
+/// Private roots for the runtime (0700, owned by the running user).
+#[derive(Debug)]
+pub struct Roots {
+    _dir: tempfile::TempDir,
+    pub run_root: PathBuf,
+    pub workspace_root: PathBuf,
+    /// A fixed run dir and workspace for the driver-only path.
+    pub fixed_run: PathBuf,
+    pub fixed_ws: PathBuf,
+}
+
+impl Roots {
+    pub fn new() -> Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("rtb-")
+            .tempdir_in("/tmp")
+            .context("make the bench dir")?;
+        let run_root = dir.path().join("run");
+        let workspace_root = dir.path().join("ws");
+        let fixed_run = dir.path().join("fixed-run");
+        let fixed_ws = dir.path().join("fixed-ws");
+        for d in [&fixed_run, &fixed_ws] {
+            std::fs::create_dir(d)?;
+        }
+        Ok(Self {
+            _dir: dir,
+            run_root,
+            workspace_root,
+            fixed_run,
+            fixed_ws,
+        })
+    }
+}
+
+/// The runtime for trivial turns; `model_url` is where a guest's model calls would go.
+pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
+    let mut c = Config::new(
+        image,
+        &roots.run_root,
+        &roots.workspace_root,
+        "bench-model",
+        model_url,
+        ApiKey::from_static("sk-bench-never-in-the-container"),
+    );
+    c.allow_http = true;
+    c.turn_timeout = Some(Duration::from_secs(120));
+    c.command = Some(command());
+    c.instance = Some(format!("bench-{}", std::process::id()));
+    Sandbox::new(c).await.context("start the runtime")
+}
+
+/// A trivial turn through the whole runtime (`run_turn`: dirs, broker, container,
+/// reply, teardown). `reply` is when the turn's reply callback fires.
+pub async fn runtime_turn(sandbox: &Sandbox, channel: &str) -> Result<Timing> {
+    Ok(runtime_turn_profiled(sandbox, channel).await?.0)
+}
+
+/// [`runtime_turn`], with the time at which each phase began (the turn's observer).
+pub async fn runtime_turn_profiled(
+    sandbox: &Sandbox,
+    channel: &str,
+) -> Result<(Timing, Vec<(String, Duration)>)> {
+    let request = roundtable_sandbox::TurnRequest {
+        channel: channel.into(),
+        speaker: speaker(),
+        text: "hello".into(),
+        reset: false,
+        stop: CancellationToken::new(),
+    };
+    let t0 = Instant::now();
+    let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));
+    let seen = phases.clone();
+    let observer: PhaseObserver = Arc::new(move |p: TurnPhase| {
+        seen.lock()
+            .expect("not poisoned")
+            .push((format!("{p:?}"), t0.elapsed()));
+    });
+    let mut reply_at = None;
+    let reply = run_turn(
+        sandbox,
+        request,
+        |_| reply_at = Some(t0.elapsed()),
+        Some(observer),
+    )
+    .await;
+    let total = t0.elapsed();
+    if !reply.ok {
+        bail!("runtime turn failed: {:?}", reply.error);
+    }
+    let phases = std::mem::take(&mut *phases.lock().expect("not poisoned"));
+    Ok((
+        Timing {
+            reply: reply_at.unwrap_or(total),
+            total,
+        },
+        phases,
+    ))
+}
+
+/// The driver alone: the sealed container of a turn (same spec as the runtime's, with a
+/// fixed run dir and workspace), run then removed; no broker, no dir creation.
+pub async fn driver_turn(
+    driver: &DockerDriver,
+    image: &str,
+    roots: &Roots,
+    stdin: &[u8],
+) -> Result<Timing> {
+    let spec = ContainerSpec {
+        name: format!(
+            "rtbench-driver-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ),
+        image: image.into(),
+        run_dir: roots.fixed_run.clone(),
+        workspace_dir: roots.fixed_ws.clone(),
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+        memory_mb: 512,
+        cpus: 1.0,
+        pids: 128,
+        tmpfs_mb: 64,
+        file_size_mb: 1024,
+        output_cap: 1 << 20,
+        stderr_cap: 64 << 10,
+        labels: BTreeMap::from([(BENCH_LABEL.to_owned(), "driver".to_owned())]),
+        command: Some(command()),
+    };
+    let t0 = Instant::now();
+    let reply = driver.run(&spec, stdin, CancellationToken::new()).await;
+    let reply_at = t0.elapsed();
+    driver.remove(&spec.name).await?;
+    let total = t0.elapsed();
+    let reply = reply?;
+    if !reply.ok {
+        bail!("driver turn failed: {:?}", reply.error);
+    }
+    Ok(Timing {
+        reply: reply_at,
+        total,
+    })
+}
+
+/// The bare lifecycle through the Docker API: create (the image, the entrypoint override,
+/// stdin attached, no network), attach, start, write stdin, read the output and wait,
+/// remove. No hardening options, no mounts, no broker, no dirs, no inspect.
+///
+/// `lean` (the baseline the targets use) sets the two options of the runtime's container
+/// that make the daemon's work *smaller*: no network sandbox at all (`NetworkDisabled`;
+/// `--network none` still builds one with a loopback) and no log driver (output goes
+/// through attach only). Without them (`docker run`'s defaults) the lifecycle is slower.
+pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -> Result<Timing> {
+    let name = format!(
+        "rtbench-bare-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let t0 = Instant::now();
+    let body = ContainerCreateBody {
+        image: Some(image.into()),
+        entrypoint: Some(command()),
+        attach_stdin: Some(true),
+        attach_stdout: Some(true),
+        attach_stderr: Some(true),
+        open_stdin: Some(true),
+        stdin_once: Some(true),
+        labels: Some(HashMap::from([(BENCH_LABEL.to_owned(), "bare".to_owned())])),
+        network_disabled: lean.then_some(true),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            log_config: lean.then(|| HostConfigLogConfig {
+                typ: Some("none".into()),
+                config: None,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let create = CreateContainerOptionsBuilder::new().name(&name).build();
+    docker.create_container(Some(create), body).await?;
+    let attach = AttachContainerOptions {
+        stdin: true,
+        stdout: true,
+        stderr: true,
+        stream: true,
+        logs: false,
+        detach_keys: None,
+    };
+    let io = docker.attach_container(&name, Some(attach)).await?;
+    let mut wait = docker.wait_container(&name, None::<WaitContainerOptions>);
+    docker.start_container(&name, None).await?;
+    let bollard::container::AttachContainerResults {
+        mut output,
+        mut input,
+    } = io;
+    let write = async {
+        input.write_all(stdin).await?;
+        input.shutdown().await
+    };
+    let read = async {
+        let mut out = Vec::new();
+        while let Some(frame) = output.next().await {
+            out.extend_from_slice(&frame?.into_bytes());
+        }
+        Ok::<_, bollard::errors::Error>(out)
+    };
+    let (w, out, status) = tokio::join!(write, read, wait.next());
+    w?;
+    let out = out?;
+    let code = match status {
+        Some(Ok(r)) => r.status_code,
+        Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
+        other => bail!("wait: {other:?}"),
+    };
+    let reply_at = t0.elapsed();
+    let opts = RemoveContainerOptionsBuilder::new()
+        .force(true)
+        .v(true)
+        .build();
+    docker.remove_container(&name, Some(opts)).await?;
+    let total = t0.elapsed();
+    check_output(code, &out)?;
+    Ok(Timing {
+        reply: reply_at,
+        total,
+    })
+}
+
+/// `docker run --rm -i --network none` of the same image with the same stdin: the path of
+/// the original TypeScript driver. The reply is known when the CLI exits (after removal).
+pub async fn cli_turn(image: &str, stdin: &[u8]) -> Result<Timing> {
+    let t0 = Instant::now();
+    let mut child = tokio::process::Command::new("docker")
+        .args(["run", "--rm", "-i", "--network", "none", "--label"])
+        .arg(format!("{BENCH_LABEL}=cli"))
+        .args(["--entrypoint", "/bin/sh", image, "-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("spawn docker")?;
+    let mut input = child.stdin.take().expect("piped");
+    let mut stdout = child.stdout.take().expect("piped");
+    let write = async {
+        input.write_all(stdin).await?;
+        drop(input);
+        Ok::<_, std::io::Error>(())
+    };
+    let read = async {
+        let mut out = Vec::new();
+        stdout.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    };
+    let (w, out) = tokio::join!(write, read);
+    w?;
+    let out = out?;
+    let status = child.wait().await?;
+    let total = t0.elapsed();
+    check_output(i64::from(status.code().unwrap_or(-1)), &out)?;
+    Ok(Timing {
+        reply: total,
+        total,
+    })
+}
+
+fn check_output(code: i64, out: &[u8]) -> Result<()> {
+    let text = String::from_utf8_lossy(out);
+    if code != 0 || !text.contains(r#""ok":true"#) {
+        bail!("the guest answered {text:?} (exit {code})");
+    }
+    Ok(())
+}
+
+/// Removes every container a baseline left (an interrupted run).
+pub async fn sweep_bench_containers(docker: &Docker) -> Result<usize> {
+    let filters = HashMap::from([("label", vec![BENCH_LABEL.to_owned()])]);
+    let opts = ListContainersOptionsBuilder::new()
+        .all(true)
+        .filters(&filters)
+        .build();
+    let found = docker.list_containers(Some(opts)).await?;
+    let n = found.len();
+    for c in found {
+        if let Some(id) = c.id {
+            let opts = RemoveContainerOptionsBuilder::new().force(true).build();
+            let _ = docker.remove_container(&id, Some(opts)).await;
+        }
+    }
+    Ok(n)
+}
+
+/// Whether the image is present (the bench needs scripts/build-image.sh first).
+pub async fn require_image(docker: &Docker, image: &str) -> Result<()> {
+    docker
+        .inspect_image(image)
+        .await
+        .with_context(|| format!("image {image} not found: run scripts/build-image.sh"))?;
+    Ok(())
+}
+
+/// Entries left under a directory (the runtime's run root must be empty between turns).
+pub fn entries(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+}

@@ -1,0 +1,675 @@
+//! `roundtable-bench`: the project's benchmark. Every figure is measured next to its
+//! baseline in the same run (interleaved), so the ratios hold on a noisy, shared machine.
+//!
+//! ```text
+//! roundtable-bench [--iterations N] [--rounds N] [--broker-calls N] [--channels N]
+//!                  [--only turn,concurrency,broker,memory] [--json PATH] [--image IMAGE]
+//! ```
+//! Run it through `scripts/bench.sh` (it builds the image and the release binary and runs
+//! this as the non-root service user; the runtime refuses root).
+//!
+//! Parts: [`lifecycle`] (one trivial turn on each path), [`broker_bench`] (model calls
+//! through the broker and straight to the scripted model), [`stats`] (percentiles).
+
+mod broker_bench;
+mod lifecycle;
+mod stats;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use roundtable_sandbox::DockerDriver;
+use serde_json::{json, Value};
+
+use broker_bench::Target;
+use lifecycle::Timing;
+use stats::{ratio, round3, Samples};
+
+#[derive(Debug)]
+struct Options {
+    iterations: usize,
+    warmup: usize,
+    rounds: usize,
+    broker_calls: usize,
+    channels: usize,
+    only: Vec<String>,
+    json: String,
+    image: String,
+}
+
+impl Options {
+    fn parse() -> Result<Self> {
+        let mut o = Options {
+            iterations: 30,
+            warmup: 3,
+            rounds: 3,
+            broker_calls: 1000,
+            channels: 10_000,
+            only: ["turn", "concurrency", "broker", "memory"]
+                .map(String::from)
+                .to_vec(),
+            json: "target/bench/results.json".into(),
+            image: std::env::var("ROUNDTABLE_IMAGE")
+                .unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into()),
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(a) = args.next() {
+            let mut value = || args.next().with_context(|| format!("{a} needs a value"));
+            match a.as_str() {
+                "--iterations" => o.iterations = value()?.parse()?,
+                "--warmup" => o.warmup = value()?.parse()?,
+                "--rounds" => o.rounds = value()?.parse()?,
+                "--broker-calls" => o.broker_calls = value()?.parse()?,
+                "--channels" => o.channels = value()?.parse()?,
+                "--only" => o.only = value()?.split(',').map(String::from).collect(),
+                "--json" => o.json = value()?,
+                "--image" => o.image = value()?,
+                "-h" | "--help" => {
+                    println!(
+                        "roundtable-bench [--iterations N] [--warmup N] [--rounds N] \
+                         [--broker-calls N] [--channels N] \
+                         [--only turn,concurrency,broker,memory] [--json PATH] [--image IMAGE]"
+                    );
+                    std::process::exit(0);
+                }
+                other => bail!("unknown argument {other:?} (see --help)"),
+            }
+        }
+        Ok(o)
+    }
+
+    fn wants(&self, part: &str) -> bool {
+        self.only.iter().any(|p| p == part)
+    }
+}
+
+fn main() -> Result<()> {
+    let options = Options::parse()?;
+    if nix::unistd::getuid().is_root() {
+        bail!("the runtime refuses root: run scripts/bench.sh (it runs this as the service user)");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let mut results = rt.block_on(run(&options))?;
+    if options.wants("memory") {
+        // The actor layer's measurement runs in its own actix system.
+        results["memory"]["idle_channels"] = memory::idle_channels(options.channels)?;
+    }
+    results["targets"] = targets(&results);
+    print_targets(&results["targets"]);
+    let path = std::path::Path::new(&options.json);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
+    println!("\nJSON written to {}", path.display());
+    Ok(())
+}
+
+mod memory {
+    use anyhow::Result;
+    use serde_json::{json, Value};
+
+    /// RSS growth per idle channel actor (needs the actor layer; see docs/benchmarks.md).
+    pub fn idle_channels(_channels: usize) -> Result<Value> {
+        Ok(json!({"skipped": "the actor layer is not measured yet"}))
+    }
+}
+
+async fn run(o: &Options) -> Result<Value> {
+    let driver = DockerDriver::default();
+    let docker = driver.client().await?.clone();
+    lifecycle::require_image(&docker, &o.image).await?;
+    let swept = lifecycle::sweep_bench_containers(&docker).await?;
+    if swept > 0 {
+        eprintln!("removed {swept} containers left by an earlier bench run");
+    }
+    let machine = machine(&docker).await;
+    println!(
+        "machine: {} × {} ({}), {} MiB RAM, kernel {}, Docker {} ({})",
+        machine["cpus"],
+        machine["cpu"].as_str().unwrap_or("?"),
+        machine["virtualisation"].as_str().unwrap_or("?"),
+        machine["mem_mib"],
+        machine["kernel"].as_str().unwrap_or("?"),
+        machine["docker"].as_str().unwrap_or("?"),
+        machine["storage_driver"].as_str().unwrap_or("?"),
+    );
+    let mut results = json!({
+        "machine": machine,
+        "options": {
+            "iterations": o.iterations, "warmup": o.warmup, "rounds": o.rounds,
+            "broker_calls": o.broker_calls, "channels": o.channels, "image": o.image,
+        },
+        "memory": {},
+    });
+    let model = broker_bench::Model::start().await?;
+    let roots = lifecycle::Roots::new()?;
+    let sandbox = lifecycle::sandbox(&o.image, &roots, &model.url()).await?;
+    let stdin = lifecycle::turn_stdin();
+
+    if o.wants("turn") {
+        results["turn"] = turn_overhead(o, &sandbox, &driver, &docker, &roots, &stdin).await?;
+    }
+    if o.wants("concurrency") {
+        let (conc, rss) = concurrency(o, &sandbox, &docker, &stdin).await?;
+        results["concurrency"] = conc;
+        results["memory"]["turns_32"] = rss;
+    }
+    if o.wants("broker") {
+        results["broker"] = broker(o, &model).await?;
+    }
+    let left = lifecycle::sweep_bench_containers(&docker).await?;
+    if left > 0 {
+        eprintln!("warning: {left} bench containers were left and are now removed");
+    }
+    if lifecycle::entries(&roots.run_root) != 0 {
+        bail!("the runtime left entries in its run root");
+    }
+    sandbox.shutdown().await;
+    Ok(results)
+}
+
+async fn machine(docker: &bollard::Docker) -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let hypervisor = cpuinfo.contains(" hypervisor");
+    let mem_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
+    let (version, storage, cgroup) = match docker.info().await {
+        Ok(i) => (
+            i.server_version.unwrap_or_default(),
+            i.driver.unwrap_or_default(),
+            i.cgroup_version.map(|v| v.to_string()).unwrap_or_default(),
+        ),
+        Err(_) => Default::default(),
+    };
+    json!({
+        "cpu": cpu,
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "virtualisation": if hypervisor { "virtual machine" } else { "bare metal" },
+        "mem_mib": mem_kib / 1024,
+        "kernel": kernel,
+        "docker": version,
+        "storage_driver": storage,
+        "cgroup": cgroup,
+    })
+}
+
+/// Per path: reply and total samples.
+#[derive(Default)]
+struct PathSamples {
+    reply: Samples,
+    total: Samples,
+}
+
+impl PathSamples {
+    fn push(&mut self, t: Timing) {
+        self.reply.push(t.reply);
+        self.total.push(t.total);
+    }
+
+    fn json(&self) -> Value {
+        json!({"reply": self.reply.json(), "total": self.total.json()})
+    }
+}
+
+const PATHS: [&str; 5] = [
+    "runtime",
+    "driver",
+    "bare_api",
+    "bare_api_default",
+    "docker_cli",
+];
+
+#[allow(clippy::too_many_arguments)]
+async fn one_turn(
+    path: &str,
+    profile: &mut Vec<(String, Samples)>,
+    i: usize,
+    sandbox: &roundtable_sandbox::Sandbox,
+    driver: &DockerDriver,
+    docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
+    image: &str,
+    stdin: &[u8],
+) -> Result<Timing> {
+    match path {
+        "runtime" => {
+            let (t, phases) =
+                lifecycle::runtime_turn_profiled(sandbox, &format!("#bench-{}", i % 8)).await?;
+            // Each phase's span: from its start to the next phase's start.
+            for w in phases.windows(2) {
+                let span = w[1].1.saturating_sub(w[0].1);
+                match profile.iter_mut().find(|(n, _)| *n == w[0].0) {
+                    Some((_, s)) => s.push(span),
+                    None => {
+                        let mut s = Samples::default();
+                        s.push(span);
+                        profile.push((w[0].0.clone(), s));
+                    }
+                }
+            }
+            Ok(t)
+        }
+        "driver" => lifecycle::driver_turn(driver, image, roots, stdin).await,
+        "bare_api" => lifecycle::bare_turn(docker, image, stdin, true).await,
+        "bare_api_default" => lifecycle::bare_turn(docker, image, stdin, false).await,
+        "docker_cli" => lifecycle::cli_turn(image, stdin).await,
+        _ => unreachable!(),
+    }
+}
+
+async fn turn_overhead(
+    o: &Options,
+    sandbox: &roundtable_sandbox::Sandbox,
+    driver: &DockerDriver,
+    docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
+    stdin: &[u8],
+) -> Result<Value> {
+    println!(
+        "\n== 1. turn overhead: a trivial turn, {} interleaved iterations per path",
+        o.iterations
+    );
+    for i in 0..o.warmup {
+        for p in PATHS {
+            one_turn(
+                p,
+                &mut Vec::new(),
+                i,
+                sandbox,
+                driver,
+                docker,
+                roots,
+                &o.image,
+                stdin,
+            )
+            .await?;
+        }
+    }
+    let mut samples: Vec<PathSamples> = PATHS.iter().map(|_| PathSamples::default()).collect();
+    let mut profile: Vec<(String, Samples)> = Vec::new();
+    for i in 0..o.iterations {
+        // Rotate the order so no path always follows the same one.
+        for k in 0..PATHS.len() {
+            let idx = (i + k) % PATHS.len();
+            let t = one_turn(
+                PATHS[idx],
+                &mut profile,
+                i,
+                sandbox,
+                driver,
+                docker,
+                roots,
+                &o.image,
+                stdin,
+            )
+            .await
+            .with_context(|| PATHS[idx])?;
+            samples[idx].push(t);
+        }
+    }
+    println!(
+        "{:<12} {:>10} {:>10} {:>10} {:>10}   (ms; reply = the reply is known, total = container removed)",
+        "path", "reply p50", "reply p95", "total p50", "total p95"
+    );
+    let mut out = json!({});
+    for (p, s) in PATHS.iter().zip(&samples) {
+        println!(
+            "{:<12} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            p,
+            s.reply.p50(),
+            s.reply.p95(),
+            s.total.p50(),
+            s.total.p95()
+        );
+        out[*p] = s.json();
+    }
+    let (rt, bare, cli) = (&samples[0], &samples[2], &samples[4]);
+    let ratios = json!({
+        "runtime_reply_vs_bare_reply_p50": ratio(rt.reply.p50(), bare.reply.p50()),
+        "runtime_reply_vs_bare_reply_p95": ratio(rt.reply.p95(), bare.reply.p95()),
+        "runtime_total_vs_bare_total_p50": ratio(rt.total.p50(), bare.total.p50()),
+        "runtime_total_vs_bare_total_p95": ratio(rt.total.p95(), bare.total.p95()),
+        "runtime_reply_vs_cli_p50": ratio(rt.reply.p50(), cli.total.p50()),
+        "runtime_reply_vs_cli_p95": ratio(rt.reply.p95(), cli.total.p95()),
+        "runtime_total_vs_cli_p50": ratio(rt.total.p50(), cli.total.p50()),
+        "driver_total_vs_bare_total_p50": ratio(samples[1].total.p50(), bare.total.p50()),
+    });
+    println!(
+        "ratios (p50): runtime/bare reply {:.3}, total {:.3}; runtime/cli reply {:.3}, total {:.3}; driver/bare total {:.3}",
+        ratios["runtime_reply_vs_bare_reply_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["runtime_total_vs_bare_total_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["runtime_reply_vs_cli_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["runtime_total_vs_cli_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["driver_total_vs_bare_total_p50"].as_f64().unwrap_or(f64::NAN),
+    );
+    out["ratios"] = ratios;
+    print!("runtime phases (p50 ms, from each phase's start to the next):");
+    let mut phases = json!({});
+    for (name, s) in &profile {
+        print!(" {name} {:.1}", s.p50());
+        phases[name] = s.json();
+    }
+    println!();
+    out["runtime_phases"] = phases;
+    Ok(out)
+}
+
+/// The process's resident set size in KiB.
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Samples the RSS every 2 ms until stopped; returns the peak.
+struct RssSampler {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl RssSampler {
+    fn start() -> Self {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut peak = rss_kib();
+            let mut tick = tokio::time::interval(Duration::from_millis(2));
+            loop {
+                tokio::select! {
+                    _ = s.cancelled() => break,
+                    _ = tick.tick() => peak = peak.max(rss_kib()),
+                }
+            }
+            peak.max(rss_kib())
+        });
+        Self { stop, task }
+    }
+
+    async fn peak(self) -> u64 {
+        self.stop.cancel();
+        self.task.await.unwrap_or(0)
+    }
+}
+
+async fn concurrency(
+    o: &Options,
+    sandbox: &roundtable_sandbox::Sandbox,
+    docker: &bollard::Docker,
+    stdin: &[u8],
+) -> Result<(Value, Value)> {
+    println!(
+        "\n== 2. concurrency: N channels each sending one turn at once, {} interleaved rounds",
+        o.rounds
+    );
+    println!(
+        "{:<4} {:>14} {:>14} {:>12} {:>14} {:>12}",
+        "N", "runtime ms", "bare API ms", "ratio", "rt replies ms", "turns/s"
+    );
+    let mut out = json!({});
+    let mut rss = json!({});
+    for n in [1usize, 8, 32] {
+        let mut rt_total = Samples::default();
+        let mut rt_replies = Samples::default();
+        let mut bare_total = Samples::default();
+        let mut rt_peak = 0u64;
+        let mut bare_peak = 0u64;
+        let mut base = u64::MAX;
+        for r in 0..o.rounds {
+            for k in 0..2 {
+                let runtime_first = (r + k) % 2 == 0;
+                base = base.min(rss_kib());
+                let sampler = RssSampler::start();
+                let t0 = Instant::now();
+                if runtime_first {
+                    let turns = (0..n).map(|c| async move {
+                        lifecycle::runtime_turn(sandbox, &format!("#conc-{n}-{c}")).await
+                    });
+                    let timings = futures_util::future::try_join_all(turns).await?;
+                    rt_total.push(t0.elapsed());
+                    rt_replies.push(timings.iter().map(|t| t.reply).max().unwrap_or_default());
+                    rt_peak = rt_peak.max(sampler.peak().await);
+                } else {
+                    let turns = (0..n).map(|_| lifecycle::bare_turn(docker, &o.image, stdin, true));
+                    futures_util::future::try_join_all(turns).await?;
+                    bare_total.push(t0.elapsed());
+                    bare_peak = bare_peak.max(sampler.peak().await);
+                }
+            }
+        }
+        let turns_per_s = n as f64 / (rt_total.p50() / 1000.0);
+        println!(
+            "{:<4} {:>14.1} {:>14.1} {:>12.3} {:>14.1} {:>12.1}",
+            n,
+            rt_total.p50(),
+            bare_total.p50(),
+            rt_total.p50() / bare_total.p50(),
+            rt_replies.p50(),
+            turns_per_s
+        );
+        out[n.to_string()] = json!({
+            "runtime_wall": rt_total.json(),
+            "runtime_all_replied": rt_replies.json(),
+            "bare_api_wall": bare_total.json(),
+            "ratio_p50": ratio(rt_total.p50(), bare_total.p50()),
+            "runtime_turns_per_s": round3(turns_per_s),
+        });
+        if n == 32 {
+            rss = json!({
+                "bench_process_rss_before_kib": base,
+                "peak_rss_runtime_32_turns_kib": rt_peak,
+                "peak_rss_bare_api_32_lifecycles_kib": bare_peak,
+                "runtime_growth_kib": rt_peak.saturating_sub(base),
+                "bare_api_growth_kib": bare_peak.saturating_sub(base),
+            });
+            println!(
+                "host RSS during 32 concurrent turns: runtime peak {} KiB (+{} over {} before), \
+                 bare API peak {} KiB (+{})",
+                rt_peak,
+                rt_peak.saturating_sub(base),
+                base,
+                bare_peak,
+                bare_peak.saturating_sub(base)
+            );
+        }
+    }
+    Ok((out, rss))
+}
+
+async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {
+    println!(
+        "\n== 3. broker: a model call through the broker vs straight to the scripted model, {} interleaved calls each",
+        o.broker_calls
+    );
+    let mut b = broker_bench::BrokerUnderTest::start(&model.url()).await?;
+    let direct = Target::Direct(model.addr);
+    let plain = broker_bench::chat_body(false);
+    let streamed = broker_bench::chat_body(true);
+    let mut out = json!({});
+
+    // Round trips (non-streamed) and first streamed event, interleaved.
+    let mut rt_b = Samples::default();
+    let mut rt_d = Samples::default();
+    let mut fe_b = Samples::default();
+    let mut fe_d = Samples::default();
+    let mut st_b = Samples::default();
+    let mut st_d = Samples::default();
+    let mut calls = 0usize;
+    for i in 0..(o.broker_calls + 50) {
+        if calls + 4 > 9_000 {
+            b.relisten().await?;
+            calls = 0;
+        }
+        let via = Target::Broker(b.socket());
+        let warm = i < 50;
+        let order: [&Target; 2] = if i % 2 == 0 {
+            [&via, &direct]
+        } else {
+            [&direct, &via]
+        };
+        for t in order {
+            let plain_t = broker_bench::call(t, &plain, false).await?;
+            let stream_t = broker_bench::call(t, &streamed, true).await?;
+            calls += 2;
+            if warm {
+                continue;
+            }
+            let (rt, fe, st) = match t {
+                Target::Broker(_) => (&mut rt_b, &mut fe_b, &mut st_b),
+                Target::Direct(_) => (&mut rt_d, &mut fe_d, &mut st_d),
+            };
+            rt.push(plain_t.total);
+            fe.push(stream_t.first_event.context("no event")?);
+            st.push(stream_t.total);
+        }
+    }
+    println!(
+        "{:<30} {:>10} {:>10} {:>10} {:>10}",
+        "(ms)", "broker p50", "direct p50", "broker p95", "direct p95"
+    );
+    for (name, bs, ds) in [
+        ("round trip", &rt_b, &rt_d),
+        ("first streamed event", &fe_b, &fe_d),
+        ("whole stream", &st_b, &st_d),
+    ] {
+        println!(
+            "{:<30} {:>10.3} {:>10.3} {:>10.3} {:>10.3}",
+            name,
+            bs.p50(),
+            ds.p50(),
+            bs.p95(),
+            ds.p95()
+        );
+    }
+    let added = rt_b.p50() - rt_d.p50();
+    let added_fe = fe_b.p50() - fe_d.p50();
+    println!(
+        "broker-added p50: round trip {:.3} ms, first streamed event {:.3} ms",
+        added, added_fe
+    );
+    out["round_trip"] = json!({"broker": rt_b.json(), "direct": rt_d.json()});
+    out["first_streamed_event"] = json!({"broker": fe_b.json(), "direct": fe_d.json()});
+    out["whole_stream"] = json!({"broker": st_b.json(), "direct": st_d.json()});
+    out["added_p50_ms"] = json!(round3(added));
+    out["added_p95_ms"] = json!(round3(rt_b.p95() - rt_d.p95()));
+    out["added_first_event_p50_ms"] = json!(round3(added_fe));
+
+    // Throughput: 8 concurrent guest-style callers, alternating paths.
+    let (workers, per) = (8usize, (o.broker_calls / 4).max(25));
+    let mut rps_b = Vec::new();
+    let mut rps_d = Vec::new();
+    for k in 0..4 {
+        b.relisten().await?;
+        let via = Target::Broker(b.socket());
+        if k % 2 == 0 {
+            rps_b.push(broker_bench::throughput(&via, workers, per).await?);
+            rps_d.push(broker_bench::throughput(&direct, workers, per).await?);
+        } else {
+            rps_d.push(broker_bench::throughput(&direct, workers, per).await?);
+            rps_b.push(broker_bench::throughput(&via, workers, per).await?);
+        }
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    println!(
+        "requests/s with {workers} concurrent callers (best of {}): broker {:.0}, direct {:.0} ({:.2}×)",
+        rps_b.len(),
+        best(&rps_b),
+        best(&rps_d),
+        best(&rps_b) / best(&rps_d)
+    );
+    out["rps"] = json!({
+        "workers": workers, "calls_per_worker": per,
+        "broker": rps_b.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "direct": rps_d.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        "broker_best": round3(best(&rps_b)), "direct_best": round3(best(&rps_d)),
+    });
+    Ok(out)
+}
+
+/// The issue's targets against the figures of this run.
+fn targets(r: &Value) -> Value {
+    let f = |v: &Value| v.as_f64();
+    let mut t = Vec::new();
+    let mut add = |name: &str, value: Option<f64>, limit: f64, unit: &str| {
+        t.push(json!({
+            "target": name, "value": value.map(round3), "limit": limit, "unit": unit,
+            "met": value.map(|v| v <= limit),
+        }));
+    };
+    let ratios = &r["turn"]["ratios"];
+    add(
+        "runtime reply / bare API lifecycle (p50)",
+        f(&ratios["runtime_reply_vs_bare_reply_p50"]),
+        1.10,
+        "×",
+    );
+    add(
+        "runtime total / bare API lifecycle total (p50)",
+        f(&ratios["runtime_total_vs_bare_total_p50"]),
+        1.10,
+        "×",
+    );
+    add(
+        "runtime reply / docker CLI (p50)",
+        f(&ratios["runtime_reply_vs_cli_p50"]),
+        0.8,
+        "×",
+    );
+    add(
+        "broker-added latency (p50)",
+        f(&r["broker"]["added_p50_ms"]),
+        0.5,
+        "ms",
+    );
+    add(
+        "RSS per idle channel",
+        f(&r["memory"]["idle_channels"]["per_channel_kib"]),
+        4.0,
+        "KiB",
+    );
+    Value::Array(t)
+}
+
+fn print_targets(t: &Value) {
+    println!("\n== targets");
+    for row in t.as_array().into_iter().flatten() {
+        let met = match row["met"].as_bool() {
+            Some(true) => "met",
+            Some(false) => "NOT met",
+            None => "not measured",
+        };
+        println!(
+            "{:<48} {:>9} {} (limit {} {})  {}",
+            row["target"].as_str().unwrap_or(""),
+            row["value"]
+                .as_f64()
+                .map(|v| format!("{v:.3}"))
+                .unwrap_or_else(|| "-".into()),
+            row["unit"].as_str().unwrap_or(""),
+            row["limit"],
+            row["unit"].as_str().unwrap_or(""),
+            met
+        );
+    }
+}
