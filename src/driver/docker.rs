@@ -65,6 +65,9 @@ const MIN_API: ClientVersion = ClientVersion {
 pub struct DockerDriver {
     options: DockerOptions,
     docker: Arc<OnceCell<Docker>>,
+    /// Containers whose removal failed (the daemon was unreachable or timed out): retried
+    /// before every run and every sweep, so a daemon outage leaks nothing for long.
+    pending_removal: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
 }
 
 impl DockerDriver {
@@ -73,6 +76,7 @@ impl DockerDriver {
         Self {
             options,
             docker: Arc::new(OnceCell::new()),
+            pending_removal: Default::default(),
         }
     }
 
@@ -182,6 +186,7 @@ impl DockerDriver {
             d = self.client() => d?,
             _ = cancel.cancelled() => return Err(DriverError::Cancelled),
         };
+        self.retry_pending_removals().await;
         let name = spec.name.as_str();
         let create = CreateContainerOptionsBuilder::new().name(name).build();
         match self
@@ -411,7 +416,36 @@ fn keep_containers() -> bool {
 }
 
 impl DockerDriver {
+    /// Names of containers whose removal failed and is still to be retried.
+    pub fn pending_removals(&self) -> Vec<String> {
+        self.pending_removal.lock().unwrap().iter().cloned().collect()
+    }
+
+    /// Retries every removal that failed before (kept for later if it fails again).
+    async fn retry_pending_removals(&self) {
+        for name in self.pending_removals() {
+            match self.remove_inner(&name).await {
+                Ok(()) => tracing::info!(container = %name, "removed after an earlier failure"),
+                Err(e) => tracing::debug!(container = %name, error = %e, "removal retry"),
+            }
+        }
+    }
+
     async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {
+        let result = self.remove_once(name).await;
+        let mut pending = self.pending_removal.lock().unwrap();
+        match &result {
+            Ok(()) => {
+                pending.remove(name);
+            }
+            Err(_) => {
+                pending.insert(name.to_owned());
+            }
+        }
+        result
+    }
+
+    async fn remove_once(&self, name: &str) -> Result<(), DriverError> {
         if keep_containers() {
             tracing::warn!(container = name, "{KEEP_CONTAINERS_ENV}=1: container kept");
             return Ok(());
@@ -466,6 +500,7 @@ impl ContainerDriver for DockerDriver {
     fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(async move {
             let docker = self.client().await?;
+            self.retry_pending_removals().await;
             let filters: HashMap<&str, Vec<String>> =
                 HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
             let list = ListContainersOptionsBuilder::new()
