@@ -17,6 +17,7 @@
 //!   the credentials and the speaker, and probe tools that are not allow-listed; the
 //!   result of each is its status and (for some) its body.
 //! - `turn`: prints the turn it was given, as text.
+//! - `post PATH JSON`: one call to the broker; prints its status and body.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -33,6 +34,10 @@ fn main() {
         Some("net") => args[1..].iter().map(|t| net(t)).collect(),
         Some("broker") => broker(args.get(1).map_or("all", String::as_str)),
         Some("turn") => vec![turn],
+        Some("post") => vec![match raw(&post(&args[1], &[], &args[2])) {
+            Ok((status, body)) => format!("status={status};body={}", body.replace(';', ",")),
+            Err(e) => format!("status=error({e})"),
+        }],
         other => vec![format!("unknown attack {other:?}")],
     };
     let text = findings.join(";");

@@ -1,0 +1,361 @@
+//! Chaos: faults injected mid-turn. The container is killed or removed behind the
+//! runtime's back, an MCP server dies mid-call, the Docker daemon dies or hangs (through
+//! a proxy socket: the real daemon is shared and never touched), and the host process is
+//! SIGKILLed mid-turn and started again. No turn may hang, every turn must end with a
+//! clear reply, and nothing may leak (after the restart's sweep, for the host kill).
+
+#[path = "support/docker_proxy.rs"]
+mod docker_proxy;
+#[path = "support/hostile.rs"]
+mod hostile;
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use docker_proxy::{DockerProxy, Mode};
+use roundtable_sandbox::driver::{DockerOptions, LABEL_RUNTIME};
+use roundtable_sandbox::{run_turn, ApiKey, Config, DockerDriver, Sandbox, TurnPhase};
+use sandbox_support::*;
+
+const SLEEPER: &str = "cat >/dev/null; sleep 300";
+
+/// Runs a turn; once its container runs (and `settle` has passed), `fault` is injected.
+async fn turn_with_fault<F, Fut>(
+    sandbox: &Sandbox,
+    channel: &str,
+    settle: Duration,
+    fault: F,
+) -> (roundtable_sandbox::Reply, Duration)
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let running = Arc::new(tokio::sync::Notify::new());
+    let notify = running.clone();
+    let observer: roundtable_sandbox::PhaseObserver = Arc::new(move |p| {
+        if p == TurnPhase::ContainerRunning {
+            notify.notify_one();
+        }
+    });
+    let injector = tokio::spawn(async move {
+        running.notified().await;
+        tokio::time::sleep(settle).await;
+        fault().await;
+    });
+    let started = Instant::now();
+    let reply = run_turn(sandbox, request(channel, "x"), |_| {}, Some(observer)).await;
+    let elapsed = started.elapsed();
+    injector.await.unwrap();
+    (reply, elapsed)
+}
+
+/// The one labelled container of this runtime (waits for it to exist).
+async fn the_container(sandbox: &Sandbox) -> String {
+    for _ in 0..100 {
+        if let Some(name) = labelled_containers(sandbox).await.into_iter().next() {
+            return name.trim_start_matches('/').to_owned();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no container appeared");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_killed_from_outside_mid_turn() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config(SLEEPER)).await.unwrap();
+    let sb = sandbox.clone();
+    let (reply, elapsed) = turn_with_fault(
+        &sandbox,
+        "#kill",
+        Duration::from_millis(500),
+        || async move {
+            let name = the_container(&sb).await;
+            let docker = DockerDriver::default();
+            let opts = bollard::query_parameters::KillContainerOptionsBuilder::new()
+                .signal("SIGKILL")
+                .build();
+            docker
+                .client()
+                .await
+                .unwrap()
+                .kill_container(&name, Some(opts))
+                .await
+                .unwrap();
+        },
+    )
+    .await;
+    assert_eq!(reply.error.as_deref(), Some("guest exited with code 137"));
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert_no_leftovers(&sandbox).await;
+    // The channel goes on.
+    let sandbox =
+        Sandbox::new(env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"on\"}'"))
+            .await
+            .unwrap();
+    assert_eq!(
+        sandbox
+            .run_turn(request("#kill", "x"))
+            .await
+            .text
+            .as_deref(),
+        Some("on")
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn container_removed_from_outside_mid_turn() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config(SLEEPER)).await.unwrap();
+    let sb = sandbox.clone();
+    let (reply, elapsed) =
+        turn_with_fault(&sandbox, "#rm", Duration::from_millis(500), || async move {
+            let name = the_container(&sb).await;
+            let docker = DockerDriver::default();
+            let opts = bollard::query_parameters::RemoveContainerOptionsBuilder::new()
+                .force(true)
+                .build();
+            docker
+                .client()
+                .await
+                .unwrap()
+                .remove_container(&name, Some(opts))
+                .await
+                .unwrap();
+        })
+        .await;
+    assert!(!reply.ok);
+    let error = reply.error.unwrap();
+    eprintln!("removed mid-turn: {error}");
+    assert!(
+        error.starts_with("guest exited with code") || error.starts_with("docker "),
+        "{error}"
+    );
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+/// A config whose driver talks to the daemon through `proxy`, with short API deadlines.
+fn proxied(env: &Env, proxy: &DockerProxy, script: &str) -> (Config, DockerDriver) {
+    let driver = DockerDriver::new(DockerOptions {
+        host: proxy.host(),
+        call_timeout: Duration::from_secs(2),
+    });
+    let mut config = env.sh_config(script);
+    config.driver = Some(Arc::new(driver.clone()));
+    (config, driver)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_daemon_dies_mid_turn_and_comes_back() {
+    let env = Env::new();
+    let proxy = Arc::new(DockerProxy::start(env.dir.path()));
+    let (config, driver) = proxied(&env, &proxy, SLEEPER);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let p = proxy.clone();
+    let (reply, elapsed) = turn_with_fault(
+        &sandbox,
+        "#dies",
+        Duration::from_millis(800),
+        || async move {
+            p.set(Mode::Closed);
+        },
+    )
+    .await;
+    let error = reply.error.unwrap();
+    eprintln!("daemon died mid-turn: {error} after {elapsed:?}");
+    assert!(error.starts_with("docker daemon unreachable"), "{error}");
+    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    // The runtime's own parts are gone; the container could not be removed while the
+    // daemon was away, and is remembered.
+    assert!(run_root_entries(&sandbox.config().run_root).is_empty());
+    assert_eq!(labelled_containers(&sandbox).await.len(), 1);
+    assert_eq!(driver.pending_removals().len(), 1);
+
+    // The daemon comes back: the next turn removes the leftover first.
+    proxy.set(Mode::Forward);
+    let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
+    config.driver = Some(Arc::new(driver.clone()));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#dies", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
+    assert!(driver.pending_removals().is_empty());
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_daemon_hangs_mid_turn_and_comes_back() {
+    let env = Env::new();
+    let proxy = Arc::new(DockerProxy::start(env.dir.path()));
+    let (mut config, driver) = proxied(&env, &proxy, SLEEPER);
+    config.turn_timeout = Some(Duration::from_secs(3));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let p = proxy.clone();
+    let (reply, elapsed) = turn_with_fault(
+        &sandbox,
+        "#hangs",
+        Duration::from_millis(800),
+        || async move {
+            p.set(Mode::Silent);
+        },
+    )
+    .await;
+    eprintln!("daemon hung mid-turn: {:?} after {elapsed:?}", reply.error);
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 3s"));
+    // The deadline, then one API deadline for the kill and one for the removal.
+    assert!(elapsed < Duration::from_secs(3 + 2 + 2 + 3), "{elapsed:?}");
+    assert!(run_root_entries(&sandbox.config().run_root).is_empty());
+    assert_eq!(driver.pending_removals().len(), 1);
+
+    proxy.set(Mode::Forward);
+    let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
+    config.driver = Some(Arc::new(driver.clone()));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#hangs", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
+    assert!(driver.pending_removals().is_empty());
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mcp_server_killed_mid_call() {
+    let env = Env::new();
+    let stub_dir = tempfile::tempdir().unwrap();
+    let mut config = hostile::config(&env, &["post", "/v1/mcp/stub/sleep", r#"{"seconds":60}"#]);
+    config.mcp = vec![hostile::stub_server(stub_dir.path(), &["sleep", "echo"])];
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let dir = stub_dir.path().to_owned();
+    let killer = tokio::spawn(async move {
+        // Once the call reached the server, kill the server.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
+            if log.contains("tools/call") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the call never reached the server"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let pid: i32 = std::fs::read_to_string(dir.join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    });
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#mcp", "x")).await;
+    killer.await.unwrap();
+    let f = hostile::findings(&reply);
+    eprintln!(
+        "MCP server killed mid-call: {f:?} after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(f["status"], "502", "{f:?}");
+    assert!(f["body"].contains("stub"), "{f:?}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_no_leftovers(&sandbox).await;
+
+    // The server is started again on its next use.
+    let mut config = hostile::config(&env, &["post", "/v1/mcp/stub/echo", r#"{"text":"again"}"#]);
+    config.mcp = vec![hostile::stub_server(stub_dir.path(), &["sleep", "echo"])];
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let f = hostile::findings(&sandbox.run_turn(request("#mcp", "x")).await);
+    assert_eq!(f["status"], "200", "{f:?}");
+    assert!(f["body"].contains("again"));
+    sandbox.shutdown().await;
+    assert_no_leftovers(&sandbox).await;
+}
+
+const CHILD_ENV: &str = "ROUNDTABLE_CHAOS_CHILD_DIR";
+
+fn child_config(dir: &Path) -> Config {
+    let mut c = Config::new(
+        image(),
+        dir.join("run"),
+        dir.join("ws"),
+        "test-model",
+        "http://127.0.0.1:9/v1",
+        ApiKey::from_static("sk-test-never-in-the-container"),
+    );
+    c.allow_http = true;
+    c.turn_timeout = Some(Duration::from_secs(120));
+    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SLEEPER.into()]);
+    c
+}
+
+/// Not a test on its own: the "host process" that `host_process_killed_mid_turn` starts
+/// and SIGKILLs. Without its environment variable it does nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn host_process_child() {
+    let Some(dir) = std::env::var_os(CHILD_ENV).map(PathBuf::from) else {
+        return;
+    };
+    let sandbox = Sandbox::new(child_config(&dir)).await.unwrap();
+    let marker = dir.join("running");
+    let observer: roundtable_sandbox::PhaseObserver = Arc::new(move |p| {
+        if p == TurnPhase::ContainerRunning {
+            std::fs::write(&marker, b"").unwrap();
+        }
+    });
+    run_turn(&sandbox, request("#crash", "x"), |_| {}, Some(observer)).await;
+    panic!("the turn should have been killed with its host process");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn host_process_killed_mid_turn_then_restarted() {
+    let env = Env::new();
+    let dir = env.dir.path().to_owned();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "host_process_child", "--nocapture"])
+        .env(CHILD_ENV, &dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !dir.join("running").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the child never started its turn"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the child ended early");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let restarted = Sandbox::new(child_config(&dir)).await.unwrap();
+    // Wait until the container really runs, then kill the host process (SIGKILL: no
+    // teardown, no drop guard).
+    the_container(&restarted).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // What the dead host left: its container (still running) and its run dir.
+    let left = labelled_containers(&restarted).await;
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(run_root_entries(&restarted.config().run_root).len(), 1);
+    let ws = dir
+        .join("ws")
+        .join(roundtable_sandbox::turn::channel_segment("#crash"));
+    assert!(ws.is_dir());
+
+    // The restarted host sweeps at startup: the leftovers go, the workspace stays.
+    let report = restarted.sweep().await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    assert_eq!(report.containers.len(), 1);
+    assert_eq!(report.run_dirs.len(), 1);
+    assert!(ws.is_dir(), "the channel's data is kept");
+    assert_no_leftovers(&restarted).await;
+    let _ = LABEL_RUNTIME;
+}
