@@ -23,7 +23,7 @@ use roundtable_sandbox_actors::{
     GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
     SupervisorConfig, TurnPhase, TurnProgress,
 };
-use roundtable_sandbox_examples::RollDice;
+use roundtable_sandbox_examples::{report, RollDice};
 use tokio::io::AsyncBufReadExt;
 
 const USAGE: &str = "usage: terminal-bot [flags]
@@ -223,22 +223,6 @@ async fn run() -> Result<()> {
     eprintln!("terminal-bot: shut down ({report:?})");
     drop(offline);
     Ok(())
-}
-
-/// The error and its causes, each cause shown once (a cause's text is often already part of
-/// the message that wraps it).
-fn report(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
 }
 
 #[cfg(test)]

@@ -1,0 +1,282 @@
+//! An IRC bot on actix: each IRC channel is a sandbox channel, each nick the speaker.
+//!
+//! ```text
+//! irc-bot --server 127.0.0.1:6667 --nick sandbox --join '#general,#dev' [settings flags]
+//! ```
+//!
+//! In a joined channel, a message addressed to the bot (`sandbox: write me a haiku`) becomes
+//! a [`GuestMessage`] for the channel `irc:#general` from the speaker `nick`; the reply is
+//! posted back to the channel, addressed to that nick. `!reset` starts the channel's next
+//! turn with a fresh session; `!stop` stops its running turn.
+//!
+//! Replies are model output, so they are hostile: control characters are removed, each
+//! line is posted as its own `PRIVMSG` (no line can smuggle an IRC command) and long
+//! replies are cut.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use roundtable_sandbox::settings::{Settings, FLAGS_HELP};
+use roundtable_sandbox_actors::{
+    GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorConfig,
+};
+use roundtable_sandbox_examples::{report, RollDice};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+const USAGE: &str = "usage: irc-bot [--server HOST:PORT] [--nick NICK] [--join #a,#b] [flags]
+
+flags:";
+
+/// Longest text of one posted line (IRC lines are at most 512 bytes with the prefix).
+const LINE_BYTES: usize = 380;
+/// Most lines of one reply.
+const MAX_LINES: usize = 6;
+
+#[actix::main]
+async fn main() -> std::process::ExitCode {
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("irc-bot: {}", report(&e));
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+/// A parsed IRC line: prefix nick, command, params (the trailing one included).
+#[derive(Debug, PartialEq)]
+struct IrcLine {
+    nick: Option<String>,
+    command: String,
+    params: Vec<String>,
+}
+
+fn parse_line(line: &str) -> Option<IrcLine> {
+    let line = line.trim_end_matches(['\r', '\n']);
+    let (prefix, rest) = match line.strip_prefix(':') {
+        Some(r) => {
+            let (p, rest) = r.split_once(' ')?;
+            (Some(p), rest)
+        }
+        None => (None, line),
+    };
+    let (head, trailing) = match rest.split_once(" :") {
+        Some((h, t)) => (h, Some(t)),
+        None => (rest, None),
+    };
+    let mut words = head.split(' ').filter(|w| !w.is_empty());
+    let command = words.next()?.to_ascii_uppercase();
+    let mut params: Vec<String> = words.map(str::to_owned).collect();
+    if let Some(t) = trailing {
+        params.push(t.to_owned());
+    }
+    Some(IrcLine {
+        nick: prefix.map(|p| p.split('!').next().unwrap_or(p).to_owned()),
+        command,
+        params,
+    })
+}
+
+/// The lines to post for a reply: control characters removed, split on newlines and at
+/// `LINE_BYTES` (on a char boundary), at most `MAX_LINES`.
+fn reply_lines(to: &str, text: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    for raw in text.lines() {
+        let clean: String = raw
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect();
+        let mut rest = clean.trim();
+        while !rest.is_empty() {
+            let mut cut = rest.len().min(LINE_BYTES);
+            while !rest.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            lines.push(rest[..cut].to_owned());
+            rest = rest[cut..].trim_start();
+        }
+    }
+    if lines.is_empty() {
+        lines.push("(no answer)".into());
+    }
+    if lines.len() > MAX_LINES {
+        lines.truncate(MAX_LINES);
+        lines[MAX_LINES - 1].push_str(" …(cut)");
+    }
+    lines[0] = format!("{to}: {}", lines[0]);
+    lines
+}
+
+async fn run() -> Result<()> {
+    let mut settings = Settings::default();
+    let mut server = "127.0.0.1:6667".to_owned();
+    let mut nick = "sandbox".to_owned();
+    let mut join: Vec<String> = vec!["#general".into()];
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--help" | "-h" => {
+                println!("{USAGE}\n{FLAGS_HELP}");
+                return Ok(());
+            }
+            "--server" => server = args.next().context("--server needs HOST:PORT")?,
+            "--nick" => nick = args.next().context("--nick needs a value")?,
+            "--join" => {
+                join = args
+                    .next()
+                    .context("--join needs channels")?
+                    .split(',')
+                    .map(str::to_owned)
+                    .collect()
+            }
+            _ => {
+                if !settings
+                    .take_flag(&arg, &mut args)
+                    .map_err(anyhow::Error::msg)?
+                {
+                    bail!("unknown argument {arg:?} (see --help)");
+                }
+            }
+        }
+    }
+    let (mut config, offline) = settings.build().await.context("configuration")?;
+    config.tools.push(Arc::new(RollDice));
+    let sandbox = SandboxSupervisor::start(SupervisorConfig::new(config)).await?;
+
+    let stream = tokio::net::TcpStream::connect(&server)
+        .await
+        .with_context(|| format!("connect to {server}"))?;
+    let (read, mut write) = stream.into_split();
+    let (out, mut outbox) = mpsc::unbounded_channel::<String>();
+    let writer = actix::spawn(async move {
+        while let Some(line) = outbox.recv().await {
+            if write
+                .write_all(format!("{line}\r\n").as_bytes())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    out.send(format!("NICK {nick}"))?;
+    out.send(format!("USER {nick} 0 * :roundtable-sandbox bot"))?;
+    eprintln!(
+        "irc-bot: connecting to {server} as {nick} ({})",
+        if offline.is_some() {
+            "embedded offline model"
+        } else {
+            "configured model"
+        }
+    );
+
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    while let Some(line) = lines.next_line().await? {
+        let Some(msg) = parse_line(&line) else {
+            continue;
+        };
+        match msg.command.as_str() {
+            "PING" => out.send(format!(
+                "PONG :{}",
+                msg.params.last().cloned().unwrap_or_default()
+            ))?,
+            "001" => {
+                out.send(format!("JOIN {}", join.join(",")))?;
+                eprintln!("irc-bot: registered; joining {}", join.join(","));
+            }
+            "433" => bail!("nick {nick} is in use"),
+            "PRIVMSG" if msg.params.len() == 2 && msg.params[0].starts_with('#') => {
+                let (target, text) = (msg.params[0].clone(), msg.params[1].trim().to_owned());
+                let Some(from) = msg.nick.clone() else {
+                    continue;
+                };
+                let channel = format!("irc:{}", target.to_lowercase());
+                if text == "!reset" {
+                    sandbox.send(StartFresh { channel }).await?;
+                    out.send(format!(
+                        "PRIVMSG {target} :{from}: reset: the next turn starts a fresh session"
+                    ))?;
+                } else if text == "!stop" {
+                    let active = sandbox.send(Stop { channel }).await?;
+                    let what = if active {
+                        "the running turn was stopped"
+                    } else {
+                        "nothing was running"
+                    };
+                    out.send(format!("PRIVMSG {target} :{from}: stop: {what}"))?;
+                } else if let Some(asked) = text
+                    .strip_prefix(&format!("{nick}:"))
+                    .or_else(|| text.strip_prefix(&format!("{nick},")))
+                {
+                    let asked = asked.trim().to_owned();
+                    if asked.is_empty() {
+                        continue;
+                    }
+                    let (addr, out) = (sandbox.clone(), out.clone());
+                    actix::spawn(async move {
+                        let speaker = Speaker {
+                            id: from.clone(),
+                            name: from.clone(),
+                        };
+                        let answer = addr.send(GuestMessage::new(&channel, speaker, asked)).await;
+                        let text = match answer {
+                            Ok(Ok(r)) if r.ok => r.text.unwrap_or_default(),
+                            Ok(Ok(r)) => format!("error: {}", r.error.unwrap_or_default()),
+                            Ok(Err(e)) => format!("error: {e}"),
+                            Err(e) => format!("error: {e}"),
+                        };
+                        for l in reply_lines(&from, &text) {
+                            let _ = out.send(format!("PRIVMSG {target} :{l}"));
+                        }
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    eprintln!("irc-bot: the server closed the connection");
+    let _ = sandbox.send(Shutdown).await;
+    writer.abort();
+    drop(offline);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_irc_lines() {
+        assert_eq!(
+            parse_line(":ann!u@h PRIVMSG #Gen :sandbox: hi: there\r\n"),
+            Some(IrcLine {
+                nick: Some("ann".into()),
+                command: "PRIVMSG".into(),
+                params: vec!["#Gen".into(), "sandbox: hi: there".into()],
+            })
+        );
+        assert_eq!(parse_line("PING :abc").unwrap().params, vec!["abc"]);
+        assert_eq!(
+            parse_line(":srv 001 sandbox :Welcome").unwrap().command,
+            "001"
+        );
+    }
+
+    #[test]
+    fn hostile_replies_cannot_smuggle_commands() {
+        let lines = reply_lines("ann", "ok\r\nQUIT :bye\u{7}\nJOIN #x");
+        assert_eq!(lines, vec!["ann: ok", "QUIT :bye", "JOIN #x"]);
+        // Each is sent as `PRIVMSG #chan :<line>`: a whole line is text, never a command.
+        assert!(lines.iter().all(|l| !l.contains('\r') && !l.contains('\n')));
+        let long = "é".repeat(1000);
+        let lines = reply_lines("ann", &long);
+        assert!(lines.iter().all(|l| l.len() <= LINE_BYTES + 10));
+        let many = "x\n".repeat(20);
+        let lines = reply_lines("ann", &many);
+        assert_eq!(lines.len(), MAX_LINES);
+        assert!(lines[MAX_LINES - 1].ends_with("…(cut)"));
+    }
+}

@@ -1,0 +1,232 @@
+//! The IRC bot end to end: a real IRC server (Debian's ngircd) on loopback, the bot, and a
+//! real IRC client (Debian's `ii`, driven through its files), with the actor layer, the
+//! broker, the embedded offline model and the guest in sealed containers. Runs as the
+//! service user.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Kills its child when dropped (each a specific pid we started).
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_until(what: &str, ok: impl FnMut() -> bool) {
+    wait_until_or(what, ok, String::new)
+}
+
+fn wait_until_or(what: &str, mut ok: impl FnMut() -> bool, context: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if ok() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for {what}; {}", context());
+}
+
+fn tool(name: &str) -> &str {
+    for dir in ["/usr/sbin", "/usr/bin"] {
+        if Path::new(dir).join(name).exists() {
+            return name;
+        }
+    }
+    panic!("{name} is not installed: run scripts/setup.sh (it installs ngircd and ii)");
+}
+
+/// One of ii's input FIFOs, held open for the whole test: a writer that closes between
+/// lines races with ii reopening the FIFO and can lose a line.
+struct Fifo(std::fs::File);
+
+impl Fifo {
+    fn open(path: &Path) -> Self {
+        Self(std::fs::OpenOptions::new().write(true).open(path).unwrap())
+    }
+
+    fn say(&mut self, line: &str) {
+        writeln!(self.0, "{line}").unwrap();
+        self.0.flush().unwrap();
+    }
+}
+
+/// Says `line` in the channel and waits until ii logs it as sent; says it again if ii did
+/// not pick it up (ii occasionally misses a FIFO line while it handles server traffic).
+fn say_seen(chan: &mut Fifo, out: &Path, skip: usize, line: &str) {
+    let echo = format!("<tester> {line}");
+    for _ in 0..5 {
+        chan.say(line);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            let text = std::fs::read_to_string(out).unwrap_or_default();
+            if text.lines().skip(skip).any(|l| l.ends_with(&echo)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    panic!("ii never sent {line:?}");
+}
+
+/// Waits for a line of the channel log containing `needle` after the first `skip` lines.
+fn expect(out: &Path, skip: usize, needle: &str) -> (usize, String) {
+    let mut found = None;
+    wait_until_or(
+        &format!("{needle:?} in {}", out.display()),
+        || {
+            let text = std::fs::read_to_string(out).unwrap_or_default();
+            found = text
+                .lines()
+                .enumerate()
+                .skip(skip)
+                .find(|(_, l)| l.contains(needle))
+                .map(|(i, l)| (i + 1, l.to_owned()));
+            found.is_some()
+        },
+        || {
+            format!(
+                "the log: {:?}",
+                std::fs::read_to_string(out).unwrap_or_default()
+            )
+        },
+    );
+    found.unwrap()
+}
+
+#[test]
+fn the_irc_bot_answers_a_real_client_through_a_real_server() {
+    assert_ne!(
+        nix::unistd::getuid().as_raw(),
+        0,
+        "run through scripts/test.sh"
+    );
+    let dir = tempfile::Builder::new()
+        .prefix("rti-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let d = dir.path();
+    let port = free_port();
+    let conf = d.join("ngircd.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "[Global]\nName = irc.test\nInfo = roundtable test\nListen = 127.0.0.1\nPorts = {port}\n\
+             PidFile = {}\nMotdPhrase = test\n[Limits]\nMaxNickLength = 30\n\
+             [Options]\nPAM = no\nIdent = no\nDNS = no\n",
+            d.join("ngircd.pid").display()
+        ),
+    )
+    .unwrap();
+    let _server = Proc(
+        Command::new(tool("ngircd"))
+            .args(["-n", "-f"])
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("ngircd to listen", || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+
+    let mut bot = Command::new(env!("CARGO_BIN_EXE_irc-bot"))
+        .args([
+            "--server",
+            &format!("127.0.0.1:{port}"),
+            "--nick",
+            "sandbox",
+            "--join",
+            "#test",
+        ])
+        .arg("--run-root")
+        .arg(d.join("run"))
+        .arg("--workspace-root")
+        .arg(d.join("ws"))
+        .arg("--offline")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = bot.stderr.take().unwrap();
+    let _bot = Proc(bot);
+    let mut lines = BufReader::new(stderr).lines();
+    loop {
+        let line = lines.next().expect("bot exited").unwrap();
+        if line.contains("registered; joining #test") {
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            eprintln!("bot: {line}");
+        }
+    });
+
+    let ii_dir = d.join("ii");
+    let _client = Proc(
+        Command::new(tool("ii"))
+            .args([
+                "-s",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-n",
+                "tester",
+                "-i",
+            ])
+            .arg(&ii_dir)
+            .spawn()
+            .unwrap(),
+    );
+    let server_in: PathBuf = ii_dir.join("127.0.0.1/in");
+    wait_until("ii to connect", || server_in.exists());
+    std::thread::sleep(Duration::from_millis(300));
+    let mut server = Fifo::open(&server_in);
+    server.say("/j #test");
+    let chan_in = ii_dir.join("127.0.0.1/#test/in");
+    let chan_out = ii_dir.join("127.0.0.1/#test/out");
+    wait_until("ii to join #test", || chan_in.exists());
+    let mut chan = Fifo::open(&chan_in);
+
+    say_seen(&mut chan, &chan_out, 0, "sandbox: hello there");
+    let (at, reply) = expect(&chan_out, 0, "<sandbox> tester: ");
+    assert!(
+        reply.contains("read it back (tester: hello there)"),
+        "{reply}"
+    );
+    assert!(
+        reply.contains("roll_dice answered: tester rolled a d6"),
+        "{reply}"
+    );
+    assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
+
+    say_seen(&mut chan, &chan_out, at, "sandbox: and again");
+    let (at, reply) = expect(&chan_out, at, "<sandbox> tester: ");
+    assert!(reply.contains("holds 1 earlier message(s)"), "{reply}");
+
+    say_seen(&mut chan, &chan_out, at, "!reset");
+    let (at, reply) = expect(&chan_out, at, "<sandbox> tester: reset");
+    assert!(
+        reply.ends_with("the next turn starts a fresh session"),
+        "{reply}"
+    );
+    say_seen(&mut chan, &chan_out, at, "sandbox: after the reset");
+    let (_, reply) = expect(&chan_out, at, "<sandbox> tester: ");
+    assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
+}
