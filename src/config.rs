@@ -384,12 +384,32 @@ impl Config {
 
     /// Parses TOML text (see [`ConfigFile`]).
     pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
-        let file: ConfigFile = toml::from_str(text).map_err(|e| ConfigError::ParseFile {
+        let parse_error = |message: String| ConfigError::ParseFile {
             path: PathBuf::from("<string>"),
-            message: e.message().to_owned()
-                + &e.span()
-                    .map(|s| format!(" (at {})", line_col(text, s.start)))
-                    .unwrap_or_default(),
+            message,
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(|e| {
+            parse_error(
+                e.message().to_owned()
+                    + &e.span()
+                        .map(|s| format!(" (at {})", line_col(text, s.start)))
+                        .unwrap_or_default(),
+            )
+        })?;
+        let file: ConfigFile = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            // The path names the key (`limits.memory_mb`); the position where toml knows it.
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let at = inner
+                .span()
+                .map(|s| format!(" (at {})", line_col(text, s.start)))
+                .unwrap_or_default();
+            let key = if path == "." {
+                String::new()
+            } else {
+                format!("{path}: ")
+            };
+            parse_error(format!("{key}{}{at}", inner.message()))
         })?;
         file.into_config()
     }
@@ -727,8 +747,19 @@ mod tests {
     fn toml_rejects_unknown_keys_with_position() {
         let text = "image = \"x\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\nmodel_url = \"https://a\"\n[limits]\nmemory = 5\n";
         let err = Config::from_toml_str(text).unwrap_err().to_string();
-        assert!(err.contains("unknown field `memory`"), "{err}");
-        assert!(err.contains("line 7"), "{err}");
+        assert!(
+            err.starts_with("config file <string>: limits.memory: unknown field `memory`"),
+            "{err}"
+        );
+        assert!(err.ends_with("(at line 7, column 1)"), "{err}");
+        let text = "image = \"x\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\nmodel_url = \"https://a\"\n[limits]\npids = \"many\"\n";
+        let err = Config::from_toml_str(text).unwrap_err().to_string();
+        assert!(
+            err.starts_with(
+                "config file <string>: limits.pids: invalid type: string \"many\", expected i64"
+            ),
+            "{err}"
+        );
     }
 
     #[test]

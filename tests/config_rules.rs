@@ -199,7 +199,7 @@ fn toml_file_loads_and_rejects_unknown_keys() {
     let e = Config::from_toml_file(&path).unwrap_err().to_string();
     assert!(
         e.starts_with(&format!(
-            "config file {}: unknown field `imgae`",
+            "config file {}: imgae: unknown field `imgae`",
             path.display()
         )),
         "{e}"
