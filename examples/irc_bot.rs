@@ -22,7 +22,7 @@ use roundtable_sandbox::settings::{Settings, FLAGS_HELP};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorConfig,
 };
-use roundtable_sandbox_examples::{report, RollDice};
+use roundtable_sandbox_examples::RollDice;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -40,7 +40,7 @@ async fn main() -> std::process::ExitCode {
     match run().await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("irc-bot: {}", report(&e));
+            eprintln!("irc-bot: {}", roundtable_sandbox::error_chain(e.as_ref()));
             std::process::ExitCode::from(2)
         }
     }

@@ -55,22 +55,6 @@ impl HostTool for RollDice {
     }
 }
 
-/// An error and its causes for a bot's stderr, each cause shown once (a cause's text is
-/// often already part of the message that wraps it).
-pub fn report(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
-}
-
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

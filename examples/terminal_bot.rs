@@ -23,7 +23,7 @@ use roundtable_sandbox_actors::{
     GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
     SupervisorConfig, TurnPhase, TurnProgress,
 };
-use roundtable_sandbox_examples::{report, RollDice};
+use roundtable_sandbox_examples::RollDice;
 use tokio::io::AsyncBufReadExt;
 
 const USAGE: &str = "usage: terminal-bot [flags]
@@ -36,7 +36,10 @@ async fn main() -> std::process::ExitCode {
     match run().await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("terminal-bot: {}", report(&e));
+            eprintln!(
+                "terminal-bot: {}",
+                roundtable_sandbox::error_chain(e.as_ref())
+            );
             std::process::ExitCode::from(2)
         }
     }

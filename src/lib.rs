@@ -114,3 +114,42 @@ impl Sandbox {
         self.inner.broker.shutdown().await;
     }
 }
+
+/// An error and its causes on one line, each shown once (this crate's errors already carry
+/// their cause's text, so a plain walk of the chain would repeat it).
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = String::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        next = e.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn error_chain_shows_each_cause_once() {
+        let e = crate::SandboxError::Config(crate::ConfigError::ModelMissing);
+        assert_eq!(
+            super::error_chain(&e),
+            "invalid configuration: model is required"
+        );
+        let io = std::io::Error::other("disk on fire");
+        let e = crate::ConfigError::ReadFile {
+            path: "/etc/x.toml".into(),
+            source: io,
+        };
+        assert_eq!(
+            super::error_chain(&e),
+            "read config file /etc/x.toml: disk on fire"
+        );
+    }
+}

@@ -48,7 +48,10 @@ async fn main() -> ExitCode {
     match run().await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("roundtable-sandbox: {}", report(&e));
+            eprintln!(
+                "roundtable-sandbox: {}",
+                roundtable_sandbox::error_chain(e.as_ref())
+            );
             ExitCode::from(2)
         }
     }
@@ -441,22 +444,6 @@ async fn image_cmd(rest: Vec<String>) -> Result<ExitCode> {
     let id = image::build(&driver, &source, &tag).await?;
     println!("built {tag} ({id})");
     Ok(ExitCode::SUCCESS)
-}
-
-/// The error and its causes, each cause shown once (a cause's text is often already part of
-/// the message that wraps it).
-fn report(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-    }
-    out
 }
 
 #[cfg(test)]
