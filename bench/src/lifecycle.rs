@@ -40,6 +40,9 @@ pub struct Timing {
     pub reply: Duration,
     /// Until the container is removed.
     pub total: Duration,
+    /// The bare lifecycle's steps (create, attach, start, run until exit and output
+    /// end, remove), each from its start to the next's.
+    pub steps: Option<[(&'static str, Duration); 5]>,
 }
 
 /// The entrypoint override shared by every path.
@@ -77,6 +80,9 @@ pub struct Roots {
     _dir: tempfile::TempDir,
     pub run_root: PathBuf,
     pub workspace_root: PathBuf,
+    /// The roots of the actor layer's runtime.
+    pub actors_run_root: PathBuf,
+    pub actors_workspace_root: PathBuf,
     /// A fixed run dir and workspace for the driver-only path.
     pub fixed_run: PathBuf,
     pub fixed_ws: PathBuf,
@@ -90,6 +96,8 @@ impl Roots {
             .context("make the bench dir")?;
         let run_root = dir.path().join("run");
         let workspace_root = dir.path().join("ws");
+        let actors_run_root = dir.path().join("arun");
+        let actors_workspace_root = dir.path().join("aws");
         let fixed_run = dir.path().join("fixed-run");
         let fixed_ws = dir.path().join("fixed-ws");
         for d in [&fixed_run, &fixed_ws] {
@@ -99,6 +107,8 @@ impl Roots {
             _dir: dir,
             run_root,
             workspace_root,
+            actors_run_root,
+            actors_workspace_root,
             fixed_run,
             fixed_ws,
         })
@@ -165,6 +175,7 @@ pub async fn runtime_turn_profiled(
         Timing {
             reply: reply_at.unwrap_or(total),
             total,
+            steps: None,
         },
         phases,
     ))
@@ -210,6 +221,7 @@ pub async fn driver_turn(
     Ok(Timing {
         reply: reply_at,
         total,
+        steps: None,
     })
 }
 
@@ -249,6 +261,7 @@ pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -
     };
     let create = CreateContainerOptionsBuilder::new().name(&name).build();
     docker.create_container(Some(create), body).await?;
+    let created = t0.elapsed();
     let attach = AttachContainerOptions {
         stdin: true,
         stdout: true,
@@ -258,8 +271,10 @@ pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -
         detach_keys: None,
     };
     let io = docker.attach_container(&name, Some(attach)).await?;
+    let attached = t0.elapsed();
     let mut wait = docker.wait_container(&name, None::<WaitContainerOptions>);
     docker.start_container(&name, None).await?;
+    let started = t0.elapsed();
     let bollard::container::AttachContainerResults {
         mut output,
         mut input,
@@ -294,6 +309,13 @@ pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -
     Ok(Timing {
         reply: reply_at,
         total,
+        steps: Some([
+            ("create", created),
+            ("attach", attached - created),
+            ("start", started - attached),
+            ("run_to_exit", reply_at - started),
+            ("remove", total - reply_at),
+        ]),
     })
 }
 
@@ -332,6 +354,7 @@ pub async fn cli_turn(image: &str, stdin: &[u8]) -> Result<Timing> {
     Ok(Timing {
         reply: total,
         total,
+        steps: None,
     })
 }
 

@@ -11,8 +11,10 @@
 //! Parts: [`lifecycle`] (one trivial turn on each path), [`broker_bench`] (model calls
 //! through the broker and straight to the scripted model), [`stats`] (percentiles).
 
+mod actors_path;
 mod broker_bench;
 mod lifecycle;
+mod memory;
 mod stats;
 
 use std::time::{Duration, Instant};
@@ -84,6 +86,11 @@ impl Options {
 }
 
 fn main() -> Result<()> {
+    if let [_, flag, n] = std::env::args().collect::<Vec<_>>().as_slice() {
+        if flag == "--memory-child" {
+            return memory::child(n.parse()?);
+        }
+    }
     let options = Options::parse()?;
     if nix::unistd::getuid().is_root() {
         bail!("the runtime refuses root: run scripts/bench.sh (it runs this as the service user)");
@@ -93,8 +100,22 @@ fn main() -> Result<()> {
         .build()?;
     let mut results = rt.block_on(run(&options))?;
     if options.wants("memory") {
-        // The actor layer's measurement runs in its own actix system.
-        results["memory"]["idle_channels"] = memory::idle_channels(options.channels)?;
+        // The actor layer's measurement runs in a process of its own (an actix system).
+        println!(
+            "\n== 4. memory: RSS per idle ChannelActor, {} channels",
+            options.channels
+        );
+        let m = memory::idle_channels(options.channels)?;
+        println!(
+            "RSS growth: {} new idle channels +{} KiB, the same turns on existing channels +{} KiB \
+             => {:.2} KiB per idle channel ({:.2} KiB raw)",
+            options.channels,
+            m["growth_new_channels_kib"],
+            m["growth_turns_only_kib"],
+            m["per_channel_kib"].as_f64().unwrap_or(f64::NAN),
+            m["per_channel_raw_kib"].as_f64().unwrap_or(f64::NAN),
+        );
+        results["memory"]["idle_channels"] = m;
     }
     results["targets"] = targets(&results);
     print_targets(&results["targets"]);
@@ -105,16 +126,6 @@ fn main() -> Result<()> {
     std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
     println!("\nJSON written to {}", path.display());
     Ok(())
-}
-
-mod memory {
-    use anyhow::Result;
-    use serde_json::{json, Value};
-
-    /// RSS growth per idle channel actor (needs the actor layer; see docs/benchmarks.md).
-    pub fn idle_channels(_channels: usize) -> Result<Value> {
-        Ok(json!({"skipped": "the actor layer is not measured yet"}))
-    }
 }
 
 async fn run(o: &Options) -> Result<Value> {
@@ -153,7 +164,7 @@ async fn run(o: &Options) -> Result<Value> {
         results["turn"] = turn_overhead(o, &sandbox, &driver, &docker, &roots, &stdin).await?;
     }
     if o.wants("concurrency") {
-        let (conc, rss) = concurrency(o, &sandbox, &docker, &stdin).await?;
+        let (conc, rss) = concurrency(o, &sandbox, &docker, &roots, &stdin).await?;
         results["concurrency"] = conc;
         results["memory"]["turns_32"] = rss;
     }
@@ -305,6 +316,7 @@ async fn turn_overhead(
     }
     let mut samples: Vec<PathSamples> = PATHS.iter().map(|_| PathSamples::default()).collect();
     let mut profile: Vec<(String, Samples)> = Vec::new();
+    let mut bare_steps: Vec<(&str, Samples)> = Vec::new();
     for i in 0..o.iterations {
         // Rotate the order so no path always follows the same one.
         for k in 0..PATHS.len() {
@@ -323,6 +335,18 @@ async fn turn_overhead(
             .await
             .with_context(|| PATHS[idx])?;
             samples[idx].push(t);
+            if let (Some(steps), "bare_api") = (t.steps, PATHS[idx]) {
+                for (name, d) in steps {
+                    match bare_steps.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, s)) => s.push(d),
+                        None => {
+                            let mut s = Samples::default();
+                            s.push(d);
+                            bare_steps.push((name, s));
+                        }
+                    }
+                }
+            }
         }
     }
     println!(
@@ -369,6 +393,14 @@ async fn turn_overhead(
     }
     println!();
     out["runtime_phases"] = phases;
+    print!("bare API steps (p50 ms):");
+    let mut steps = json!({});
+    for (name, s) in &bare_steps {
+        print!(" {name} {:.1}", s.p50());
+        steps[*name] = s.json();
+    }
+    println!();
+    out["bare_api_steps"] = steps;
     Ok(out)
 }
 
@@ -417,62 +449,76 @@ async fn concurrency(
     o: &Options,
     sandbox: &roundtable_sandbox::Sandbox,
     docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
     stdin: &[u8],
 ) -> Result<(Value, Value)> {
     println!(
         "\n== 2. concurrency: N channels each sending one turn at once, {} interleaved rounds",
         o.rounds
     );
+    println!("   (actors: through SandboxSupervisor with max_containers = 32)");
+    let actors = actors_path::ActorPath::start(&o.image, roots, 32).await?;
     println!(
-        "{:<4} {:>14} {:>14} {:>12} {:>14} {:>12}",
-        "N", "runtime ms", "bare API ms", "ratio", "rt replies ms", "turns/s"
+        "{:<4} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9}",
+        "N", "runtime ms", "actors ms", "bare API ms", "rt/bare", "act/bare", "turns/s"
     );
     let mut out = json!({});
     let mut rss = json!({});
     for n in [1usize, 8, 32] {
         let mut rt_total = Samples::default();
         let mut rt_replies = Samples::default();
+        let mut act_total = Samples::default();
         let mut bare_total = Samples::default();
         let mut rt_peak = 0u64;
         let mut bare_peak = 0u64;
         let mut base = u64::MAX;
         for r in 0..o.rounds {
-            for k in 0..2 {
-                let runtime_first = (r + k) % 2 == 0;
+            for k in 0..3 {
                 base = base.min(rss_kib());
                 let sampler = RssSampler::start();
                 let t0 = Instant::now();
-                if runtime_first {
-                    let turns = (0..n).map(|c| async move {
-                        lifecycle::runtime_turn(sandbox, &format!("#conc-{n}-{c}")).await
-                    });
-                    let timings = futures_util::future::try_join_all(turns).await?;
-                    rt_total.push(t0.elapsed());
-                    rt_replies.push(timings.iter().map(|t| t.reply).max().unwrap_or_default());
-                    rt_peak = rt_peak.max(sampler.peak().await);
-                } else {
-                    let turns = (0..n).map(|_| lifecycle::bare_turn(docker, &o.image, stdin, true));
-                    futures_util::future::try_join_all(turns).await?;
-                    bare_total.push(t0.elapsed());
-                    bare_peak = bare_peak.max(sampler.peak().await);
+                match (r + k) % 3 {
+                    0 => {
+                        let turns = (0..n).map(|c| async move {
+                            lifecycle::runtime_turn(sandbox, &format!("#conc-{n}-{c}")).await
+                        });
+                        let timings = futures_util::future::try_join_all(turns).await?;
+                        rt_total.push(t0.elapsed());
+                        rt_replies.push(timings.iter().map(|t| t.reply).max().unwrap_or_default());
+                        rt_peak = rt_peak.max(sampler.peak().await);
+                    }
+                    1 => {
+                        let turns =
+                            (0..n).map(|_| lifecycle::bare_turn(docker, &o.image, stdin, true));
+                        futures_util::future::try_join_all(turns).await?;
+                        bare_total.push(t0.elapsed());
+                        bare_peak = bare_peak.max(sampler.peak().await);
+                    }
+                    _ => {
+                        act_total.push(actors.turns(n).await?);
+                        sampler.peak().await;
+                    }
                 }
             }
         }
         let turns_per_s = n as f64 / (rt_total.p50() / 1000.0);
         println!(
-            "{:<4} {:>14.1} {:>14.1} {:>12.3} {:>14.1} {:>12.1}",
+            "{:<4} {:>11.1} {:>11.1} {:>11.1} {:>9.3} {:>9.3} {:>9.1}",
             n,
             rt_total.p50(),
+            act_total.p50(),
             bare_total.p50(),
             rt_total.p50() / bare_total.p50(),
-            rt_replies.p50(),
+            act_total.p50() / bare_total.p50(),
             turns_per_s
         );
         out[n.to_string()] = json!({
             "runtime_wall": rt_total.json(),
             "runtime_all_replied": rt_replies.json(),
+            "actors_wall": act_total.json(),
             "bare_api_wall": bare_total.json(),
             "ratio_p50": ratio(rt_total.p50(), bare_total.p50()),
+            "actors_ratio_p50": ratio(act_total.p50(), bare_total.p50()),
             "runtime_turns_per_s": round3(turns_per_s),
         });
         if n == 32 {
@@ -494,6 +540,7 @@ async fn concurrency(
             );
         }
     }
+    actors.stop();
     Ok((out, rss))
 }
 
