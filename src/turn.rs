@@ -270,16 +270,27 @@ async fn run_turn_inner(
     phase(TurnPhase::TearingDown);
     cancel.cancel();
     let mut cleanup_errors: Vec<String> = Vec::new();
-    if let Some(l) = listener.take() {
-        if let Err(e) = l.stop().await {
-            cleanup_errors.push(format!("stop broker: {e}"));
+    // The listener's stop and the container's removal are independent: overlapped, the
+    // stop (a task to abort and join) hides behind the daemon's removal.
+    let stop_listener = async {
+        match listener.take() {
+            Some(l) => l.stop().await.map_err(|e| format!("stop broker: {e}")),
+            None => Ok(()),
         }
-    }
-    if container_started {
-        if let Err(e) = sandbox.driver().remove(&container_name).await {
-            cleanup_errors.push(format!("remove container {container_name}: {e}"));
+    };
+    let remove_container = async {
+        if !container_started {
+            return Ok(());
         }
-    }
+        sandbox
+            .driver()
+            .remove(&container_name)
+            .await
+            .map_err(|e| format!("remove container {container_name}: {e}"))
+    };
+    let (stopped, removed) = tokio::join!(stop_listener, remove_container);
+    cleanup_errors.extend(stopped.err());
+    cleanup_errors.extend(removed.err());
     if let Err(e) = run_dir.remove() {
         cleanup_errors.push(format!("remove run dir: {e}"));
     }
