@@ -16,6 +16,7 @@ fi
 echo "== building the bench (release)" >&2
 cargo build --quiet --release -p roundtable-bench
 mkdir -p target/bench
-chmod 0777 target/bench
+# The bench writes its JSON as the service user.
+if [ "$(id -u)" -eq 0 ]; then chown "${ROUNDTABLE_USER:-roundtable}" target/bench; fi
 out="$PWD/target/bench/results.json"
 exec scripts/as-service-user.sh "$PWD/target/release/roundtable-bench" --json "$out" "$@"
