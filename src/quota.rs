@@ -4,11 +4,15 @@
 //! 1. **Per file, in the kernel**: the container runs with `RLIMIT_FSIZE` at the quota
 //!    (`ulimit fsize`), so no single file can grow past it (the writer gets `SIGXFSZ` /
 //!    `EFBIG`; the turn fails with a clear error).
-//! 2. **During the turn**: a watcher measures the workspace every [`WATCH_INTERVAL`] and
-//!    kills the container as soon as it is over quota (many files, each under the per-file
-//!    cap). The overshoot is bounded by what the guest can write in one interval.
+//! 2. **During the turn**: a watcher measures the workspace every [`WATCH_INTERVAL`] (or
+//!    four times the last measure's duration, if longer) and kills the container as soon
+//!    as it is over quota (many files, each under the per-file cap). The overshoot is
+//!    bounded by what the guest can write in one interval.
 //! 3. **Before each turn**: a workspace over quota refuses the turn with a clear error
 //!    until an operator frees space (the channel's dir is `workspace_root/<segment>`).
+//!
+//! A workspace that cannot be measured (a tree nested past `PATH_MAX`) counts as over
+//! quota: the watcher ends the turn and the next turn is refused.
 //!
 //! The measure ([`measure`]) is metadata only: `readdir` and `lstat`, never following a
 //! symlink, never opening a file. It counts allocated blocks (a sparse file costs what it
@@ -21,8 +25,9 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How often the watcher measures a running turn's workspace.
-pub const WATCH_INTERVAL: Duration = Duration::from_millis(500);
+/// How often the watcher measures a running turn's workspace (at least; a workspace whose
+/// measure takes long is measured less often, so the watcher stays under ~20 % of a core).
+pub const WATCH_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What a workspace holds, as far as it was counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -55,7 +60,10 @@ pub enum QuotaError {
          an operator must free space in it before the next turn"
     )]
     Exceeded { used: String, limit: String },
-    #[error("measure the workspace: {0}")]
+    #[error(
+        "this channel's workspace cannot be measured ({0}); an operator must fix or clear it \
+         before the next turn"
+    )]
     Measure(String),
 }
 
@@ -131,20 +139,35 @@ pub fn check(dir: &Path, quota: &Quota) -> Result<Usage, QuotaError> {
     Ok(usage)
 }
 
-/// Measures `dir` every [`WATCH_INTERVAL`] (off the async threads); returns the error as
+/// Measures `dir` every [`WATCH_INTERVAL`] or more (off the async threads); returns the error as
 /// soon as it is over quota. Never returns otherwise: race it against the turn.
 pub async fn watch(dir: PathBuf, quota: Quota) -> QuotaError {
+    let mut pause = WATCH_INTERVAL;
     loop {
-        tokio::time::sleep(WATCH_INTERVAL).await;
+        tokio::time::sleep(pause).await;
         let d = dir.clone();
+        let started = std::time::Instant::now();
         let measured = tokio::task::spawn_blocking(move || measure(&d, &quota)).await;
+        pause = WATCH_INTERVAL.max(started.elapsed() * 4);
         match measured {
             Ok(Ok(usage)) if quota.exceeded_by(&usage) => {
                 return QuotaError::exceeded(&quota, &usage);
             }
             Ok(Ok(_)) => {}
-            // A transient failure (a dir renamed under the walk): try again next round.
-            Ok(Err(e)) => tracing::debug!(error = %e, "workspace measure"),
+            // A workspace that cannot be measured (a tree nested past PATH_MAX, a dir
+            // swapped for a file) could hide any amount of data: once is a race, twice in
+            // a row ends the turn like an exceeded quota.
+            Ok(Err(e)) => {
+                let d = dir.clone();
+                match tokio::task::spawn_blocking(move || measure(&d, &quota)).await {
+                    Ok(Ok(usage)) if quota.exceeded_by(&usage) => {
+                        return QuotaError::exceeded(&quota, &usage);
+                    }
+                    Ok(Ok(_)) => {}
+                    Ok(Err(_)) => return QuotaError::Measure(e.to_string()),
+                    Err(e) => tracing::debug!(error = %e, "workspace measure task"),
+                }
+            }
             Err(e) => tracing::debug!(error = %e, "workspace measure task"),
         }
     }

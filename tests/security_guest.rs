@@ -572,7 +572,7 @@ async fn attack_fill_the_workspace_disk() {
     // One file past the quota: the kernel stops it (RLIMIT_FSIZE), the turn says why.
     let mut config = hostile::sh_config(
         &env,
-        "cat >/dev/null; echo note > /workspace/note; exec dd if=/dev/zero of=/workspace/big bs=1M count=100",
+        "cat >/dev/null; exec dd if=/dev/zero of=/workspace/big bs=1M count=100",
     );
     limits(&mut config);
     let sandbox = Sandbox::new(config).await.unwrap();
@@ -585,14 +585,24 @@ async fn attack_fill_the_workspace_disk() {
         .unwrap()
         .len();
     assert_eq!(size, 8 << 20, "the file stopped at the quota");
-    // The workspace is now past its quota (the note): the next turn is refused
-    // before any container starts.
+    // The workspace is at its quota; one more small file puts it over (this turn may
+    // finish first, or be ended by the watcher), and the next turn is refused before any
+    // container starts.
+    let mut config = hostile::sh_config(&env, &reply_after("echo note > /workspace/note"));
+    limits(&mut config);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#big", "x")).await;
+    assert!(
+        reply.ok || reply.error.as_deref().is_some_and(|e| e.starts_with(over)),
+        "{reply:?}"
+    );
     let reply = sandbox.run_turn(request("#big", "x")).await;
     let error = reply.error.unwrap();
     assert!(error.starts_with(over), "{error}");
     assert!(error.contains("the limit is 8 MiB"), "{error}");
     // An operator frees space: turns run again.
     std::fs::remove_file(env.workspace_of("#big").join("big")).unwrap();
+    std::fs::remove_file(env.workspace_of("#big").join("note")).unwrap();
     let mut config = hostile::sh_config(&env, &reply_after("out=back"));
     limits(&mut config);
     let sandbox = Sandbox::new(config).await.unwrap();
@@ -658,4 +668,43 @@ async fn attack_fill_the_workspace_disk() {
     assert_eq!(used.entries, 3, "{used:?}");
     assert!(used.bytes >= 5 << 20, "{used:?}");
     assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_hide_data_from_the_quota_past_path_max() {
+    let env = Env::new();
+    // Nest dirs past PATH_MAX (25 levels of 200-byte names), then write there forever:
+    // a path-based measure cannot reach it, so the workspace counts as over quota.
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; n=$(printf '%0200d' 0); i=0; cd /workspace; \
+         while [ $i -lt 25 ]; do mkdir $n; cd $n; i=$((i+1)); done; \
+         i=0; while :; do dd if=/dev/zero of=f$i bs=1M count=1 2>/dev/null; i=$((i+1)); done",
+    );
+    config.limits.workspace_mb = 64;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#deep", "x")).await;
+    let error = reply.error.unwrap();
+    eprintln!(
+        "nested past PATH_MAX: {error} after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        error.starts_with("this channel's workspace cannot be measured")
+            || error.starts_with("this channel's workspace is over its quota"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        started.elapsed()
+    );
+    // And the next turn is refused before any container starts.
+    let reply = sandbox.run_turn(request("#deep", "x")).await;
+    let error = reply.error.unwrap();
+    assert!(error.contains("an operator must"), "{error}");
+    assert_no_leftovers(&sandbox).await;
+    // The operator clears it (remove_dir_all walks by descriptor, past PATH_MAX).
+    std::fs::remove_dir_all(env.workspace_of("#deep")).unwrap();
 }
