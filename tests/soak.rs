@@ -109,6 +109,14 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
             for h in in_flight.drain(..) {
                 h.await.unwrap();
             }
+            // One panic first: with RUST_BACKTRACE set, the first panic's backtrace loads
+            // this debug binary's symbols once (~190 MiB, cached for the process), which is
+            // not a leak; the growth that counts is what comes after.
+            addr.send(InjectPanic {
+                channel: channel(0),
+            })
+            .await
+            .unwrap();
             until_idle(&addr).await;
             baseline = Some((rss_kib(), open_fds()));
         }
