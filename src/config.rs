@@ -195,6 +195,9 @@ pub struct Config {
     pub docker_host: Option<String>,
     /// Overrides the image's entrypoint (tests and benchmarks).
     pub command: Option<Vec<String>>,
+    /// Refuse broker peers whose uid (SO_PEERCRED) is not the worker's (default true; turn
+    /// off only under a runtime that does not report it, such as gVisor).
+    pub peer_uid_check: bool,
 }
 
 impl std::fmt::Debug for Config {
@@ -246,6 +249,7 @@ impl Config {
             session_budget: None,
             docker_host: None,
             command: None,
+            peer_uid_check: true,
         }
     }
 
@@ -260,6 +264,7 @@ impl Config {
             allow_http: self.allow_http,
             limits: self.broker_limits,
             worker_uid,
+            peer_uid_check: self.peer_uid_check,
         }
     }
 
@@ -463,6 +468,12 @@ pub struct ConfigFile {
     pub session_budget: Option<u64>,
     #[serde(default)]
     pub docker_host: Option<String>,
+    #[serde(default = "yes")]
+    pub peer_uid_check: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl ConfigFile {
@@ -525,6 +536,7 @@ impl ConfigFile {
         config.max_steps = self.max_steps;
         config.session_budget = self.session_budget;
         config.docker_host = self.docker_host;
+        config.peer_uid_check = self.peer_uid_check;
         Ok(config)
     }
 }

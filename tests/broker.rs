@@ -42,6 +42,7 @@ fn policy(model_url: &str) -> BrokerPolicy {
         allow_http: true,
         limits: BrokerLimits::default(),
         worker_uid: uid(),
+        peer_uid_check: true,
     }
 }
 
@@ -656,6 +657,21 @@ async fn a_peer_with_another_uid_is_refused() {
     let err = post_json_result(turn.socket(), CHAT, &chat_body(false)).await;
     assert!(err.is_err(), "answered a foreign peer: {err:?}");
     assert!(model.requests().is_empty());
+}
+
+#[tokio::test]
+async fn the_peer_check_can_be_turned_off_for_runtimes_that_hide_the_uid() {
+    let model = ScriptedModel::start(vec![Step::text("x")]).await;
+    let mut p = policy(&model.url());
+    p.worker_uid = uid() + 1;
+    p.peer_uid_check = false;
+    let broker = broker(p).await;
+    let turn = TestTurn::start(&broker).await;
+    let answer = post_json_result(turn.socket(), CHAT, &chat_body(false))
+        .await
+        .unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(model.requests().len(), 1);
 }
 
 async fn post_json_result(

@@ -130,6 +130,7 @@ impl BrokerUnderTest {
                 ..BrokerLimits::default()
             },
             worker_uid: nix::unistd::getuid().as_raw(),
+            peer_uid_check: true,
         };
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
         let dir = tempfile::Builder::new()

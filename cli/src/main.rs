@@ -332,6 +332,14 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         b.max_tool_calls,
         b.call_timeout
     );
+    println!(
+        "broker peer   {}",
+        if config.peer_uid_check {
+            "only the worker uid may connect (SO_PEERCRED)"
+        } else {
+            "uid check OFF (peer_uid_check = false)"
+        }
+    );
     if config.tools.is_empty() {
         println!("host tools    (none)");
     }

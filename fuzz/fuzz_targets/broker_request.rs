@@ -77,6 +77,7 @@ fn state() -> &'static State {
                     m.uid()
                 })
                 .unwrap(),
+            peer_uid_check: true,
         };
         let broker = Arc::new(rt.block_on(Broker::new(policy)).unwrap());
         let dir = std::env::temp_dir().join(format!("rts-fuzz-{}", std::process::id()));

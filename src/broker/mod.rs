@@ -300,6 +300,9 @@ pub struct BrokerPolicy {
     pub limits: BrokerLimits,
     /// The uid a connecting peer must have (SO_PEERCRED).
     pub worker_uid: u32,
+    /// Whether to check the peer's uid. Off only for runtimes that do not report it
+    /// (gVisor reports uid 0); the per-turn socket in a 0700 run dir still guards it.
+    pub peer_uid_check: bool,
 }
 
 impl fmt::Debug for BrokerPolicy {
@@ -323,6 +326,7 @@ impl fmt::Debug for BrokerPolicy {
             .field("allow_http", &self.allow_http)
             .field("limits", &self.limits)
             .field("worker_uid", &self.worker_uid)
+            .field("peer_uid_check", &self.peer_uid_check)
             .finish()
     }
 }

@@ -57,6 +57,7 @@ pub(crate) async fn serve(
     stop: CancellationToken,
 ) {
     let worker_uid = broker.policy.worker_uid;
+    let check_uid = broker.policy.peer_uid_check;
     let turn = Arc::new(Turn {
         broker,
         ctx,
@@ -81,7 +82,7 @@ pub(crate) async fn serve(
             }
         };
         match stream.peer_cred() {
-            Ok(cred) if cred.uid() == worker_uid => {}
+            Ok(cred) if !check_uid || cred.uid() == worker_uid => {}
             Ok(cred) => {
                 tracing::warn!(peer_uid = cred.uid(), worker_uid, "broker refused a peer");
                 continue;
