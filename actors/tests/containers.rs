@@ -20,12 +20,8 @@ type Answer = Result<Reply, SandboxActorError>;
 
 const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'"text":"fail'*) exit 3;; esac; printf '{"ok":true,"text":"hi"}'"#;
 
-fn image() -> String {
-    std::env::var("ROUNDTABLE_IMAGE").unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into())
-}
-
 fn config(env: &Env) -> SupervisorConfig {
-    let mut c = env.config(&image());
+    let mut c = env.config();
     c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
     let mut s = SupervisorConfig::new(c);
     s.max_containers = 4;
@@ -34,28 +30,10 @@ fn config(env: &Env) -> SupervisorConfig {
 
 /// The runtime instance's label value, as the core derives it from the run root.
 async fn instance_of(env: &Env) -> String {
-    let sandbox = roundtable_sandbox::Sandbox::new(env.config(&image()))
+    let sandbox = roundtable_sandbox::Sandbox::new(env.config())
         .await
         .unwrap();
     sandbox.config().instance.clone()
-}
-
-async fn labelled_containers(instance: &str) -> Vec<String> {
-    let driver = DockerDriver::default();
-    let docker = driver.client().await.unwrap();
-    let filters =
-        std::collections::HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
-    let opts = ListContainersOptionsBuilder::new()
-        .all(true)
-        .filters(&filters)
-        .build();
-    docker
-        .list_containers(Some(opts))
-        .await
-        .unwrap()
-        .into_iter()
-        .flat_map(|c| c.names.unwrap_or_default())
-        .collect()
 }
 
 async fn running_containers(instance: &str) -> usize {
@@ -72,7 +50,7 @@ async fn running_containers(instance: &str) -> usize {
 }
 
 async fn assert_no_leftovers(env: &Env, instance: &str) {
-    let containers = labelled_containers(instance).await;
+    let containers = labelled_containers_of(instance).await;
     assert!(containers.is_empty(), "leaked containers: {containers:?}");
     assert!(
         env.turn_dirs().is_empty(),
@@ -326,7 +304,7 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     }
     // The core's drop guards removed the run dir and spawned the container's removal.
     let started = Instant::now();
-    while !labelled_containers(&instance).await.is_empty() {
+    while !labelled_containers_of(&instance).await.is_empty() {
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "container left behind"

@@ -95,12 +95,15 @@ pub fn request(channel: &str, text: &str) -> TurnRequest {
 
 /// Containers carrying this runtime's instance label.
 pub async fn labelled_containers(sandbox: &Sandbox) -> Vec<String> {
+    labelled_containers_of(&sandbox.config().instance).await
+}
+
+/// Containers labelled with the runtime instance `instance`.
+pub async fn labelled_containers_of(instance: &str) -> Vec<String> {
     let driver = DockerDriver::default();
     let docker = driver.client().await.unwrap();
-    let filters = std::collections::HashMap::from([(
-        "label",
-        vec![format!("{LABEL_RUNTIME}={}", sandbox.config().instance)],
-    )]);
+    let filters =
+        std::collections::HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
     let opts = ListContainersOptionsBuilder::new()
         .all(true)
         .filters(&filters)

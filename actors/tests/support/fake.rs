@@ -3,7 +3,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -11,9 +10,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use roundtable_sandbox::driver::{BoxFuture, ContainerSpec, DriverError, LABEL_CHANNEL};
 use roundtable_sandbox::protocol::Turn;
-use roundtable_sandbox::{
-    ApiKey, Config, ContainerDriver, HostTool, Reply, Speaker, ToolCallContext, Usage,
-};
+use roundtable_sandbox::{ContainerDriver, HostTool, Reply, Speaker, ToolCallContext, Usage};
 use roundtable_sandbox_actors::{
     SandboxSupervisor, Status, StatusReport, SupervisorConfig, TurnProgress,
 };
@@ -252,61 +249,17 @@ impl HostTool for WhoAmI {
     }
 }
 
-/// The runtime refuses root: run these tests as the service user (see the crate README).
-pub fn require_non_root() {
-    assert_ne!(
-        nix::unistd::getuid().as_raw(),
-        0,
-        "the runtime refuses root: run with \
-         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=scripts/as-service-user.sh"
-    );
-}
-
-/// Private roots in a scratch dir.
-pub struct Env {
-    pub dir: tempfile::TempDir,
-    pub run_root: PathBuf,
-    pub workspace_root: PathBuf,
-}
+// Private roots, the non-root check, the project image and the leftover listing are the
+// core tests' own (one Env for every crate's container tests).
+#[path = "../../../tests/support/sandbox.rs"]
+mod core_support;
+#[allow(unused_imports)] // each test binary uses a part
+pub use core_support::{image, labelled_containers_of, require_non_root, Env};
 
 impl Env {
-    pub fn new() -> Self {
-        require_non_root();
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_test_writer()
-            .try_init();
-        let dir = tempfile::Builder::new()
-            .prefix("rta-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let run_root = dir.path().join("run");
-        let workspace_root = dir.path().join("ws");
-        Self {
-            dir,
-            run_root,
-            workspace_root,
-        }
-    }
-
-    /// A core config; the model endpoint is a closed loopback port (no model is called).
-    pub fn config(&self, image: &str) -> Config {
-        let mut c = Config::new(
-            image,
-            &self.run_root,
-            &self.workspace_root,
-            "test-model",
-            "http://127.0.0.1:9/v1",
-            ApiKey::from_static("sk-test-never-in-the-container"),
-        );
-        c.allow_http = true;
-        c.turn_timeout = Some(Duration::from_secs(30));
-        c
-    }
-
     /// Actor settings around a config using `driver` and the `whoami` tool.
     pub fn fake(&self, driver: &Arc<FakeDriver>, tool: &Arc<WhoAmI>) -> SupervisorConfig {
-        let mut c = self.config("roundtable-sandbox-guest:latest");
+        let mut c = self.config();
         c.driver = Some(driver.clone());
         c.tools = vec![tool.clone()];
         let mut s = SupervisorConfig::new(c);
@@ -317,13 +270,7 @@ impl Env {
 
     /// `turn-` dirs left under the run root.
     pub fn turn_dirs(&self) -> Vec<String> {
-        std::fs::read_dir(&self.run_root)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
+        core_support::run_root_entries(&self.run_root)
     }
 }
 
