@@ -4,6 +4,8 @@
 
 #[path = "support/broker_client.rs"]
 mod client;
+#[path = "support/mcp_stub.rs"]
+mod mcp_stub;
 #[path = "support/model.rs"]
 mod model_support;
 
@@ -13,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use client::{next_chunk, post, post_json};
+use mcp_stub::stub_server;
 use model_support::{sse_text_events, ScriptedModel, Step};
 use roundtable_sandbox::broker::{
     validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerListener,
@@ -887,22 +890,6 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServerConfig {
                 mcp_time_bin().display().to_string(),
             ],
             env: Default::default(),
-        },
-        tools: tools.iter().map(|s| s.to_string()).collect(),
-    }
-}
-
-/// The stub server of `tests/support/mcp_stub.py`, its files in `dir`.
-fn stub_server(dir: &Path, tools: &[&str]) -> McpServerConfig {
-    McpServerConfig {
-        name: "stub".into(),
-        transport: McpTransport::Stdio {
-            command: "python3".into(),
-            args: vec![Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/support/mcp_stub.py")
-                .display()
-                .to_string()],
-            env: [("STUB_DIR".to_owned(), dir.display().to_string())].into(),
         },
         tools: tools.iter().map(|s| s.to_string()).collect(),
     }

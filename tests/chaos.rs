@@ -8,6 +8,8 @@
 mod docker_proxy;
 #[path = "support/hostile.rs"]
 mod hostile;
+#[path = "support/mcp_stub.rs"]
+mod mcp_stub;
 #[path = "support/sandbox.rs"]
 mod sandbox_support;
 
@@ -226,7 +228,7 @@ async fn mcp_server_killed_mid_call() {
     let env = Env::new();
     let stub_dir = tempfile::tempdir().unwrap();
     let mut config = hostile::config(&env, &["post", "/v1/mcp/stub/sleep", r#"{"seconds":60}"#]);
-    config.mcp = vec![hostile::stub_server(stub_dir.path(), &["sleep", "echo"])];
+    config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["sleep", "echo"])];
     let sandbox = Sandbox::new(config).await.unwrap();
     let dir = stub_dir.path().to_owned();
     let killer = tokio::spawn(async move {
@@ -269,7 +271,7 @@ async fn mcp_server_killed_mid_call() {
 
     // The server is started again on its next use.
     let mut config = hostile::config(&env, &["post", "/v1/mcp/stub/echo", r#"{"text":"again"}"#]);
-    config.mcp = vec![hostile::stub_server(stub_dir.path(), &["sleep", "echo"])];
+    config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["sleep", "echo"])];
     let sandbox = Sandbox::new(config).await.unwrap();
     let f = hostile::findings(&sandbox.run_turn(request("#mcp", "x")).await);
     assert_eq!(f["status"], "200", "{f:?}");

@@ -6,6 +6,8 @@
 
 #[path = "support/hostile.rs"]
 mod hostile;
+#[path = "support/mcp_stub.rs"]
+mod mcp_stub;
 #[path = "support/model.rs"]
 mod model_support;
 #[path = "support/sandbox.rs"]
@@ -85,7 +87,7 @@ async fn attack_call_tools_that_are_not_allow_listed() {
     let env = Env::new();
     let stub_dir = tempfile::tempdir().unwrap();
     let mut config = hostile::config(&env, &["broker", "tools"]);
-    config.mcp = vec![hostile::stub_server(stub_dir.path(), &["echo"])];
+    config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["echo"])];
     config.tools = vec![hostile::Whoami::new()];
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#tools", "x")).await;

@@ -12,10 +12,10 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+
 use std::sync::{Arc, Mutex};
 
-use roundtable_sandbox::broker::{BoxFuture, McpServerConfig, McpTransport};
+use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::{Config, HostTool, Reply, Speaker, ToolCallContext};
 
 use super::sandbox_support::Env;
@@ -57,22 +57,6 @@ pub fn findings(reply: &Reply) -> BTreeMap<String, String> {
         .filter_map(|e| e.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect()
-}
-
-/// The stub MCP server of `tests/support/mcp_stub.py`, its files in `dir`.
-pub fn stub_server(dir: &Path, tools: &[&str]) -> McpServerConfig {
-    McpServerConfig {
-        name: "stub".into(),
-        transport: McpTransport::Stdio {
-            command: "python3".into(),
-            args: vec![Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/support/mcp_stub.py")
-                .display()
-                .to_string()],
-            env: [("STUB_DIR".to_owned(), dir.display().to_string())].into(),
-        },
-        tools: tools.iter().map(|s| s.to_string()).collect(),
-    }
 }
 
 /// A host tool that answers with the channel and speaker it was called for, and records
