@@ -127,17 +127,13 @@ impl DockerDriver {
     /// Whether the image is present locally.
     pub async fn image_present(&self, image: &str) -> Result<bool, DriverError> {
         let docker = self.client().await?;
-        match tokio::time::timeout(self.options.call_timeout, docker.inspect_image(image)).await {
-            Err(_) => Err(DriverError::DockerTimeout {
-                op: "inspect image",
-                container: image.to_owned(),
-                after: self.options.call_timeout,
-            }),
-            Ok(Ok(_)) => Ok(true),
-            Ok(Err(BollardError::DockerResponseServerError {
-                status_code: 404, ..
-            })) => Ok(false),
-            Ok(Err(e)) => Err(classify("inspect image", image, e)),
+        match self
+            .call("inspect image", image, docker.inspect_image(image))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(DriverError::Docker { reason, .. }) if reason.starts_with("404") => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
