@@ -18,17 +18,41 @@
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use roundtable_sandbox::settings::{Settings, FLAGS_HELP};
+use clap::Parser;
+use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorConfig,
 };
-use roundtable_sandbox_examples::RollDice;
+use roundtable_sandbox_examples::{print_completions, RollDice};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-const USAGE: &str = "usage: irc-bot [--server HOST:PORT] [--nick NICK] [--join #a,#b] [flags]
-
-flags:";
+/// An IRC bot: each IRC channel is a sandbox channel, each nick the speaker. A message
+/// addressed to the bot (`sandbox: write me a haiku`) runs as a sealed turn; `!reset` and
+/// `!stop` reset or stop the channel's turn.
+#[derive(Debug, Parser)]
+#[command(name = "irc-bot", version, after_help = SETTINGS_NOTE)]
+struct Cli {
+    /// The IRC server
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:6667")]
+    server: String,
+    /// The bot's nick
+    #[arg(long, default_value = "sandbox")]
+    nick: String,
+    /// The channels to join, comma-separated
+    #[arg(
+        long,
+        value_name = "#a,#b",
+        value_delimiter = ',',
+        default_value = "#general"
+    )]
+    join: Vec<String>,
+    #[command(flatten)]
+    settings: Settings,
+    /// Print a completion script for SHELL and exit
+    #[arg(long, value_name = "SHELL", value_enum)]
+    completions: Option<clap_complete::Shell>,
+}
 
 /// Longest text of one posted line (IRC lines are at most 512 bytes with the prefix).
 const LINE_BYTES: usize = 380;
@@ -37,7 +61,12 @@ const MAX_LINES: usize = 6;
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
-    match run().await {
+    // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
+    let cli = Cli::parse();
+    if let Some(shell) = cli.completions {
+        return print_completions::<Cli>(shell);
+    }
+    match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("irc-bot: {}", roundtable_sandbox::error_chain(e.as_ref()));
@@ -110,38 +139,14 @@ fn reply_lines(to: &str, text: &str) -> Vec<String> {
     lines
 }
 
-async fn run() -> Result<()> {
-    let mut settings = Settings::default();
-    let mut server = "127.0.0.1:6667".to_owned();
-    let mut nick = "sandbox".to_owned();
-    let mut join: Vec<String> = vec!["#general".into()];
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--help" | "-h" => {
-                println!("{USAGE}\n{FLAGS_HELP}");
-                return Ok(());
-            }
-            "--server" => server = args.next().context("--server needs HOST:PORT")?,
-            "--nick" => nick = args.next().context("--nick needs a value")?,
-            "--join" => {
-                join = args
-                    .next()
-                    .context("--join needs channels")?
-                    .split(',')
-                    .map(str::to_owned)
-                    .collect()
-            }
-            _ => {
-                if !settings
-                    .take_flag(&arg, &mut args)
-                    .map_err(anyhow::Error::msg)?
-                {
-                    bail!("unknown argument {arg:?} (see --help)");
-                }
-            }
-        }
-    }
+async fn run(cli: Cli) -> Result<()> {
+    let Cli {
+        server,
+        nick,
+        join,
+        settings,
+        ..
+    } = cli;
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
     let sandbox = SandboxSupervisor::start(SupervisorConfig::new(config)).await?;
@@ -247,6 +252,22 @@ async fn run() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["irc-bot", "--join", "#a,#b", "--nick", "n"]).unwrap();
+        assert_eq!(cli.join, ["#a", "#b"]);
+        assert_eq!(
+            (cli.server.as_str(), cli.nick.as_str()),
+            ("127.0.0.1:6667", "n")
+        );
+        let defaults = Cli::try_parse_from(["irc-bot"]).unwrap();
+        assert_eq!(defaults.join, ["#general"]);
+        let e = Cli::try_parse_from(["irc-bot", "--server"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue);
+    }
 
     #[test]
     fn parses_irc_lines() {

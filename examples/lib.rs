@@ -3,7 +3,8 @@
 //! - `terminal_bot.rs`: reads `#channel name: text` lines on stdin (and `/reset #channel`,
 //!   `/stop #channel`, `/status`), sends each as an actor message, prints the replies;
 //! - `irc_bot.rs`: each IRC channel is a sandbox channel, each nick the speaker;
-//! - [`RollDice`]: a host tool both bots offer to the guest agent.
+//! - [`RollDice`]: a host tool both bots offer to the guest agent;
+//! - [`print_completions`]: their `--completions SHELL`.
 //!
 //! The README's embedding example is compiled here as a doctest.
 
@@ -53,6 +54,17 @@ impl HostTool for RollDice {
             ))
         })
     }
+}
+
+/// Prints the completion script of the command line `C` for `shell` on stdout (the bots'
+/// `--completions SHELL`).
+pub fn print_completions<C: clap::CommandFactory>(
+    shell: clap_complete::Shell,
+) -> std::process::ExitCode {
+    let mut command = C::command();
+    let name = command.get_name().to_owned();
+    clap_complete::generate(shell, &mut command, name, &mut std::io::stdout());
+    std::process::ExitCode::SUCCESS
 }
 
 #[cfg(doctest)]

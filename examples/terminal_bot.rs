@@ -17,23 +17,38 @@
 use std::io::IsTerminal;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
-use roundtable_sandbox::settings::{Settings, FLAGS_HELP};
+use anyhow::{Context, Result};
+use clap::Parser;
+use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
-    GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
-    SupervisorConfig, TurnPhase, TurnProgress,
+    ChannelState, GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh,
+    Status, Stop, SupervisorConfig, TurnPhase, TurnProgress,
 };
-use roundtable_sandbox_examples::RollDice;
+use roundtable_sandbox_examples::{print_completions, RollDice};
 use tokio::io::AsyncBufReadExt;
 
-const USAGE: &str = "usage: terminal-bot [flags]
-Reads `#channel name: text` lines on stdin; `/reset #channel`, `/stop #channel`, `/status`.
-
-flags:";
+/// A terminal chat bot: each line on stdin is a chat message, run as a sealed turn.
+///
+/// Lines: `#channel name: text` (a message), `/reset #channel` (the next turn starts a
+/// fresh session), `/stop #channel` (stop the running turn), `/status`.
+#[derive(Debug, Parser)]
+#[command(name = "terminal-bot", version, after_help = SETTINGS_NOTE)]
+struct Cli {
+    #[command(flatten)]
+    settings: Settings,
+    /// Print a completion script for SHELL and exit
+    #[arg(long, value_name = "SHELL", value_enum)]
+    completions: Option<clap_complete::Shell>,
+}
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
-    match run().await {
+    // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
+    let cli = Cli::parse();
+    if let Some(shell) = cli.completions {
+        return print_completions::<Cli>(shell);
+    }
+    match run(cli.settings).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!(
@@ -98,37 +113,42 @@ fn parse(line: &str) -> Result<Line, String> {
     })
 }
 
+fn phase_text(phase: TurnPhase) -> Option<&'static str> {
+    Some(match phase {
+        TurnPhase::Preparing => "preparing the workspace and broker",
+        TurnPhase::BrokerListening => "starting the sealed container",
+        TurnPhase::ContainerRunning => "the agent is working in its container",
+        TurnPhase::ModelCall => "the agent asked the model",
+        TurnPhase::ToolCall => "the agent called a host tool",
+        TurnPhase::Replied => "the agent replied",
+        TurnPhase::TearingDown => "removing the container",
+        TurnPhase::Done => return None,
+    })
+}
+
 fn describe(event: &ProgressEvent) -> Option<String> {
     Some(match event {
         ProgressEvent::Queued { ahead } => format!("queued behind {ahead} turn(s)"),
         ProgressEvent::WaitingForSlot => "waiting for a free container slot".into(),
         ProgressEvent::Phase(phase) => match phase {
-            TurnPhase::Preparing => "preparing the workspace and broker".into(),
-            TurnPhase::BrokerListening => "starting the sealed container".into(),
-            TurnPhase::ContainerRunning => "the agent is working in its container".into(),
-            TurnPhase::ModelCall => "the agent asked the model".into(),
-            TurnPhase::ToolCall => "the agent called a host tool".into(),
-            _ => return None,
+            TurnPhase::Replied | TurnPhase::TearingDown | TurnPhase::Done => return None,
+            phase => phase_text(*phase)?.into(),
         },
         _ => return None,
     })
 }
 
-async fn run() -> Result<()> {
-    let mut settings = Settings::default();
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        if arg == "--help" || arg == "-h" {
-            println!("{USAGE}\n{FLAGS_HELP}");
-            return Ok(());
-        }
-        if !settings
-            .take_flag(&arg, &mut args)
-            .map_err(anyhow::Error::msg)?
-        {
-            bail!("unknown argument {arg:?} (see --help)");
-        }
+/// A channel's state as a person reads it.
+fn state_text(state: ChannelState) -> String {
+    match state {
+        ChannelState::Idle => "idle".into(),
+        ChannelState::WaitingForSlot => "waiting for a free container slot".into(),
+        ChannelState::Running(phase) => phase_text(phase).unwrap_or("finishing").into(),
+        ChannelState::Stopping => "stopping".into(),
     }
+}
+
+async fn run(settings: Settings) -> Result<()> {
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
     let tty = std::io::stdout().is_terminal();
@@ -207,8 +227,15 @@ async fn run() -> Result<()> {
                 let report = sandbox.send(Status).await?;
                 for c in &report.channels {
                     println!(
-                        "[{}] {:?}, {} queued, pending reset {}",
-                        c.channel, c.state, c.queued, c.pending_reset
+                        "[{}] {}, {} queued{}",
+                        c.channel,
+                        state_text(c.state),
+                        c.queued,
+                        if c.pending_reset > 0 {
+                            ", the next turn starts a fresh session"
+                        } else {
+                            ""
+                        }
                     );
                 }
                 println!(
@@ -223,7 +250,10 @@ async fn run() -> Result<()> {
         let _ = p.await;
     }
     let report = sandbox.send(Shutdown).await?;
-    eprintln!("terminal-bot: shut down ({report:?})");
+    eprintln!(
+        "terminal-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
+        report.stopped_turns, report.refused_queued
+    );
     drop(offline);
     Ok(())
 }
@@ -231,6 +261,30 @@ async fn run() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from(["terminal-bot", "--offline", "--run-root", "/r"]).unwrap();
+        assert!(cli.settings.offline);
+        let e = Cli::try_parse_from(["terminal-bot", "--ofline"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
+        assert!(
+            e.to_string()
+                .contains("tip: a similar argument exists: '--offline'"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn states_read_as_words() {
+        assert_eq!(state_text(ChannelState::Idle), "idle");
+        assert_eq!(
+            state_text(ChannelState::Running(TurnPhase::ContainerRunning)),
+            "the agent is working in its container"
+        );
+    }
 
     #[test]
     fn parses_lines() {

@@ -9,8 +9,16 @@ cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then
   scripts/setup.sh
 fi
-scripts/build-image.sh
-cargo build --quiet -p roundtable-sandbox-examples --bin terminal-bot
+if [ ! -x target/debug/terminal-bot ]; then
+  cat >&2 <<'TXT'
+demo: the first run compiles the project (the static guest, the operator CLI and the bot)
+      and builds the guest image: this takes several minutes; later runs take seconds.
+TXT
+fi
+# Show cargo's progress (the image script is quiet by default, for the tests).
+CARGO_QUIET= scripts/build-image.sh
+echo "demo: building the terminal bot" >&2
+cargo build -p roundtable-sandbox-examples --bin terminal-bot
 cat >&2 <<'TXT'
 
   roundtable-sandbox demo: type lines like

@@ -29,6 +29,8 @@ pub enum ImageError {
     Driver(#[from] crate::driver::DriverError),
     #[error("docker build of {tag} failed: {reason}")]
     Build { tag: String, reason: String },
+    #[error("write the build context archive: {source}")]
+    Archive { source: std::io::Error },
 }
 
 /// The two static binaries the image is made of.
@@ -90,27 +92,70 @@ pub fn context_tar(source: &ImageSource) -> Result<Vec<u8>, ImageError> {
         });
     }
     let applets = String::from_utf8_lossy(&out.stdout).into_owned();
-    let mut tar = Tar::default();
-    tar.file("Dockerfile", 0o644, DOCKERFILE.as_bytes());
-    tar.file(".dockerignore", 0o644, b"Dockerfile\n.dockerignore\n");
-    tar.file("roundtable-guest", 0o755, &guest);
-    for dir in ["bin", "etc", "workspace", "run", "run/roundtable"] {
-        tar.dir(dir, 0o755);
+    context_of(&guest, &busybox, &applets).map_err(|source| ImageError::Archive { source })
+}
+
+/// The context's archive: plain ustar entries owned by root, with a fixed mtime, so the
+/// same binaries give the same archive.
+fn context_of(guest: &[u8], busybox: &[u8], applets: &str) -> std::io::Result<Vec<u8>> {
+    let mut tar = tar::Builder::new(Vec::new());
+    let header = |kind: tar::EntryType, mode: u32, size: usize| {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(kind);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        h.set_size(size as u64);
+        h
+    };
+    let file = |tar: &mut tar::Builder<Vec<u8>>, name: &str, mode: u32, data: &[u8]| {
+        tar.append_data(
+            &mut header(tar::EntryType::Regular, mode, data.len()),
+            name,
+            data,
+        )
+    };
+    file(&mut tar, "Dockerfile", 0o644, DOCKERFILE.as_bytes())?;
+    file(
+        &mut tar,
+        ".dockerignore",
+        0o644,
+        b"Dockerfile\n.dockerignore\n",
+    )?;
+    file(&mut tar, "roundtable-guest", 0o755, guest)?;
+    for (dir, mode) in [
+        ("bin", 0o755),
+        ("etc", 0o755),
+        ("workspace", 0o755),
+        ("run", 0o755),
+        ("run/roundtable", 0o755),
+        ("tmp", 0o1777),
+    ] {
+        tar.append_data(
+            &mut header(tar::EntryType::Directory, mode, 0),
+            format!("{dir}/"),
+            std::io::empty(),
+        )?;
     }
-    tar.dir("tmp", 0o1777);
-    tar.file("bin/busybox", 0o755, &busybox);
+    file(&mut tar, "bin/busybox", 0o755, busybox)?;
     for applet in applets.lines().map(str::trim) {
         if !applet.is_empty() && applet != "busybox" && !applet.contains('/') {
-            tar.symlink(&format!("bin/{applet}"), "busybox");
+            tar.append_link(
+                &mut header(tar::EntryType::Symlink, 0o777, 0),
+                format!("bin/{applet}"),
+                "busybox",
+            )?;
         }
     }
-    tar.file(
+    file(
+        &mut tar,
         "etc/passwd",
         0o644,
         b"root:x:0:0:root:/nonexistent:/bin/false\n",
-    );
-    tar.file("etc/group", 0o644, b"root:x:0:\n");
-    Ok(tar.finish())
+    )?;
+    file(&mut tar, "etc/group", 0o644, b"root:x:0:\n")?;
+    tar.into_inner()
 }
 
 /// Builds the image `tag` with the engine's classic builder; returns the image id.
@@ -151,57 +196,6 @@ pub async fn build(
     Ok(id.unwrap_or_else(|| tag.to_owned()))
 }
 
-/// A minimal ustar writer: regular files, directories and symlinks, root-owned.
-#[derive(Default)]
-struct Tar {
-    out: Vec<u8>,
-}
-
-impl Tar {
-    fn header(&mut self, name: &str, mode: u32, size: usize, kind: u8, link: &str) {
-        let mut h = [0u8; 512];
-        h[..name.len()].copy_from_slice(name.as_bytes());
-        let octal = |h: &mut [u8; 512], at: usize, width: usize, value: u64| {
-            let s = format!("{value:0w$o}\0", w = width - 1);
-            h[at..at + width].copy_from_slice(s.as_bytes());
-        };
-        octal(&mut h, 100, 8, u64::from(mode));
-        octal(&mut h, 108, 8, 0);
-        octal(&mut h, 116, 8, 0);
-        octal(&mut h, 124, 12, size as u64);
-        octal(&mut h, 136, 12, 0);
-        h[148..156].copy_from_slice(b"        ");
-        h[156] = kind;
-        h[157..157 + link.len()].copy_from_slice(link.as_bytes());
-        h[257..263].copy_from_slice(b"ustar\0");
-        h[263..265].copy_from_slice(b"00");
-        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
-        let s = format!("{sum:06o}\0 ");
-        h[148..156].copy_from_slice(s.as_bytes());
-        self.out.extend_from_slice(&h);
-    }
-
-    fn file(&mut self, name: &str, mode: u32, data: &[u8]) {
-        self.header(name, mode, data.len(), b'0', "");
-        self.out.extend_from_slice(data);
-        let pad = (512 - data.len() % 512) % 512;
-        self.out.extend(std::iter::repeat_n(0u8, pad));
-    }
-
-    fn dir(&mut self, name: &str, mode: u32) {
-        self.header(&format!("{name}/"), mode, 0, b'5', "");
-    }
-
-    fn symlink(&mut self, name: &str, target: &str) {
-        self.header(name, 0o777, 0, b'2', target);
-    }
-
-    fn finish(mut self) -> Vec<u8> {
-        self.out.extend(std::iter::repeat_n(0u8, 1024));
-        self.out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,16 +212,58 @@ mod tests {
     }
 
     #[test]
-    fn tar_headers_checksum() {
-        let mut t = Tar::default();
-        t.file("a", 0o644, b"hello");
-        let out = t.finish();
-        assert_eq!(out.len(), 512 + 512 + 1024);
-        let h = &out[..512];
-        let stored =
-            u32::from_str_radix(std::str::from_utf8(&h[148..154]).unwrap().trim(), 8).unwrap();
-        let mut copy = h.to_vec();
-        copy[148..156].copy_from_slice(b"        ");
-        assert_eq!(stored, copy.iter().map(|&b| u32::from(b)).sum::<u32>());
+    fn context_archive_holds_the_image_tree() {
+        let archive = context_of(b"GUEST", b"BUSYBOX", "sh\nls\nbusybox\n../x\n\n").unwrap();
+        let mut entries = Vec::new();
+        for entry in tar::Archive::new(&archive[..]).entries().unwrap() {
+            let mut entry = entry.unwrap();
+            let h = entry.header().clone();
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut entry, &mut data).unwrap();
+            assert_eq!((h.uid().unwrap(), h.gid().unwrap()), (0, 0));
+            let link = entry.link_name().unwrap().map(|l| l.display().to_string());
+            entries.push((
+                entry.path().unwrap().display().to_string(),
+                h.entry_type(),
+                h.mode().unwrap(),
+                link,
+                data,
+            ));
+        }
+        let find = |name: &str| {
+            entries
+                .iter()
+                .find(|e| e.0 == name)
+                .unwrap_or_else(|| panic!("{name} in {entries:?}"))
+        };
+        let guest = find("roundtable-guest");
+        assert_eq!(
+            (guest.1, guest.2, guest.4.as_slice()),
+            (tar::EntryType::Regular, 0o755, &b"GUEST"[..])
+        );
+        assert_eq!(find("Dockerfile").4, DOCKERFILE.as_bytes());
+        let tmp = find("tmp/");
+        assert_eq!((tmp.1, tmp.2), (tar::EntryType::Directory, 0o1777));
+        let sh = find("bin/sh");
+        assert_eq!(
+            (sh.1, sh.3.as_deref()),
+            (tar::EntryType::Symlink, Some("busybox"))
+        );
+        find("bin/ls");
+        assert_eq!(find("bin/busybox").4, b"BUSYBOX");
+        // Neither the applet list's own name nor a path in it becomes an entry.
+        assert!(!entries.iter().any(|e| e.0.contains("..")), "{entries:?}");
+        assert_eq!(
+            entries
+                .iter()
+                .filter(|e| e.0.starts_with("bin/") && e.0 != "bin/")
+                .count(),
+            3
+        );
+        // The same binaries give the same archive.
+        assert_eq!(
+            archive,
+            context_of(b"GUEST", b"BUSYBOX", "sh\nls\nbusybox\n../x\n\n").unwrap()
+        );
     }
 }

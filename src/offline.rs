@@ -19,6 +19,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
+use roundtable_sandbox_protocol::builtin_tools::{self, READ, SH, WRITE};
 use serde_json::{json, Value};
 
 /// The model name the offline endpoint reports.
@@ -108,7 +109,6 @@ fn call(step: usize, name: &str, arguments: Value) -> Value {
 }
 
 const NOTE: &str = "notes/last-message.txt";
-const BUILTINS: [&str; 5] = ["read", "write", "edit", "list", "sh"];
 
 /// The script: what to send next, given the conversation so far.
 pub fn next_message(request: &Value) -> Value {
@@ -144,23 +144,19 @@ pub fn next_message(request: &Value) -> Value {
         .filter_map(|t| {
             let f = &t["function"];
             let name = f["name"].as_str()?;
-            (!BUILTINS.contains(&name) && !name.starts_with("mcp__"))
+            (!builtin_tools::ALL.contains(&name) && !name.starts_with("mcp__"))
                 .then(|| (name.to_owned(), example_arguments(&f["parameters"])))
         })
         .next();
     match results.len() {
-        0 => call(0, "write", json!({"path": NOTE, "content": said})),
-        1 => call(1, "read", json!({"path": NOTE})),
+        0 => call(0, WRITE, json!({"path": NOTE, "content": said})),
+        1 => call(1, READ, json!({"path": NOTE})),
         2 => {
-            let asked = said
-                .split_once(": ")
-                .map_or(said.as_str(), |(_, t)| t)
-                .strip_prefix("run: ");
-            let command = asked.map_or_else(
+            let command = asked_command(&said).map_or_else(
                 || "echo \"uid $(id -u), net: $(ls /sys/class/net | tr '\\n' ' ')\"; wc -c < notes/last-message.txt".to_owned(),
                 str::to_owned,
             );
-            call(2, "sh", json!({"command": command, "timeout_seconds": 120}))
+            call(2, SH, json!({"command": command, "timeout_seconds": 120}))
         }
         3 if host_tool.is_some() => {
             let (name, args) = host_tool.expect("checked");
@@ -176,12 +172,20 @@ pub fn next_message(request: &Value) -> Value {
                     cut
                 }
             };
+            let sh_said = results.get(2).map_or("", String::as_str);
             let mut out = format!(
-                "[offline demo model] I saved your message to {NOTE} and read it back ({}); \
-                 `sh` in the sandbox said: {}.",
+                "[offline demo model] I saved your message to {NOTE} and read it back ({}); ",
                 short(results.get(1).map_or("", String::as_str)),
-                short(results.get(2).map_or("", String::as_str)),
             );
+            match asked_command(&said) {
+                // What the guest asked to see: the command's whole output, as the guest's
+                // `sh` tool returned it (capped there, at its output cap).
+                Some(command) => out.push_str(&format!(
+                    "`{command}` in the sandbox said:\n{}\n",
+                    sh_said.trim_end()
+                )),
+                None => out.push_str(&format!("`sh` in the sandbox said: {}.", short(sh_said))),
+            }
             if let (Some((name, _)), Some(result)) = (&host_tool, results.get(3)) {
                 out.push_str(&format!(
                     " The host tool {name} answered: {}.",
@@ -194,6 +198,13 @@ pub fn next_message(request: &Value) -> Value {
             text(out)
         }
     }
+}
+
+/// The command a guest message of the form `name: run: CMD` asks to run.
+fn asked_command(said: &str) -> Option<&str> {
+    said.split_once(": ")
+        .map_or(said, |(_, t)| t)
+        .strip_prefix("run: ")
 }
 
 /// Arguments that satisfy a simple schema: required properties with a value of their type.
@@ -274,5 +285,31 @@ mod tests {
         );
         // Without a host tool the answer comes after sh.
         assert!(next_message(&req(3, false))["content"].is_string());
+    }
+
+    #[test]
+    fn a_run_answer_shows_the_whole_output() {
+        let mut asked = req(3, false);
+        asked["messages"][1]["content"] = json!("ann: run: seq 1 2000");
+        let output = format!(
+            "exit status 0\nstdout:\n{}",
+            (1..=2000).map(|i| format!("{i}\n")).collect::<String>()
+        );
+        asked["messages"][7]["content"] = json!(output);
+        let done = next_message(&asked);
+        let content = done["content"].as_str().unwrap();
+        assert!(
+            content.contains(&format!(
+                "`seq 1 2000` in the sandbox said:\n{}",
+                output.trim_end()
+            )),
+            "{content}"
+        );
+        // Without `run:` the sh result is summed up on one line.
+        let plain = next_message(&req(3, false));
+        assert!(plain["content"]
+            .as_str()
+            .unwrap()
+            .contains("`sh` in the sandbox said: result 2."));
     }
 }

@@ -19,51 +19,44 @@ pub const DEFAULT_MODEL_URL: &str = "https://api.openai.com/v1";
 /// The default model when a key is given without a model.
 pub const DEFAULT_MODEL: &str = "gpt-4o-mini";
 
-/// What the flags and the environment say.
+/// What the flags and the environment say. With the `clap` feature these are the
+/// command-line flags of the CLI and the bots (`#[command(flatten)]`), global to every
+/// subcommand; the field docs are their help.
 #[derive(Debug, Clone, Default)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct Settings {
+    /// TOML config file (unknown keys are refused)
+    #[cfg_attr(
+        feature = "clap",
+        arg(long = "config", value_name = "FILE", global = true)
+    )]
     pub config_file: Option<PathBuf>,
+    /// Guest image [default: roundtable-sandbox-guest:latest]
+    #[cfg_attr(feature = "clap", arg(long, value_name = "IMAGE", global = true))]
     pub image: Option<String>,
+    /// Private dir for the per-turn broker sockets
+    #[cfg_attr(feature = "clap", arg(long, value_name = "DIR", global = true))]
     pub run_root: Option<PathBuf>,
+    /// Private dir of the channel workspaces
+    #[cfg_attr(feature = "clap", arg(long, value_name = "DIR", global = true))]
     pub workspace_root: Option<PathBuf>,
+    /// Model name (with a key: default gpt-4o-mini)
+    #[cfg_attr(feature = "clap", arg(long, value_name = "NAME", global = true))]
     pub model: Option<String>,
+    /// OpenAI-compatible API base (with a key: default https://api.openai.com/v1)
+    #[cfg_attr(feature = "clap", arg(long, value_name = "URL", global = true))]
     pub model_url: Option<String>,
-    /// Force the offline model even when a key is set.
+    /// Use the embedded offline model even if OPENAI_API_KEY is set
+    #[cfg_attr(feature = "clap", arg(long, global = true))]
     pub offline: bool,
 }
 
-/// The flags [`Settings::take_flag`] understands, for usage texts.
-pub const FLAGS_HELP: &str = "  --config FILE          TOML config (unknown keys are refused)
-  --image IMAGE          guest image (default roundtable-sandbox-guest:latest)
-  --run-root DIR         private dir for per-turn broker sockets
-  --workspace-root DIR   private dir of channel workspaces
-  --model NAME           model name (with a key: default gpt-4o-mini)
-  --model-url URL        OpenAI-compatible API base (with a key: default https://api.openai.com/v1)
-  --offline              use the embedded offline model even if OPENAI_API_KEY is set
-  Without OPENAI_API_KEY (and no config file) the embedded offline model is used.";
+/// What a usage text says about the settings beyond their flags.
+pub const SETTINGS_NOTE: &str = "Without OPENAI_API_KEY (and without --config) the embedded \
+offline model is used. The key only ever comes from the environment (or the file the config \
+names), never from a flag. Roots default to $ROUNDTABLE_HOME or /tmp/roundtable-sandbox-<uid>.";
 
 impl Settings {
-    /// Takes `flag` (and its value from `rest`) if it is one of the settings' flags.
-    /// Returns `Ok(false)` for a flag that is not one of them.
-    pub fn take_flag(
-        &mut self,
-        flag: &str,
-        rest: &mut impl Iterator<Item = String>,
-    ) -> Result<bool, String> {
-        let mut value = || rest.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag {
-            "--config" => self.config_file = Some(value()?.into()),
-            "--image" => self.image = Some(value()?),
-            "--run-root" => self.run_root = Some(value()?.into()),
-            "--workspace-root" => self.workspace_root = Some(value()?.into()),
-            "--model" => self.model = Some(value()?),
-            "--model-url" => self.model_url = Some(value()?),
-            "--offline" => self.offline = true,
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-
     /// The default base of the two roots: `$ROUNDTABLE_HOME`, else `/tmp/roundtable-sandbox-<uid>`.
     pub fn default_base() -> PathBuf {
         std::env::var_os("ROUNDTABLE_HOME")

@@ -1,8 +1,9 @@
 //! The turn runner: one turn's resources, from run dir to teardown.
 //!
-//! [`run_turn`] is the equivalent of the seed's `runSandboxTurn`: it makes the channel's
-//! workspace (0700) and a fresh run dir (`mkdtemp run_root/turn-XXXXXX`), starts the broker
-//! listener on `<run_dir>/broker.sock`, runs the container through the driver, hands the
+//! [`run_turn`] is the equivalent of `runSandboxTurn` in pi-roundtable-sandbox 0.7.18 (the
+//! TypeScript package this ports): it makes the channel's workspace (0700) and a fresh run
+//! dir (`mkdtemp run_root/turn-XXXXXX`), starts the broker listener on
+//! `<run_dir>/broker.sock`, runs the container through the driver, hands the
 //! reply to a callback **before** cleanup, then tears down on every path: listener stopped,
 //! container removed, run dir removed. The host never reads a workspace file.
 

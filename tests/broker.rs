@@ -8,6 +8,8 @@ mod client;
 mod mcp_stub;
 #[path = "support/model.rs"]
 mod model_support;
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -774,29 +776,7 @@ async fn the_policy_is_checked_at_setup() {
     );
     assert!(validate_policy(&policy("https://api.example.com/v1")).is_ok());
 
-    struct Named(&'static str);
-    impl HostTool for Named {
-        fn name(&self) -> &str {
-            self.0
-        }
-        fn description(&self) -> &str {
-            ""
-        }
-        fn parameters(&self) -> serde_json::Value {
-            if self.0 == "bad-schema" {
-                json!({"type": 12})
-            } else {
-                json!({"type": "object"})
-            }
-        }
-        fn call(
-            &self,
-            _: serde_json::Value,
-            _: ToolCallContext,
-        ) -> BoxFuture<'_, Result<String, String>> {
-            Box::pin(async { Ok(String::new()) })
-        }
-    }
+    use sandbox_support::NamedTool as Named;
     let mut p = policy("https://api.example.com/v1");
     p.tools = vec![Arc::new(Named("Bad Name"))];
     assert_eq!(
@@ -805,6 +785,11 @@ async fn the_policy_is_checked_at_setup() {
     );
     p.tools = vec![Arc::new(Named("a")), Arc::new(Named("a"))];
     assert_eq!(err(p.clone()), "duplicate tool name: a");
+    p.tools = vec![Arc::new(Named("sh"))];
+    assert_eq!(
+        err(p.clone()),
+        r#"host tool "sh" has the name of a built-in guest tool (built-ins: read, write, edit, list, sh)"#
+    );
     p.tools = vec![Arc::new(Named("bad-schema"))];
     assert!(err(p.clone()).starts_with("invalid JSON schema for tool bad-schema: "));
 

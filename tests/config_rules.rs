@@ -6,6 +6,7 @@ mod sandbox_support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use roundtable_sandbox::{ApiKey, Config};
@@ -95,10 +96,25 @@ fn each_rule_has_its_message() {
         "sandbox roots must be absolute dedicated directories: /"
     );
 
+    // A host tool may not take a built-in tool's name: the guest would offer the model
+    // two tools of one name, and one of them would never run.
+    for builtin in roundtable_sandbox::protocol::builtin_tools::ALL {
+        let mut c = base.clone();
+        c.tools.push(Arc::new(NamedTool(builtin)));
+        assert_eq!(
+            err(&c),
+            format!(
+                "invalid broker policy: host tool \"{builtin}\" has the name of a built-in guest \
+                 tool (built-ins: read, write, edit, list, sh)"
+            )
+        );
+    }
     // Nothing was created by the failed pure checks above.
     assert!(!env.run_root.exists() && !env.workspace_root.exists());
     let mut c = base.clone();
     c.time_zone = Some("Europe/Berlin".into());
+    // A name that only starts like a built-in's is fine.
+    c.tools.push(Arc::new(NamedTool("sh2")));
     assert_eq!(c.resolve().unwrap().time_zone, "Europe/Berlin");
 }
 

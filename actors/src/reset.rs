@@ -1,4 +1,5 @@
-//! A channel's pending reset generation (the seed's `#fresh` map entry, 0.7.18).
+//! A channel's pending reset generation (the `#fresh` map entry of pi-roundtable-sandbox
+//! 0.7.18, the TypeScript package this ports).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

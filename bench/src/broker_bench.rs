@@ -1,8 +1,9 @@
 //! The broker: a model call through the turn's unix socket against the same call straight
 //! to the scripted model on loopback.
 //!
-//! The client speaks like the guest does (`guest/src/http.rs`): one request per connection,
-//! `Connection: close`, the whole answer read to EOF. The scripted model answers a fixed
+//! The client is the guest's own (`roundtable-sandbox-guest-http`, blocking, run off the
+//! async runtime): one request per connection, `Connection: close`, the whole answer read
+//! and parsed. The scripted model answers a fixed
 //! completion, or for `"stream": true` one SSE event at once and the rest after
 //! [`STREAM_GAP`] (so the first streamed byte is distinct from the end).
 
@@ -18,9 +19,11 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
+use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;
 use roundtable_sandbox::{ApiKey, Broker};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use roundtable_sandbox_guest_http as http;
+use std::io::{Read, Write};
 use tokio_util::sync::CancellationToken;
 
 /// Gap between the first streamed event and the rest.
@@ -200,66 +203,109 @@ pub struct CallTiming {
     pub total: Duration,
 }
 
-/// One model call, guest style: connect, send, read to EOF.
+/// The largest answer read.
+const MAX_ANSWER: usize = 1 << 20;
+/// A call that takes longer than this has hung.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One model call, guest style, on a blocking thread (the timing starts there).
 pub async fn call(target: &Target, body: &[u8], stream: bool) -> Result<CallTiming> {
-    let t0 = Instant::now();
-    match target {
-        Target::Broker(path) => {
-            let s = tokio::net::UnixStream::connect(path).await?;
-            exchange(s, t0, body, stream).await
-        }
-        Target::Direct(addr) => {
-            let s = tokio::net::TcpStream::connect(addr).await?;
-            s.set_nodelay(true)?;
-            exchange(s, t0, body, stream).await
-        }
-    }
+    let (target, body) = (target.clone(), body.to_vec());
+    tokio::task::spawn_blocking(move || call_blocking(&target, &body, stream)).await?
 }
 
-async fn exchange(
-    mut s: impl AsyncRead + AsyncWrite + Unpin,
-    t0: Instant,
-    body: &[u8],
-    stream: bool,
-) -> Result<CallTiming> {
+/// One model call with the guest's client: connect, send, read the whole answer.
+pub fn call_blocking(target: &Target, body: &[u8], stream: bool) -> Result<CallTiming> {
+    let t0 = Instant::now();
     let accept = if stream {
         "text/event-stream"
     } else {
         "application/json"
     };
-    let mut req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
-         Accept: {accept}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    req.extend_from_slice(body);
-    s.write_all(&req).await?;
-    let mut buf = Vec::with_capacity(4096);
-    let mut chunk = [0u8; 8192];
-    let mut first_event = None;
-    loop {
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            break;
+    let (response, first_event) = match target {
+        Target::Broker(path) => {
+            let s = std::os::unix::net::UnixStream::connect(path)?;
+            s.set_read_timeout(Some(CALL_TIMEOUT))?;
+            s.set_write_timeout(Some(CALL_TIMEOUT))?;
+            let mut watch = Watch::new(s, t0);
+            let r = http::post(&mut watch, CHAT_COMPLETIONS, accept, body, MAX_ANSWER);
+            (r, watch.first_event)
         }
-        buf.extend_from_slice(&chunk[..n]);
-        if stream && first_event.is_none() && contains(&buf, b"data:") {
-            first_event = Some(t0.elapsed());
+        Target::Direct(addr) => {
+            let s = std::net::TcpStream::connect(addr)?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(CALL_TIMEOUT))?;
+            s.set_write_timeout(Some(CALL_TIMEOUT))?;
+            let mut watch = Watch::new(s, t0);
+            let r = http::post(&mut watch, CHAT_COMPLETIONS, accept, body, MAX_ANSWER);
+            (r, watch.first_event)
         }
-    }
+    };
     let total = t0.elapsed();
-    if !buf.starts_with(b"HTTP/1.1 200") {
+    let response = response.context("model call")?;
+    if response.status != 200 {
         bail!(
-            "model call failed: {}",
-            String::from_utf8_lossy(&buf[..buf.len().min(300)])
+            "model call failed with {}: {}",
+            response.status,
+            String::from_utf8_lossy(&response.body[..response.body.len().min(300)])
         );
     }
     let want: &[u8] = if stream { b"[DONE]" } else { b"scripted model" };
-    if !contains(&buf, want) {
-        bail!("incomplete answer: {}", String::from_utf8_lossy(&buf));
+    if !contains(&response.body, want) {
+        bail!(
+            "incomplete answer: {}",
+            String::from_utf8_lossy(&response.body)
+        );
     }
-    Ok(CallTiming { first_event, total })
+    Ok(CallTiming {
+        first_event: first_event.filter(|_| stream),
+        total,
+    })
+}
+
+/// A stream that notes when the first SSE event (`data:`) arrives through it.
+struct Watch<S> {
+    inner: S,
+    t0: Instant,
+    tail: Vec<u8>,
+    first_event: Option<Duration>,
+}
+
+impl<S> Watch<S> {
+    fn new(inner: S, t0: Instant) -> Self {
+        Self {
+            inner,
+            t0,
+            tail: Vec::new(),
+            first_event: None,
+        }
+    }
+}
+
+impl<S: Read> Read for Watch<S> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if self.first_event.is_none() && n > 0 {
+            self.tail.extend_from_slice(&buf[..n]);
+            if contains(&self.tail, b"data:") {
+                self.first_event = Some(self.t0.elapsed());
+            }
+            // Keep what could be the start of a `data:` split across reads.
+            let cut = self.tail.len().saturating_sub(4);
+            self.tail.drain(..cut);
+        }
+        Ok(n)
+    }
+}
+
+impl<S: Write> Write for Watch<S> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -273,9 +319,9 @@ pub async fn throughput(target: &Target, workers: usize, per_worker: usize) -> R
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..workers {
         let (target, body) = (target.clone(), body.clone());
-        set.spawn(async move {
+        set.spawn_blocking(move || {
             for _ in 0..per_worker {
-                call(&target, &body, false).await?;
+                call_blocking(&target, &body, false)?;
             }
             Ok::<_, anyhow::Error>(())
         });

@@ -20,6 +20,7 @@ mod stats;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use clap::{CommandFactory, Parser};
 use roundtable_sandbox::DockerDriver;
 use serde_json::{json, Value};
 
@@ -27,71 +28,73 @@ use broker_bench::Target;
 use lifecycle::Timing;
 use stats::{ratio, round3, Samples};
 
-#[derive(Debug)]
+/// The project's benchmark: every figure next to its baseline, measured interleaved in
+/// one run. Run it through scripts/bench.sh (it builds the image and the release binary
+/// and runs this as the non-root service user).
+#[derive(Debug, Parser)]
+#[command(name = "roundtable-bench", version)]
 struct Options {
+    /// Measured turns per path
+    #[arg(long, value_name = "N", default_value_t = 30)]
     iterations: usize,
+    /// Unmeasured turns per path first
+    #[arg(long, value_name = "N", default_value_t = 3)]
     warmup: usize,
+    /// Rounds of the concurrency and throughput parts
+    #[arg(long, value_name = "N", default_value_t = 3)]
     rounds: usize,
+    /// Model calls per broker path
+    #[arg(long, value_name = "N", default_value_t = 1000)]
     broker_calls: usize,
+    /// Idle channels of the memory part
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
     channels: usize,
+    /// The parts to run, comma-separated
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = ["turn", "concurrency", "broker", "memory"],
+        default_value = "turn,concurrency,broker,memory"
+    )]
     only: Vec<String>,
+    /// Where the JSON results go
+    #[arg(long, value_name = "PATH", default_value = "target/bench/results.json")]
     json: String,
+    /// The guest image
+    #[arg(
+        long,
+        env = "ROUNDTABLE_IMAGE",
+        default_value = "roundtable-sandbox-guest:latest"
+    )]
     image: String,
+    /// Print a completion script for SHELL and exit
+    #[arg(long, value_name = "SHELL", value_enum)]
+    completions: Option<clap_complete::Shell>,
+    /// Internal: the memory part's child process, measuring N channels
+    #[arg(long, value_name = "N", hide = true)]
+    memory_child: Option<usize>,
 }
 
 impl Options {
-    fn parse() -> Result<Self> {
-        let mut o = Options {
-            iterations: 30,
-            warmup: 3,
-            rounds: 3,
-            broker_calls: 1000,
-            channels: 10_000,
-            only: ["turn", "concurrency", "broker", "memory"]
-                .map(String::from)
-                .to_vec(),
-            json: "target/bench/results.json".into(),
-            image: std::env::var("ROUNDTABLE_IMAGE")
-                .unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into()),
-        };
-        let mut args = std::env::args().skip(1);
-        while let Some(a) = args.next() {
-            let mut value = || args.next().with_context(|| format!("{a} needs a value"));
-            match a.as_str() {
-                "--iterations" => o.iterations = value()?.parse()?,
-                "--warmup" => o.warmup = value()?.parse()?,
-                "--rounds" => o.rounds = value()?.parse()?,
-                "--broker-calls" => o.broker_calls = value()?.parse()?,
-                "--channels" => o.channels = value()?.parse()?,
-                "--only" => o.only = value()?.split(',').map(String::from).collect(),
-                "--json" => o.json = value()?,
-                "--image" => o.image = value()?,
-                "-h" | "--help" => {
-                    println!(
-                        "roundtable-bench [--iterations N] [--warmup N] [--rounds N] \
-                         [--broker-calls N] [--channels N] \
-                         [--only turn,concurrency,broker,memory] [--json PATH] [--image IMAGE]"
-                    );
-                    std::process::exit(0);
-                }
-                other => bail!("unknown argument {other:?} (see --help)"),
-            }
-        }
-        Ok(o)
-    }
-
     fn wants(&self, part: &str) -> bool {
         self.only.iter().any(|p| p == part)
     }
 }
 
 fn main() -> Result<()> {
-    if let [_, flag, n] = std::env::args().collect::<Vec<_>>().as_slice() {
-        if flag == "--memory-child" {
-            return memory::child(n.parse()?);
-        }
+    let options = Options::parse();
+    if let Some(channels) = options.memory_child {
+        return memory::child(channels);
     }
-    let options = Options::parse()?;
+    if let Some(shell) = options.completions {
+        clap_complete::generate(
+            shell,
+            &mut Options::command(),
+            "roundtable-bench",
+            &mut std::io::stdout(),
+        );
+        return Ok(());
+    }
     if nix::unistd::getuid().is_root() {
         bail!("the runtime refuses root: run scripts/bench.sh (it runs this as the service user)");
     }

@@ -14,27 +14,83 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use roundtable_sandbox::broker::{ApiKey, McpTransport};
 use roundtable_sandbox::config::{Config, MAX_SOCKET_PATH, SOCKET_SUFFIX};
 use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
-use roundtable_sandbox::settings::{Settings, FLAGS_HELP};
+use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox::{DockerDriver, Sandbox, Speaker, TurnRequest};
 
-const USAGE: &str = "usage: roundtable-sandbox <command> [flags]
+/// The operator's tool for roundtable-sandbox: sealed, short-lived containers for the
+/// guests of chat channels.
+#[derive(Debug, Parser)]
+#[command(name = "roundtable-sandbox", version, after_help = SETTINGS_NOTE)]
+struct Cli {
+    #[command(flatten)]
+    settings: Settings,
+    #[command(subcommand)]
+    command: Command,
+}
 
-commands:
-  doctor                 check this host; each failure has a hint; exit 1 on any failure
-  explain                show the effective policy (never the key)
-  turn [--channel C] [--speaker NAME] [--reset] TEXT...
-                         run one turn and print the reply as JSON
-  sweep                  remove leftover containers and run dirs of this runtime
-  image build [--guest PATH] [--busybox PATH] [--tag TAG]
-                         build the guest image FROM scratch
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check this host; each failure has a hint; exit 1 on any failure
+    Doctor,
+    /// Show the effective policy (never the key)
+    Explain,
+    /// Run one turn and print the reply as JSON; exit 1 if the turn failed
+    Turn(TurnArgs),
+    /// Remove leftover containers and run dirs of this runtime
+    Sweep,
+    /// The guest image
+    Image {
+        #[command(subcommand)]
+        command: ImageCommand,
+    },
+    /// Print a completion script for SHELL (e.g. `roundtable-sandbox completions bash > /etc/bash_completion.d/roundtable-sandbox`)
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+}
 
-flags:
-";
+#[derive(Debug, Args)]
+struct TurnArgs {
+    /// The channel the turn belongs to
+    #[arg(long, value_name = "C", default_value = "#cli")]
+    channel: String,
+    /// Who says the text
+    #[arg(long, value_name = "NAME", default_value = "operator")]
+    speaker: String,
+    /// Start the channel's session fresh
+    #[arg(long)]
+    reset: bool,
+    /// The message text (its words are joined with spaces)
+    #[arg(required = true, value_name = "TEXT")]
+    text: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum ImageCommand {
+    /// Build the guest image FROM scratch from the static guest and a static busybox
+    Build {
+        /// The static guest binary
+        #[arg(
+            long,
+            value_name = "PATH",
+            default_value = "target/x86_64-unknown-linux-gnu/release/roundtable-guest"
+        )]
+        guest: PathBuf,
+        /// A static busybox
+        #[arg(long, value_name = "PATH", default_value = "/bin/busybox")]
+        busybox: PathBuf,
+        /// The image tag
+        #[arg(long, default_value = roundtable_sandbox::settings::DEFAULT_IMAGE)]
+        tag: String,
+    },
+}
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -45,7 +101,9 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    match run().await {
+    // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
+    let cli = Cli::parse();
+    match run(cli).await {
         Ok(code) => code,
         Err(e) => {
             eprintln!(
@@ -57,35 +115,30 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run() -> Result<ExitCode> {
-    let mut args = std::env::args().skip(1);
-    let Some(command) = args.next() else {
-        eprintln!("{USAGE}{FLAGS_HELP}");
-        return Ok(ExitCode::from(2));
-    };
-    let mut settings = Settings::default();
-    let mut rest = Vec::new();
-    let mut args = args.peekable();
-    let mut iter = std::iter::from_fn(|| args.next());
-    while let Some(arg) = iter.next() {
-        if !settings
-            .take_flag(&arg, &mut iter)
-            .map_err(anyhow::Error::msg)?
-        {
-            rest.push(arg);
-        }
-    }
-    match command.as_str() {
-        "doctor" => doctor(&settings).await,
-        "explain" => explain(&settings).await,
-        "turn" => turn(&settings, rest).await,
-        "sweep" => sweep(&settings).await,
-        "image" => image_cmd(rest).await,
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}{FLAGS_HELP}");
+async fn run(cli: Cli) -> Result<ExitCode> {
+    let settings = &cli.settings;
+    match cli.command {
+        Command::Doctor => doctor(settings).await,
+        Command::Explain => explain(settings).await,
+        Command::Turn(args) => turn(settings, args).await,
+        Command::Sweep => sweep(settings).await,
+        Command::Image {
+            command:
+                ImageCommand::Build {
+                    guest,
+                    busybox,
+                    tag,
+                },
+        } => image_build(ImageSource { guest, busybox }, tag).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "roundtable-sandbox",
+                &mut std::io::stdout(),
+            );
             Ok(ExitCode::SUCCESS)
         }
-        other => bail!("unknown command {other:?} (try `roundtable-sandbox help`)"),
     }
 }
 
@@ -363,33 +416,17 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn turn(settings: &Settings, rest: Vec<String>) -> Result<ExitCode> {
-    let mut channel = "#cli".to_owned();
-    let mut speaker = Speaker {
-        id: "operator".into(),
-        name: "operator".into(),
+async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
+    let TurnArgs {
+        channel,
+        speaker,
+        reset,
+        text: words,
+    } = args;
+    let speaker = Speaker {
+        id: speaker.clone(),
+        name: speaker,
     };
-    let mut reset = false;
-    let mut words = Vec::new();
-    let mut it = rest.into_iter();
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--channel" => channel = it.next().context("--channel needs a value")?,
-            "--speaker" => {
-                let name = it.next().context("--speaker needs a value")?;
-                speaker = Speaker {
-                    id: name.clone(),
-                    name,
-                };
-            }
-            "--reset" => reset = true,
-            flag if flag.starts_with("--") => bail!("unknown flag {flag}"),
-            _ => words.push(arg),
-        }
-    }
-    if words.is_empty() {
-        bail!("turn needs the message text");
-    }
     let (config, _offline) = settings.build().await.context("read the configuration")?;
     let sandbox = Sandbox::new(config).await?;
     let reply = sandbox
@@ -430,24 +467,7 @@ async fn sweep(settings: &Settings) -> Result<ExitCode> {
     })
 }
 
-async fn image_cmd(rest: Vec<String>) -> Result<ExitCode> {
-    let mut it = rest.into_iter();
-    if it.next().as_deref() != Some("build") {
-        bail!("usage: roundtable-sandbox image build [--guest PATH] [--busybox PATH] [--tag TAG]");
-    }
-    let mut source = ImageSource {
-        guest: "target/x86_64-unknown-linux-gnu/release/roundtable-guest".into(),
-        busybox: "/bin/busybox".into(),
-    };
-    let mut tag = roundtable_sandbox::settings::DEFAULT_IMAGE.to_owned();
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--guest" => source.guest = it.next().context("--guest needs a value")?.into(),
-            "--busybox" => source.busybox = it.next().context("--busybox needs a value")?.into(),
-            "--tag" => tag = it.next().context("--tag needs a value")?,
-            other => bail!("unknown argument {other:?}"),
-        }
-    }
+async fn image_build(source: ImageSource, tag: String) -> Result<ExitCode> {
     let driver = DockerDriver::default();
     let id = image::build(&driver, &source, &tag).await?;
     println!("built {tag} ({id})");
@@ -457,6 +477,98 @@ async fn image_cmd(rest: Vec<String>) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("roundtable-sandbox").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn settings_flags_go_before_or_after_the_subcommand() {
+        let before = parse(&["--run-root", "/r", "doctor"]).unwrap();
+        let after = parse(&["doctor", "--run-root", "/r", "--offline"]).unwrap();
+        assert_eq!(before.settings.run_root, Some(PathBuf::from("/r")));
+        assert_eq!(after.settings.run_root, Some(PathBuf::from("/r")));
+        assert!(after.settings.offline && !before.settings.offline);
+        assert!(matches!(after.command, Command::Doctor));
+    }
+
+    #[test]
+    fn turn_takes_its_flags_and_the_words() {
+        let cli = parse(&["turn", "--channel", "#ops", "--reset", "hello", "there"]).unwrap();
+        let Command::Turn(t) = cli.command else {
+            panic!("{cli:?}")
+        };
+        assert_eq!(
+            (t.channel.as_str(), t.speaker.as_str()),
+            ("#ops", "operator")
+        );
+        assert!(t.reset);
+        assert_eq!(t.text, ["hello", "there"]);
+        // Words that look like flags go after `--`.
+        let cli = parse(&["turn", "--", "--not-a-flag"]).unwrap();
+        let Command::Turn(t) = cli.command else {
+            panic!("{cli:?}")
+        };
+        assert_eq!(t.text, ["--not-a-flag"]);
+    }
+
+    #[test]
+    fn usage_errors_are_clear() {
+        let kind = |args: &[&str]| parse(args).unwrap_err().kind();
+        assert_eq!(
+            kind(&["turn"]),
+            clap::error::ErrorKind::MissingRequiredArgument
+        );
+        assert_eq!(
+            kind(&["turn", "--bogus", "x"]),
+            clap::error::ErrorKind::UnknownArgument
+        );
+        assert_eq!(
+            kind(&["frobnicate"]),
+            clap::error::ErrorKind::InvalidSubcommand
+        );
+        assert_eq!(
+            kind(&[]),
+            clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        );
+        assert_eq!(
+            kind(&["doctor", "--run-root"]),
+            clap::error::ErrorKind::InvalidValue
+        );
+        let e = parse(&["image", "build", "--tagg", "x"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unexpected argument '--tagg'"), "{e}");
+        assert!(e.contains("tip: a similar argument exists: '--tag'"), "{e}");
+    }
+
+    #[test]
+    fn completions_name_every_subcommand() {
+        let mut out = Vec::new();
+        clap_complete::generate(
+            clap_complete::Shell::Bash,
+            &mut Cli::command(),
+            "roundtable-sandbox",
+            &mut out,
+        );
+        let script = String::from_utf8(out).unwrap();
+        for word in [
+            "doctor",
+            "explain",
+            "turn",
+            "sweep",
+            "image",
+            "--run-root",
+            "--channel",
+        ] {
+            assert!(script.contains(word), "{word}");
+        }
+    }
 
     #[test]
     fn root_is_detected_with_a_hint() {

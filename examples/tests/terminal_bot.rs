@@ -6,6 +6,10 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// How long a reply or a state may take: generous, the machine may be busy (other builds
+/// and container tests beside this one).
+const PATIENCE: Duration = Duration::from_secs(180);
+
 struct Bot {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -62,9 +66,31 @@ impl Bot {
         stdin.flush().unwrap();
     }
 
+    /// Asks for `/status` until the channel's line shows one of `states` (a turn's
+    /// progress is polled, never assumed after a fixed sleep: a busy machine starts the bot
+    /// and the container late). Status lines are not kept for [`Bot::expect`].
+    fn wait_for_state(&mut self, channel: &str, states: &[&str]) {
+        let want: Vec<String> = states.iter().map(|s| format!("[{channel}] {s},")).collect();
+        let deadline = Instant::now() + PATIENCE;
+        while Instant::now() < deadline {
+            self.send("/status");
+            loop {
+                match self.lines.recv_timeout(Duration::from_secs(5)) {
+                    Ok(l) if want.iter().any(|w| l.starts_with(w)) => return,
+                    Ok(l) if l.starts_with("status: ") => break,
+                    Ok(l) if l.starts_with(&format!("[{channel}] ")) && l.contains(" queued") => {}
+                    Ok(l) => self.seen.push(l),
+                    Err(_) => break,
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!("{channel} never showed {states:?}; saw {:?}", self.seen);
+    }
+
     /// Waits for a line starting with `prefix`; returns it.
     fn expect(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + PATIENCE;
         if let Some(i) = self.seen.iter().position(|l| l.starts_with(prefix)) {
             return self.seen.remove(i);
         }
@@ -122,7 +148,15 @@ fn replies_for_two_channels_then_a_reset_shows_a_fresh_session() {
 fn stop_during_a_turn() {
     let mut bot = Bot::start();
     bot.send("#s ann: run: sleep 60");
-    std::thread::sleep(Duration::from_millis(1500));
+    // The container runs the agent (its phase is the last one reported: the model call
+    // that asked for `sleep 60`, or the start before it).
+    bot.wait_for_state(
+        "#s",
+        &[
+            "the agent is working in its container",
+            "the agent asked the model",
+        ],
+    );
     bot.send("/stop #s");
     assert_eq!(
         bot.expect("[#s] stop"),

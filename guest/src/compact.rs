@@ -1,7 +1,8 @@
 //! Compaction: when the conversation outgrows its token budget, the older part is
 //! summarised through the model and only the recent messages stay verbatim.
 //!
-//! The summary request follows the seed's rules (pi-roundtable 0.7.16): the previous
+//! The summary request follows the rules of pi-roundtable-sandbox 0.7.18 (the TypeScript
+//! package this ports; its core's rules, from pi-roundtable 0.7.16): the previous
 //! summary is included exactly once, the goal keeps the channel's standing rules (who set
 //! them, unless revoked), and a reload list names the workspace files worth re-reading.
 //! If the summary call fails or answers nothing, a plain summary is built mechanically

@@ -11,7 +11,6 @@ mod broker;
 mod chat;
 mod compact;
 mod confine;
-mod http;
 mod prompt;
 mod runner;
 mod session;
@@ -22,6 +21,7 @@ mod tools;
 
 use std::io::{Read, Write};
 
+use roundtable_sandbox_guest_http as http;
 use roundtable_sandbox_protocol::{Reply, Turn};
 
 /// The largest turn read from stdin.

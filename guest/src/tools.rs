@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use roundtable_sandbox_protocol::builtin_tools as builtin;
 use serde_json::{json, Map, Value};
 
 use crate::chat::ToolDef;
@@ -96,8 +97,8 @@ pub struct Builtins {
     shell: ShellConfig,
 }
 
-/// The names of the built-in tools.
-pub const BUILTIN_NAMES: [&str; 5] = ["read", "write", "edit", "list", "sh"];
+/// The names of the built-in tools (defined once, in the protocol crate).
+pub use roundtable_sandbox_protocol::builtin_tools::ALL as BUILTIN_NAMES;
 
 impl Builtins {
     /// Built-ins over `root`, running commands as `shell` says.
@@ -114,7 +115,7 @@ impl Builtins {
         };
         vec![
             def(
-                "read",
+                builtin::READ,
                 "Read a text file in the workspace. Returns up to `limit` lines (default 2000) starting at line `offset` (1-based, default 1), at most 64 KiB.",
                 json!({"type":"object","properties":{
                     "path":{"type":"string","description":"file path relative to the workspace"},
@@ -123,7 +124,7 @@ impl Builtins {
                     "required":["path"],"additionalProperties":false}),
             ),
             def(
-                "write",
+                builtin::WRITE,
                 "Create or overwrite a file in the workspace with the given content. Parent directories are created.",
                 json!({"type":"object","properties":{
                     "path":{"type":"string"},
@@ -131,7 +132,7 @@ impl Builtins {
                     "required":["path","content"],"additionalProperties":false}),
             ),
             def(
-                "edit",
+                builtin::EDIT,
                 "Replace exactly one occurrence of old_text with new_text in a workspace file. Fails if old_text is absent or occurs more than once.",
                 json!({"type":"object","properties":{
                     "path":{"type":"string"},
@@ -140,14 +141,14 @@ impl Builtins {
                     "required":["path","old_text","new_text"],"additionalProperties":false}),
             ),
             def(
-                "list",
+                builtin::LIST,
                 "List a directory of the workspace (default: its root). Directories end with '/', symlinks with '@'.",
                 json!({"type":"object","properties":{
                     "path":{"type":"string"}},
                     "additionalProperties":false}),
             ),
             def(
-                "sh",
+                builtin::SH,
                 "Run a shell command (busybox sh -c) in the workspace directory, without network. Returns the exit status and the capped output.",
                 json!({"type":"object","properties":{
                     "command":{"type":"string"},
@@ -160,11 +161,11 @@ impl Builtins {
     /// Runs the built-in `name`, or `None` when there is no such built-in.
     pub fn call(&self, name: &str, args: &Map<String, Value>) -> Option<Result<String, ToolError>> {
         Some(match name {
-            "read" => self.read(args),
-            "write" => self.write(args),
-            "edit" => self.edit(args),
-            "list" => self.list(args),
-            "sh" => self.sh(args),
+            builtin::READ => self.read(args),
+            builtin::WRITE => self.write(args),
+            builtin::EDIT => self.edit(args),
+            builtin::LIST => self.list(args),
+            builtin::SH => self.sh(args),
             _ => return None,
         })
     }

@@ -137,6 +137,24 @@ pub mod paths {
     pub const MCP_PREFIX: &str = "/v1/mcp/";
 }
 
+/// The guest's built-in tools, by name: defined once here for the guest (which runs
+/// them), the host's broker policy (a host tool may not take one of these names) and the
+/// embedded offline model (which calls them).
+pub mod builtin_tools {
+    /// Read a workspace file.
+    pub const READ: &str = "read";
+    /// Create or overwrite a workspace file.
+    pub const WRITE: &str = "write";
+    /// Replace one occurrence of a text in a workspace file.
+    pub const EDIT: &str = "edit";
+    /// List a workspace directory.
+    pub const LIST: &str = "list";
+    /// Run a shell command in the workspace.
+    pub const SH: &str = "sh";
+    /// Every built-in, in the order the guest offers them.
+    pub const ALL: [&str; 5] = [READ, WRITE, EDIT, LIST, SH];
+}
+
 /// The broker's answer to a host or MCP tool call (HTTP 200).
 ///
 /// `ok: false` means the tool ran and failed; its `error` is readable and carries no host

@@ -44,20 +44,19 @@ mod tools;
 
 use std::collections::BTreeSet;
 use std::fmt;
-use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use roundtable_sandbox_protocol::{McpServerSpec, Speaker, ToolSpec};
+use roundtable_sandbox_protocol::{builtin_tools, McpServerSpec, Speaker, ToolSpec};
 use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 
-/// A boxed future, as the object-safe traits of this crate return.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+/// A boxed future, as the object-safe traits of this crate return (re-exported from
+/// `futures-util`, so an implementation can name either).
+pub use futures_util::future::BoxFuture;
 
 /// Errors of the broker layer.
 #[derive(Debug, thiserror::Error)]
@@ -70,6 +69,12 @@ pub enum BrokerError {
     InvalidToolName(String),
     #[error("duplicate tool name: {0}")]
     DuplicateToolName(String),
+    #[error(
+        "host tool {:?} has the name of a built-in guest tool (built-ins: {})",
+        .0,
+        builtin_tools::ALL.join(", ")
+    )]
+    BuiltinToolName(String),
     #[error("invalid JSON schema for tool {tool}: {error}")]
     InvalidToolSchema { tool: String, error: String },
     #[error("invalid broker limits: {0}")]
@@ -375,6 +380,9 @@ pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
         let name = tool.name();
         if !valid_tool_name(name) {
             return Err(BrokerError::InvalidToolName(name.to_owned()));
+        }
+        if builtin_tools::ALL.contains(&name) {
+            return Err(BrokerError::BuiltinToolName(name.to_owned()));
         }
         if !seen.insert(name.to_owned()) {
             return Err(BrokerError::DuplicateToolName(name.to_owned()));

@@ -6,8 +6,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bollard::query_parameters::ListContainersOptionsBuilder;
+use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
-use roundtable_sandbox::{ApiKey, Config, DockerDriver, Sandbox, Speaker, TurnRequest};
+use roundtable_sandbox::{
+    ApiKey, Config, DockerDriver, HostTool, Sandbox, Speaker, ToolCallContext, TurnRequest,
+};
 use tokio_util::sync::CancellationToken;
 
 /// The guest image the test script builds.
@@ -134,4 +137,32 @@ pub async fn assert_no_leftovers(sandbox: &Sandbox) {
     assert!(containers.is_empty(), "leaked containers: {containers:?}");
     let entries = run_root_entries(&sandbox.config().run_root);
     assert!(entries.is_empty(), "leaked run dir entries: {entries:?}");
+}
+
+/// A host tool of a given name, for the policy rules; it answers nothing. The name
+/// `bad-schema` gets an invalid parameter schema.
+#[derive(Debug)]
+pub struct NamedTool(pub &'static str);
+
+impl HostTool for NamedTool {
+    fn name(&self) -> &str {
+        self.0
+    }
+    fn description(&self) -> &str {
+        ""
+    }
+    fn parameters(&self) -> serde_json::Value {
+        if self.0 == "bad-schema" {
+            serde_json::json!({"type": 12})
+        } else {
+            serde_json::json!({"type": "object"})
+        }
+    }
+    fn call(
+        &self,
+        _: serde_json::Value,
+        _: ToolCallContext,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async { Ok(String::new()) })
+    }
 }
