@@ -56,6 +56,10 @@ pub enum ConfigError {
     WorkspaceLimit(u64),
     #[error("limits.workspace_files must be 16 to 10000000, got {0}")]
     WorkspaceFilesLimit(u64),
+    #[error("limits.disk_floor_mb must be 0 to 16777216, got {0}")]
+    DiskFloorLimit(u64),
+    #[error("limits.disk_floor_percent must be 0 to 90, got {0}")]
+    DiskFloorPercent(u64),
     #[error("max_steps must be 1 to 256, got {0}")]
     MaxSteps(u32),
     #[error("session_budget must be 1000 to 10000000 estimated tokens, got {0}")]
@@ -109,6 +113,12 @@ pub struct Limits {
     pub workspace_mb: u64,
     /// Entries (files, dirs, links) a channel's workspace may hold.
     pub workspace_files: u64,
+    /// Free space (MiB) the filesystems of the workspaces and of the engine's data root must
+    /// keep; below it (or below `disk_floor_percent`, whichever is larger) running turns are
+    /// killed and new turns refused. 0 and 0 turn the floor off.
+    pub disk_floor_mb: u64,
+    /// Free space in percent of each guarded filesystem's size (see `disk_floor_mb`).
+    pub disk_floor_percent: u64,
 }
 
 impl Default for Limits {
@@ -121,6 +131,8 @@ impl Default for Limits {
             output_kb: 1024,
             workspace_mb: 1024,
             workspace_files: 100_000,
+            disk_floor_mb: 1024,
+            disk_floor_percent: 5,
         }
     }
 }
@@ -131,6 +143,14 @@ impl Limits {
         crate::quota::Quota {
             max_bytes: self.workspace_mb.saturating_mul(1 << 20),
             max_entries: self.workspace_files,
+        }
+    }
+
+    /// The free-space floor these limits set.
+    pub fn disk_floor(&self) -> crate::quota::Floor {
+        crate::quota::Floor {
+            min_bytes: self.disk_floor_mb.saturating_mul(1 << 20),
+            min_percent: self.disk_floor_percent,
         }
     }
 
@@ -156,6 +176,12 @@ impl Limits {
         }
         if !(16..=10_000_000).contains(&self.workspace_files) {
             return Err(ConfigError::WorkspaceFilesLimit(self.workspace_files));
+        }
+        if self.disk_floor_mb > 1 << 24 {
+            return Err(ConfigError::DiskFloorLimit(self.disk_floor_mb));
+        }
+        if self.disk_floor_percent > 90 {
+            return Err(ConfigError::DiskFloorPercent(self.disk_floor_percent));
         }
         Ok(())
     }
@@ -676,6 +702,30 @@ mod tests {
             w.validate().unwrap_err().to_string(),
             "limits.workspace_files must be 16 to 10000000, got 15"
         );
+        let w = Limits {
+            disk_floor_mb: (1 << 24) + 1,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.disk_floor_mb must be 0 to 16777216, got 16777217"
+        );
+        let w = Limits {
+            disk_floor_percent: 91,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.disk_floor_percent must be 0 to 90, got 91"
+        );
+        let off = Limits {
+            disk_floor_mb: 0,
+            disk_floor_percent: 0,
+            ..Limits::default()
+        };
+        assert!(off.validate().is_ok());
+        assert_eq!(Limits::default().disk_floor().bytes_of(100 << 30), 5 << 30);
+        assert_eq!(Limits::default().disk_floor().bytes_of(10 << 30), 1 << 30);
     }
 
     #[test]

@@ -1,41 +1,73 @@
-//! The workspace quota: how much disk a channel's workspace may hold.
+//! The workspace quota and the free-space floor: how much disk a channel's workspace may
+//! hold, and how little free space the host keeps.
 //!
-//! Three layers, none of which needs root or reads a workspace file's content:
+//! Layers, none of which needs root, and none of which follows, opens, reads or changes a
+//! guest path (a workspace, its entries and the guest's processes are hostile):
 //! 1. **Per file, in the kernel**: the container runs with `RLIMIT_FSIZE` at the quota
-//!    (`ulimit fsize`), so no single file can grow past it (the writer gets `SIGXFSZ` /
-//!    `EFBIG`; the turn fails with a clear error).
+//!    (`ulimit fsize`), so a write or truncate cannot grow one file past it (the writer gets
+//!    `SIGXFSZ` / `EFBIG`; the turn fails with a clear error). `fallocate` with
+//!    `FALLOC_FL_KEEP_SIZE` is not held by it on every filesystem (ext4 allocates anyway):
+//!    the layers below catch it, see docs/security.md for the bound.
 //! 2. **During the turn**: a watcher measures the workspace every [`WATCH_INTERVAL`] (or
 //!    four times the last measure's duration, if longer) and kills the container as soon
-//!    as it is over quota (many files, each under the per-file cap). The overshoot is
-//!    bounded by what the guest can write in one interval.
-//! 3. **Before each turn**: a workspace over quota refuses the turn with a clear error
-//!    until an operator frees space (the channel's dir is `workspace_root/<segment>`).
+//!    as it is over quota, or as soon as a guarded filesystem is below its free-space floor.
+//! 3. **Before each turn**: a workspace over quota, or a filesystem below its floor,
+//!    refuses the turn with a clear error until an operator frees space.
 //!
-//! A workspace that cannot be measured (a tree nested past `PATH_MAX`) counts as over
-//! quota: the watcher ends the turn and the next turn is refused.
+//! The measure ([`measure`]) works by descriptor only: it holds the workspace open, lists
+//! each directory through its own descriptor, `fstatat`s each entry without following it
+//! (`AT_SYMLINK_NOFOLLOW`) and opens a subdirectory only relative to its parent's
+//! descriptor with `O_NOFOLLOW | O_DIRECTORY`, so a directory the guest swaps for a
+//! symlink mid-walk is never followed out of the workspace. It counts allocated blocks
+//! (`st_blocks * 512`: a sparse file costs what it occupies, preallocated space counts) and
+//! inodes, each `(dev, ino)` once (hard links count once), and stops as soon as either limit
+//! is passed. What it cannot measure counts as over quota, and is never "fixed" by the host:
+//! a directory the guest made unreadable, a tree nested past [`MAX_DEPTH`], an entry on
+//! another filesystem.
 //!
-//! The measure ([`measure`]) is metadata only: `readdir` and `lstat`, never following a
-//! symlink, never opening a file. It counts allocated blocks (a sparse file costs what it
-//! occupies) and entries (an inode flood is refused too), and stops as soon as either
-//! limit is passed, so a hostile tree costs the host at most `max_entries` `lstat` calls.
-//! A directory the guest made unreadable (`chmod 000`) is given back `u+rwx` — its owner
-//! is the service user — so nothing can be hidden from the count.
+//! Files a turn deleted while holding them open (and `O_TMPFILE` files) are in no directory:
+//! the watcher finds them through the turn's own processes (the driver lists the host pids
+//! of the turn's container; each `/proc/<pid>` is checked to be in that container's cgroup,
+//! then the entries of its `fd` dirs are `stat`ed — never opened — and every regular file
+//! with no link left on the workspace's filesystem counts). A process that hides its
+//! descriptors (not dumpable) or a deleted workspace file held only through a memory mapping
+//! cannot be measured, so it counts as over quota too.
 
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::collections::HashSet;
+use std::ffi::CStr;
+use std::io::Read;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
+
+use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags, Stat};
+use rustix::io::Errno;
+
+use crate::driver::{ContainerDriver, ContainerProcesses};
 
 /// How often the watcher measures a running turn's workspace (at least; a workspace whose
 /// measure takes long is measured less often, so the watcher stays under ~20 % of a core).
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(250);
 
+/// The deepest directory nesting the measure follows (it holds one descriptor per level);
+/// a deeper workspace cannot be measured and counts as over quota.
+pub const MAX_DEPTH: usize = 128;
+
+/// How many times a directory that changed while it was listed is listed again.
+const RELISTS: u8 = 3;
+
 /// What a workspace holds, as far as it was counted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
-    /// Allocated bytes (`st_blocks * 512`) of every entry counted.
+    /// Allocated bytes (`st_blocks * 512`) of every inode counted, each once.
     pub bytes: u64,
-    /// Entries counted (files, dirs, links…), the workspace dir itself excluded.
+    /// Inodes counted (files, dirs, links…), the workspace dir itself excluded.
     pub entries: u64,
+    /// Of `bytes`: files in no directory, held open by the turn's processes.
+    pub held_bytes: u64,
+    /// How many such files.
+    pub held_files: u64,
 }
 
 /// A workspace's quota.
@@ -52,19 +84,55 @@ impl Quota {
     }
 }
 
-/// Why a workspace was refused.
+/// The free space a filesystem must keep: the larger of `min_bytes` and `min_percent` of
+/// its size (what an unprivileged writer can use of it; both zero: no floor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Floor {
+    pub min_bytes: u64,
+    pub min_percent: u64,
+}
+
+impl Floor {
+    /// The floor in bytes of a filesystem of `total` bytes.
+    pub fn bytes_of(&self, total: u64) -> u64 {
+        self.min_bytes.max(total / 100 * self.min_percent)
+    }
+}
+
+/// Why a workspace was refused or a turn ended.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
     #[error(
-        "this channel's workspace is over its quota ({used} used; the limit is {limit}); \
+        "this channel's workspace is over its quota ({used} used{held}; the limit is {limit}); \
          an operator must free space in it before the next turn"
     )]
-    Exceeded { used: String, limit: String },
+    Exceeded {
+        used: String,
+        /// What of it is in deleted files held open (empty: none).
+        held: String,
+        limit: String,
+    },
     #[error(
         "this channel's workspace cannot be measured ({0}); an operator must fix or clear it \
          before the next turn"
     )]
     Measure(String),
+    #[error(
+        "the filesystem of {path} ({what}) has {free_mib} MiB free, below its floor of \
+         {floor_mib} MiB; turns are refused until an operator frees space"
+    )]
+    FreeSpace {
+        what: &'static str,
+        path: PathBuf,
+        free_mib: u64,
+        floor_mib: u64,
+    },
+    #[error("the free space of {path} ({what}) cannot be read: {reason}")]
+    FreeSpaceUnknown {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
 }
 
 impl QuotaError {
@@ -72,101 +140,543 @@ impl QuotaError {
         if usage.entries > quota.max_entries {
             QuotaError::Exceeded {
                 used: format!("more than {} entries", quota.max_entries),
+                held: String::new(),
                 limit: format!("{} entries", quota.max_entries),
             }
         } else {
+            let held = if usage.held_files > 0 {
+                format!(
+                    ", {} MiB of it in {} deleted files held open",
+                    usage.held_bytes.div_ceil(1 << 20),
+                    usage.held_files
+                )
+            } else {
+                String::new()
+            };
             QuotaError::Exceeded {
                 used: format!("{} MiB", usage.bytes.div_ceil(1 << 20)),
+                held,
                 limit: format!("{} MiB", quota.max_bytes >> 20),
             }
         }
     }
 }
 
-/// Measures `dir` (metadata only), stopping as soon as `quota` is passed.
-pub fn measure(dir: &Path, quota: &Quota) -> std::io::Result<Usage> {
+/// Why a measure failed. The messages never hold a guest-chosen name.
+#[derive(Debug, thiserror::Error)]
+pub enum MeasureError {
+    #[error("a directory in it cannot be opened or searched: {0}")]
+    Unreadable(std::io::Error),
+    #[error("it is nested deeper than {MAX_DEPTH} directories")]
+    TooDeep,
+    #[error("an entry in it is on another filesystem")]
+    ForeignDevice,
+    #[error("a process of the turn hides its open files from the host")]
+    HiddenDescriptors,
+    #[error("a deleted workspace file is held only through a memory mapping")]
+    MappedDeleted,
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl MeasureError {
+    fn io(op: &'static str) -> impl FnOnce(Errno) -> MeasureError {
+        move |e| MeasureError::Io {
+            op,
+            source: e.into(),
+        }
+    }
+
+    /// Failures that no retry can cure (the guest did it on purpose).
+    fn is_final(&self) -> bool {
+        !matches!(self, MeasureError::Io { .. })
+    }
+}
+
+/// A channel's workspace, held open: every measure starts from this descriptor.
+#[derive(Debug)]
+pub struct Workspace {
+    fd: OwnedFd,
+    dev: u64,
+}
+
+impl Workspace {
+    /// Opens the workspace dir. Its path is the host's own (`workspace_root/<segment>`); the
+    /// last component is refused if it is a symlink.
+    pub fn open(dir: &Path) -> std::io::Result<Self> {
+        let fd = rustix::fs::open(dir, dir_flags(), Mode::empty())?;
+        let dev = rustix::fs::fstat(&fd)?.st_dev;
+        Ok(Self { fd, dev })
+    }
+
+    /// The device the workspace is on.
+    pub fn dev(&self) -> u64 {
+        self.dev
+    }
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY
+        | OFlags::DIRECTORY
+        | OFlags::NOFOLLOW
+        | OFlags::CLOEXEC
+        | OFlags::NONBLOCK
+        | OFlags::NOCTTY
+}
+
+fn key(st: &Stat) -> (u64, u64) {
+    (st.st_dev, st.st_ino)
+}
+
+// The stat field types differ per architecture: the casts are not the same everywhere.
+#[allow(clippy::unnecessary_cast)]
+fn stamp(st: &Stat) -> (i64, u64, i64, u64, u64) {
+    (
+        st.st_mtime,
+        st.st_mtime_nsec as u64,
+        st.st_ctime,
+        st.st_ctime_nsec as u64,
+        st.st_nlink as u64,
+    )
+}
+
+fn blocks(st: &Stat) -> u64 {
+    (st.st_blocks as u64).saturating_mul(512)
+}
+
+struct Frame {
+    dir: Dir,
+    before: (i64, u64, i64, u64, u64),
+    relists: u8,
+}
+
+impl Frame {
+    fn new(fd: OwnedFd) -> Result<Self, MeasureError> {
+        let before = stamp(&rustix::fs::fstat(&fd).map_err(MeasureError::io("stat a directory"))?);
+        let dir = Dir::new(fd).map_err(MeasureError::io("list a directory"))?;
+        Ok(Self {
+            dir,
+            before,
+            relists: 0,
+        })
+    }
+
+    fn fd(&self) -> Result<BorrowedFd<'_>, MeasureError> {
+        self.dir.fd().map_err(MeasureError::io("list a directory"))
+    }
+}
+
+/// Measures the workspace, and the files the turn's `processes` hold open after deleting
+/// them (when given), stopping as soon as `quota` is passed.
+pub fn measure(
+    workspace: &Workspace,
+    quota: &Quota,
+    processes: Option<&ContainerProcesses>,
+) -> Result<Usage, MeasureError> {
     let mut usage = Usage::default();
-    let mut pending: Vec<PathBuf> = vec![dir.to_owned()];
-    while let Some(d) = pending.pop() {
-        let entries = match std::fs::read_dir(&d) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
-                // The guest (same uid) took its own rights away: give them back, count.
-                let meta = std::fs::symlink_metadata(&d)?;
-                if !meta.is_dir() {
-                    continue;
+    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    let root_fd = rustix::fs::openat(workspace.fd.as_fd(), c".", dir_flags(), Mode::empty())
+        .map_err(MeasureError::io("open the workspace"))?;
+    let root = rustix::fs::fstat(&root_fd).map_err(MeasureError::io("stat the workspace"))?;
+    seen.insert(key(&root));
+    usage.bytes = blocks(&root);
+    let mut stack = vec![Frame::new(root_fd)?];
+    while let Some(frame) = stack.last_mut() {
+        let entry = match frame.dir.read() {
+            None => {
+                // A directory that changed while it was listed may have had an entry
+                // renamed past the listing: list it again (what was counted is not again).
+                let after =
+                    rustix::fs::fstat(frame.fd()?).map_err(MeasureError::io("stat a directory"))?;
+                if stamp(&after) != frame.before && frame.relists < RELISTS {
+                    frame.relists += 1;
+                    frame.before = stamp(&after);
+                    frame.dir.rewind();
+                } else {
+                    stack.pop();
                 }
-                std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))?;
-                std::fs::read_dir(&d)?
+                continue;
             }
-            // Removed under us (a racing writer): nothing left to count there.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && d != dir => continue,
+            // Removed while listed (a racing writer): nothing left to count there.
+            Some(Err(Errno::NOENT)) => {
+                stack.pop();
+                continue;
+            }
+            Some(Err(e)) => return Err(MeasureError::io("list a directory")(e)),
+            Some(Ok(e)) => e,
+        };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        let st = match rustix::fs::statat(frame.fd()?, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::NOENT) => continue,
+            Err(Errno::ACCESS) => return Err(MeasureError::Unreadable(Errno::ACCESS.into())),
+            Err(e) => return Err(MeasureError::io("stat an entry")(e)),
+        };
+        if st.st_dev != workspace.dev {
+            return Err(MeasureError::ForeignDevice);
+        }
+        if !seen.insert(key(&st)) {
+            continue;
+        }
+        usage.entries += 1;
+        usage.bytes = usage.bytes.saturating_add(blocks(&st));
+        if quota.exceeded_by(&usage) {
+            return Ok(usage);
+        }
+        if FileType::from_raw_mode(st.st_mode as _) != FileType::Directory {
+            continue;
+        }
+        if stack.len() >= MAX_DEPTH {
+            return Err(MeasureError::TooDeep);
+        }
+        let parent = stack.last().expect("a frame is being read");
+        let child = match open_child(parent.fd()?, name) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => continue,
             Err(e) => return Err(e),
         };
-        for entry in entries {
-            let entry = match entry {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(e),
-            };
+        let frame = Frame::new(child)?;
+        // What was opened may not be what was stat'ed (swapped in between): it is inside the
+        // workspace all the same (opened relative to its parent, never through a link).
+        let opened =
+            rustix::fs::fstat(frame.fd()?).map_err(MeasureError::io("stat a directory"))?;
+        if opened.st_dev != workspace.dev {
+            return Err(MeasureError::ForeignDevice);
+        }
+        if key(&opened) != key(&st) {
+            if !seen.insert(key(&opened)) {
+                continue;
+            }
             usage.entries += 1;
-            // DirEntry::metadata is an lstat: a symlink is counted, never followed.
-            let meta = match entry.metadata() {
-                Ok(m) => m,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(e),
-            };
-            usage.bytes = usage
-                .bytes
-                .saturating_add(meta.blocks().saturating_mul(512));
+            usage.bytes = usage.bytes.saturating_add(blocks(&opened));
             if quota.exceeded_by(&usage) {
                 return Ok(usage);
             }
-            if meta.file_type().is_dir() {
-                pending.push(entry.path());
-            }
         }
+        stack.push(frame);
+    }
+    if let Some(processes) = processes {
+        held_files(workspace.dev, processes, &mut seen, &mut usage)?;
     }
     Ok(usage)
 }
 
-/// Refuses a workspace over quota (the check before a turn).
-pub fn check(dir: &Path, quota: &Quota) -> Result<Usage, QuotaError> {
-    let usage = measure(dir, quota).map_err(|e| QuotaError::Measure(e.to_string()))?;
+/// Opens a subdirectory relative to its parent, never through a link. `None`: it is no
+/// longer a directory (removed or swapped for something else, which the walk does not follow).
+fn open_child(parent: BorrowedFd<'_>, name: &CStr) -> Result<Option<OwnedFd>, MeasureError> {
+    match rustix::fs::openat(parent, name, dir_flags(), Mode::empty()) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR) => Ok(None),
+        Err(Errno::ACCESS) => Err(MeasureError::Unreadable(Errno::ACCESS.into())),
+        Err(e) => Err(MeasureError::io("open a directory")(e)),
+    }
+}
+
+fn read_small(dir: BorrowedFd<'_>, name: &CStr) -> Result<String, Errno> {
+    let fd = rustix::fs::openat(dir, name, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    let mut text = String::new();
+    std::fs::File::from(fd)
+        .read_to_string(&mut text)
+        .map_err(|e| Errno::from_io_error(&e).unwrap_or(Errno::IO))?;
+    Ok(text)
+}
+
+/// Counts the regular files on `dev` with no link left that the container's processes hold
+/// open (deleted while open, or `O_TMPFILE`), each once. Each `/proc/<pid>` is opened once
+/// and used by descriptor, so a pid reused meanwhile is never mistaken for the container's.
+pub fn held_files(
+    dev: u64,
+    processes: &ContainerProcesses,
+    seen: &mut HashSet<(u64, u64)>,
+    usage: &mut Usage,
+) -> Result<(), MeasureError> {
+    let uid = rustix::process::getuid().as_raw();
+    let proc_fd = rustix::fs::open("/proc", dir_flags(), Mode::empty())
+        .map_err(MeasureError::io("open /proc"))?;
+    for pid in &processes.pids {
+        let pid_dir =
+            match rustix::fs::openat(&proc_fd, pid.to_string(), dir_flags(), Mode::empty()) {
+                Ok(fd) => fd,
+                Err(Errno::NOENT | Errno::SRCH) => continue,
+                Err(e) => return Err(MeasureError::io("open a process dir")(e)),
+            };
+        let gone = |e: Errno| matches!(e, Errno::NOENT | Errno::SRCH);
+        if let Some(marker) = &processes.cgroup_marker {
+            match read_small(pid_dir.as_fd(), c"cgroup") {
+                Ok(text) if text.contains(marker.as_str()) => {}
+                // Reused by a process of another container or of the host: not the turn's.
+                Ok(_) => continue,
+                Err(e) if gone(e) => continue,
+                Err(e) => return Err(MeasureError::io("read a process's cgroup")(e)),
+            }
+        }
+        // The engine's own helpers (runc init, exec) run as root in the container's cgroup
+        // for a moment; the guest's processes all run as the service user.
+        match read_small(pid_dir.as_fd(), c"status") {
+            Ok(text) => {
+                let real_uid = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse::<u32>().ok());
+                if real_uid != Some(uid) {
+                    continue;
+                }
+            }
+            Err(e) if gone(e) => continue,
+            Err(e) => return Err(MeasureError::io("read a process's status")(e)),
+        }
+        let tasks = match rustix::fs::openat(&pid_dir, c"task", dir_flags(), Mode::empty()) {
+            Ok(fd) => fd,
+            Err(e) if gone(e) => continue,
+            Err(Errno::ACCESS) => return Err(MeasureError::HiddenDescriptors),
+            Err(e) => return Err(MeasureError::io("open a process's tasks")(e)),
+        };
+        // Each thread may have its own descriptor table (clone without CLONE_FILES).
+        let mut task_list = Dir::read_from(&tasks).map_err(MeasureError::io("list tasks"))?;
+        while let Some(task) = task_list.read() {
+            let task = match task {
+                Ok(t) => t,
+                Err(e) if gone(e) => break,
+                Err(e) => return Err(MeasureError::io("list tasks")(e)),
+            };
+            let tid = task.file_name();
+            if tid == c"." || tid == c".." {
+                continue;
+            }
+            let task_dir = match rustix::fs::openat(&tasks, tid, dir_flags(), Mode::empty()) {
+                Ok(fd) => fd,
+                Err(e) if gone(e) => continue,
+                Err(e) => return Err(MeasureError::io("open a task dir")(e)),
+            };
+            held_by_task(task_dir.as_fd(), dev, seen, usage)?;
+        }
+        match read_small(pid_dir.as_fd(), c"maps") {
+            Ok(maps) => {
+                if mapped_deleted(&maps, dev).any(|k| !seen.contains(&k)) {
+                    return Err(MeasureError::MappedDeleted);
+                }
+            }
+            Err(e) if gone(e) => continue,
+            Err(Errno::ACCESS) => return Err(MeasureError::HiddenDescriptors),
+            Err(e) => return Err(MeasureError::io("read a process's maps")(e)),
+        }
+    }
+    Ok(())
+}
+
+fn held_by_task(
+    task_dir: BorrowedFd<'_>,
+    dev: u64,
+    seen: &mut HashSet<(u64, u64)>,
+    usage: &mut Usage,
+) -> Result<(), MeasureError> {
+    let fds = match rustix::fs::openat(task_dir, c"fd", dir_flags(), Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::NOENT | Errno::SRCH) => return Ok(()),
+        Err(Errno::ACCESS) => return Err(MeasureError::HiddenDescriptors),
+        Err(e) => return Err(MeasureError::io("open a descriptor table")(e)),
+    };
+    let mut list = Dir::read_from(&fds).map_err(MeasureError::io("list descriptors"))?;
+    while let Some(entry) = list.read() {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(Errno::NOENT | Errno::SRCH) => break,
+            Err(Errno::ACCESS) => return Err(MeasureError::HiddenDescriptors),
+            Err(e) => return Err(MeasureError::io("list descriptors")(e)),
+        };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
+        // `stat` of the magic link: the open file's own inode; nothing is opened.
+        let st = match rustix::fs::statat(&fds, name, AtFlags::empty()) {
+            Ok(st) => st,
+            Err(Errno::ACCESS | Errno::PERM) => return Err(MeasureError::HiddenDescriptors),
+            // Closed meanwhile, or a descriptor with nothing to stat.
+            Err(_) => continue,
+        };
+        if st.st_dev == dev
+            && st.st_nlink == 0
+            && FileType::from_raw_mode(st.st_mode as _) == FileType::RegularFile
+            && seen.insert(key(&st))
+        {
+            usage.held_files += 1;
+            usage.held_bytes = usage.held_bytes.saturating_add(blocks(&st));
+            usage.bytes = usage.bytes.saturating_add(blocks(&st));
+        }
+    }
+    Ok(())
+}
+
+/// The `(dev, ino)` of every deleted file on `dev` in a `/proc/<pid>/maps` text.
+fn mapped_deleted(maps: &str, dev: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+    maps.lines().filter_map(move |line| {
+        if !line.ends_with(" (deleted)") {
+            return None;
+        }
+        let mut fields = line.split_whitespace();
+        let (_, _, _, device, inode) = (
+            fields.next()?,
+            fields.next()?,
+            fields.next()?,
+            fields.next()?,
+            fields.next()?,
+        );
+        let (major, minor) = device.split_once(':')?;
+        let d = rustix::fs::makedev(
+            u32::from_str_radix(major, 16).ok()?,
+            u32::from_str_radix(minor, 16).ok()?,
+        );
+        let ino: u64 = inode.parse().ok()?;
+        (d == dev && ino != 0).then_some((d, ino))
+    })
+}
+
+/// Measures the workspace at `dir` (the host's own path to it), without the turn's
+/// processes: the check before a turn, and the tests' and operators' view.
+pub fn measure_dir(dir: &Path, quota: &Quota) -> Result<Usage, MeasureError> {
+    let workspace = Workspace::open(dir).map_err(|source| MeasureError::Io {
+        op: "open the workspace",
+        source,
+    })?;
+    measure(&workspace, quota, None)
+}
+
+/// Refuses a workspace over quota, or one that cannot be measured.
+pub fn check(
+    workspace: &Workspace,
+    quota: &Quota,
+    processes: Option<&ContainerProcesses>,
+) -> Result<Usage, QuotaError> {
+    let usage =
+        measure(workspace, quota, processes).map_err(|e| QuotaError::Measure(e.to_string()))?;
     if quota.exceeded_by(&usage) {
         return Err(QuotaError::exceeded(quota, &usage));
     }
     Ok(usage)
 }
 
-/// Measures `dir` every [`WATCH_INTERVAL`] or more (off the async threads); returns the error as
-/// soon as it is over quota. Never returns otherwise: race it against the turn.
-pub async fn watch(dir: PathBuf, quota: Quota) -> QuotaError {
+/// A filesystem the floor guards: what it holds (for the error) and a path on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Guarded {
+    pub what: &'static str,
+    pub path: PathBuf,
+}
+
+/// Free and total bytes of the filesystem holding `path`, both as an unprivileged writer
+/// sees them: blocks reserved for root (or another user) are neither.
+pub fn free_space(path: &Path) -> std::io::Result<(u64, u64)> {
+    let v = rustix::fs::statvfs(path)?;
+    let reserved = v.f_bfree.saturating_sub(v.f_bavail);
+    Ok((
+        v.f_bavail.saturating_mul(v.f_frsize),
+        v.f_blocks
+            .saturating_sub(reserved)
+            .saturating_mul(v.f_frsize),
+    ))
+}
+
+/// The type of the filesystem holding `path` (for `doctor`): its name when known, else its
+/// magic number.
+pub fn filesystem_type(path: &Path) -> std::io::Result<String> {
+    let magic = rustix::fs::statfs(path)?.f_type as u64;
+    Ok(match magic {
+        0xEF53 => "ext4".to_owned(),
+        0x5846_5342 => "xfs".to_owned(),
+        0x9123_683E => "btrfs".to_owned(),
+        0x0102_1994 => "tmpfs".to_owned(),
+        0x794C_7630 => "overlayfs".to_owned(),
+        0x2FC1_2FC1 => "zfs".to_owned(),
+        0x6969 => "nfs".to_owned(),
+        0x6573_5546 => "fuse".to_owned(),
+        other => format!("type {other:#x}"),
+    })
+}
+
+/// Refuses when a guarded filesystem is below its floor, or its free space cannot be read.
+pub fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError> {
+    if floor.min_bytes == 0 && floor.min_percent == 0 {
+        return Ok(());
+    }
+    for g in guarded {
+        let (free, total) = free_space(&g.path).map_err(|e| QuotaError::FreeSpaceUnknown {
+            what: g.what,
+            path: g.path.clone(),
+            reason: e.to_string(),
+        })?;
+        let min = floor.bytes_of(total);
+        if free < min {
+            return Err(QuotaError::FreeSpace {
+                what: g.what,
+                path: g.path.clone(),
+                free_mib: free >> 20,
+                floor_mib: min.div_ceil(1 << 20),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What the watcher of a running turn guards.
+#[derive(Debug, Clone)]
+pub struct Watch {
+    pub workspace: Arc<Workspace>,
+    pub quota: Quota,
+    pub floor: Floor,
+    pub guarded: Vec<Guarded>,
+    pub driver: Arc<dyn ContainerDriver>,
+    /// The turn's container (its processes hold files deleted while open).
+    pub container: String,
+}
+
+/// Measures the workspace (and the files the turn's processes hold) and the guarded
+/// filesystems' free space every [`WATCH_INTERVAL`] or more (off the async threads); returns
+/// the error as soon as one is past its limit. Never returns otherwise: race it against the
+/// turn.
+pub async fn watch(w: Watch) -> QuotaError {
     let mut pause = WATCH_INTERVAL;
+    let mut failed_before = false;
     loop {
         tokio::time::sleep(pause).await;
-        let d = dir.clone();
         let started = std::time::Instant::now();
-        let measured = tokio::task::spawn_blocking(move || measure(&d, &quota)).await;
+        let processes = match w.driver.processes(&w.container).await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::debug!(error = %e, "list the turn's processes");
+                ContainerProcesses::default()
+            }
+        };
+        let (ws, quota, floor, guarded) =
+            (w.workspace.clone(), w.quota, w.floor, w.guarded.clone());
+        let measured = tokio::task::spawn_blocking(move || {
+            check_floor(&guarded, &floor)?;
+            Ok::<_, QuotaError>(measure(&ws, &quota, Some(&processes)))
+        })
+        .await;
         pause = WATCH_INTERVAL.max(started.elapsed() * 4);
         match measured {
-            Ok(Ok(usage)) if quota.exceeded_by(&usage) => {
-                return QuotaError::exceeded(&quota, &usage);
-            }
-            Ok(Ok(_)) => {}
-            // A workspace that cannot be measured (a tree nested past PATH_MAX, a dir
-            // swapped for a file) could hide any amount of data: once is a race, twice in
-            // a row ends the turn like an exceeded quota.
-            Ok(Err(e)) => {
-                let d = dir.clone();
-                match tokio::task::spawn_blocking(move || measure(&d, &quota)).await {
-                    Ok(Ok(usage)) if quota.exceeded_by(&usage) => {
-                        return QuotaError::exceeded(&quota, &usage);
-                    }
-                    Ok(Ok(_)) => {}
-                    Ok(Err(_)) => return QuotaError::Measure(e.to_string()),
-                    Err(e) => tracing::debug!(error = %e, "workspace measure task"),
+            Ok(Err(floor_error)) => return floor_error,
+            Ok(Ok(Ok(usage))) => {
+                failed_before = false;
+                if quota.exceeded_by(&usage) {
+                    return QuotaError::exceeded(&quota, &usage);
                 }
+            }
+            // What the guest did on purpose ends the turn at once; anything else (a racing
+            // removal) twice in a row.
+            Ok(Ok(Err(e))) => {
+                if e.is_final() || failed_before {
+                    return QuotaError::Measure(e.to_string());
+                }
+                failed_before = true;
+                pause = Duration::ZERO;
             }
             Err(e) => tracing::debug!(error = %e, "workspace measure task"),
         }
@@ -176,6 +686,7 @@ pub async fn watch(dir: PathBuf, quota: Quota) -> QuotaError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn quota(mb: u64, entries: u64) -> Quota {
         Quota {
@@ -184,41 +695,145 @@ mod tests {
         }
     }
 
+    fn check_dir(d: &Path, q: &Quota) -> Result<Usage, QuotaError> {
+        check(&Workspace::open(d).unwrap(), q, None)
+    }
+
     #[test]
-    fn counts_blocks_and_entries_without_following_links() {
+    fn counts_blocks_once_per_inode_without_following_links() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         std::fs::create_dir(d.join("sub")).unwrap();
         std::fs::write(d.join("sub/a"), vec![1u8; 100_000]).unwrap();
+        // A hard link counts once.
+        std::fs::hard_link(d.join("sub/a"), d.join("a-again")).unwrap();
         // A sparse file: large size, few blocks.
         let f = std::fs::File::create(d.join("sparse")).unwrap();
         f.set_len(1 << 40).unwrap();
         // A link to a big tree outside is counted as a link, not followed.
         std::os::unix::fs::symlink("/usr", d.join("usr")).unwrap();
-        let u = measure(d, &quota(1024, 1000)).unwrap();
-        assert_eq!(u.entries, 4);
+        let u = measure_dir(d, &quota(1024, 1000)).unwrap();
+        assert_eq!(u.entries, 4, "{u:?}");
         assert!(u.bytes >= 100_000 && u.bytes < 200_000, "{u:?}");
-        assert!(check(d, &quota(1024, 1000)).is_ok());
+        assert!(check_dir(d, &quota(1024, 1000)).is_ok());
         assert_eq!(
-            check(d, &quota(1024, 3)).unwrap_err().to_string(),
+            check_dir(d, &quota(1024, 3)).unwrap_err().to_string(),
             "this channel's workspace is over its quota (more than 3 entries used; the limit is 3 entries); an operator must free space in it before the next turn"
         );
-        std::fs::write(d.join("big"), vec![1u8; 2 << 20]).unwrap();
+        // The measure stops at the first inode past the quota: alone in its dir, it is all.
+        let alone = tempfile::tempdir().unwrap();
+        std::fs::write(alone.path().join("big"), vec![1u8; (2 << 20) - 8192]).unwrap();
         assert_eq!(
-            check(d, &quota(1, 1000)).unwrap_err().to_string(),
-            "this channel's workspace is over its quota (3 MiB used; the limit is 1 MiB); an operator must free space in it before the next turn"
+            check_dir(alone.path(), &quota(1, 1000)).unwrap_err().to_string(),
+            "this channel's workspace is over its quota (2 MiB used; the limit is 1 MiB); an operator must free space in it before the next turn"
         );
     }
 
     #[test]
-    fn an_unreadable_dir_is_opened_again_and_counted() {
+    fn the_error_tells_what_is_held_open() {
+        let usage = Usage {
+            bytes: 72 << 20,
+            entries: 3,
+            held_bytes: 71 << 20,
+            held_files: 12,
+        };
+        assert_eq!(
+            QuotaError::exceeded(&quota(16, 100), &usage).to_string(),
+            "this channel's workspace is over its quota (72 MiB used, 71 MiB of it in 12 deleted files held open; the limit is 16 MiB); an operator must free space in it before the next turn"
+        );
+    }
+
+    #[test]
+    fn an_unreadable_dir_counts_as_over_quota_and_keeps_its_mode() {
         let dir = tempfile::tempdir().unwrap();
         let hidden = dir.path().join("hidden");
         std::fs::create_dir(&hidden).unwrap();
         std::fs::write(hidden.join("x"), vec![1u8; 50_000]).unwrap();
         std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o000)).unwrap();
-        let u = measure(dir.path(), &quota(1024, 1000)).unwrap();
-        assert_eq!(u.entries, 2, "{u:?}");
-        assert!(u.bytes >= 50_000);
+        if nix::unistd::getuid().is_root() {
+            // root reads anything: the check needs the service user.
+            std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
+            return;
+        }
+        let err = check_dir(dir.path(), &quota(1024, 1000)).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "this channel's workspace cannot be measured (a directory in it cannot be opened or searched: Permission denied (os error 13)); an operator must fix or clear it before the next turn"
+        );
+        let mode = std::fs::symlink_metadata(&hidden)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, 0, "the host never changes a workspace entry");
+        std::fs::set_permissions(&hidden, std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
+
+    #[test]
+    fn a_tree_deeper_than_the_limit_cannot_be_measured() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut p = dir.path().to_path_buf();
+        for _ in 0..MAX_DEPTH + 1 {
+            p.push("d");
+        }
+        std::fs::create_dir_all(&p).unwrap();
+        let err = measure_dir(dir.path(), &quota(1024, 100_000)).unwrap_err();
+        assert_eq!(err.to_string(), "it is nested deeper than 128 directories");
+        p.pop();
+        p.pop();
+        std::fs::remove_dir_all(p).unwrap();
+        assert!(measure_dir(dir.path(), &quota(1024, 100_000)).is_ok());
+    }
+
+    #[test]
+    fn maps_lines_name_deleted_files_on_the_device() {
+        let dev = rustix::fs::makedev(0xfe, 0x01);
+        let maps = "7f0000000000-7f0000001000 rw-s 00000000 fe:01 4242 /workspace/x (deleted)\n\
+                    7f0000001000-7f0000002000 r--p 00000000 fe:01 17 /workspace/kept\n\
+                    7f0000002000-7f0000003000 rw-s 00000000 00:05 99 /dev/zero (deleted)\n";
+        assert_eq!(
+            mapped_deleted(maps, dev).collect::<Vec<_>>(),
+            vec![(dev, 4242)]
+        );
+    }
+
+    #[test]
+    fn the_floor_is_the_larger_of_bytes_and_percent() {
+        let floor = Floor {
+            min_bytes: 1 << 30,
+            min_percent: 5,
+        };
+        assert_eq!(floor.bytes_of(10 << 30), 1 << 30);
+        assert_eq!(floor.bytes_of(100 << 30), 5 << 30);
+        let dir = tempfile::tempdir().unwrap();
+        let guarded = [Guarded {
+            what: "the workspaces",
+            path: dir.path().to_owned(),
+        }];
+        assert!(check_floor(
+            &guarded,
+            &Floor {
+                min_bytes: 0,
+                min_percent: 0
+            }
+        )
+        .is_ok());
+        let err = check_floor(
+            &guarded,
+            &Floor {
+                min_bytes: u64::MAX / 2,
+                min_percent: 0,
+            },
+        )
+        .unwrap_err();
+        let QuotaError::FreeSpace { free_mib, .. } = err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "the filesystem of {} (the workspaces) has {free_mib} MiB free, below its floor of 8796093022208 MiB; turns are refused until an operator frees space",
+                dir.path().display()
+            )
+        );
     }
 }

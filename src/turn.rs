@@ -153,12 +153,42 @@ async fn run_turn_inner(
 
     let result: Result<Reply, TurnError> = async {
         make_workspace(&workspace_dir)?;
-        // A workspace over its quota refuses the turn (metadata only; see crate::quota).
+        // Held open for the whole turn: every measure starts from this descriptor and never
+        // follows a guest path (see crate::quota).
+        let workspace = Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(
+            |source| TurnError::CreateWorkspace {
+                path: workspace_dir.clone(),
+                source,
+            },
+        )?);
+        // The filesystems the free-space floor guards: the workspaces', the engine's.
+        let mut guarded = vec![crate::quota::Guarded {
+            what: "the workspaces",
+            path: config.workspace_root.clone(),
+        }];
+        let data_root = tokio::select! {
+            r = sandbox.driver().data_root() => r,
+            _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+        };
+        match data_root {
+            Ok(Some(path)) => guarded.push(crate::quota::Guarded {
+                what: "the engine's data root",
+                path,
+            }),
+            Ok(None) => {}
+            // The run itself reports an unreachable engine.
+            Err(e) => tracing::debug!(error = %e, "engine data root"),
+        }
+        // A filesystem below its floor, or a workspace over its quota, refuses the turn.
         let quota = config.config.limits.workspace_quota();
-        let measured = workspace_dir.clone();
-        tokio::task::spawn_blocking(move || crate::quota::check(&measured, &quota))
-            .await
-            .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
+        let floor = config.config.limits.disk_floor();
+        let (ws, g) = (workspace.clone(), guarded.clone());
+        tokio::task::spawn_blocking(move || {
+            crate::quota::check_floor(&g, &floor)?;
+            crate::quota::check(&ws, &quota, None)
+        })
+        .await
+        .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
         let dir = tempfile::Builder::new()
             .prefix("turn-")
             .rand_bytes(6)
@@ -228,7 +258,14 @@ async fn run_turn_inner(
         tokio::pin!(run);
         let deadline = tokio::time::sleep(config.turn_timeout);
         tokio::pin!(deadline);
-        let over_quota = crate::quota::watch(workspace_dir.clone(), quota);
+        let over_quota = crate::quota::watch(crate::quota::Watch {
+            workspace: workspace.clone(),
+            quota,
+            floor,
+            guarded,
+            driver: sandbox.driver().clone(),
+            container: container_name.clone(),
+        });
         tokio::pin!(over_quota);
         let mut why: Option<TurnError> = None;
         let outcome = tokio::select! {

@@ -294,6 +294,9 @@ fn child_config(dir: &Path) -> Config {
     c.allow_http = true;
     c.turn_timeout = Some(Duration::from_secs(120));
     c.command = Some(vec!["/bin/sh".into(), "-c".into(), SLEEPER.into()]);
+    // As in Env::config: no floor (the shared test machine's disk is often nearly full).
+    c.limits.disk_floor_mb = 0;
+    c.limits.disk_floor_percent = 0;
     c
 }
 

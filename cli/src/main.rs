@@ -20,8 +20,9 @@ use roundtable_sandbox::broker::{ApiKey, McpTransport};
 use roundtable_sandbox::config::{Config, MAX_SOCKET_PATH, SOCKET_SUFFIX};
 use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
+use roundtable_sandbox::quota::{self, Floor};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
-use roundtable_sandbox::{DockerDriver, Sandbox, Speaker, TurnRequest};
+use roundtable_sandbox::{ContainerDriver, DockerDriver, Sandbox, Speaker, TurnRequest};
 
 /// The operator's tool for roundtable-sandbox: sealed, short-lived containers for the
 /// guests of chat channels.
@@ -223,6 +224,45 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
     }
 }
 
+/// Free space of the filesystem holding `path` (or its nearest existing parent) against
+/// the floor.
+fn floor_check(name: &'static str, path: &Path, floor: &Floor) -> Check {
+    let mut at = path;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    match quota::free_space(at) {
+        Err(e) => fail(
+            name,
+            format!("{}: free space unknown: {e}", path.display()),
+            "make the directory reachable by this user",
+        ),
+        Ok((free, total)) => {
+            let min = floor.bytes_of(total);
+            let fs = quota::filesystem_type(at).unwrap_or_else(|_| "unknown type".into());
+            let detail = format!(
+                "{} ({fs}): {} MiB free of {} MiB; floor {} MiB",
+                path.display(),
+                free >> 20,
+                total >> 20,
+                min.div_ceil(1 << 20)
+            );
+            if free < min {
+                fail(
+                    name,
+                    format!("{detail}: below the floor, turns are refused"),
+                    "free space on that filesystem, or lower limits.disk_floor_mb / limits.disk_floor_percent",
+                )
+            } else {
+                pass(name, detail)
+            }
+        }
+    }
+}
+
 fn user_check(uid: u32, gid: u32) -> Check {
     if uid == 0 {
         fail(
@@ -285,6 +325,25 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     });
     checks.push(check_root("run_root", &config.run_root, uid));
     checks.push(check_root("workspace_root", &config.workspace_root, uid));
+    let floor = config.limits.disk_floor();
+    checks.push(floor_check(
+        "workspace disk",
+        &config.workspace_root,
+        &floor,
+    ));
+    checks.push(if !docker_ok {
+        fail(
+            "engine disk",
+            "not checked, Docker is unreachable",
+            "fix the docker check first",
+        )
+    } else {
+        match driver.data_root().await {
+            Ok(Some(root)) => floor_check("engine disk", &root, &floor),
+            Ok(None) => pass("engine disk", "the engine reports no data root"),
+            Err(e) => fail("engine disk", e.to_string(), "fix the docker check first"),
+        }
+    });
     let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
     checks.push(if len > MAX_SOCKET_PATH {
         fail(

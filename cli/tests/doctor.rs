@@ -28,6 +28,20 @@ fn roots() -> (tempfile::TempDir, String, String) {
     (dir, run.display().to_string(), ws.display().to_string())
 }
 
+/// A config file with the roots and the given `[limits]` lines.
+fn floor_config(dir: &std::path::Path, run: &str, ws: &str, limits: &str) -> String {
+    let path = dir.join("floor.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
+             model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n[limits]\n{limits}\n"
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
 #[test]
 fn a_healthy_host_passes_every_check() {
     assert_ne!(
@@ -35,10 +49,42 @@ fn a_healthy_host_passes_every_check() {
         0,
         "run through scripts/test.sh"
     );
-    let (_d, run, ws) = roots();
-    let (code, out) = doctor(&["--run-root", &run, "--workspace-root", &ws], &[]);
+    let (d, run, ws) = roots();
+    // The shared test machine's disk is often nearly full: no floor here (the next test
+    // checks it).
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        "disk_floor_mb = 0\ndisk_floor_percent = 0",
+    );
+    let (code, out) = doctor(&["--config", &config], &[]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("all 6 checks passed"), "{out}");
+    assert!(out.contains("all 8 checks passed"), "{out}");
+    assert!(out.contains("ok   workspace disk"), "{out}");
+    assert!(out.contains("ok   engine disk     /"), "{out}");
+    assert!(out.contains(" MiB free of "), "{out}");
+}
+
+#[test]
+fn a_filesystem_below_the_free_space_floor_is_detected() {
+    let (d, run, ws) = roots();
+    let config = floor_config(d.path(), &run, &ws, "disk_floor_mb = 16777216");
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!("FAIL workspace disk  {ws} (")),
+        "{out}"
+    );
+    assert!(
+        out.contains("; floor 16777216 MiB: below the floor, turns are refused"),
+        "{out}"
+    );
+    assert!(out.contains("FAIL engine disk     /"), "{out}");
+    assert!(
+        out.contains("fix: free space on that filesystem, or lower limits.disk_floor_mb"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -159,6 +159,8 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         .arg("--workspace-root")
         .arg(d.join("ws"))
         .arg("--offline")
+        .arg("--config")
+        .arg(floor_config(d))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -229,4 +231,18 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     say_seen(&mut chan, &chan_out, at, "sandbox: after the reset");
     let (_, reply) = expect(&chan_out, at, "<sandbox> tester: ");
     assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
+}
+
+/// A config file that only sets the free-space floor (the flags set the rest): the shared
+/// test machine's disk is often nearly full, and the default floor (5 %) would refuse turns: no floor.
+fn floor_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("floor.toml");
+    std::fs::write(
+        &path,
+        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
+         workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
+         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
+    )
+    .unwrap();
+    path
 }

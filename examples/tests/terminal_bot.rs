@@ -35,6 +35,8 @@ impl Bot {
             .arg("--workspace-root")
             .arg(dir.path().join("ws"))
             .arg("--offline")
+            .arg("--config")
+            .arg(floor_config(dir.path()))
             .env_remove("OPENAI_API_KEY")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -166,4 +168,18 @@ fn stop_during_a_turn() {
     bot.send("/stop #s");
     assert_eq!(bot.expect("[#s] stop"), "[#s] stop: nothing was running");
     bot.finish();
+}
+
+/// A config file that only sets the free-space floor (the flags set the rest): the shared
+/// test machine's disk is often nearly full, and the default floor (5 %) would refuse turns: no floor.
+fn floor_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("floor.toml");
+    std::fs::write(
+        &path,
+        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
+         workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
+         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
+    )
+    .unwrap();
+    path
 }

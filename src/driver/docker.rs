@@ -28,8 +28,8 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    parse_reply, BoxFuture, ContainerDriver, ContainerSpec, DriverError, KEEP_CONTAINERS_ENV,
-    LABEL_RUNTIME,
+    parse_reply, BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError,
+    KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
 };
 
 /// How the driver reaches the engine.
@@ -68,6 +68,19 @@ pub struct DockerDriver {
     /// Containers whose removal failed (the daemon was unreachable or timed out): retried
     /// before every run and every sweep, so a daemon outage leaks nothing for long.
     pending_removal: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    /// Per running container: its id and the host file listing its processes (its
+    /// cgroup's `cgroup.procs`), found once by [`ContainerDriver::processes`].
+    process_files: Arc<std::sync::Mutex<HashMap<String, ProcessSource>>>,
+    /// The engine's data root (`DockerRootDir`), asked once.
+    data_root: Arc<OnceCell<Option<std::path::PathBuf>>>,
+}
+
+/// Where a container's process list is read.
+#[derive(Debug, Clone)]
+struct ProcessSource {
+    id: String,
+    /// `cgroup.procs` of the container's cgroup; `None`: ask the engine (`top`).
+    procs: Option<std::path::PathBuf>,
 }
 
 impl DockerDriver {
@@ -77,6 +90,8 @@ impl DockerDriver {
             options,
             docker: Arc::new(OnceCell::new()),
             pending_removal: Default::default(),
+            process_files: Default::default(),
+            data_root: Arc::new(OnceCell::new()),
         }
     }
 
@@ -135,6 +150,39 @@ impl DockerDriver {
             Err(DriverError::Docker { reason, .. }) if reason.starts_with("404") => Ok(false),
             Err(e) => Err(e),
         }
+    }
+
+    /// Finds where the named container's processes are listed: its init's cgroup (from
+    /// `/proc/<pid>/cgroup`, which must name the container's id), or the engine's `top`.
+    async fn process_source(&self, name: &str) -> Result<Option<ProcessSource>, DriverError> {
+        if let Some(found) = self.process_files.lock().unwrap().get(name) {
+            return Ok(Some(found.clone()));
+        }
+        let docker = self.client().await?;
+        let inspected = match self
+            .call("inspect", name, docker.inspect_container(name, None))
+            .await
+        {
+            Ok(i) => i,
+            Err(DriverError::Docker { reason, .. }) if reason.starts_with("404") => {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        let state = inspected.state.unwrap_or_default();
+        let (Some(id), Some(pid)) = (inspected.id, state.pid.filter(|p| *p > 0)) else {
+            return Ok(None);
+        };
+        let procs = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+            .ok()
+            .and_then(|text| cgroup_procs_file(&text, &id))
+            .filter(|p| p.exists());
+        let source = ProcessSource { id, procs };
+        self.process_files
+            .lock()
+            .unwrap()
+            .insert(name.to_owned(), source.clone());
+        Ok(Some(source))
     }
 
     async fn call<T>(
@@ -495,7 +543,83 @@ impl ContainerDriver for DockerDriver {
     }
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        self.process_files.lock().unwrap().remove(name);
         Box::pin(self.remove_inner(name))
+    }
+
+    fn processes<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
+        Box::pin(async move {
+            let Some(source) = self.process_source(name).await? else {
+                return Ok(ContainerProcesses::default());
+            };
+            let pids = match &source.procs {
+                Some(file) => match std::fs::read_to_string(file) {
+                    Ok(text) => text.lines().filter_map(|l| l.trim().parse().ok()).collect(),
+                    // The cgroup is gone: the container has stopped.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+                    Err(e) => {
+                        return Err(DriverError::Docker {
+                            op: "list processes",
+                            container: name.to_owned(),
+                            reason: format!("read {}: {e}", file.display()),
+                        })
+                    }
+                },
+                None => {
+                    let docker = self.client().await?;
+                    let top = match self
+                        .call("top", name, docker.top_processes(name, None))
+                        .await
+                    {
+                        Ok(t) => t,
+                        // Not running (yet, or any more).
+                        Err(DriverError::Docker { reason, .. })
+                            if reason.starts_with("404") || reason.starts_with("409") =>
+                        {
+                            return Ok(ContainerProcesses::default())
+                        }
+                        Err(e) => return Err(e),
+                    };
+                    let column = top
+                        .titles
+                        .unwrap_or_default()
+                        .iter()
+                        .position(|t| t == "PID");
+                    match column {
+                        Some(c) => top
+                            .processes
+                            .unwrap_or_default()
+                            .iter()
+                            .filter_map(|row| row.get(c).and_then(|p| p.parse().ok()))
+                            .collect(),
+                        None => Vec::new(),
+                    }
+                }
+            };
+            Ok(ContainerProcesses {
+                pids,
+                cgroup_marker: Some(source.id),
+            })
+        })
+    }
+
+    fn data_root(&self) -> BoxFuture<'_, Result<Option<std::path::PathBuf>, DriverError>> {
+        Box::pin(async move {
+            self.data_root
+                .get_or_try_init(|| async {
+                    let docker = self.client().await?;
+                    let info = self.call("info", "engine", docker.info()).await?;
+                    Ok(info
+                        .docker_root_dir
+                        .filter(|d| !d.is_empty())
+                        .map(std::path::PathBuf::from))
+                })
+                .await
+                .cloned()
+        })
     }
 
     fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
@@ -611,6 +735,32 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         host_config: Some(host_config),
         ..Default::default()
     }
+}
+
+/// The `cgroup.procs` file of the cgroup that `/proc/<pid>/cgroup` (its `text`) names, if
+/// that cgroup belongs to container `id`: the v1 `pids` (or `memory`) hierarchy, else the
+/// unified (v2) one.
+fn cgroup_procs_file(text: &str, id: &str) -> Option<std::path::PathBuf> {
+    let mut unified = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if !path.contains(id) {
+            continue;
+        }
+        for c in ["pids", "memory"] {
+            if controllers.split(',').any(|x| x == c) {
+                return Some(format!("/sys/fs/cgroup/{c}{path}/cgroup.procs").into());
+            }
+        }
+        if controllers.is_empty() {
+            unified = Some(format!("/sys/fs/cgroup{path}/cgroup.procs").into());
+        }
+    }
+    unified
 }
 
 fn unreachable_error(e: &BollardError) -> DriverError {

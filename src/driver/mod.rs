@@ -88,6 +88,17 @@ pub enum DriverError {
     },
 }
 
+/// The processes of one running container, as the host sees them (see
+/// [`ContainerDriver::processes`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContainerProcesses {
+    /// Host pids (thread-group ids) of every process in the container.
+    pub pids: Vec<u32>,
+    /// A string that `/proc/<pid>/cgroup` of each of them holds (the container's id): a pid
+    /// whose cgroup file does not hold it was reused by another process and is skipped.
+    pub cgroup_marker: Option<String>,
+}
+
 /// Runs turns in containers. Implementations must be cancellation-safe: when `cancel`
 /// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
 pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
@@ -105,6 +116,24 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
 
     /// Removes every container labelled with this runtime instance; returns their names.
     fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>>;
+
+    /// The host pids of the named container's processes (empty when it is not running).
+    /// The workspace quota stats their open descriptors to count files deleted while held
+    /// open (see [`crate::quota`]). The default (a driver without host processes, such as a
+    /// test fake) has none.
+    fn processes<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
+        let _ = name;
+        Box::pin(async { Ok(ContainerProcesses::default()) })
+    }
+
+    /// The host directory where the engine stores images and container layers, whose
+    /// filesystem the free-space floor guards (`None`: no such directory, as in a fake).
+    fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace

@@ -18,6 +18,9 @@
 //!   result of each is its status and (for some) its body.
 //! - `turn`: prints the turn it was given, as text.
 //! - `post PATH JSON`: one call to the broker; prints its status and body.
+//! - `quota <trick> [args…]`: stores bytes in `/workspace` past the quota's sight (see
+//!   [`quota`]); `/workspace/progress-<pid>` always holds the MiB each process stored so far, so the host side
+//!   can tell how far a trick got before the watcher ended the turn.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -34,6 +37,7 @@ fn main() {
         Some("net") => args[1..].iter().map(|t| net(t)).collect(),
         Some("broker") => broker(args.get(1).map_or("all", String::as_str)),
         Some("turn") => vec![turn],
+        Some("quota") => quota::attack(&args[1..]),
         Some("post") => vec![match raw(&post(&args[1], &[], &args[2])) {
             Ok((status, body)) => format!("status={status};body={}", body.replace(';', ",")),
             Err(e) => format!("status=error({e})"),
@@ -292,4 +296,261 @@ fn broker(group: &str) -> Vec<String> {
     }
     out.push(format!("budget={}", budget.join(",")));
     out
+}
+
+/// Tricks against the workspace quota. Each writes in 1 MiB steps (under `RLIMIT_FSIZE`),
+/// records its progress, and then holds what it stored until the turn is ended (or, for
+/// the tricks the quota must let pass, replies after a while).
+///
+/// - `held FILES MIB PROCS`: PROCS processes (this program again) each open FILES files,
+///   unlink them and write MIB MiB through each open descriptor, then hold them;
+/// - `tmpfile FILES MIB`: `O_TMPFILE` files in the workspace, written and held;
+/// - `links MIB N`: one file of MIB MiB and N hard links to it, then reply;
+/// - `sparse FILES MIB`: FILES files of MIB MiB size with one written block each, then reply;
+/// - `swap SENTINEL SECS`: for SECS seconds, swaps `/workspace/a` (a dir with 1 MiB) for a
+///   symlink to SENTINEL (a host path outside the workspace) in a tight loop, then replies;
+/// - `unreadable MIB`: hides MIB MiB in a dir made mode 000, then waits;
+/// - `fallocate MIB`: `fallocate(FALLOC_FL_KEEP_SIZE)` of MIB MiB on an empty file, then waits
+///   (replies at once if the call fails);
+/// - `mapped MIB`: a file mapped shared, its descriptor closed, unlinked, MIB MiB written
+///   through the mapping, then waits;
+/// - `nondumpable FILES MIB`: `prctl(PR_SET_DUMPABLE, 0)`, then `held FILES MIB 1` in-process.
+mod quota {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::time::{Duration, Instant};
+
+    const MIB: usize = 1 << 20;
+    const O_TMPFILE: i32 = 0o20200000;
+    const FALLOC_FL_KEEP_SIZE: i32 = 1;
+    const PR_SET_DUMPABLE: i32 = 4;
+
+    extern "C" {
+        fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
+        fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
+        fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
+    }
+
+    fn n(args: &[String], i: usize, default: usize) -> usize {
+        args.get(i).and_then(|a| a.parse().ok()).unwrap_or(default)
+    }
+
+    /// Adds `mib` to this process's progress file (rewritten, never growing).
+    fn progress(mib: usize) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static TOTAL: AtomicUsize = AtomicUsize::new(0);
+        let total = TOTAL.fetch_add(mib, Ordering::SeqCst) + mib;
+        // Written aside and renamed: a kill mid-write never leaves it empty.
+        let path = format!("/workspace/progress-{}", std::process::id());
+        let aside = format!("/workspace/.progress-{}", std::process::id());
+        if std::fs::write(&aside, format!("{total}\n")).is_ok() {
+            let _ = std::fs::rename(aside, path);
+        }
+    }
+
+    fn fill(f: &mut std::fs::File, mib: usize) -> std::io::Result<()> {
+        let block = vec![0x5au8; MIB];
+        for _ in 0..mib {
+            f.write_all(&block)?;
+            f.sync_data()?;
+            progress(1);
+        }
+        Ok(())
+    }
+
+    fn hold(secs: u64) {
+        std::thread::sleep(Duration::from_secs(secs));
+    }
+
+    pub fn attack(args: &[String]) -> Vec<String> {
+        match args.first().map(String::as_str) {
+            Some("held") => held(n(args, 1, 4), n(args, 2, 16), n(args, 3, 4)),
+            Some("held-child") => {
+                // One process of `held`: never replies, holds until killed.
+                let (files, mib, id) = (n(args, 1, 4), n(args, 2, 16), n(args, 3, 0));
+                let mut kept = Vec::new();
+                for i in 0..files {
+                    let path = format!("/workspace/held-{id}-{i}");
+                    let mut f = match std::fs::File::create(&path) {
+                        Ok(f) => f,
+                        Err(_) => break,
+                    };
+                    let _ = std::fs::remove_file(&path);
+                    let _ = fill(&mut f, mib);
+                    kept.push(f);
+                }
+                hold(600);
+                vec![format!("held-child={}", kept.len())]
+            }
+            Some("tmpfile") => {
+                let (files, mib) = (n(args, 1, 4), n(args, 2, 16));
+                let mut kept = Vec::new();
+                for _ in 0..files {
+                    match std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .custom_flags(O_TMPFILE)
+                        .mode(0o600)
+                        .open("/workspace")
+                    {
+                        Ok(mut f) => {
+                            let _ = fill(&mut f, mib);
+                            kept.push(f);
+                        }
+                        Err(e) => return vec![format!("tmpfile=error({e})")],
+                    }
+                }
+                hold(60);
+                vec![format!("tmpfile=survived({})", kept.len())]
+            }
+            Some("links") => {
+                let (mib, count) = (n(args, 1, 8), n(args, 2, 64));
+                let result = std::fs::File::create("/workspace/linked")
+                    .and_then(|mut f| fill(&mut f, mib))
+                    .and_then(|()| {
+                        for i in 0..count {
+                            std::fs::hard_link("/workspace/linked", format!("/workspace/link-{i}"))?;
+                        }
+                        Ok(())
+                    });
+                // Give the watcher a few rounds to see it.
+                hold(2);
+                vec![format!("links={}", io(result.map(|()| count.to_string())))]
+            }
+            Some("sparse") => {
+                let (files, mib) = (n(args, 1, 32), n(args, 2, 15));
+                let result = (|| {
+                    for i in 0..files {
+                        let mut f = std::fs::File::create(format!("/workspace/sparse-{i}"))?;
+                        f.set_len((mib * MIB) as u64)?;
+                        f.write_all(b"x")?;
+                    }
+                    Ok(files.to_string())
+                })();
+                hold(2);
+                vec![format!("sparse={}", io(result))]
+            }
+            Some("swap") => swap(&args[1], n(args, 2, 5) as u64),
+            Some("unreadable") => {
+                let mib = n(args, 1, 4);
+                let result = std::fs::create_dir("/workspace/h")
+                    .and_then(|()| std::fs::File::create("/workspace/h/a"))
+                    .and_then(|mut f| fill(&mut f, mib))
+                    .and_then(|()| {
+                        use std::os::unix::fs::PermissionsExt;
+                        std::fs::set_permissions("/workspace/h", std::fs::Permissions::from_mode(0))
+                    });
+                hold(60);
+                vec![format!("unreadable=survived:{}", io(result.map(|()| "hidden".into())))]
+            }
+            Some("fallocate") => {
+                let mib = n(args, 1, 256);
+                let result = std::fs::File::create("/workspace/prealloc").and_then(|f| {
+                    let started = Instant::now();
+                    // SAFETY: a plain syscall on a descriptor this program owns.
+                    let r = unsafe { fallocate(f.as_raw_fd(), FALLOC_FL_KEEP_SIZE, 0, (mib * MIB) as i64) };
+                    if r != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    progress(mib);
+                    Ok(format!("{}ms", started.elapsed().as_millis()))
+                });
+                let failed = result.is_err();
+                let finding = format!("fallocate={}", io(result));
+                let _ = std::fs::write("/workspace/finding", &finding);
+                if !failed {
+                    hold(60);
+                }
+                vec![finding]
+            }
+            Some("mapped") => {
+                let mib = n(args, 1, 8);
+                let result = (|| {
+                    let f = std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create(true)
+                        .truncate(true)
+                        .open("/workspace/mapped")?;
+                    f.set_len((mib * MIB) as u64)?;
+                    // SAFETY: a fresh shared mapping of a file this program owns.
+                    let p = unsafe { mmap(std::ptr::null_mut(), mib * MIB, 3, 1, f.as_raw_fd(), 0) };
+                    if p as isize == -1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    drop(f);
+                    std::fs::remove_file("/workspace/mapped")?;
+                    for i in 0..mib {
+                        // SAFETY: inside the mapping just made, which stays for the process.
+                        unsafe { std::ptr::write_bytes(p.add(i * MIB), 0x5a, MIB) };
+                        progress(1);
+                    }
+                    Ok("written".to_owned())
+                })();
+                hold(60);
+                vec![format!("mapped=survived:{}", io(result))]
+            }
+            Some("nondumpable") => {
+                // SAFETY: prctl with plain integer arguments.
+                let r = unsafe { prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) };
+                if r != 0 {
+                    return vec![format!("nondumpable=error({})", std::io::Error::last_os_error())];
+                }
+                let (files, mib) = (n(args, 1, 4), n(args, 2, 16));
+                let mut kept = Vec::new();
+                for i in 0..files {
+                    let path = format!("/workspace/nd-{i}");
+                    if let Ok(mut f) = std::fs::File::create(&path) {
+                        let _ = std::fs::remove_file(&path);
+                        let _ = fill(&mut f, mib);
+                        kept.push(f);
+                    }
+                }
+                hold(60);
+                vec![format!("nondumpable=survived({})", kept.len())]
+            }
+            other => vec![format!("unknown quota trick {other:?}")],
+        }
+    }
+
+    fn io(r: std::io::Result<String>) -> String {
+        r.unwrap_or_else(|e| format!("error({e})"))
+    }
+
+    fn held(files: usize, mib: usize, procs: usize) -> Vec<String> {
+        let mut children = Vec::new();
+        for id in 0..procs {
+            let child = std::process::Command::new("/proc/self/exe")
+                .args(["quota", "held-child", &files.to_string(), &mib.to_string(), &id.to_string()])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .spawn();
+            match child {
+                Ok(c) => children.push(c),
+                Err(e) => return vec![format!("held=error({e})")],
+            }
+        }
+        hold(60);
+        vec![format!("held=survived({})", children.len())]
+    }
+
+    fn swap(sentinel: &str, secs: u64) -> Vec<String> {
+        let result = (|| {
+            std::fs::create_dir("/workspace/a")?;
+            let mut f = std::fs::File::create("/workspace/a/data")?;
+            fill(&mut f, 1)?;
+            let until = Instant::now() + Duration::from_secs(secs);
+            let mut swaps = 0u64;
+            while Instant::now() < until {
+                std::fs::rename("/workspace/a", "/workspace/a.d")?;
+                std::os::unix::fs::symlink(sentinel, "/workspace/a")?;
+                std::fs::remove_file("/workspace/a")?;
+                std::fs::rename("/workspace/a.d", "/workspace/a")?;
+                swaps += 1;
+            }
+            Ok(swaps.to_string())
+        })();
+        vec![format!("swaps={}", io(result))]
+    }
 }

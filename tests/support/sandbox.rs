@@ -67,6 +67,10 @@ impl Env {
         );
         c.allow_http = true;
         c.turn_timeout = Some(Duration::from_secs(30));
+        // No free-space floor: the shared test machine's disk is often nearly full, and the
+        // suite must not depend on it (tests/security_quota.rs tests the floor itself).
+        c.limits.disk_floor_mb = 0;
+        c.limits.disk_floor_percent = 0;
         c
     }
 

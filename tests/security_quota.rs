@@ -1,0 +1,500 @@
+//! Hostile guests against the workspace quota and the free-space floor (issue 11). Each
+//! test is one trick, played by the hostile program (`roundtable-hostile quota <trick>`,
+//! tests/support/hostile_guest.rs) in the real sealed container, under a 16 MiB quota.
+//! Each checks the control that defeats it; docs/security.md publishes the figures these
+//! tests print (`--nocapture`): how far each trick got past the quota before it was stopped.
+//!
+//! The host never follows, opens by name, reads or changes a workspace entry: the symlink
+//! swap test proves it against a sentinel tree outside the workspace.
+
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+#[path = "support/hostile.rs"]
+mod hostile;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use roundtable_sandbox::broker::BoxFuture;
+use roundtable_sandbox::quota;
+use roundtable_sandbox::{Config, ContainerDriver, DriverError, Sandbox};
+use sandbox_support::*;
+
+const QUOTA_MB: u64 = 16;
+const OVER: &str = "this channel's workspace is over its quota (";
+
+/// A scratch area on a disk filesystem (ext4 here), as production workspaces are: /tmp is a
+/// tmpfs on this host (where the other tricks play), and fallocate behaves differently there.
+fn disk_env() -> Env {
+    // Env::new checks the user and sets up tracing; its own /tmp dir is not used.
+    drop(Env::new());
+    let dir = tempfile::Builder::new()
+        .prefix("rtq-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let run_root = dir.path().join("run");
+    let workspace_root = dir.path().join("ws");
+    Env {
+        dir,
+        run_root,
+        workspace_root,
+    }
+}
+
+fn quota_config(env: &Env, args: &[&str]) -> Config {
+    let mut all = vec!["quota"];
+    all.extend_from_slice(args);
+    let mut c = hostile::config(env, &all);
+    c.limits.workspace_mb = QUOTA_MB;
+    c.limits.workspace_files = 10_000;
+    c.limits.pids = 64;
+    c.turn_timeout = Some(Duration::from_secs(40));
+    c
+}
+
+/// MiB the trick recorded as stored before it was stopped (each of its processes keeps
+/// its own `progress-<pid>` file).
+fn progress(env: &Env, channel: &str) -> u64 {
+    std::fs::read_dir(env.workspace_of(channel))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("progress-"))
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .filter_map(|s| s.trim().parse::<u64>().ok())
+        .sum()
+}
+
+fn unbounded() -> quota::Quota {
+    quota::Quota {
+        max_bytes: u64::MAX,
+        max_entries: u64::MAX,
+    }
+}
+
+/// Runs one trick; returns the reply's error and how long the turn took.
+async fn run_trick(env: &Env, channel: &str, args: &[&str]) -> (Sandbox, String, Duration) {
+    let sandbox = Sandbox::new(quota_config(env, args)).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request(channel, "x")).await;
+    let took = started.elapsed();
+    let error = reply
+        .error
+        .clone()
+        .unwrap_or_else(|| panic!("the trick must be stopped: {reply:?}"));
+    assert_no_leftovers(&sandbox).await;
+    (sandbox, error, took)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_counts_deleted_but_open_files_of_every_process() {
+    let env = Env::new();
+    // 8 processes × 4 files × 8 MiB, each file unlinked while open: 256 MiB in no directory.
+    let (_, error, took) = run_trick(&env, "#held", &["held", "4", "8", "8"]).await;
+    assert!(error.starts_with(OVER), "{error}");
+    assert!(error.contains("deleted files held open"), "{error}");
+    let stored = progress(&env, "#held");
+    eprintln!(
+        "deleted-but-open: stopped after {stored} MiB written (quota {QUOTA_MB} MiB) in {took:?}: {error}"
+    );
+    // The files went with the container's processes.
+    let left = quota::measure_dir(&env.workspace_of("#held"), &unbounded()).unwrap();
+    assert!(left.bytes < 1 << 20, "{left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_counts_o_tmpfile_files() {
+    let env = Env::new();
+    // 16 files × 8 MiB, in no directory.
+    let (_, error, took) = run_trick(&env, "#tmpfile", &["tmpfile", "16", "8"]).await;
+    assert!(error.starts_with(OVER), "{error}");
+    assert!(error.contains("deleted files held open"), "{error}");
+    let stored = progress(&env, "#tmpfile");
+    eprintln!(
+        "O_TMPFILE: stopped after {stored} MiB written (quota {QUOTA_MB} MiB) in {took:?}: {error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_counts_a_hard_linked_file_once() {
+    let env = Env::new();
+    // 8 MiB and 64 more names for it: 8 MiB stored, under the 16 MiB quota.
+    let sandbox = Sandbox::new(quota_config(&env, &["links", "8", "64"]))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#links", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("links=64"), "{reply:?}");
+    let used = quota::measure_dir(&env.workspace_of("#links"), &unbounded()).unwrap();
+    assert!(
+        used.bytes >= 8 << 20 && used.bytes < 9 << 20,
+        "counted once: {used:?}"
+    );
+    // And the next turn runs.
+    let reply = sandbox.run_turn(request("#links", "x")).await;
+    assert!(reply.ok, "{reply:?}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_counts_sparse_files_by_allocated_blocks() {
+    let env = Env::new();
+    // 32 files of 15 MiB apparent size (480 MiB), one written byte each.
+    let sandbox = Sandbox::new(quota_config(&env, &["sparse", "32", "15"]))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#sparse", "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("sparse=32"), "{reply:?}");
+    let used = quota::measure_dir(&env.workspace_of("#sparse"), &unbounded()).unwrap();
+    assert!(used.bytes < 1 << 20, "{used:?}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+/// Modes of every entry under `root`, by relative path (the test's own view, as root-less
+/// as the host: the sentinel belongs to the service user).
+fn modes(root: &Path) -> Vec<(PathBuf, u32)> {
+    let mut out = Vec::new();
+    let mut pending = vec![root.to_owned()];
+    while let Some(d) = pending.pop() {
+        let meta = std::fs::symlink_metadata(&d).unwrap();
+        out.push((
+            d.strip_prefix(root).unwrap().to_owned(),
+            meta.permissions().mode(),
+        ));
+        if meta.is_dir() && meta.permissions().mode() & 0o500 == 0o500 {
+            for e in std::fs::read_dir(&d).unwrap() {
+                pending.push(e.unwrap().path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_never_follows_a_dir_swapped_for_a_symlink() {
+    let env = Env::new();
+    // The sentinel: a tree outside the workspace, owned by the service user as any of its
+    // directories are, 32 MiB (twice the quota), with a locked (000) and a 0750 dir.
+    let sentinel = env.dir.path().join("sentinel");
+    std::fs::create_dir_all(sentinel.join("open")).unwrap();
+    std::fs::create_dir_all(sentinel.join("locked")).unwrap();
+    std::fs::write(sentinel.join("open/big"), vec![7u8; 32 << 20]).unwrap();
+    std::fs::write(sentinel.join("locked/secret"), b"s").unwrap();
+    std::fs::set_permissions(sentinel.join("open"), PermissionsExt::from_mode(0o750)).unwrap();
+    std::fs::set_permissions(sentinel.join("locked"), PermissionsExt::from_mode(0o000)).unwrap();
+    let before = modes(&sentinel);
+    let sentinel_str = sentinel.display().to_string();
+
+    let sandbox = Sandbox::new(quota_config(&env, &["swap", &sentinel_str, "8"]))
+        .await
+        .unwrap();
+    let ws = env.workspace_of("#swap");
+    // The host side measures in a tight loop too, as often as it can, while the guest swaps.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let measurer = {
+        let (stop, ws) = (stop.clone(), ws.clone());
+        std::thread::spawn(move || {
+            let (mut runs, mut max, mut failed) = (0u64, 0u64, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match quota::measure_dir(&ws, &unbounded()) {
+                    Ok(u) => {
+                        runs += 1;
+                        max = max.max(u.bytes);
+                    }
+                    Err(_) => failed += 1,
+                }
+            }
+            (runs, max, failed)
+        })
+    };
+    let reply = sandbox.run_turn(request("#swap", "x")).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (runs, max, failed) = measurer.join().unwrap();
+    let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    let swaps: u64 = text
+        .strip_prefix("swaps=")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    eprintln!(
+        "symlink swap: {swaps} swaps; {runs} host measures (+{failed} racing a removal), largest {} KiB",
+        max >> 10
+    );
+    assert!(swaps > 1000, "the swap loop ran: {swaps}");
+    assert!(runs > 20, "the host measured during the swaps: {runs}");
+    assert!(
+        max < 16 << 20,
+        "the sentinel (32 MiB) was never counted: {max}"
+    );
+    assert_eq!(modes(&sentinel), before, "the sentinel keeps its modes");
+    assert_eq!(
+        std::fs::metadata(sentinel.join("open/big")).unwrap().len(),
+        32 << 20
+    );
+    assert_no_leftovers(&sandbox).await;
+    std::fs::set_permissions(sentinel.join("locked"), PermissionsExt::from_mode(0o700)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
+    let env = Env::new();
+    let (sandbox, error, took) = run_trick(&env, "#unreadable", &["unreadable", "4"]).await;
+    let expected = "this channel's workspace cannot be measured (a directory in it cannot be opened or searched: Permission denied (os error 13)); an operator must fix or clear it before the next turn";
+    assert_eq!(error, expected);
+    eprintln!("unreadable dir: stopped in {took:?}");
+    let hidden = env.workspace_of("#unreadable").join("h");
+    let mode = std::fs::symlink_metadata(&hidden)
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0, "the host never changes a workspace entry");
+    // The next turn is refused before any container starts.
+    let reply = sandbox.run_turn(request("#unreadable", "x")).await;
+    assert_eq!(reply.error.as_deref(), Some(expected));
+    assert_no_leftovers(&sandbox).await;
+    // The operator fixes it: turns run again.
+    std::fs::set_permissions(&hidden, PermissionsExt::from_mode(0o700)).unwrap();
+    std::fs::remove_dir_all(&hidden).unwrap();
+    let reply = sandbox.run_turn(request("#unreadable", "x")).await;
+    assert!(
+        reply
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(expected)),
+        "the trick plays again and is stopped again: {reply:?}"
+    );
+    std::fs::set_permissions(&hidden, PermissionsExt::from_mode(0o700)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_deleted_file_held_only_by_a_mapping_ends_the_turn() {
+    let env = Env::new();
+    let (_, error, took) = run_trick(&env, "#mapped", &["mapped", "8"]).await;
+    assert_eq!(
+        error,
+        "this channel's workspace cannot be measured (a deleted workspace file is held only through a memory mapping); an operator must fix or clear it before the next turn"
+    );
+    eprintln!(
+        "mapped deleted file: stopped after {} MiB in {took:?}",
+        progress(&env, "#mapped")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_process_that_hides_its_descriptors_ends_the_turn() {
+    let env = Env::new();
+    let (_, error, took) = run_trick(&env, "#nondumpable", &["nondumpable", "4", "8"]).await;
+    assert_eq!(
+        error,
+        "this channel's workspace cannot be measured (a process of the turn hides its open files from the host); an operator must fix or clear it before the next turn"
+    );
+    eprintln!(
+        "non-dumpable holder: stopped after {} MiB in {took:?}",
+        progress(&env, "#nondumpable")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_fallocate_past_the_file_size_limit_is_counted() {
+    let env = disk_env();
+    // FALLOC_FL_KEEP_SIZE allocates without growing the file: RLIMIT_FSIZE does not stop it
+    // on ext4. The watcher counts the blocks and ends the turn; the next turn is refused.
+    let sandbox = Sandbox::new(quota_config(&env, &["fallocate", "128"]))
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#falloc", "x")).await;
+    let took = started.elapsed();
+    let ws = env.workspace_of("#falloc");
+    let finding = std::fs::read_to_string(ws.join("finding")).unwrap_or_default();
+    let used = quota::measure_dir(&ws, &unbounded()).unwrap();
+    eprintln!(
+        "fallocate(KEEP_SIZE, 128 MiB) on {}: {finding}; {} MiB on disk after the turn (quota {QUOTA_MB} MiB), stopped in {took:?}: {reply:?}",
+        quota::filesystem_type(&ws).unwrap(),
+        used.bytes >> 20
+    );
+    if finding == "fallocate=error(File too large (os error 27))" {
+        // A filesystem that holds fallocate to RLIMIT_FSIZE (tmpfs): nothing was stored.
+        assert_eq!(reply.text.as_deref(), Some(finding.as_str()));
+        assert!(used.bytes < 1 << 20, "{used:?}");
+    } else {
+        assert!(finding.starts_with("fallocate="), "{finding}");
+        assert!(!finding.contains("error"), "{finding}");
+        let error = reply.error.unwrap();
+        assert!(error.starts_with(OVER), "{error}");
+        assert!(used.bytes >= 128 << 20, "{used:?}");
+        let reply = sandbox.run_turn(request("#falloc", "x")).await;
+        assert!(
+            reply.error.as_deref().is_some_and(|e| e.starts_with(OVER)),
+            "{reply:?}"
+        );
+    }
+    assert_no_leftovers(&sandbox).await;
+    std::fs::remove_dir_all(ws).unwrap();
+}
+
+/// The Docker driver, with the engine's data root replaced (the floor's tests choose which
+/// filesystem it guards; everything else is the real engine).
+#[derive(Debug)]
+struct DataRootAt {
+    inner: roundtable_sandbox::DockerDriver,
+    root: Option<PathBuf>,
+}
+
+impl ContainerDriver for DataRootAt {
+    fn run<'a>(
+        &'a self,
+        spec: &'a roundtable_sandbox::driver::ContainerSpec,
+        stdin: &'a [u8],
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> BoxFuture<'a, Result<roundtable_sandbox::Reply, DriverError>> {
+        self.inner.run(spec, stdin, cancel)
+    }
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        self.inner.remove(name)
+    }
+    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+        self.inner.sweep(instance)
+    }
+    fn processes<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<roundtable_sandbox::driver::ContainerProcesses, DriverError>> {
+        self.inner.processes(name)
+    }
+    fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
+        let root = self.root.clone();
+        Box::pin(async move { Ok(root) })
+    }
+}
+
+fn with_data_root(config: &mut Config, root: Option<PathBuf>) {
+    config.driver = Some(std::sync::Arc::new(DataRootAt {
+        inner: roundtable_sandbox::DockerDriver::default(),
+        root,
+    }));
+}
+
+const RAN: &str = "cat >/dev/null; echo '{\"ok\":true,\"text\":\"ran\"}'";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
+    let env = Env::new();
+    // A floor above any free space here: the refusal needs no full disk.
+    let mut config = hostile::sh_config(&env, RAN);
+    config.limits.disk_floor_mb = 1 << 24;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    let error = reply.error.unwrap();
+    let root = &sandbox.config().workspace_root;
+    let prefix = format!("the filesystem of {} (the workspaces) has ", root.display());
+    assert!(error.starts_with(&prefix), "{error}");
+    assert!(
+        error.ends_with(
+            " MiB free, below its floor of 16777216 MiB; turns are refused until an operator frees space"
+        ),
+        "{error}"
+    );
+    assert_no_leftovers(&sandbox).await;
+
+    // The engine's data root is guarded too: here a filesystem with no free space at all
+    // stands for it (/proc reports none), under a floor the workspaces' tmpfs is above.
+    let mut config = hostile::sh_config(&env, RAN);
+    config.limits.disk_floor_mb = 1;
+    config.limits.disk_floor_percent = 0;
+    with_data_root(&mut config, Some("/proc".into()));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("the filesystem of /proc (the engine's data root) has 0 MiB free, below its floor of 1 MiB; turns are refused until an operator frees space")
+    );
+    assert_no_leftovers(&sandbox).await;
+    // A data root whose free space cannot be read refuses turns too (fail closed).
+    let mut config = hostile::sh_config(&env, RAN);
+    config.limits.disk_floor_mb = 1;
+    with_data_root(&mut config, Some("/nonexistent/docker".into()));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("the free space of /nonexistent/docker (the engine's data root) cannot be read: No such file or directory (os error 2)")
+    );
+    // The floor off: the turn runs.
+    let mut config = hostile::sh_config(&env, RAN);
+    with_data_root(&mut config, Some("/proc".into()));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    assert_eq!(
+        sandbox
+            .run_turn(request("#floor", "x"))
+            .await
+            .text
+            .as_deref(),
+        Some("ran")
+    );
+
+    // And the real engine reports its data root, which the default driver guards.
+    let driver = roundtable_sandbox::DockerDriver::default();
+    let data_root = driver
+        .data_root()
+        .await
+        .unwrap()
+        .expect("the engine reports its data root");
+    let (free, total) = quota::free_space(&data_root).unwrap();
+    eprintln!(
+        "engine data root {}: {} MiB free of {} MiB",
+        data_root.display(),
+        free >> 20,
+        total >> 20
+    );
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn floor_kills_a_running_turn_when_free_space_falls_below_it() {
+    // The workspaces' filesystem (a tmpfs here) is the one guarded (the engine's data root is
+    // left out: the shared machine's disk level is not this test's to choose). The floor sits
+    // 64 MiB under its free space; the guest writes 1 MiB files until stopped: the floor is
+    // crossed mid-turn and the watcher ends the turn (the 1 GiB quota would stop it later).
+    let env = Env::new();
+    std::fs::create_dir_all(env.dir.path()).unwrap();
+    let (free, _) = quota::free_space(env.dir.path()).unwrap();
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; i=0; while :; do dd if=/dev/zero of=/workspace/f$i bs=1M count=1 2>/dev/null; i=$((i+1)); done",
+    );
+    config.limits.workspace_mb = 1024;
+    config.limits.workspace_files = 100_000;
+    config.limits.disk_floor_mb = (free >> 20).saturating_sub(64);
+    config.limits.disk_floor_percent = 0;
+    config.turn_timeout = Some(Duration::from_secs(60));
+    with_data_root(&mut config, None);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#floor-run", "x")).await;
+    let error = reply.error.unwrap();
+    let prefix = format!(
+        "the filesystem of {} (the workspaces) has ",
+        sandbox.config().workspace_root.display()
+    );
+    let written = quota::measure_dir(&env.workspace_of("#floor-run"), &unbounded()).unwrap();
+    eprintln!(
+        "floor crossed mid-turn: {} MiB written, stopped in {:?}: {error}",
+        written.bytes >> 20,
+        started.elapsed()
+    );
+    assert!(error.starts_with(&prefix), "{error}");
+    assert!(error.contains("below its floor of"), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(55));
+    assert_no_leftovers(&sandbox).await;
+    // The next turn is refused until space is freed.
+    let reply = sandbox.run_turn(request("#floor-run", "x")).await;
+    assert!(
+        reply
+            .error
+            .as_deref()
+            .is_some_and(|e| e.starts_with(&prefix)),
+        "{reply:?}"
+    );
+    std::fs::remove_dir_all(env.workspace_of("#floor-run")).unwrap();
+}
