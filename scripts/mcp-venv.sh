@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Makes the Python venv with the MCP servers the broker tests talk to (idempotent).
 #   scripts/mcp-venv.sh            -> <repo>/.venv-mcp (or $ROUNDTABLE_MCP_VENV)
-# The tests find `$ROUNDTABLE_MCP_VENV/bin/mcp-server-time` (default: <repo>/.venv-mcp).
+# The tests find `$ROUNDTABLE_MCP_VENV/bin/mcp-server-time` and `mcp-server-sqlite` (a
+# stateful server, one SQLite file per `--db-path`: the per-channel MCP session tests)
+# (default: <repo>/.venv-mcp). A venv on the right Python that lacks a server gets it added.
 # The tests run as the non-root service user, so the venv is built on the system Python
 # (/usr/bin/python3 when there is one: a pyenv under /root is not reachable for that user)
 # and made world-readable.
@@ -13,14 +15,29 @@ if [[ -z "$python" ]]; then
     if [[ -x /usr/bin/python3 ]]; then python=/usr/bin/python3; else python=python3; fi
 fi
 base="$(readlink -f "$python" 2>/dev/null || command -v "$python")"
-if [[ -x "$venv/bin/mcp-server-time" && -x "$venv/bin/mcp-server-git" ]] &&
-    [[ "$(readlink -f "$venv/bin/python3")" == "$base" ]]; then
-    echo "mcp venv ready: $venv"
-    exit 0
+packages=(mcp-server-time mcp-server-git)
+bins=(mcp-server-time mcp-server-git mcp-server-sqlite)
+# mcp-server-sqlite 2025.4.25 uses the `mcp` 1.x server API (gone in 2.x, which the HTTP
+# test server needs): it gets its own venv inside this one, reached by a link in bin/.
+sqlite_venv="$venv/sqlite"
+ready() { for b in "${bins[@]}"; do [[ -x "$venv/bin/$b" ]] || return 1; done; }
+if [[ -f "$venv/pyvenv.cfg" && "$(readlink -f "$venv/bin/python3")" == "$base" ]]; then
+    if ready; then
+        echo "mcp venv ready: $venv"
+        exit 0
+    fi
+else
+    if [[ -f "$venv/pyvenv.cfg" ]]; then rm -rf "$venv"; fi
+    "$python" -m venv "$venv"
 fi
-if [[ -f "$venv/pyvenv.cfg" ]]; then rm -rf "$venv"; fi
-"$python" -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check mcp-server-time mcp-server-git
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${packages[@]}"
+if [[ ! -x "$sqlite_venv/bin/mcp-server-sqlite" ]]; then
+    rm -rf "$sqlite_venv"
+    "$python" -m venv "$sqlite_venv"
+    "$sqlite_venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "mcp>=1.6,<2" mcp-server-sqlite==2025.4.25
+fi
+ln -sfn ../sqlite/bin/mcp-server-sqlite "$venv/bin/mcp-server-sqlite"
 chmod -R a+rX "$venv"
-test -x "$venv/bin/mcp-server-time"
+ready
 echo "mcp venv ready: $venv"

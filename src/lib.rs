@@ -30,7 +30,7 @@ pub mod turn;
 
 use std::sync::Arc;
 
-pub use broker::{ApiKey, Broker, HostTool, McpServerConfig, ToolCallContext};
+pub use broker::{ApiKey, Broker, HostTool, McpScope, McpServerConfig, ToolCallContext};
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError};
 pub use roundtable_sandbox_protocol as protocol;
@@ -108,6 +108,12 @@ impl Sandbox {
     /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]).
     pub async fn sweep(&self) -> sweep::SweepReport {
         sweep::sweep(self).await
+    }
+
+    /// Stops the channel's MCP sessions (see [`Broker::release_channel`]): taken out at
+    /// once, closed by the returned future.
+    pub fn release_channel(&self, channel: &str) -> broker::BoxFuture<'static, ()> {
+        self.inner.broker.release_channel(channel)
     }
 
     /// Ends the runtime-long parts (MCP children).

@@ -222,3 +222,116 @@ fn toml_file_loads_and_rejects_unknown_keys() {
     );
     assert!(e.ends_with("(at line 2, column 1)"), "{e}");
 }
+
+/// `[[mcp]]` scopes: the defaults per transport, and each misuse refused with its message
+/// (from TOML, before any server is started).
+#[test]
+fn mcp_scope_rules() {
+    use roundtable_sandbox::McpScope;
+    let env = Env::new();
+    let head = format!(
+        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
+         model = \"m\"\nmodel_url = \"https://models.invalid/v1\"\n",
+        env.run_root.display(),
+        env.workspace_root.display()
+    );
+    let parse = |mcp: &str| {
+        Config::from_toml_str(&format!(
+            "{head}[[mcp]]\nname = \"db\"\ntools = [\"q\"]\n{mcp}"
+        ))
+    };
+    let rule = |mcp: &str| err(&parse(mcp).unwrap());
+
+    let stdio = "transport = \"stdio\"\ncommand = \"srv\"\n";
+    let http = "transport = \"http\"\nurl = \"https://mcp.invalid/mcp\"\n";
+    assert_eq!(parse(stdio).unwrap().mcp[0].scope(), McpScope::Channel);
+    assert_eq!(parse(http).unwrap().mcp[0].scope(), McpScope::Shared);
+    let c = parse(&format!(
+        "{stdio}args = [\"--db-path\", \"/data/{{channel}}.db\"]\nenv = {{ DB = \"/data/{{channel}}\" }}\nmax_sessions = 4\n"
+    ))
+    .unwrap();
+    assert_eq!(c.mcp[0].session_cap(), 4);
+    c.resolve().unwrap();
+    let c = parse(&format!("{stdio}scope = \"shared\"\n")).unwrap();
+    assert_eq!(
+        (c.mcp[0].scope(), c.mcp[0].session_cap()),
+        (McpScope::Shared, 1)
+    );
+    c.resolve().unwrap();
+    parse("transport = \"http\"\nurl = \"https://mcp.invalid/c/{channel}/mcp\"\nscope = \"channel\"\n")
+        .unwrap()
+        .resolve()
+        .unwrap();
+
+    // Unknown keys are still refused (the transport takes every key the server does not).
+    let e = parse(&format!("{stdio}scoop = \"channel\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("config file <string>: mcp[0]: unknown field `scoop`"),
+        "{e}"
+    );
+    let e = parse(&format!("{http}args = [\"x\"]\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("config file <string>: mcp[0]: unknown field `args`"),
+        "{e}"
+    );
+    let e = parse(&format!("{stdio}scope = \"global\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "config file <string>: mcp[0].scope: unknown variant `global`, expected `channel` or `shared` (at line 11, column 9)"
+    );
+    let prefix = "invalid broker policy: MCP server db: ";
+    assert_eq!(
+        rule(&format!(
+            "{stdio}scope = \"shared\"\nargs = [\"/data/{{channel}}.db\"]\n"
+        )),
+        format!(
+            "{prefix}{{channel}} is used but scope is \"shared\" (one session for every channel)"
+        )
+    );
+    assert_eq!(
+        rule(&format!(
+            "{stdio}scope = \"shared\"\nenv = {{ DB = \"{{channel}}\" }}\n"
+        )),
+        format!(
+            "{prefix}{{channel}} is used but scope is \"shared\" (one session for every channel)"
+        )
+    );
+    assert_eq!(
+        rule("transport = \"http\"\nurl = \"https://mcp.invalid/{channel}\"\n"),
+        format!(
+            "{prefix}{{channel}} is used but scope is \"shared\" (one session for every channel)"
+        )
+    );
+    assert_eq!(
+        rule("transport = \"stdio\"\ncommand = \"/srv/{channel}\"\n"),
+        format!("{prefix}{{channel}} can be used only in args and env values")
+    );
+    assert_eq!(
+        rule("transport = \"stdio\"\ncommand = \"srv\"\nenv = { \"X_{channel}\" = \"1\" }\n"),
+        format!("{prefix}{{channel}} can be used only in args and env values")
+    );
+    assert_eq!(
+        rule("transport = \"http\"\nurl = \"https://mcp.invalid/mcp\"\nscope = \"channel\"\nheaders = { \"x-{channel}\" = \"1\" }\n"),
+        format!("{prefix}{{channel}} can be used only in the url and header values")
+    );
+    assert_eq!(
+        rule(&format!("{stdio}scope = \"shared\"\nmax_sessions = 4\n")),
+        format!("{prefix}max_sessions applies only to scope = \"channel\"")
+    );
+    assert_eq!(
+        rule(&format!("{http}max_sessions = 4\n")),
+        format!("{prefix}max_sessions applies only to scope = \"channel\"")
+    );
+    for n in [0, 1025] {
+        assert_eq!(
+            rule(&format!("{stdio}max_sessions = {n}\n")),
+            format!("{prefix}max_sessions must be 1 to 1024, got {n}")
+        );
+    }
+}

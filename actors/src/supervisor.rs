@@ -55,8 +55,8 @@ impl Drop for WaitingGuard {
 /// Started by [`SandboxSupervisor::start`], which validates the whole configuration first.
 /// Spawns one [`ChannelActor`] per channel on its first [`GuestMessage`] (under
 /// [`actix::Supervisor`], restarted after a panic), keeps every channel's pending reset
-/// generation (so a restart or a retirement never loses it), retires idle channel actors,
-/// and answers [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
+/// generation (so a restart or a retirement never loses it), retires idle channel actors
+/// (and stops their channel-scoped MCP sessions), and answers [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
 pub struct SandboxSupervisor {
     shared: Arc<Shared>,
     channels: HashMap<String, ChannelEntry>,
@@ -262,6 +262,9 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         if let Some(entry) = self.channels.remove(&msg.channel) {
             entry.addr.do_send(Retire);
         }
+        // The channel's MCP sessions go with it: taken out of the pool now (before any later
+        // message of the channel can start a turn), closed in the background.
+        actix_rt::spawn(self.shared.sandbox.release_channel(&msg.channel));
         if self
             .resets
             .get(&msg.channel)

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use roundtable_sandbox::broker::{ApiKey, McpTransport};
+use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
 use roundtable_sandbox::config::{Config, MAX_SOCKET_PATH, SOCKET_SUFFIX};
 use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
@@ -466,8 +466,15 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
             McpTransport::Stdio { command, .. } => format!("stdio `{command}`"),
             McpTransport::Http { url, .. } => format!("http {}", host_of(url)),
         };
+        let scope = match m.scope() {
+            McpScope::Channel => format!(
+                "one session per channel (at most {}, least recently used stopped first)",
+                m.session_cap()
+            ),
+            McpScope::Shared => "one session shared by every channel (cross-channel)".into(),
+        };
         println!(
-            "mcp           {}: {how}; allow-list: {}",
+            "mcp           {}: {how}; {scope}; allow-list: {}",
             m.name,
             m.tools.join(", ")
         );

@@ -1,18 +1,26 @@
 //! The MCP bridge: `POST /v1/mcp/{server}/{tool}` through an rmcp client pool.
 //!
-//! - [`validate_config`]: pure checks of one server's configuration;
-//! - [`McpPool::start`]: every server started (stdio child or streamable HTTP), its tools
-//!   listed, the allow-list checked against them, and each allow-listed tool's description
-//!   and input schema **pinned**;
+//! - [`validate_config`]: pure checks of one server's configuration (its scope and where
+//!   `{channel}` may appear);
+//! - [`McpPool::start`]: every server started once (stdio child or streamable HTTP), its
+//!   tools listed, the allow-list checked against them, and each allow-listed tool's
+//!   description and input schema **pinned**: one pin per server, for every session of it.
+//!   A `shared` server keeps that session; a `channel` server's first session (a probe,
+//!   with `{channel}` = [`PROBE_SEGMENT`]) is stopped once its tools are pinned;
 //! - [`McpPool::call`]: only allow-listed tools; arguments validated against the pinned
-//!   schema; a dead server is restarted on next use and re-listed, and a server whose
-//!   allow-listed tools changed is refused from then on (tool rug-pull); the call is
+//!   schema; the call goes to the caller's session (one per channel, started on the
+//!   channel's first call, or the shared one) and carries the channel hash and the speaker
+//!   in `_meta`; a session that starts (or restarts after dying) presenting an allow-listed
+//!   tool that differs from the pin is refused from then on (tool rug-pull); the call is
 //!   dropped, which sends `notifications/cancelled`, when the turn ends or the deadline
 //!   passes;
-//! - [`McpPool::shutdown`]: children closed, then terminated and reaped.
+//! - channel sessions are bounded by the server's `max_sessions`: the least recently used
+//!   idle one is stopped to make room, and a call that finds every session busy is refused;
+//! - [`McpPool::release`]: a retired channel's sessions stopped;
+//! - [`McpPool::shutdown`]: every session closed, then terminated and reaped.
 //!
-//! Servers live as long as the [`super::Broker`], not per turn. A stdio child gets only
-//! its configured env plus a few harmless variables, never the runtime's whole env.
+//! A stdio child gets only its configured env plus a few harmless variables, never the
+//! runtime's whole env.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -22,7 +30,7 @@ use std::time::Duration;
 
 use hyper::header::{HeaderName, HeaderValue};
 use hyper::StatusCode;
-use rmcp::model::CallToolRequestParams;
+use rmcp::model::{CallToolRequestParams, MetaObject, RequestMetaObject};
 use rmcp::service::{RoleClient, RunningService, ServiceError};
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
@@ -33,7 +41,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::server::{error_response, Response};
 use super::tools::{check_args, compile_schema, tool_result};
-use super::{valid_tool_name, BrokerError, BrokerPolicy, McpServerConfig, McpTransport};
+use super::{
+    valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServerConfig, McpTransport,
+    TurnContext,
+};
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
 const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"];
@@ -41,6 +52,18 @@ const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a server may take to exit at shutdown before it is killed.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Replaced by the channel's sha256 hex in a channel-scoped server's args, env values,
+/// url and header values.
+pub const CHANNEL_PLACEHOLDER: &str = "{channel}";
+/// What `{channel}` becomes in the session that lists and pins a channel-scoped server's
+/// tools at startup: 64 zeros, the hash of no channel.
+pub const PROBE_SEGMENT: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+/// The `_meta` key of the channel's sha256 hex on every tool call.
+pub const META_CHANNEL: &str = "roundtable-sandbox/channel";
+/// The `_meta` key of the speaker (`{"id", "name"}`) on every tool call.
+pub const META_SPEAKER: &str = "roundtable-sandbox/speaker";
+/// The most live sessions one channel-scoped server may be given.
+const MAX_SESSIONS: usize = 1024;
 
 /// An MCP tool name: 1 to 64 of `A-Z`, `a-z`, `0-9`, `_`, `-` (a path segment).
 fn valid_mcp_tool_name(name: &str) -> bool {
@@ -78,6 +101,44 @@ pub(crate) fn validate_config(
             return Err(err(format!("tool {tool} is allow-listed twice")));
         }
     }
+    let has = |s: &String| s.contains(CHANNEL_PLACEHOLDER);
+    let scope = config.scope();
+    match (scope, config.max_sessions) {
+        (McpScope::Shared, Some(_)) => {
+            return Err(err(
+                "max_sessions applies only to scope = \"channel\"".into()
+            ))
+        }
+        (_, Some(n)) if !(1..=MAX_SESSIONS).contains(&n) => {
+            return Err(err(format!(
+                "max_sessions must be 1 to {MAX_SESSIONS}, got {n}"
+            )))
+        }
+        _ => {}
+    }
+    let uses_channel = match &config.transport {
+        McpTransport::Stdio { command, args, env } => {
+            if has(command) || env.keys().any(has) {
+                return Err(err(
+                    "{channel} can be used only in args and env values".into()
+                ));
+            }
+            args.iter().any(has) || env.values().any(has)
+        }
+        McpTransport::Http { url, headers } => {
+            if headers.keys().any(has) {
+                return Err(err(
+                    "{channel} can be used only in the url and header values".into(),
+                ));
+            }
+            has(url) || headers.values().any(has)
+        }
+    };
+    if uses_channel && scope == McpScope::Shared {
+        return Err(err(
+            "{channel} is used but scope is \"shared\" (one session for every channel)".into(),
+        ));
+    }
     match &config.transport {
         McpTransport::Stdio { command, env, .. } => {
             if command.trim().is_empty() {
@@ -91,8 +152,8 @@ pub(crate) fn validate_config(
             }
         }
         McpTransport::Http { url, headers } => {
-            let parsed =
-                reqwest::Url::parse(url).map_err(|_| err(format!("invalid url: {url}")))?;
+            let parsed = reqwest::Url::parse(&url.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
+                .map_err(|_| err(format!("invalid url: {url}")))?;
             match parsed.scheme() {
                 "https" => {}
                 "http" if allow_http => {}
@@ -105,7 +166,8 @@ pub(crate) fn validate_config(
             }
             for (name, value) in headers {
                 if HeaderName::try_from(name.as_str()).is_err()
-                    || HeaderValue::try_from(value.as_str()).is_err()
+                    || HeaderValue::try_from(value.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
+                        .is_err()
                 {
                     return Err(err(format!("invalid header {name}")));
                 }
@@ -123,16 +185,48 @@ struct Pinned {
 }
 
 enum State {
+    /// Not started yet, or its process died: (re)started on the next call.
+    Stopped,
     Running(RunningService<RoleClient, ()>),
-    Dead,
+    /// It presented an allow-listed tool that differs from the pin.
     Refused(String),
+    /// Stopped for good: its channel retired or it made room for another.
+    Closed,
+    /// The broker shut down.
     Shutdown,
+}
+
+/// One MCP session: a child process (stdio) or an MCP session (http).
+pub(crate) struct Session {
+    /// What `{channel}` becomes for it.
+    segment: String,
+    state: tokio::sync::Mutex<State>,
+}
+
+/// The live sessions of one server, by key (the channel's hash; `""` when shared).
+#[derive(Default)]
+struct Sessions {
+    live: HashMap<String, (Arc<Session>, u64)>,
+    /// Bumped on each use: the least recently used session has the smallest stamp.
+    clock: u64,
+    shut: bool,
 }
 
 struct Server {
     config: McpServerConfig,
+    scope: McpScope,
+    cap: usize,
     pins: BTreeMap<String, Pinned>,
-    state: tokio::sync::Mutex<State>,
+    sessions: std::sync::Mutex<Sessions>,
+}
+
+impl Server {
+    fn table(&self) -> std::sync::MutexGuard<'_, Sessions> {
+        // The table is only ever held for map operations; a poisoned lock holds valid data.
+        self.sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// The MCP servers of a broker.
@@ -174,7 +268,14 @@ impl McpPool {
             server: config.name.clone(),
             error,
         };
-        let service = connect(config, &self.http).await.map_err(start_err)?;
+        let scope = config.scope();
+        let service = connect(
+            &config.name,
+            &substitute(&config.transport, PROBE_SEGMENT),
+            &self.http,
+        )
+        .await
+        .map_err(start_err)?;
         let listed = match list(&service).await {
             Ok(l) => l,
             Err(e) => {
@@ -207,11 +308,25 @@ impl McpPool {
                 },
             );
         }
-        tracing::info!(server = %config.name, tools = pins.len(), "MCP server ready");
+        let mut sessions = Sessions::default();
+        match scope {
+            McpScope::Shared => {
+                let session = Session {
+                    segment: String::new(),
+                    state: tokio::sync::Mutex::new(State::Running(service)),
+                };
+                sessions.live.insert(String::new(), (Arc::new(session), 0));
+            }
+            // The probe session is not any channel's: stopped once the tools are pinned.
+            McpScope::Channel => close(service).await,
+        }
+        tracing::info!(server = %config.name, tools = pins.len(), %scope, "MCP server ready");
         Ok(Server {
             config: config.clone(),
+            scope,
+            cap: config.session_cap(),
             pins,
-            state: tokio::sync::Mutex::new(State::Running(service)),
+            sessions: std::sync::Mutex::new(sessions),
         })
     }
 
@@ -245,12 +360,18 @@ impl McpPool {
             .is_some_and(|s| s.pins.contains_key(tool))
     }
 
-    /// Calls an allow-listed tool.
+    /// The sessions alive now (a shared server's counts once), across servers.
+    pub(crate) fn live_sessions(&self) -> usize {
+        self.servers.values().map(|s| s.table().live.len()).sum()
+    }
+
+    /// Calls an allow-listed tool in the caller's session.
     pub(crate) async fn call(
         &self,
         server: &str,
         tool: &str,
         args: serde_json::Map<String, serde_json::Value>,
+        ctx: &TurnContext,
         stop: &CancellationToken,
         policy: &BrokerPolicy,
     ) -> Response {
@@ -271,10 +392,24 @@ impl McpPool {
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
         };
+        let segment = crate::turn::channel_segment(&ctx.channel);
+        let mut meta = serde_json::Map::new();
+        meta.insert(META_CHANNEL.into(), segment.clone().into());
+        meta.insert(
+            META_SPEAKER.into(),
+            serde_json::json!({"id": ctx.speaker.id, "name": ctx.speaker.name}),
+        );
+        let key = match srv.scope {
+            McpScope::Shared => String::new(),
+            McpScope::Channel => segment,
+        };
         let timeout = policy.limits.call_timeout;
         let work = async {
-            let peer = self.ready(srv).await?;
-            let params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
+            // Held for the whole call: a session in use is never stopped to make room.
+            let session = self.session(srv, &key).await?;
+            let peer = self.ready(srv, &session).await?;
+            let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
+            params.meta = Some(RequestMetaObject(MetaObject(meta)));
             // Dropping this future (deadline, turn stop) sends notifications/cancelled.
             match peer.call_tool(params).await {
                 Ok(result) => Ok(result),
@@ -287,10 +422,10 @@ impl McpPool {
                     ) || peer.is_transport_closed();
                     if closed {
                         // Restarted on next use.
-                        let mut state = srv.state.lock().await;
+                        let mut state = session.state.lock().await;
                         if let State::Running(s) = &*state {
                             if s.is_closed() || s.peer().is_transport_closed() {
-                                *state = State::Dead;
+                                *state = State::Stopped;
                             }
                         }
                         Err(CallError::Failed(format!(
@@ -316,6 +451,7 @@ impl McpPool {
                 &format!("tool call timed out after {timeout:?}"),
             ),
             Ok(Err(CallError::Failed(msg))) => error_response(StatusCode::BAD_GATEWAY, &msg),
+            Ok(Err(CallError::Busy(msg))) => error_response(StatusCode::SERVICE_UNAVAILABLE, &msg),
             Ok(Err(CallError::Tool(msg))) => tool_result(Err(format!("MCP error: {msg}")), policy),
             Ok(Ok(result)) => {
                 let text = result_text(&result.content, result.structured_content.as_ref());
@@ -328,10 +464,62 @@ impl McpPool {
         }
     }
 
-    /// The server's peer, restarting a dead server (and re-checking its pins) first.
-    async fn ready(&self, srv: &Server) -> Result<rmcp::Peer<RoleClient>, CallError> {
+    /// The session for `key` (a channel's hash, or `""` when shared), made if there is
+    /// none. Making one past the server's cap first stops the least recently used session
+    /// that no call holds; with none such the call is refused.
+    async fn session(&self, srv: &Server, key: &str) -> Result<Arc<Session>, CallError> {
         let name = &srv.config.name;
-        let mut state = srv.state.lock().await;
+        let (session, evicted) = {
+            let mut table = srv.table();
+            if table.shut {
+                return Err(CallError::Failed(format!("MCP server {name} is shut down")));
+            }
+            table.clock += 1;
+            let now = table.clock;
+            if let Some((session, used)) = table.live.get_mut(key) {
+                *used = now;
+                return Ok(session.clone());
+            }
+            let mut evicted = None;
+            if table.live.len() >= srv.cap {
+                // Only the table holds an idle session; a call in flight holds a clone.
+                let lru = table
+                    .live
+                    .iter()
+                    .filter(|(_, (s, _))| Arc::strong_count(s) == 1)
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(k, _)| k.clone());
+                let Some(lru) = lru else {
+                    tracing::warn!(server = %name, cap = srv.cap, "every MCP session is busy");
+                    return Err(CallError::Busy(format!(
+                        "MCP server {name}: all {} channel sessions are in use; try again later",
+                        srv.cap
+                    )));
+                };
+                evicted = table.live.remove(&lru).map(|(s, _)| s);
+            }
+            let session = Arc::new(Session {
+                segment: key.to_owned(),
+                state: tokio::sync::Mutex::new(State::Stopped),
+            });
+            table.live.insert(key.to_owned(), (session.clone(), now));
+            (session, evicted)
+        };
+        if let Some(old) = evicted {
+            tracing::info!(server = %name, cap = srv.cap, "stopping the least recently used MCP session");
+            stop_session(&old, State::Closed).await;
+        }
+        Ok(session)
+    }
+
+    /// The session's peer, (re)starting it (and checking its tools against the pins) first.
+    async fn ready(
+        &self,
+        srv: &Server,
+        session: &Session,
+    ) -> Result<rmcp::Peer<RoleClient>, CallError> {
+        let name = &srv.config.name;
+        let mut state = session.state.lock().await;
         match &*state {
             State::Running(s) if !s.is_closed() && !s.peer().is_transport_closed() => {
                 return Ok(s.peer().clone());
@@ -340,16 +528,22 @@ impl McpPool {
             State::Shutdown => {
                 return Err(CallError::Failed(format!("MCP server {name} is shut down")))
             }
-            _ => {}
+            State::Closed => {
+                return Err(CallError::Failed(format!(
+                    "MCP server {name}: this channel's session was stopped; try again"
+                )))
+            }
+            State::Running(_) | State::Stopped => {}
         }
-        let old = std::mem::replace(&mut *state, State::Dead);
+        let old = std::mem::replace(&mut *state, State::Stopped);
         if let State::Running(s) = old {
             close(s).await;
         }
-        tracing::info!(server = %name, "restarting MCP server");
+        tracing::info!(server = %name, scope = %srv.scope, "starting MCP session");
         let unavailable = || CallError::Failed(format!("MCP server {name} is unavailable"));
-        let service = connect(&srv.config, &self.http).await.map_err(|e| {
-            tracing::warn!(server = %name, error = %e, "MCP server restart failed");
+        let transport = substitute(&srv.config.transport, &session.segment);
+        let service = connect(name, &transport, &self.http).await.map_err(|e| {
+            tracing::warn!(server = %name, error = %e, "MCP session start failed");
             unavailable()
         })?;
         let listed = match list(&service).await {
@@ -360,6 +554,7 @@ impl McpPool {
                 return Err(unavailable());
             }
         };
+        // One pin per server: every session must present the tools as first approved.
         for (tool, pin) in &srv.pins {
             let same = listed
                 .get(tool)
@@ -368,7 +563,7 @@ impl McpPool {
                 let why = format!(
                     "MCP server {name} changed tool {tool} since it was approved; it is refused"
                 );
-                tracing::warn!(server = %name, tool = %tool, "MCP tool changed after pinning; server refused");
+                tracing::warn!(server = %name, tool = %tool, "MCP tool changed after pinning; session refused");
                 close(service).await;
                 *state = State::Refused(why.clone());
                 return Err(CallError::Failed(why));
@@ -379,32 +574,81 @@ impl McpPool {
         Ok(peer)
     }
 
-    /// Closes every server; a child that does not exit is terminated, then killed, and
-    /// always reaped.
+    /// Takes the channel's sessions (by the channel's hash) out of every channel-scoped
+    /// server at once; they are closed when the returned sessions are handed to
+    /// [`close_sessions`]. A later call of the channel starts a new session.
+    pub(crate) fn release(&self, segment: &str) -> Vec<Arc<Session>> {
+        self.servers
+            .values()
+            .filter(|s| s.scope == McpScope::Channel)
+            .filter_map(|s| s.table().live.remove(segment).map(|(session, _)| session))
+            .collect()
+    }
+
+    /// Closes every session; a child that does not exit is terminated, then killed, and
+    /// always reaped. Later calls are refused.
     pub(crate) async fn shutdown(&self) {
         for srv in self.servers.values() {
-            let old = std::mem::replace(&mut *srv.state.lock().await, State::Shutdown);
-            if let State::Running(s) = old {
-                close(s).await;
+            let sessions: Vec<_> = {
+                let mut table = srv.table();
+                table.shut = true;
+                table.live.drain().map(|(_, (s, _))| s).collect()
+            };
+            for session in sessions {
+                stop_session(&session, State::Shutdown).await;
             }
         }
+    }
+}
+
+/// Closes released sessions.
+pub(crate) async fn close_sessions(sessions: Vec<Arc<Session>>) {
+    for session in sessions {
+        stop_session(&session, State::Closed).await;
+    }
+}
+
+/// Puts the session in its final `state`, closing its process or connection.
+async fn stop_session(session: &Session, state: State) {
+    let old = std::mem::replace(&mut *session.state.lock().await, state);
+    if let State::Running(s) = old {
+        close(s).await;
+    }
+}
+
+/// The transport with `{channel}` replaced by `segment`.
+fn substitute(transport: &McpTransport, segment: &str) -> McpTransport {
+    let sub = |v: &String| v.replace(CHANNEL_PLACEHOLDER, segment);
+    match transport {
+        McpTransport::Stdio { command, args, env } => McpTransport::Stdio {
+            command: command.clone(),
+            args: args.iter().map(sub).collect(),
+            env: env.iter().map(|(k, v)| (k.clone(), sub(v))).collect(),
+        },
+        McpTransport::Http { url, headers } => McpTransport::Http {
+            url: sub(url),
+            headers: headers.iter().map(|(k, v)| (k.clone(), sub(v))).collect(),
+        },
     }
 }
 
 enum CallError {
     /// The server failed (a `502`).
     Failed(String),
+    /// Every session of the server is in use (a `503`).
+    Busy(String),
     /// The server answered the call with an error (a readable `{"ok":false}`).
     Tool(String),
 }
 
 /// Starts one server and runs the MCP handshake.
 async fn connect(
-    config: &McpServerConfig,
+    server: &str,
+    transport: &McpTransport,
     http: &reqwest::Client,
 ) -> Result<RunningService<RoleClient, ()>, String> {
     let start = async {
-        match &config.transport {
+        match transport {
             McpTransport::Stdio { command, args, env } => {
                 let mut cmd = tokio::process::Command::new(command);
                 cmd.args(args).env_clear().kill_on_drop(true);
@@ -419,7 +663,7 @@ async fn connect(
                     .spawn()
                     .map_err(|e| format!("spawn {command}: {e}"))?;
                 if let Some(stderr) = stderr {
-                    let server = config.name.clone();
+                    let server = server.to_owned();
                     tokio::spawn(async move {
                         let mut lines = tokio::io::BufReader::new(stderr).lines();
                         while let Ok(Some(line)) = lines.next_line().await {

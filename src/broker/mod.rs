@@ -38,6 +38,7 @@
 
 mod mcp;
 mod model;
+pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
 mod redact;
 mod server;
 mod tools;
@@ -217,14 +218,85 @@ impl fmt::Debug for McpTransport {
     }
 }
 
+/// Whose data one MCP session holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum McpScope {
+    /// One session per channel: started on the channel's first call, stopped when the
+    /// channel retires ([`Broker::release_channel`]), when the least recently used
+    /// session makes room for another (`max_sessions`), and at shutdown. `{channel}` (the
+    /// channel's sha256 hex, as its workspace dir) is substituted in `args` and `env`
+    /// values (stdio) or in `url` and header values (http), so each channel's data can
+    /// live in its own file. The default for stdio servers.
+    Channel,
+    /// One session for every channel, started with the broker: whatever the server
+    /// keeps is seen by every channel (cross-channel). The default for http servers.
+    Shared,
+}
+
+impl fmt::Display for McpScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            McpScope::Channel => "channel",
+            McpScope::Shared => "shared",
+        })
+    }
+}
+
 /// An MCP server and the tools of it that the guest may call.
+///
+/// Unknown keys are refused by the transport (serde's `deny_unknown_fields` cannot be put
+/// on a struct with a flattened field: it would refuse the transport's own keys; every key
+/// this struct does not take goes to the transport, whose variants deny unknown fields).
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct McpServerConfig {
     pub name: String,
     #[serde(flatten)]
     pub transport: McpTransport,
     pub tools: Vec<String>,
+    /// `channel` or `shared`; `None` takes the transport's default (see [`McpServerConfig::scope`]).
+    #[serde(default)]
+    pub scope: Option<McpScope>,
+    /// Live channel sessions at most (channel scope only; default
+    /// [`McpServerConfig::DEFAULT_MAX_SESSIONS`]); past it the least recently used idle
+    /// session is stopped, and with every session busy the call is refused (`503`).
+    #[serde(default)]
+    pub max_sessions: Option<usize>,
+}
+
+impl McpServerConfig {
+    /// Live channel sessions per server when `max_sessions` is not set.
+    pub const DEFAULT_MAX_SESSIONS: usize = 16;
+
+    /// A server with the transport's default scope and session cap.
+    pub fn new(name: impl Into<String>, transport: McpTransport, tools: &[&str]) -> Self {
+        Self {
+            name: name.into(),
+            transport,
+            tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+            scope: None,
+            max_sessions: None,
+        }
+    }
+
+    /// The effective scope: as configured, else `channel` for a stdio server (its child
+    /// and its files are the host's to separate) and `shared` for an http server (a
+    /// remote endpoint holds one dataset whatever MCP session it is reached by; use
+    /// `scope = "channel"` with `{channel}` in its url only if it keys its data by it).
+    pub fn scope(&self) -> McpScope {
+        self.scope.unwrap_or(match self.transport {
+            McpTransport::Stdio { .. } => McpScope::Channel,
+            McpTransport::Http { .. } => McpScope::Shared,
+        })
+    }
+
+    /// The number of sessions that may live at once: 1 when shared.
+    pub fn session_cap(&self) -> usize {
+        match self.scope() {
+            McpScope::Shared => 1,
+            McpScope::Channel => self.max_sessions.unwrap_or(Self::DEFAULT_MAX_SESSIONS),
+        }
+    }
 }
 
 /// Per-turn caps of the broker.
@@ -477,6 +549,27 @@ impl Broker {
             stop,
             task: Some(task),
         })
+    }
+
+    /// Stops the channel's MCP sessions (channel-scoped servers only). They are taken out
+    /// of the pool at once, so a later call of the channel starts a new session; the
+    /// returned future closes them (stdin closed, then SIGTERM, then SIGKILL; reaped).
+    /// The actor layer calls it when it retires an idle channel. Without it a channel's
+    /// sessions live until `max_sessions` makes room for others, or until shutdown.
+    pub fn release_channel(&self, channel: &str) -> BoxFuture<'static, ()> {
+        let sessions = self.mcp.release(&crate::turn::channel_segment(channel));
+        if !sessions.is_empty() {
+            tracing::debug!(
+                sessions = sessions.len(),
+                "releasing a channel's MCP sessions"
+            );
+        }
+        Box::pin(mcp::close_sessions(sessions))
+    }
+
+    /// MCP sessions alive now, across servers (a shared server's session counts once).
+    pub fn mcp_sessions(&self) -> usize {
+        self.mcp.live_sessions()
     }
 
     /// Ends the runtime-long parts: every MCP child is closed, then killed if it lingers,

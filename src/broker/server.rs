@@ -289,7 +289,14 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
             tracing::debug!(server, tool, "MCP tool call");
             turn.broker
                 .mcp
-                .call(server, tool, object, &turn.stop, &turn.broker.policy)
+                .call(
+                    server,
+                    tool,
+                    object,
+                    &turn.ctx,
+                    &turn.stop,
+                    &turn.broker.policy,
+                )
                 .await
         }
     }

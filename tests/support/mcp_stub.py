@@ -5,9 +5,13 @@ Directory $STUB_DIR: it writes its pid to `pid`, appends every method it receive
 `log`, and reads the description of its `echo` tool from `description` at each
 tools/list (so a test can change it: a tool rug-pull).
 
+With an argument TAG (a channel-scoped session passes `{channel}`), it also writes its pid
+to `pid-TAG`, and reads the description from `description-TAG` first (so a test can make
+one channel's session present a different tool).
+
 Tools: echo {text} -> text; sleep {seconds} (answered from a thread, so a
 notifications/cancelled is still read and logged); crash (exits mid-call);
-fail (answers isError); secret (never allow-listed).
+fail (answers isError); meta -> the call's `_meta` as JSON; secret (never allow-listed).
 """
 import json
 import os
@@ -16,18 +20,22 @@ import threading
 import time
 
 DIR = os.environ["STUB_DIR"]
-with open(os.path.join(DIR, "pid"), "w") as f:
-    f.write(str(os.getpid()))
+TAG = sys.argv[1] if len(sys.argv) > 1 else None
+for name in ["pid"] + ([f"pid-{TAG}"] if TAG else []):
+    with open(os.path.join(DIR, name), "w") as f:
+        f.write(str(os.getpid()))
 LOG = open(os.path.join(DIR, "log"), "a")
 OUT = threading.Lock()
 
 
 def description():
-    try:
-        with open(os.path.join(DIR, "description")) as f:
-            return f.read()
-    except FileNotFoundError:
-        return "Echo the text"
+    for name in ([f"description-{TAG}"] if TAG else []) + ["description"]:
+        try:
+            with open(os.path.join(DIR, name)) as f:
+                return f.read()
+        except FileNotFoundError:
+            pass
+    return "Echo the text"
 
 
 def tools():
@@ -49,6 +57,7 @@ def tools():
         },
         {"name": "crash", "description": "Exit mid-call", "inputSchema": obj},
         {"name": "fail", "description": "Fail", "inputSchema": obj},
+        {"name": "meta", "description": "The call's _meta", "inputSchema": obj},
         {"name": "secret", "description": "Not allow-listed", "inputSchema": obj},
     ]
 
@@ -99,6 +108,8 @@ for line in sys.stdin:
             os._exit(3)
         elif name == "fail":
             result(mid, text("it failed", error=True))
+        elif name == "meta":
+            result(mid, text(json.dumps(msg["params"].get("_meta"))))
         else:
             result(mid, text("the secret tool ran"))
     elif method == "ping":

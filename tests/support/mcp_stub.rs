@@ -1,21 +1,31 @@
 //! The stub MCP server of `tests/support/mcp_stub.py` as a broker configuration.
+#![allow(dead_code)]
 
 use std::path::Path;
 
 use roundtable_sandbox::broker::{McpServerConfig, McpTransport};
 
-/// The stub server (no dependencies but python3), its files in `dir`, `tools` allow-listed.
+/// The stub server (no dependencies but python3), its files in `dir`, `tools` allow-listed,
+/// with the default scope (`channel` for stdio).
 pub fn stub_server(dir: &Path, tools: &[&str]) -> McpServerConfig {
-    McpServerConfig {
-        name: "stub".into(),
-        transport: McpTransport::Stdio {
+    stub_server_with(dir, tools, &[])
+}
+
+/// The stub server with extra arguments (e.g. `{channel}`, which makes it write
+/// `pid-<channel>` and read `description-<channel>` first).
+pub fn stub_server_with(dir: &Path, tools: &[&str], extra: &[&str]) -> McpServerConfig {
+    let mut args = vec![Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/support/mcp_stub.py")
+        .display()
+        .to_string()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    McpServerConfig::new(
+        "stub",
+        McpTransport::Stdio {
             command: "python3".into(),
-            args: vec![Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("tests/support/mcp_stub.py")
-                .display()
-                .to_string()],
+            args,
             env: [("STUB_DIR".to_owned(), dir.display().to_string())].into(),
         },
-        tools: tools.iter().map(|s| s.to_string()).collect(),
-    }
+        tools,
+    )
 }

@@ -1,0 +1,203 @@
+//! Channel-scoped MCP sessions through the actor layer, end to end: the real guest in the
+//! project's image, a scripted model on loopback, and `mcp-server-sqlite` (PyPI, from the
+//! venv `scripts/mcp-venv.sh` makes). A channel's session starts on its first call, keeps
+//! its data in the channel's own file, and its process is gone once the channel retires.
+
+#[path = "support/fake.rs"]
+mod fake;
+#[path = "../../tests/support/model.rs"]
+mod model_support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fake::*;
+use model_support::{ScriptedModel, Step};
+use roundtable_sandbox::broker::{McpServerConfig, McpTransport, PROBE_SEGMENT};
+use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox_actors::*;
+use serde_json::json;
+
+fn sqlite_bin() -> PathBuf {
+    let venv = std::env::var_os("ROUNDTABLE_MCP_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-mcp"));
+    let bin = venv.join("bin/mcp-server-sqlite");
+    assert!(
+        bin.exists(),
+        "{} is missing: run scripts/mcp-venv.sh",
+        bin.display()
+    );
+    bin
+}
+
+fn read_pid(file: &Path) -> i32 {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+async fn wait_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive(pid) {
+        assert!(Instant::now() < deadline, "process {pid} is still there");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The tool results of a model request, in order.
+fn tool_results(request: &serde_json::Value) -> Vec<String> {
+    request["messages"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[actix_rt::test]
+async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_it_retires() {
+    let env = Env::new();
+    let data = env.dir.path().join("mcp");
+    std::fs::create_dir(&data).unwrap();
+    let pid_of = |channel: &str| data.join(format!("pid-{}", channel_segment(channel)));
+    let model = ScriptedModel::start(vec![
+        // #alpha stores a note in its database.
+        Step::tool_call(
+            "a1",
+            "mcp__sqlite__create_table",
+            json!({"query": "CREATE TABLE notes (body TEXT)"}),
+        ),
+        Step::tool_call(
+            "a2",
+            "mcp__sqlite__write_query",
+            json!({"query": "INSERT INTO notes VALUES ('alpha-private-note')"}),
+        ),
+        Step::text("stored"),
+        // #beta tries to read it.
+        Step::tool_call(
+            "b1",
+            "mcp__sqlite__read_query",
+            json!({"query": "SELECT body FROM notes"}),
+        ),
+        Step::text("looked"),
+    ])
+    .await;
+    let mut c = env.config();
+    c.model_url = model.url();
+    c.turn_timeout = Some(Duration::from_secs(90));
+    c.mcp = vec![McpServerConfig::new(
+        "sqlite",
+        McpTransport::Stdio {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                r#"echo $$ > "$0"; exec "$@""#.into(),
+                data.join("pid-{channel}").display().to_string(),
+                sqlite_bin().display().to_string(),
+                "--db-path".into(),
+                data.join("{channel}.db").display().to_string(),
+            ],
+            env: Default::default(),
+        },
+        &["create_table", "write_query", "read_query"],
+    )];
+    let instance = c.resolve().unwrap().instance;
+    let mut s = SupervisorConfig::new(c);
+    s.idle_timeout = Duration::from_secs(3);
+    let addr = SandboxSupervisor::start(s).await.unwrap();
+    // Only the startup listing ran (and is gone); no channel has a session yet.
+    wait_gone(read_pid(&data.join(format!("pid-{PROBE_SEGMENT}")))).await;
+    assert!(!pid_of("#alpha").exists());
+
+    let reply = addr
+        .send(GuestMessage::new("#alpha", speaker("ann"), "remember"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text.as_deref(), Some("stored"), "{reply:?}");
+    let alpha = read_pid(&pid_of("#alpha"));
+    assert!(alive(alpha), "the session lives while the channel does");
+    assert!(!pid_of("#beta").exists());
+    let results = tool_results(&model.requests()[2].json());
+    assert_eq!(results.len(), 2, "{results:?}");
+
+    let reply = addr
+        .send(GuestMessage::new("#beta", speaker("bob"), "look"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text.as_deref(), Some("looked"), "{reply:?}");
+    let results = tool_results(&model.requests()[4].json());
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert!(results[0].contains("no such table: notes"), "{results:?}");
+    assert!(!results[0].contains("alpha-private-note"), "{results:?}");
+    let beta = read_pid(&pid_of("#beta"));
+    assert_ne!(alpha, beta);
+
+    // Both channels go idle and retire: their sessions' processes are gone.
+    status_until(&addr, "both channels retired", |s| s.totals.retired >= 2).await;
+    wait_gone(alpha).await;
+    wait_gone(beta).await;
+    let report = addr.send(Shutdown).await.unwrap();
+    assert_eq!(report.stopped_turns, 0);
+    let left = labelled_containers_of(&instance).await;
+    assert!(left.is_empty(), "leaked containers: {left:?}");
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}
+
+#[actix_rt::test]
+async fn shutdown_stops_every_channels_mcp_session() {
+    let env = Env::new();
+    let data = env.dir.path().join("mcp");
+    std::fs::create_dir(&data).unwrap();
+    let model = ScriptedModel::start(vec![
+        Step::tool_call(
+            "a1",
+            "mcp__sqlite__read_query",
+            json!({"query": "SELECT 1"}),
+        ),
+        Step::text("done"),
+    ])
+    .await;
+    let mut c = env.config();
+    c.model_url = model.url();
+    c.turn_timeout = Some(Duration::from_secs(90));
+    c.mcp = vec![McpServerConfig::new(
+        "sqlite",
+        McpTransport::Stdio {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                r#"echo $$ > "$0"; exec "$@""#.into(),
+                data.join("pid-{channel}").display().to_string(),
+                sqlite_bin().display().to_string(),
+                "--db-path".into(),
+                data.join("{channel}.db").display().to_string(),
+            ],
+            env: Default::default(),
+        },
+        &["read_query"],
+    )];
+    let mut s = SupervisorConfig::new(c);
+    s.idle_timeout = Duration::from_secs(3600);
+    let addr = SandboxSupervisor::start(s).await.unwrap();
+    let reply = addr
+        .send(GuestMessage::new("#gamma", speaker("ann"), "x"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
+    let pid = read_pid(&data.join(format!("pid-{}", channel_segment("#gamma"))));
+    assert!(alive(pid));
+    addr.send(Shutdown).await.unwrap();
+    wait_gone(pid).await;
+}
