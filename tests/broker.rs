@@ -1289,8 +1289,6 @@ async fn mcp_sqlite_channel_scope_keeps_each_channels_data_apart() {
             .contains("alpha-private-note"),
         "{r}"
     );
-    let alpha_pid = session_pid(dir.path(), "#alpha").expect("started on the first call");
-    assert!(alive(alpha_pid));
     assert_eq!(session_pid(dir.path(), "#beta"), None);
 
     // Channel B: its own session, its own file: A's table is not there.
@@ -1304,7 +1302,9 @@ async fn mcp_sqlite_channel_scope_keeps_each_channels_data_apart() {
     let r = sql(&beta, "list_tables", "").await;
     assert!(!r.to_string().contains("notes"), "{r}");
     assert!(!r.to_string().contains("alpha-private-note"), "{r}");
-    let beta_pid = session_pid(dir.path(), "#beta").unwrap();
+    let alpha_pid = session_pid(dir.path(), "#alpha").expect("started on the first call");
+    let beta_pid = session_pid(dir.path(), "#beta").expect("started on the first call");
+    assert!(alive(alpha_pid) && alive(beta_pid));
     assert_ne!(alpha_pid, beta_pid);
     assert_eq!(broker.mcp_sessions(), 2);
 

@@ -124,11 +124,9 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
         .unwrap()
         .unwrap();
     assert_eq!(reply.text.as_deref(), Some("stored"), "{reply:?}");
-    let alpha = read_pid(&pid_of("#alpha"));
-    assert!(alive(alpha), "the session lives while the channel does");
-    assert!(!pid_of("#beta").exists());
     let results = tool_results(&model.requests()[2].json());
     assert_eq!(results.len(), 2, "{results:?}");
+    assert!(!pid_of("#beta").exists());
 
     let reply = addr
         .send(GuestMessage::new("#beta", speaker("bob"), "look"))
@@ -140,8 +138,11 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     assert_eq!(results.len(), 1, "{results:?}");
     assert!(results[0].contains("no such table: notes"), "{results:?}");
     assert!(!results[0].contains("alpha-private-note"), "{results:?}");
+    // Each channel's session is its own process, alive while the channel is.
+    let alpha = read_pid(&pid_of("#alpha"));
     let beta = read_pid(&pid_of("#beta"));
     assert_ne!(alpha, beta);
+    assert!(alive(alpha) && alive(beta));
 
     // Both channels go idle and retire: their sessions' processes are gone.
     status_until(&addr, "both channels retired", |s| s.totals.retired >= 2).await;
