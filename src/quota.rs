@@ -54,6 +54,9 @@ pub const WATCH_INTERVAL: Duration = Duration::from_millis(250);
 /// a deeper workspace cannot be measured and counts as over quota.
 pub const MAX_DEPTH: usize = 128;
 
+/// How soon a measure that failed in a way a race explains is tried again.
+const RETRY_AFTER: Duration = Duration::from_millis(50);
+
 /// How many times a directory that changed while it was listed is listed again.
 const RELISTS: u8 = 3;
 
@@ -190,9 +193,14 @@ impl MeasureError {
         }
     }
 
-    /// Failures that no retry can cure (the guest did it on purpose).
+    /// Failures that no retry can cure (the guest did it on purpose). The others may be a
+    /// moment's race: a file removed mid-walk; a process between the engine's `setuid` and
+    /// `exec` (not dumpable for that instant); a mapping being torn down.
     fn is_final(&self) -> bool {
-        !matches!(self, MeasureError::Io { .. })
+        matches!(
+            self,
+            MeasureError::Unreadable(_) | MeasureError::TooDeep | MeasureError::ForeignDevice
+        )
     }
 }
 
@@ -455,7 +463,13 @@ pub fn held_files(
                 Err(e) if gone(e) => continue,
                 Err(e) => return Err(MeasureError::io("open a task dir")(e)),
             };
-            held_by_task(task_dir.as_fd(), dev, seen, usage)?;
+            match held_by_task(task_dir.as_fd(), dev, seen, usage) {
+                // A task without memory (exiting, or a zombie) has its /proc files owned by
+                // root for its last moments; it holds no file past them. A live task that
+                // is not dumpable hides its descriptors.
+                Err(MeasureError::HiddenDescriptors) if !has_memory(task_dir.as_fd()) => {}
+                other => other?,
+            }
         }
         match read_small(pid_dir.as_fd(), c"maps") {
             Ok(maps) => {
@@ -469,6 +483,11 @@ pub fn held_files(
         }
     }
     Ok(())
+}
+
+/// Whether a task still has its memory (`VmSize` in its status): not exiting, not a zombie.
+fn has_memory(task_dir: BorrowedFd<'_>) -> bool {
+    read_small(task_dir, c"status").is_ok_and(|s| s.lines().any(|l| l.starts_with("VmSize:")))
 }
 
 fn held_by_task(
@@ -669,14 +688,14 @@ pub async fn watch(w: Watch) -> QuotaError {
                     return QuotaError::exceeded(&quota, &usage);
                 }
             }
-            // What the guest did on purpose ends the turn at once; anything else (a racing
-            // removal) twice in a row.
+            // What the guest did on purpose ends the turn at once; anything else (a race)
+            // twice in a row, [`RETRY_AFTER`] apart.
             Ok(Ok(Err(e))) => {
                 if e.is_final() || failed_before {
                     return QuotaError::Measure(e.to_string());
                 }
                 failed_before = true;
-                pause = Duration::ZERO;
+                pause = RETRY_AFTER;
             }
             Err(e) => tracing::debug!(error = %e, "workspace measure task"),
         }

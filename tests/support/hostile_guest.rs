@@ -307,8 +307,9 @@ fn broker(group: &str) -> Vec<String> {
 /// - `tmpfile FILES MIB`: `O_TMPFILE` files in the workspace, written and held;
 /// - `links MIB N`: one file of MIB MiB and N hard links to it, then reply;
 /// - `sparse FILES MIB`: FILES files of MIB MiB size with one written block each, then reply;
-/// - `swap SENTINEL SECS`: for SECS seconds, swaps `/workspace/a` (a dir with 1 MiB) for a
-///   symlink to SENTINEL (a host path outside the workspace) in a tight loop, then replies;
+/// - `swap SENTINEL SECS`: for SECS seconds, exchanges `/workspace/a` (a dir with 1 MiB) and
+///   `/workspace/l` (a symlink to SENTINEL, a host path outside the workspace) with
+///   `renameat2(RENAME_EXCHANGE)` in a tight loop, then replies;
 /// - `unreadable MIB`: hides MIB MiB in a dir made mode 000, then waits;
 /// - `fallocate MIB`: `fallocate(FALLOC_FL_KEEP_SIZE)` of MIB MiB on an empty file, then waits
 ///   (replies at once if the call fails);
@@ -330,6 +331,13 @@ mod quota {
         fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
         fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
         fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
+        fn renameat2(
+            olddir: i32,
+            old: *const std::ffi::c_char,
+            newdir: i32,
+            new: *const std::ffi::c_char,
+            flags: u32,
+        ) -> i32;
     }
 
     fn n(args: &[String], i: usize, default: usize) -> usize {
@@ -536,18 +544,35 @@ mod quota {
     }
 
     fn swap(sentinel: &str, secs: u64) -> Vec<String> {
+        const RENAME_EXCHANGE: u32 = 2;
+        const AT_FDCWD: i32 = -100;
         let result = (|| {
             std::fs::create_dir("/workspace/a")?;
             let mut f = std::fs::File::create("/workspace/a/data")?;
             fill(&mut f, 1)?;
+            std::os::unix::fs::symlink(sentinel, "/workspace/l")?;
             let until = Instant::now() + Duration::from_secs(secs);
             let mut swaps = 0u64;
+            // One syscall per swap: `a` and `l` trade places, dir and link, as fast as the
+            // kernel goes; a host that stats a name, then opens it by that name, follows the
+            // link half of the time.
             while Instant::now() < until {
-                std::fs::rename("/workspace/a", "/workspace/a.d")?;
-                std::os::unix::fs::symlink(sentinel, "/workspace/a")?;
-                std::fs::remove_file("/workspace/a")?;
-                std::fs::rename("/workspace/a.d", "/workspace/a")?;
-                swaps += 1;
+                for _ in 0..1000 {
+                    // SAFETY: two NUL-terminated literals and plain integers.
+                    let r = unsafe {
+                        renameat2(
+                            AT_FDCWD,
+                            c"/workspace/a".as_ptr(),
+                            AT_FDCWD,
+                            c"/workspace/l".as_ptr(),
+                            RENAME_EXCHANGE,
+                        )
+                    };
+                    if r != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    swaps += 1;
+                }
             }
             Ok(swaps.to_string())
         })();
