@@ -1700,3 +1700,66 @@ fn logs_never_hold_the_key_nor_guest_text_at_info() {
         "guest text was logged at info:\n{info}"
     );
 }
+
+#[tokio::test]
+async fn mcp_over_streamable_http_default_shared_or_channel_scoped_with_channel_in_url() {
+    let server = HttpMcp::start("host-secret-token").await;
+    let whoami = |broker: &Arc<Broker>, channel: &'static str| {
+        let broker = broker.clone();
+        async move {
+            let turn = TestTurn::start_in(&broker, channel).await;
+            let a = post_json(turn.socket(), "/v1/mcp/remote/whoami", &json!({})).await;
+            assert_eq!(a.json()["ok"], true, "{}", a.text());
+            serde_json::from_str::<serde_json::Value>(a.json()["content"].as_str().unwrap())
+                .unwrap()
+        }
+    };
+    // The default for http: one session for every channel.
+    let mut config = server.config("host-secret-token");
+    config.tools = vec!["whoami".into()];
+    assert_eq!(config.scope(), McpScope::Shared);
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![config];
+    let shared = broker(p).await;
+    let (a, b) = (
+        whoami(&shared, "#alpha").await,
+        whoami(&shared, "#beta").await,
+    );
+    assert!(a["session"].is_string(), "{a}");
+    assert_eq!(a["session"], b["session"], "{a} {b}");
+    assert_eq!(a["meta"][META_CHANNEL], channel_segment("#alpha"), "{a}");
+    assert_eq!(b["meta"][META_CHANNEL], channel_segment("#beta"), "{b}");
+    assert_eq!(shared.mcp_sessions(), 1);
+    shared.shutdown().await;
+
+    // Channel scope: one MCP session per channel, {channel} in the url and a header.
+    let mut config = server.config("host-secret-token");
+    config.tools = vec!["whoami".into()];
+    config.scope = Some(McpScope::Channel);
+    config.transport = McpTransport::Http {
+        url: format!("{}?channel={{channel}}", server.url),
+        headers: [
+            ("x-mcp-token".to_owned(), "host-secret-token".to_owned()),
+            ("x-channel".to_owned(), "{channel}".to_owned()),
+        ]
+        .into(),
+    };
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![config];
+    let broker = broker(p).await;
+    assert_eq!(broker.mcp_sessions(), 0);
+    let (a, b) = (
+        whoami(&broker, "#alpha").await,
+        whoami(&broker, "#beta").await,
+    );
+    for (seen, channel) in [(&a, "#alpha"), (&b, "#beta")] {
+        assert_eq!(seen["query"], channel_segment(channel), "{seen}");
+        assert_eq!(seen["header"], channel_segment(channel), "{seen}");
+    }
+    assert!(a["session"].is_string(), "{a}");
+    assert_ne!(a["session"], b["session"], "{a} {b}");
+    assert_eq!(broker.mcp_sessions(), 2);
+    broker.release_channel("#alpha").await;
+    assert_eq!(broker.mcp_sessions(), 1);
+    broker.shutdown().await;
+}
