@@ -8,7 +8,7 @@
 //!   allow-listed host and MCP tools (guest requests are hostile);
 //! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
 //! - [`turn`]: one turn's lifecycle and teardown;
-//! - [`quota`]: the workspace size cap, measured from metadata only;
+//! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
 //! - [`sweep`]: removal of what a crashed runtime left behind;
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
 //! - [`offline`]: an embedded offline model for first runs and demos (loopback only);

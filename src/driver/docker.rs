@@ -481,6 +481,7 @@ impl DockerDriver {
     }
 
     async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {
+        self.process_files.lock().unwrap().remove(name);
         let result = self.remove_once(name).await;
         let mut pending = self.pending_removal.lock().unwrap();
         match &result {
@@ -543,7 +544,6 @@ impl ContainerDriver for DockerDriver {
     }
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
-        self.process_files.lock().unwrap().remove(name);
         Box::pin(self.remove_inner(name))
     }
 
@@ -793,5 +793,29 @@ fn classify(op: &'static str, container: &str, e: BollardError) -> DriverError {
             container: container.to_owned(),
             reason: other.to_string(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cgroup_procs_file;
+
+    #[test]
+    fn the_process_list_is_the_containers_own_cgroup() {
+        let id = "84943c269f3ef7af2bf81502155f4afdca0539d50a6cad224950af1175cae4f9";
+        let v1 = format!(
+            "9:name=systemd:/docker/{id}\n8:pids:/docker/{id}\n4:memory:/docker/{id}\n0::/docker/{id}\n"
+        );
+        assert_eq!(
+            cgroup_procs_file(&v1, id),
+            Some(format!("/sys/fs/cgroup/pids/docker/{id}/cgroup.procs").into())
+        );
+        let v2 = format!("0::/system.slice/docker-{id}.scope\n");
+        assert_eq!(
+            cgroup_procs_file(&v2, id),
+            Some(format!("/sys/fs/cgroup/system.slice/docker-{id}.scope/cgroup.procs").into())
+        );
+        // Another container's (or the host's) cgroup is never taken.
+        assert_eq!(cgroup_procs_file("8:pids:/docker/other\n0::/\n", id), None);
     }
 }
