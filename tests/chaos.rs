@@ -56,7 +56,9 @@ where
 
 /// The one labelled container of this runtime (waits for it to exist).
 async fn the_container(sandbox: &Sandbox) -> String {
-    for _ in 0..100 {
+    // The phase is reported before the create call, which a busy daemon answers late.
+    let deadline = Instant::now() + PROMPTLY;
+    while Instant::now() < deadline {
         if let Some(name) = labelled_containers(sandbox).await.into_iter().next() {
             return name.trim_start_matches('/').to_owned();
         }
@@ -91,7 +93,7 @@ async fn container_killed_from_outside_mid_turn() {
     )
     .await;
     assert_eq!(reply.error.as_deref(), Some("guest exited with code 137"));
-    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert!(elapsed < PROMPTLY, "{elapsed:?}");
     assert_no_leftovers(&sandbox).await;
     // The channel goes on.
     let sandbox =
@@ -137,7 +139,7 @@ async fn container_removed_from_outside_mid_turn() {
         error.starts_with("guest exited with code") || error.starts_with("docker "),
         "{error}"
     );
-    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert!(elapsed < PROMPTLY, "{elapsed:?}");
     assert_no_leftovers(&sandbox).await;
 }
 
@@ -171,7 +173,7 @@ async fn docker_daemon_dies_mid_turn_and_comes_back() {
     let error = reply.error.unwrap();
     eprintln!("daemon died mid-turn: {error} after {elapsed:?}");
     assert!(error.starts_with("docker daemon unreachable"), "{error}");
-    assert!(elapsed < Duration::from_secs(10), "{elapsed:?}");
+    assert!(elapsed < PROMPTLY, "{elapsed:?}");
     // The runtime's own parts are gone; the container could not be removed while the
     // daemon was away, and is remembered.
     assert!(run_root_entries(&sandbox.config().run_root).is_empty());
@@ -208,8 +210,12 @@ async fn docker_daemon_hangs_mid_turn_and_comes_back() {
     .await;
     eprintln!("daemon hung mid-turn: {:?} after {elapsed:?}", reply.error);
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 3s"));
-    // The deadline, then one API deadline for the kill and one for the removal.
-    assert!(elapsed < Duration::from_secs(3 + 2 + 2 + 3), "{elapsed:?}");
+    // The deadline, then one API deadline for the kill and one for the removal (and a
+    // busy machine's slack: a hang would never end).
+    assert!(
+        elapsed < Duration::from_secs(3 + 2 + 2) + PROMPTLY,
+        "{elapsed:?}"
+    );
     assert!(run_root_entries(&sandbox.config().run_root).is_empty());
     assert_eq!(driver.pending_removals().len(), 1);
 
@@ -266,7 +272,7 @@ async fn mcp_server_killed_mid_call() {
     );
     assert_eq!(f["status"], "502", "{f:?}");
     assert!(f["body"].contains("stub"), "{f:?}");
-    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(started.elapsed() < PROMPTLY);
     assert_no_leftovers(&sandbox).await;
 
     // The server is started again on its next use.

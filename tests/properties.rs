@@ -132,12 +132,19 @@ async fn check_reset_model(ops: Vec<Op>) {
                 }
             }
         }
-        // Wait for the channel to settle (the reply is sent before teardown ends).
-        for _ in 0..200 {
+        // Wait for the channel to settle (the reply is sent before teardown ends); a busy
+        // machine may take longer than the 1 s this once waited before checking anyway.
+        let deadline = std::time::Instant::now() + PROMPTLY;
+        loop {
             let s = addr.send(Status).await.unwrap();
             if s.totals.busy_channels == 0 {
                 break;
             }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never settled: {:?}",
+                s.totals
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(

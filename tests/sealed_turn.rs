@@ -144,9 +144,10 @@ async fn timeout_kills_the_container_promptly() {
     let elapsed = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 2s"));
     assert_no_leftovers(&sandbox).await;
+    // The guest sleeps 300 s: ending this soon is the deadline's kill.
     assert!(
-        elapsed < Duration::from_secs(4),
-        "container gone within 2 s of the deadline, took {elapsed:?}"
+        elapsed < Duration::from_secs(2) + PROMPTLY,
+        "container gone soon after the deadline, took {elapsed:?}"
     );
 }
 
@@ -165,7 +166,7 @@ async fn stop_ends_the_turn_with_the_stopped_error() {
     let started = Instant::now();
     let reply = sandbox.run_turn(req).await;
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
-    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(started.elapsed() < PROMPTLY);
     assert_no_leftovers(&sandbox).await;
 }
 
@@ -210,7 +211,7 @@ async fn fork_bomb_is_bounded_by_the_pids_limit() {
     let started = Instant::now();
     let reply = sandbox.run_turn(request("#fork", "x")).await;
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 5s"));
-    assert!(started.elapsed() < Duration::from_secs(9));
+    assert!(started.elapsed() < Duration::from_secs(5) + PROMPTLY);
     assert_no_leftovers(&sandbox).await;
 }
 

@@ -35,7 +35,10 @@ async fn attack_read_the_api_key_anywhere() {
         for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline /proc/1/environ; do
           grep -q "$K" "$f" 2>/dev/null && out="$out $f"
         done
-        grep -rqs "$K" /workspace /run /tmp /etc /bin /roundtable-hostile /root-only && out="$out files"
+        # Each regular file once (`grep -r` read the one busybox again through each of its
+        # applet links: 20 s of a busy machine, against the turn's 30 s deadline).
+        find /workspace /run /tmp /etc /bin /roundtable-hostile /root-only -type f \
+          -exec grep -ls "$K" {} + 2>/dev/null | grep -q . && out="$out files"
         cat /run/roundtable/broker.sock >/dev/null 2>&1 && out="$out socket-readable"
         runs=$(ls -A /run/roundtable | tr '\n' ',')
         env_names=$(env | cut -d= -f1 | sort | tr '\n' ',')
@@ -403,7 +406,7 @@ async fn attack_exhaust_pids() {
         (None, Some(e)) => assert!(e.starts_with("guest exited with code "), "{e}"),
         _ => panic!("{reply:?}"),
     }
-    assert!(started.elapsed() < Duration::from_secs(20));
+    assert!(started.elapsed() < PROMPTLY);
     assert_no_leftovers(&sandbox).await;
 }
 
@@ -486,7 +489,7 @@ async fn attack_hang_forever() {
         .await;
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 3s"));
     assert!(
-        started.elapsed() < Duration::from_secs(8),
+        started.elapsed() < Duration::from_secs(3) + PROMPTLY,
         "{:?}",
         started.elapsed()
     );
@@ -503,7 +506,7 @@ async fn attack_hang_forever() {
     let started = Instant::now();
     let reply = sandbox.run_turn(request("#hang", "x")).await;
     assert_eq!(reply.text.as_deref(), Some("bye"));
-    assert!(started.elapsed() < Duration::from_secs(8));
+    assert!(started.elapsed() < PROMPTLY);
     assert_no_leftovers(&sandbox).await;
 }
 
@@ -623,7 +626,7 @@ async fn attack_fill_the_workspace_disk() {
     let reply = sandbox.run_turn(request("#many", "x")).await;
     let error = reply.error.unwrap();
     assert!(error.starts_with(over), "{error}");
-    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(started.elapsed() < PROMPTLY);
     let unbounded = quota::Quota {
         max_bytes: u64::MAX,
         max_entries: u64::MAX,
@@ -709,11 +712,7 @@ async fn attack_hide_data_from_the_quota_past_path_max() {
             || error.starts_with("this channel's workspace is over its quota"),
         "{error}"
     );
-    assert!(
-        started.elapsed() < Duration::from_secs(15),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < PROMPTLY, "{:?}", started.elapsed());
     // And the next turn is refused before any container starts.
     let reply = sandbox.run_turn(request("#deep", "x")).await;
     let error = reply.error.unwrap();

@@ -390,7 +390,8 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
     ];
     let started = Instant::now();
     let err = ask(&addr, "#b", "dan", "too many").await.unwrap_err();
-    assert!(started.elapsed() < Duration::from_millis(500));
+    // "At once": the alternative waits behind a turn that blocks until released.
+    assert!(started.elapsed() < SECS5);
     assert!(
         matches!(err, SandboxActorError::Busy { waiting: 2 }),
         "{err:?}"

