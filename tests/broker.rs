@@ -1272,7 +1272,9 @@ async fn mcp_sqlite_channel_scope_keeps_each_channels_data_apart() {
     assert_eq!(session_pid(dir.path(), "#alpha"), None);
 
     let alpha = TestTurn::start_in(&broker, "#alpha").await;
+    let started = Instant::now();
     let r = sql(&alpha, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    let first_call = started.elapsed();
     assert_eq!(r["ok"], true, "{r}");
     let r = sql(
         &alpha,
@@ -1281,7 +1283,9 @@ async fn mcp_sqlite_channel_scope_keeps_each_channels_data_apart() {
     )
     .await;
     assert_eq!(r["ok"], true, "{r}");
+    let started = Instant::now();
     let r = sql(&alpha, "read_query", "SELECT body FROM notes").await;
+    let later_call = started.elapsed();
     assert!(
         r["content"]
             .as_str()
@@ -1306,6 +1310,14 @@ async fn mcp_sqlite_channel_scope_keeps_each_channels_data_apart() {
     let beta_pid = session_pid(dir.path(), "#beta").expect("started on the first call");
     assert!(alive(alpha_pid) && alive(beta_pid));
     assert_ne!(alpha_pid, beta_pid);
+    let rss = std::fs::read_to_string(format!("/proc/{alpha_pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .map(|l| l.split_whitespace().nth(1).unwrap_or("?").to_owned());
+    eprintln!(
+        "mcp-server-sqlite channel session: first call (start + handshake + list + call) {first_call:?}, a later call {later_call:?}, child RSS {rss:?} KiB"
+    );
     assert_eq!(broker.mcp_sessions(), 2);
 
     // A retired channel's session is stopped (its child gone); the others keep theirs.
