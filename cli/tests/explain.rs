@@ -1,0 +1,48 @@
+//! `explain` shows each MCP server's scope: one session per channel (with its cap) or one
+//! shared by every channel, flagged as cross-channel.
+
+use std::process::Command;
+
+#[test]
+fn explain_shows_each_mcp_servers_scope() {
+    let dir = tempfile::Builder::new()
+        .prefix("rte-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let path = dir.path().join("c.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
+             model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
+             [[mcp]]\nname = \"notes\"\ntransport = \"stdio\"\ncommand = \"mcp-server-sqlite\"\n\
+             args = [\"--db-path\", \"/srv/mcp/{{channel}}.db\"]\ntools = [\"read_query\"]\nmax_sessions = 8\n\
+             [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nscope = \"shared\"\ntools = [\"search\"]\n\
+             [[mcp]]\nname = \"remote\"\ntransport = \"http\"\nurl = \"https://mcp.example.invalid/mcp\"\ntools = [\"search\"]\n",
+            dir.path().join("run").display(),
+            dir.path().join("ws").display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mcp: Vec<&str> = stdout.lines().filter(|l| l.starts_with("mcp ")).collect();
+    assert_eq!(
+        mcp,
+        [
+            "mcp           notes: stdio `mcp-server-sqlite`; one session per channel (at most 8, least recently used stopped first); allow-list: read_query",
+            "mcp           wiki: stdio `wiki-mcp`; one session shared by every channel (cross-channel); allow-list: search",
+            "mcp           remote: http mcp.example.invalid; one session shared by every channel (cross-channel); allow-list: search",
+        ],
+        "{stdout}"
+    );
+}
