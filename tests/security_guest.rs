@@ -209,7 +209,8 @@ async fn attack_reach_another_channels_workspace() {
         ls /workspace/.. | grep -q secret && out="$out listing:SEEN"
         ln -s {a_host} /workspace/peek
         cat /workspace/peek/secret-of-a 2>/dev/null && out="$out symlink:READ"
-        grep -rqs a-secret / --exclude-dir=proc --exclude-dir=sys && out="$out grep:FOUND"
+        find / \( -path /proc -o -path /sys \) -prune -o -type f \
+          -exec grep -ls a-secret {{}} + 2>/dev/null | grep -q . && out="$out grep:FOUND"
         "#
     ));
     let sandbox = Sandbox::new(hostile::sh_config(&env, &probe))
