@@ -96,6 +96,11 @@ pub struct Floor {
 }
 
 impl Floor {
+    /// Whether there is a floor at all (0 and 0: none).
+    pub fn is_on(&self) -> bool {
+        self.min_bytes != 0 || self.min_percent != 0
+    }
+
     /// The floor in bytes of a filesystem of `total` bytes.
     pub fn bytes_of(&self, total: u64) -> u64 {
         self.min_bytes.max(total / 100 * self.min_percent)
@@ -621,7 +626,7 @@ pub fn filesystem_type(path: &Path) -> std::io::Result<String> {
 
 /// Refuses when a guarded filesystem is below its floor, or its free space cannot be read.
 pub fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError> {
-    if floor.min_bytes == 0 && floor.min_percent == 0 {
+    if !floor.is_on() {
         return Ok(());
     }
     for g in guarded {

@@ -166,22 +166,21 @@ async fn run_turn_inner(
             what: "the workspaces",
             path: config.workspace_root.clone(),
         }];
-        let data_root = tokio::select! {
-            r = sandbox.driver().data_root() => r,
-            _ = request.stop.cancelled() => return Err(TurnError::Stopped),
-        };
-        match data_root {
-            Ok(Some(path)) => guarded.push(crate::quota::Guarded {
-                what: "the engine's data root",
-                path,
-            }),
-            Ok(None) => {}
-            // The run itself reports an unreachable engine.
-            Err(e) => tracing::debug!(error = %e, "engine data root"),
-        }
-        // A filesystem below its floor, or a workspace over its quota, refuses the turn.
         let quota = config.config.limits.workspace_quota();
         let floor = config.config.limits.disk_floor();
+        if floor.is_on() {
+            let data_root = tokio::select! {
+                r = sandbox.driver().data_root() => r?,
+                _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+            };
+            if let Some(path) = data_root {
+                guarded.push(crate::quota::Guarded {
+                    what: "the engine's data root",
+                    path,
+                });
+            }
+        }
+        // A filesystem below its floor, or a workspace over its quota, refuses the turn.
         let (ws, g) = (workspace.clone(), guarded.clone());
         tokio::task::spawn_blocking(move || {
             crate::quota::check_floor(&g, &floor)?;

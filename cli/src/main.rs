@@ -406,6 +406,10 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         l.memory_mb, l.cpus, l.pids, l.tmpfs_mb, l.output_kb
     );
     println!(
+        "disk          workspace quota {} MiB / {} entries per channel; free-space floor max({} MiB, {} %) on the workspaces' and the engine's filesystems",
+        l.workspace_mb, l.workspace_files, l.disk_floor_mb, l.disk_floor_percent
+    );
+    println!(
         "mounts        {}/turn-XXXXXX -> /run/roundtable (read-only, holds only broker.sock)",
         show(&config.run_root)
     );

@@ -142,3 +142,24 @@ fn an_unreachable_docker_is_detected() {
     assert!(out.contains("fix: start the daemon"), "{out}");
     assert!(out.contains("not checked, Docker is unreachable"), "{out}");
 }
+
+#[test]
+fn explain_shows_the_quota_and_the_floor() {
+    let (d, run, ws) = roots();
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        "workspace_mb = 64\ndisk_floor_mb = 2048\ndisk_floor_percent = 7",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config", &config])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("disk          workspace quota 64 MiB / 100000 entries per channel; free-space floor max(2048 MiB, 7 %) on the workspaces' and the engine's filesystems"),
+        "{text}"
+    );
+}
