@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::broker::{self, ApiKey, BrokerError, BrokerLimits, BrokerPolicy, HostTool};
+use crate::broker::{
+    self, ApiKey, BrokerError, BrokerLimits, BrokerPolicy, HostTool, ModelRequestPolicy,
+};
 use crate::driver::ContainerDriver;
 
 /// The default system prompt (that of pi-roundtable-sandbox 0.7.18, the TypeScript package
@@ -225,6 +227,8 @@ pub struct Config {
     /// Refuse broker peers whose uid (SO_PEERCRED) is not the worker's (default true; turn
     /// off only under a runtime that does not report it, such as gVisor).
     pub peer_uid_check: bool,
+    /// The chat-completions fields forwarded to the model and the output token cap.
+    pub model_request: ModelRequestPolicy,
 }
 
 impl std::fmt::Debug for Config {
@@ -277,6 +281,7 @@ impl Config {
             docker_host: None,
             command: None,
             peer_uid_check: true,
+            model_request: ModelRequestPolicy::default(),
         }
     }
 
@@ -292,6 +297,7 @@ impl Config {
             limits: self.broker_limits,
             worker_uid,
             peer_uid_check: self.peer_uid_check,
+            model_request: self.model_request.clone(),
         }
     }
 
@@ -497,6 +503,9 @@ pub struct ConfigFile {
     pub docker_host: Option<String>,
     #[serde(default = "yes")]
     pub peer_uid_check: bool,
+    /// `[model_request]`: `max_tokens` (the output token cap) and `extra_fields`.
+    #[serde(default)]
+    pub model_request: ModelRequestPolicy,
 }
 
 fn yes() -> bool {
@@ -564,6 +573,7 @@ impl ConfigFile {
         config.session_budget = self.session_budget;
         config.docker_host = self.docker_host;
         config.peer_uid_check = self.peer_uid_check;
+        config.model_request = self.model_request;
         Ok(config)
     }
 }

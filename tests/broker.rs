@@ -50,6 +50,7 @@ fn policy(model_url: &str) -> BrokerPolicy {
         limits: BrokerLimits::default(),
         worker_uid: uid(),
         peer_uid_check: true,
+        model_request: Default::default(),
     }
 }
 
@@ -846,8 +847,28 @@ async fn the_policy_is_checked_at_setup() {
     let parsed: BrokerLimits = toml::from_str("call_timeout = 2.5\nmax_tool_calls = 3").unwrap();
     assert_eq!(parsed.call_timeout, Duration::from_millis(2500));
     assert_eq!(parsed.max_tool_calls, 3);
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_calls_in_flight = 0;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_calls_in_flight must be 1 to 256"
+    );
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_connections = 2000;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_connections must be 1 to 1024"
+    );
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_connections = 2;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_connections must be at least max_calls_in_flight"
+    );
     assert!(matches!(
-        Broker::new(policy("http://x/v1")).await.map(|_| ()),
+        Broker::new(policy("http://127.0.0.1:9/v1"))
+            .await
+            .map(|_| ()),
         Ok(())
     ));
     let _ = BrokerError::ApiKey(String::new());

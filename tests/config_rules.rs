@@ -83,6 +83,63 @@ fn each_rule_has_its_message() {
         "invalid broker policy: model_url must use https (set allow_http only for offline tests): http://127.0.0.1:9/v1"
     );
 
+    // allow_http admits plain HTTP to loopback only, for the model and for MCP servers.
+    for url in [
+        "http://api.example.com/v1",
+        "http://10.1.2.3:8080/v1",
+        "http://[::2]/v1",
+    ] {
+        let mut c = base.clone();
+        c.model_url = url.into();
+        c.allow_http = true;
+        assert_eq!(
+            err(&c),
+            format!("invalid broker policy: model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}")
+        );
+    }
+    let mut c = base.clone();
+    c.allow_http = true;
+    c.mcp = vec![roundtable_sandbox::McpServerConfig {
+        name: "remote".into(),
+        transport: roundtable_sandbox::broker::McpTransport::Http {
+            url: "http://mcp.example.com/mcp".into(),
+            headers: Default::default(),
+        },
+        tools: vec!["t".into()],
+        scope: None,
+        max_sessions: None,
+    }];
+    assert_eq!(
+        err(&c),
+        "invalid broker policy: MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"
+    );
+
+    // The model request allow-list and token cap.
+    let mut c = base.clone();
+    c.model_request.max_tokens = 0;
+    assert_eq!(
+        err(&c),
+        "invalid broker policy: invalid model_request: max_tokens must be 1 to 10000000, got 0"
+    );
+    for (field, msg) in [
+        (
+            "model",
+            "model cannot be an extra field: the configured model is always sent",
+        ),
+        ("messages", "field messages is already allowed"),
+        (
+            "a b",
+            "invalid field name \"a b\" in extra_fields: use 1 to 64 of A-Z, a-z, 0-9, _, - and .",
+        ),
+    ] {
+        let mut c = base.clone();
+        c.model_request.extra_fields = vec![field.into()];
+        assert_eq!(
+            err(&c),
+            format!("invalid broker policy: invalid model_request: {msg}")
+        );
+    }
+
     let mut c = base.clone();
     c.run_root = PathBuf::from("relative/run");
     assert_eq!(
@@ -207,9 +264,23 @@ fn toml_file_loads_and_rejects_unknown_keys() {
     .unwrap();
     let config = Config::from_toml_file(&path).unwrap();
     assert_eq!(config.limits.memory_mb, 256);
+    assert_eq!(config.model_request.max_tokens, 16_384, "the default cap");
+    assert!(config.model_request.extra_fields.is_empty());
     assert!(matches!(config.api_key, ApiKey::None));
     let resolved = config.resolve().unwrap();
     assert_eq!(resolved.time_zone, "Asia/Tokyo");
+
+    // The model request allow-list extended, the token cap and the per-turn caps set.
+    let text = std::fs::read_to_string(&path).unwrap()
+        + "[broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+           [model_request]\nmax_tokens = 2048\nextra_fields = [\"reasoning_effort\"]\n";
+    std::fs::write(&path, text).unwrap();
+    let config = Config::from_toml_file(&path).unwrap();
+    assert_eq!(config.model_request.max_tokens, 2048);
+    assert_eq!(config.model_request.extra_fields, ["reasoning_effort"]);
+    assert_eq!(config.broker_limits.max_calls_in_flight, 2);
+    assert_eq!(config.broker_limits.max_connections, 8);
+    config.resolve().unwrap();
 
     std::fs::write(&path, "image = \"x\"\nimgae = \"y\"\n").unwrap();
     let e = Config::from_toml_file(&path).unwrap_err().to_string();

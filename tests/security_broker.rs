@@ -83,6 +83,52 @@ async fn attack_forge_the_model_url_and_headers() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn attack_send_body_fields_outside_the_allow_list() {
+    let env = Env::new();
+    let model = ScriptedModel::start(vec![Step::text("capped")]).await;
+    let mut config = hostile::config(&env, &["broker", "fields"]);
+    config.model_url = model.url();
+    config.api_key = ApiKey::from_static(KEY);
+    config.model_request.max_tokens = 512;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#fields", "x")).await;
+    let f = hostile::findings(&reply);
+    for field in [
+        "models",
+        "route",
+        "provider",
+        "plugins",
+        "n",
+        "service_tier",
+        "store",
+        "metadata",
+        "base_url",
+        "api_key",
+    ] {
+        assert_eq!(
+            f[&format!("field_{field}")],
+            format!(r#"400:{{"error":"request field not allowed: {field}"}}"#),
+            "{f:?}"
+        );
+    }
+    // The one allowed call reached the upstream with its token ask clamped to the cap.
+    assert_eq!(f["max_tokens"], "200", "{f:?}");
+    let reqs = model.requests();
+    assert_eq!(reqs.len(), 1, "only the allowed call reached the upstream");
+    let body = reqs[0].json();
+    assert_eq!(body["max_tokens"], 512);
+    let mut keys: Vec<&str> = body
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(keys, ["max_tokens", "messages", "model"]);
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn attack_call_tools_that_are_not_allow_listed() {
     let env = Env::new();
     let stub_dir = tempfile::tempdir().unwrap();

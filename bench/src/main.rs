@@ -13,6 +13,7 @@
 
 mod actors_path;
 mod broker_bench;
+mod hostile;
 mod lifecycle;
 mod memory;
 mod stats;
@@ -81,7 +82,29 @@ impl Options {
     }
 }
 
+/// `roundtable-bench hostile`: a hostile turn's host memory against idle (no Docker).
+#[derive(Debug, Parser)]
+#[command(name = "roundtable-bench hostile")]
+struct HostileOptions {
+    /// How long the attack lasts
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    seconds: u64,
+    /// Where the JSON result goes
+    #[arg(long, value_name = "PATH", default_value = "target/bench/hostile.json")]
+    json: String,
+}
+
 fn main() -> Result<()> {
+    // The hostile-turn part and its child have arguments of their own.
+    let args: Vec<String> = std::env::args().collect();
+    if let [_, flag, socket, url] = args.as_slice() {
+        if flag == "--hostile-host" {
+            return hostile::host(socket, url);
+        }
+    }
+    if args.get(1).map(String::as_str) == Some("hostile") {
+        return hostile_main(&HostileOptions::parse_from(&args[1..]));
+    }
     let options = Options::parse();
     if let Some(channels) = options.memory_child {
         return memory::child(channels);
@@ -128,6 +151,25 @@ fn main() -> Result<()> {
     }
     std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
     println!("\nJSON written to {}", path.display());
+    Ok(())
+}
+
+/// `roundtable-bench hostile [--seconds N] [--json PATH]`: the host's peak RSS under a
+/// hostile turn against idle (see [`hostile`]); no Docker needed.
+fn hostile_main(o: &HostileOptions) -> Result<()> {
+    if nix::unistd::getuid().is_root() {
+        bail!("run it as the service user (scripts/as-service-user.sh)");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let result = rt.block_on(hostile::run(o.seconds))?;
+    let path = std::path::Path::new(&o.json);
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&result)? + "\n")?;
+    println!("JSON written to {}", path.display());
     Ok(())
 }
 

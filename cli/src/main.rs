@@ -449,6 +449,16 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         b.call_timeout
     );
     println!(
+        "broker turn   {} calls in flight, {} connections",
+        b.max_calls_in_flight, b.max_connections
+    );
+    let fields: Vec<&str> = config.model_request.allowed_fields().collect();
+    println!(
+        "model fields  {} (anything else: 400); model forced; max_tokens capped at {} (set when absent)",
+        fields.join(", "),
+        config.model_request.max_tokens
+    );
+    println!(
         "broker peer   {}",
         if config.peer_uid_check {
             "only the worker uid may connect (SO_PEERCRED)"

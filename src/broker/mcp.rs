@@ -156,7 +156,12 @@ pub(crate) fn validate_config(
                 .map_err(|_| err(format!("invalid url: {url}")))?;
             match parsed.scheme() {
                 "https" => {}
-                "http" if allow_http => {}
+                "http" if allow_http && super::model::loopback(&parsed) => {}
+                "http" if allow_http => {
+                    return Err(err(format!(
+                        "url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}"
+                    )))
+                }
                 "http" => {
                     return Err(err(format!(
                         "url must use https (set allow_http only for offline tests): {url}"

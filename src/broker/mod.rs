@@ -17,24 +17,31 @@
 //!
 //! The other files: `server` (HTTP/1.1 on the unix socket: peer check, routing, limits),
 //! `model` (the upstream chat-completions proxy), `tools` (host tools and their schemas),
-//! `mcp` (the rmcp client pool with pinned tools), `redact` (removing the key from
-//! everything that flows back).
+//! `mcp` (the rmcp client pool with pinned tools), `redact` (removing declared secrets
+//! from everything that flows back).
 //!
 //! # Wire behaviour (see `roundtable_sandbox_protocol::paths`)
 //! - `POST /v1/chat/completions`: forwarded to `{model_url}/chat/completions` (the
-//!   configured `model_url` is the API base, e.g. `https://api.example.com/v1`). The body's
-//!   `model` is **replaced** by the configured model (a guest cannot pick another). Only
+//!   configured `model_url` is the API base, e.g. `https://api.example.com/v1`). Only the
+//!   fields of [`ALLOWED_MODEL_FIELDS`] and [`ModelRequestPolicy::extra_fields`] are
+//!   forwarded (any other: `400` naming it); the body's `model` is **replaced** by the
+//!   configured model (a guest cannot pick another); `max_tokens` and
+//!   `max_completion_tokens` are clamped to [`ModelRequestPolicy::max_tokens`] (set to it
+//!   when neither is sent). Only
 //!   `content-type` (always `application/json`) and `accept` are forwarded from the guest;
 //!   `Authorization: Bearer <key>` is set exactly once. Redirects are not followed and no
 //!   proxy is used, so the key goes nowhere but `model_url`. With `"stream": true` the
 //!   upstream body is relayed chunk by chunk; otherwise it is read whole, capped at
 //!   `max_response_bytes`. Upstream failures become `502` (`504` past the deadline) with
-//!   a readable message; the key is redacted from everything returned.
+//!   a readable message; every declared secret is redacted from everything returned, and
+//!   no piece of one is sent on any error path.
 //! - `POST /v1/tools/{name}`, `POST /v1/mcp/{server}/{tool}`: the body is the arguments
 //!   object, validated against the tool's schema first; `200` with a `ToolCallResult`.
-//! - Refusals: `400` malformed JSON or arguments, `404` unknown route or tool, `405`
-//!   not POST, `413` body too large, `429` too many calls in the turn, `502` upstream or
-//!   MCP server failure, `504` past the per-call deadline; always `{"error": "..."}`.
+//! - Refusals: `400` malformed JSON or arguments (or a model field not allowed), `404`
+//!   unknown route or tool, `405` not POST, `413` body too large, `429` too many calls in
+//!   the turn or in flight at once, `502` upstream or MCP server failure, `503` too many
+//!   connections (written raw, then closed), `504` past the per-call deadline; always
+//!   `{"error": "..."}`.
 
 mod mcp;
 mod model;
@@ -64,6 +71,10 @@ pub use futures_util::future::BoxFuture;
 pub enum BrokerError {
     #[error("model_url must use https (set allow_http only for offline tests): {0}")]
     InsecureModelUrl(String),
+    #[error("model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {0}")]
+    HttpNotLoopback(String),
+    #[error("invalid model_request: {0}")]
+    InvalidModelRequest(String),
     #[error("invalid model_url: {0}")]
     InvalidModelUrl(String),
     #[error("invalid tool name {0:?}: use 1 to 64 of a-z, 0-9, _ and -")]
@@ -109,9 +120,43 @@ pub enum ApiKey {
     /// A fixed key.
     Static(Arc<SecretString>),
     /// A key fetched for each model call.
-    Provider(Arc<dyn ApiKeyProvider>),
+    Provider(Arc<ProvidedKey>),
     /// No key (a local model that needs none).
     None,
+}
+
+/// How many of a provider's most recent keys are remembered (to redact them).
+const PROVIDED_KEYS_KEPT: usize = 8;
+
+/// A key provider and the keys it has handed out lately: each is redacted from everything
+/// the guest is sent (a rotated key may still be echoed by a slow tool).
+pub struct ProvidedKey {
+    provider: Box<dyn ApiKeyProvider>,
+    seen: std::sync::Mutex<Vec<SecretString>>,
+}
+
+impl ProvidedKey {
+    async fn fetch(&self) -> Result<SecretString, BrokerError> {
+        let key = self.provider.key().await.map_err(BrokerError::ApiKey)?;
+        if !key.expose_secret().is_empty() {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if !seen
+                .iter()
+                .any(|k| k.expose_secret() == key.expose_secret())
+            {
+                if seen.len() == PROVIDED_KEYS_KEPT {
+                    seen.remove(0);
+                }
+                seen.push(SecretString::from(key.expose_secret().to_owned()));
+            }
+        }
+        Ok(key)
+    }
+
+    fn seen(&self) -> Vec<String> {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.iter().map(|k| k.expose_secret().to_owned()).collect()
+    }
 }
 
 impl ApiKey {
@@ -122,24 +167,42 @@ impl ApiKey {
 
     /// A key from an async provider, asked once per model call.
     pub fn from_provider(provider: impl ApiKeyProvider + 'static) -> Self {
-        ApiKey::Provider(Arc::new(provider))
+        ApiKey::Provider(Arc::new(ProvidedKey {
+            provider: Box::new(provider),
+            seen: std::sync::Mutex::new(Vec::new()),
+        }))
     }
 
     /// Resolves the key for one call.
     pub async fn resolve(&self) -> Result<Option<SecretString>, BrokerError> {
         match self {
             ApiKey::Static(k) => Ok(Some(SecretString::from(k.expose_secret().to_owned()))),
-            ApiKey::Provider(p) => p.key().await.map(Some).map_err(BrokerError::ApiKey),
+            ApiKey::Provider(p) => p.fetch().await.map(Some),
             ApiKey::None => Ok(None),
         }
     }
 
-    /// The key when it is known without an await (a static key); used to redact tool output.
-    fn known(&self) -> Option<&str> {
+    /// The keys known without an await (a static key, a provider's recent keys); each is
+    /// redacted from what the guest is sent.
+    fn known(&self) -> Vec<String> {
         match self {
-            ApiKey::Static(k) if !k.expose_secret().is_empty() => Some(k.expose_secret()),
-            _ => None,
+            ApiKey::Static(k) if !k.expose_secret().is_empty() => {
+                vec![k.expose_secret().to_owned()]
+            }
+            ApiKey::Provider(p) => p.seen(),
+            _ => Vec::new(),
         }
+    }
+
+    /// Whether a provider has not handed out a key yet.
+    fn unfetched(&self) -> bool {
+        matches!(self, ApiKey::Provider(p) if p.seen().is_empty())
+    }
+}
+
+impl fmt::Debug for ProvidedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ProvidedKey(..)")
     }
 }
 
@@ -176,6 +239,11 @@ pub trait HostTool: Send + Sync {
         args: serde_json::Value,
         ctx: ToolCallContext,
     ) -> BoxFuture<'_, Result<String, String>>;
+    /// The credentials this tool holds (an API key of the service it calls): each is
+    /// redacted from every tool, MCP and model result the guest is sent. Default: none.
+    fn secrets(&self) -> Vec<SecretString> {
+        Vec::new()
+    }
 }
 
 /// How an MCP server is reached. Its `Debug` shows env and header names, never values.
@@ -316,6 +384,11 @@ pub struct BrokerLimits {
     /// response head and the longest gap between two chunks.
     #[serde(with = "secs")]
     pub call_timeout: Duration,
+    /// Calls (model, host tool, MCP) being served at once in a turn, from reading the
+    /// request to the end of the answer (`429` past it).
+    pub max_calls_in_flight: usize,
+    /// Open connections of a turn; one more is answered `503` and closed.
+    pub max_connections: usize,
 }
 
 impl Default for BrokerLimits {
@@ -326,6 +399,8 @@ impl Default for BrokerLimits {
             max_model_calls: 32,
             max_tool_calls: 64,
             call_timeout: Duration::from_secs(60),
+            max_calls_in_flight: 4,
+            max_connections: 16,
         }
     }
 }
@@ -350,6 +425,15 @@ impl BrokerLimits {
         {
             return err("call_timeout must be 0.1 s to 3600 s");
         }
+        if !(1..=256).contains(&self.max_calls_in_flight) {
+            return err("max_calls_in_flight must be 1 to 256");
+        }
+        if !(1..=1024).contains(&self.max_connections) {
+            return err("max_connections must be 1 to 1024");
+        }
+        if self.max_connections < self.max_calls_in_flight {
+            return err("max_connections must be at least max_calls_in_flight");
+        }
         Ok(())
     }
 }
@@ -362,6 +446,88 @@ mod secs {
         Duration::try_from_secs_f64(secs).map_err(|_| {
             serde::de::Error::custom("call_timeout must be a positive number of seconds")
         })
+    }
+}
+
+/// The chat-completions fields a guest may send, beyond which a call is refused (`400`
+/// naming the field), and the cap on its output tokens.
+///
+/// Always allowed: [`ALLOWED_MODEL_FIELDS`] (`model` is accepted and replaced by the
+/// configured model). `max_tokens` and `max_completion_tokens` are clamped to
+/// `max_tokens`; when the guest sends neither, `max_tokens` is set to it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelRequestPolicy {
+    /// The most output tokens a call may ask for.
+    pub max_tokens: u32,
+    /// Fields forwarded besides the built-in list (e.g. `reasoning_effort`), passed as sent.
+    pub extra_fields: Vec<String>,
+}
+
+impl Default for ModelRequestPolicy {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16_384,
+            extra_fields: Vec::new(),
+        }
+    }
+}
+
+/// The chat-completions fields forwarded to the model (besides `model`, which is replaced).
+pub const ALLOWED_MODEL_FIELDS: &[&str] = &[
+    "messages",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "response_format",
+    "max_tokens",
+    "max_completion_tokens",
+];
+
+impl ModelRequestPolicy {
+    /// Every forwarded field: the built-in list, then the operator's.
+    pub fn allowed_fields(&self) -> impl Iterator<Item = &str> {
+        ALLOWED_MODEL_FIELDS
+            .iter()
+            .copied()
+            .chain(self.extra_fields.iter().map(String::as_str))
+    }
+
+    fn validate(&self) -> Result<(), BrokerError> {
+        let err = |m: String| Err(BrokerError::InvalidModelRequest(m));
+        if !(1..=10_000_000).contains(&self.max_tokens) {
+            return err(format!(
+                "max_tokens must be 1 to 10000000, got {}",
+                self.max_tokens
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for field in &self.extra_fields {
+            let valid = (1..=64).contains(&field.len())
+                && field
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+            if !valid {
+                return err(format!(
+                    "invalid field name {field:?} in extra_fields: use 1 to 64 of A-Z, a-z, 0-9, _, - and ."
+                ));
+            }
+            if field == "model" {
+                return err(
+                    "model cannot be an extra field: the configured model is always sent".into(),
+                );
+            }
+            if ALLOWED_MODEL_FIELDS.contains(&field.as_str()) || !seen.insert(field) {
+                return err(format!("field {field} is already allowed"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -380,6 +546,65 @@ pub struct BrokerPolicy {
     /// Whether to check the peer's uid. Off only for runtimes that do not report it
     /// (gVisor reports uid 0); the per-turn socket in a 0700 run dir still guards it.
     pub peer_uid_check: bool,
+    /// The chat-completions fields forwarded and the output token cap.
+    pub model_request: ModelRequestPolicy,
+}
+
+/// Words that mark an MCP server's env variable or header as a credential.
+const CREDENTIAL_WORDS: &[&str] = &[
+    "KEY",
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "AUTH",
+    "CREDENTIAL",
+    "COOKIE",
+    "SESSION",
+];
+/// A credential inferred from an MCP server's config is redacted from this length on.
+const MIN_INFERRED_SECRET: usize = 8;
+
+impl BrokerPolicy {
+    /// Every declared secret, redacted from whatever the guest is sent: the model key (a
+    /// provider's recent keys), each host tool's [`HostTool::secrets`], and each MCP
+    /// server's credentials: the values of its env variables and headers whose name holds
+    /// one of [`CREDENTIAL_WORDS`] (and of `Authorization`-style values, the token after
+    /// the scheme), from [`MIN_INFERRED_SECRET`] bytes on.
+    pub(crate) fn secret_strings(&self) -> Vec<String> {
+        let mut out = self.api_key.known();
+        for tool in &self.tools {
+            out.extend(tool.secrets().iter().map(|s| s.expose_secret().to_owned()));
+        }
+        let credential = |name: &str| {
+            let upper = name.to_ascii_uppercase();
+            CREDENTIAL_WORDS.iter().any(|w| upper.contains(w))
+        };
+        let mut inferred = |value: &str| {
+            let value = value.trim();
+            for v in [Some(value), value.split_once(' ').map(|(_, t)| t.trim())]
+                .into_iter()
+                .flatten()
+            {
+                if v.len() >= MIN_INFERRED_SECRET {
+                    out.push(v.to_owned());
+                }
+            }
+        };
+        for server in &self.mcp {
+            match &server.transport {
+                McpTransport::Stdio { env, .. } => env
+                    .iter()
+                    .filter(|(k, _)| credential(k))
+                    .for_each(|(_, v)| inferred(v)),
+                McpTransport::Http { headers, .. } => headers
+                    .iter()
+                    .filter(|(k, _)| credential(k))
+                    .for_each(|(_, v)| inferred(v)),
+            }
+        }
+        out
+    }
 }
 
 impl fmt::Debug for BrokerPolicy {
@@ -404,6 +629,7 @@ impl fmt::Debug for BrokerPolicy {
             .field("limits", &self.limits)
             .field("worker_uid", &self.worker_uid)
             .field("peer_uid_check", &self.peer_uid_check)
+            .field("model_request", &self.model_request)
             .finish()
     }
 }
@@ -447,6 +673,7 @@ pub type BrokerEvents = Arc<dyn Fn(BrokerEvent) + Send + Sync>;
 pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
     model::chat_url(&policy.model_url, policy.allow_http)?;
     policy.limits.validate()?;
+    policy.model_request.validate()?;
     let mut seen = BTreeSet::new();
     for tool in &policy.tools {
         let name = tool.name();

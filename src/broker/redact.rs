@@ -1,81 +1,184 @@
-//! Removing the key from what flows back to the guest.
+//! Removing declared secrets (the model key, host tools' and MCP servers' credentials) from
+//! what flows back to the guest.
 //!
-//! - [`redact`]: one whole buffer or string;
-//! - [`Redactor`]: a byte stream, chunk by chunk. A key split across chunk boundaries is
-//!   still found: only the longest tail of a chunk that could begin the key is held back
+//! - [`Secrets`]: the set of secrets to remove, longest first;
+//! - [`Secrets::redact`]: one whole string;
+//! - [`Redactor`]: a byte stream, chunk by chunk. A secret split across chunk boundaries is
+//!   still found: only the longest tail of a chunk that could begin a secret is held back
 //!   until the next chunk (so an SSE event, which ends in a newline, is never delayed).
+//!   At the end of a stream a held tail is sent as [`REDACTED`] ([`Redactor::finish`]);
+//!   on every error path it is dropped ([`Redactor::abandon`]): it may be a piece of a
+//!   secret, and no piece of one ever leaves.
 
-/// What replaces the key.
+use memchr::memmem;
+
+/// What replaces a secret.
 pub(crate) const REDACTED: &str = "[redacted]";
 
-/// `text` with every occurrence of `key` replaced (no-op for an empty key).
-pub(crate) fn redact(text: &str, key: Option<&str>) -> String {
-    match key {
-        Some(k) if !k.is_empty() => text.replace(k, REDACTED),
-        _ => text.to_owned(),
+/// Secrets to redact; empty ones are ignored.
+#[derive(Clone, Default)]
+pub(crate) struct Secrets(Vec<Vec<u8>>);
+
+impl Secrets {
+    /// The non-empty, distinct secrets, longest first (a secret that contains another is
+    /// replaced whole).
+    pub(crate) fn new(secrets: impl IntoIterator<Item = String>) -> Self {
+        let mut v: Vec<Vec<u8>> = secrets
+            .into_iter()
+            .filter(|s| !s.is_empty())
+            .map(String::into_bytes)
+            .collect();
+        v.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+        v.dedup();
+        Self(v)
+    }
+
+    /// The length of the longest secret (0 for none).
+    pub(crate) fn longest(&self) -> usize {
+        self.0.first().map_or(0, Vec::len)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The earliest occurrence of any secret in `hay`: (position, length); at one position
+    /// the longest secret wins.
+    fn find(&self, hay: &[u8]) -> Option<(usize, usize)> {
+        let mut best: Option<(usize, usize)> = None;
+        for s in &self.0 {
+            let limit = best.map_or(hay.len(), |(p, _)| (p + s.len()).min(hay.len()));
+            if let Some(pos) = memmem::find(&hay[..limit], s) {
+                if best.is_none_or(|(p, _)| pos < p) {
+                    best = Some((pos, s.len()));
+                }
+            }
+        }
+        best
+    }
+
+    /// `bytes` with every secret replaced; borrowed when there is none.
+    pub(crate) fn redact_bytes<'a>(&self, bytes: &'a [u8]) -> std::borrow::Cow<'a, [u8]> {
+        let Some((first, _)) = self.find(bytes) else {
+            return std::borrow::Cow::Borrowed(bytes);
+        };
+        let mut out = Vec::with_capacity(bytes.len());
+        out.extend_from_slice(&bytes[..first]);
+        let mut i = first;
+        while let Some((pos, len)) = self.find(&bytes[i..]) {
+            out.extend_from_slice(&bytes[i..i + pos]);
+            out.extend_from_slice(REDACTED.as_bytes());
+            i += pos + len;
+        }
+        out.extend_from_slice(&bytes[i..]);
+        std::borrow::Cow::Owned(out)
+    }
+
+    /// `text` with every secret replaced.
+    pub(crate) fn redact(&self, text: &str) -> String {
+        match self.redact_bytes(text.as_bytes()) {
+            std::borrow::Cow::Borrowed(_) => text.to_owned(),
+            // Secrets are whole strings and the replacement is ASCII: still UTF-8.
+            std::borrow::Cow::Owned(v) => String::from_utf8_lossy(&v).into_owned(),
+        }
+    }
+
+    /// Whether a secret, or the start of one at the end, is in `bytes`.
+    pub(crate) fn could_occur(&self, bytes: &[u8]) -> bool {
+        self.find(bytes).is_some() || self.held_tail(bytes) > 0
+    }
+
+    /// Whether `tail` is a proper prefix of some secret.
+    fn could_grow(&self, tail: &[u8]) -> bool {
+        self.0
+            .iter()
+            .any(|s| s.len() > tail.len() && s.starts_with(tail))
+    }
+
+    /// The length of the longest tail of `bytes` that is a proper prefix of a secret.
+    fn held_tail(&self, bytes: &[u8]) -> usize {
+        let mut hold = 0;
+        for s in &self.0 {
+            let max = (s.len() - 1).min(bytes.len());
+            if let Some(n) = (hold + 1..=max).rev().find(|&n| bytes.ends_with(&s[..n])) {
+                hold = n;
+            }
+        }
+        hold
     }
 }
 
-/// Streams bytes through, replacing every occurrence of the key.
+/// Streams bytes through, replacing every secret.
 pub(crate) struct Redactor {
-    key: Vec<u8>,
+    secrets: Secrets,
     pending: Vec<u8>,
 }
 
 impl Redactor {
-    /// A redactor for `key`; `None` or empty passes everything through.
-    pub(crate) fn new(key: Option<&str>) -> Self {
+    /// A redactor for `secrets` (none: everything passes through).
+    pub(crate) fn new(secrets: Secrets) -> Self {
         Self {
-            key: key.unwrap_or_default().as_bytes().to_vec(),
+            secrets,
             pending: Vec::new(),
         }
     }
 
     /// Takes one chunk; returns what can be sent now.
     pub(crate) fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
-        if self.key.is_empty() {
+        if self.secrets.is_empty() {
             return chunk.to_vec();
         }
         self.pending.extend_from_slice(chunk);
-        let key = &self.key;
         let mut out = Vec::with_capacity(self.pending.len());
         let mut i = 0;
-        while let Some(pos) = find(&self.pending[i..], key) {
-            out.extend_from_slice(&self.pending[i..i + pos]);
+        let mut hold_from = None;
+        while let Some((pos, len)) = self.secrets.find(&self.pending[i..]) {
+            let at = i + pos;
+            if self.secrets.could_grow(&self.pending[at..]) {
+                // A longer secret may begin here and end in the next chunk.
+                hold_from = Some(at);
+                break;
+            }
+            out.extend_from_slice(&self.pending[i..at]);
             out.extend_from_slice(REDACTED.as_bytes());
-            i += pos + key.len();
+            i = at + len;
         }
-        // Hold back only the longest tail that is a proper prefix of the key.
-        let rest = &self.pending[i..];
-        let hold = (1..key.len().min(rest.len() + 1))
-            .rev()
-            .find(|&n| rest.ends_with(&key[..n]))
-            .unwrap_or(0);
-        out.extend_from_slice(&rest[..rest.len() - hold]);
-        let keep_from = self.pending.len() - hold;
+        // Hold back only the longest tail that is a proper prefix of a secret.
+        let keep_from = hold_from.unwrap_or_else(|| {
+            let rest = &self.pending[i..];
+            self.pending.len() - self.secrets.held_tail(rest)
+        });
+        out.extend_from_slice(&self.pending[i..keep_from]);
         self.pending.drain(..keep_from);
         out
     }
 
-    /// The held-back tail, at the end of the stream (it cannot be a whole key).
+    /// The end of a complete stream: a held-back tail (the start of a secret, never a whole
+    /// one) is sent as [`REDACTED`], not as itself.
     pub(crate) fn finish(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.pending)
+        if std::mem::take(&mut self.pending).is_empty() {
+            Vec::new()
+        } else {
+            REDACTED.as_bytes().to_vec()
+        }
     }
-}
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    if needle.is_empty() || haystack.len() < needle.len() {
-        return None;
+    /// The stream failed or was cut: the held-back tail is dropped.
+    pub(crate) fn abandon(&mut self) {
+        self.pending.clear();
     }
-    haystack.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn secrets(list: &[&str]) -> Secrets {
+        Secrets::new(list.iter().map(|s| s.to_string()))
+    }
+
     fn run(key: &str, chunks: &[&str]) -> (String, Vec<String>) {
-        let mut r = Redactor::new(Some(key));
+        let mut r = Redactor::new(secrets(&[key]));
         let mut parts = Vec::new();
         for c in chunks {
             parts.push(String::from_utf8(r.push(c.as_bytes())).unwrap());
@@ -119,9 +222,38 @@ mod tests {
     }
 
     #[test]
-    fn no_key_passes_through() {
-        let mut r = Redactor::new(None);
+    fn a_held_tail_is_redacted_at_the_end_and_dropped_on_error() {
+        let (all, _) = run("sk-secret", &["abc sk-sec"]);
+        assert_eq!(all, "abc [redacted]");
+        let mut r = Redactor::new(secrets(&["sk-secret"]));
+        assert_eq!(r.push(b"abc sk-sec"), b"abc ");
+        r.abandon();
+        assert!(r.finish().is_empty());
+    }
+
+    #[test]
+    fn several_secrets_overlapping_and_nested() {
+        let s = secrets(&["abc", "abcdef", "xyz", ""]);
+        assert_eq!(
+            s.redact("1abcdef2abc3xyz"),
+            "1[redacted]2[redacted]3[redacted]"
+        );
+        let mut r = Redactor::new(s);
+        let mut out = r.push(b"..ab");
+        out.extend(r.push(b"cde"));
+        out.extend(r.push(b"f..xy"));
+        out.extend(r.finish());
+        assert_eq!(String::from_utf8(out).unwrap(), "..[redacted]..[redacted]");
+    }
+
+    #[test]
+    fn no_secret_passes_through() {
+        let mut r = Redactor::new(Secrets::default());
         assert_eq!(r.push(b"abc"), b"abc");
-        assert_eq!(redact("abc", Some("")), "abc");
+        assert_eq!(secrets(&[""]).redact("abc"), "abc");
+        assert!(matches!(
+            secrets(&["k"]).redact_bytes(b"abc"),
+            std::borrow::Cow::Borrowed(_)
+        ));
     }
 }

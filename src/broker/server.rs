@@ -1,11 +1,15 @@
 //! The per-turn HTTP/1.1 server on the unix socket.
 //!
 //! - [`serve`]: the accept loop: the peer check (SO_PEERCRED uid must be the worker uid),
-//!   a cap on open connections, one task per connection in a `JoinSet` (so stopping the
-//!   listener aborts them all), a header read timeout so a slow client blocks nothing;
-//! - [`handle`]: routing, method check, body size cap (`413`), body read deadline, JSON
-//!   parsing (`400`), per-turn call counts (`429`), then the model proxy, a host tool or
-//!   an MCP tool;
+//!   a cap on open connections (one more is answered `503` and closed), one task per
+//!   connection in a `JoinSet` (so stopping the listener aborts them all), a header read
+//!   timeout so a slow client blocks nothing;
+//! - [`handle`]: routing, method check, body size cap (`413`), a cap on calls in flight
+//!   (`429`; the slot is held from the body's first byte to the answer's last), per-turn
+//!   call counts (`429`), body read deadline, then the model proxy (the body checked and
+//!   rewritten by [`super::model::prepare`], the guest's bytes dropped before the upstream
+//!   is called), a host tool or an MCP tool (arguments whose size in JSON values could
+//!   inflate in memory are refused before they are parsed);
 //! - [`error_response`] / [`json_response`]: every refusal is `{"error": "..."}`.
 
 use std::convert::Infallible;
@@ -17,12 +21,13 @@ use bytes::Bytes;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
-use hyper::header::{ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use roundtable_sandbox_protocol::{paths, ErrorBody};
 use serde::Serialize;
 use tokio::net::UnixListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -35,10 +40,11 @@ pub(crate) type Response = hyper::Response<Body>;
 
 /// How long a client may take to send a request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Open connections per turn; more are closed at once.
-const MAX_CONNECTIONS: usize = 64;
 /// Largest request head.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
+/// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
+/// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
+pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
 
 /// One turn's state shared by its connections.
 struct Turn {
@@ -47,6 +53,8 @@ struct Turn {
     stop: CancellationToken,
     model_calls: AtomicU32,
     tool_calls: AtomicU32,
+    /// One permit per call being served.
+    in_flight: Arc<Semaphore>,
 }
 
 /// Accepts connections until `stop` fires; dropping this future aborts every connection.
@@ -58,12 +66,15 @@ pub(crate) async fn serve(
 ) {
     let worker_uid = broker.policy.worker_uid;
     let check_uid = broker.policy.peer_uid_check;
+    let max_connections = broker.policy.limits.max_connections;
+    let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
     let turn = Arc::new(Turn {
         broker,
         ctx,
         stop: stop.clone(),
         model_calls: AtomicU32::new(0),
         tool_calls: AtomicU32::new(0),
+        in_flight,
     });
     let mut connections = JoinSet::new();
     loop {
@@ -92,8 +103,11 @@ pub(crate) async fn serve(
                 continue;
             }
         }
-        if connections.len() >= MAX_CONNECTIONS {
-            tracing::warn!("broker connection limit reached");
+        if connections.len() >= max_connections {
+            tracing::warn!(limit = max_connections, "broker connection limit reached");
+            // Told why, without waiting on the peer: a non-blocking write of a few hundred
+            // bytes into a fresh socket's buffer, then closed.
+            let _ = stream.try_write(&too_many_connections(max_connections));
             continue;
         }
         let turn = turn.clone();
@@ -123,6 +137,90 @@ pub(crate) async fn serve(
         });
     }
     connections.shutdown().await;
+}
+
+/// The raw `503` for a connection past the cap.
+fn too_many_connections(limit: usize) -> Vec<u8> {
+    let body = serde_json::to_vec(&ErrorBody {
+        error: format!("too many connections in this turn (limit {limit})"),
+    })
+    .expect("serialisable");
+    let mut out = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// A body that holds its call's in-flight permit until it is sent or dropped.
+struct Holding {
+    body: Body,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl hyper::body::Body for Holding {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The response with the call's permit moved into its body.
+fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
+    response.map(|body| {
+        Holding {
+            body,
+            _permit: permit,
+        }
+        .boxed_unsync()
+    })
+}
+
+/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
+/// plus one. Stops counting past `limit`.
+fn json_values_over(raw: &[u8], limit: usize) -> bool {
+    let mut n = 1usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in raw {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' | b',' => {
+                    n += 1;
+                    if n > limit {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    false
 }
 
 /// A body of bytes.
@@ -156,6 +254,7 @@ fn shown(name: &str) -> String {
     name.chars().take(64).collect()
 }
 
+#[derive(Clone, Copy)]
 enum Route<'a> {
     Chat,
     Tool(&'a str),
@@ -226,6 +325,17 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     if declared.is_some_and(|n| n > limits.max_request_bytes as u64) {
         return too_large();
     }
+    // A place among the calls in flight, held until the answer is sent; a refusal here
+    // does not use up the turn's call budget.
+    let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
+        return error_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!(
+                "too many calls in flight in this turn (limit {})",
+                limits.max_calls_in_flight
+            ),
+        );
+    };
     // Count the call before any work is done for it.
     let (counter, max, what) = match route {
         Route::Chat => (&turn.model_calls, limits.max_model_calls, "model"),
@@ -254,6 +364,35 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
         Ok(Err(_)) => return error_response(StatusCode::BAD_REQUEST, "request body unreadable"),
         Ok(Ok(b)) => b.to_bytes(),
     };
+    holding(call(turn, route, body, accept).await, permit)
+}
+
+/// Serves one admitted call whose body has been read.
+async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderValue>) -> Response {
+    let policy = &turn.broker.policy;
+    if let Route::Chat = route {
+        let prepared = match super::model::prepare(&body, &policy.model, &policy.model_request) {
+            Ok(p) => p,
+            Err(msg) => return error_response(StatusCode::BAD_REQUEST, &msg),
+        };
+        // The guest's bytes are not held while the upstream answers.
+        drop(body);
+        if let Some(events) = &turn.ctx.events {
+            events(super::BrokerEvent::ModelCall);
+        }
+        tracing::debug!("model call");
+        return turn
+            .broker
+            .upstream
+            .chat(prepared, accept, turn.stop.clone(), policy)
+            .await;
+    }
+    if json_values_over(&body, MAX_ARGUMENT_VALUES) {
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            &format!("tool arguments too complex (more than {MAX_ARGUMENT_VALUES} JSON values)"),
+        );
+    }
     let value: serde_json::Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return error_response(StatusCode::BAD_REQUEST, &format!("malformed JSON: {e}")),
@@ -264,20 +403,18 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
             "the request body must be a JSON object",
         );
     };
+    drop(body);
     if let Some(events) = &turn.ctx.events {
-        events(match route {
-            Route::Chat => super::BrokerEvent::ModelCall,
-            Route::Tool(_) | Route::Mcp(..) => super::BrokerEvent::ToolCall,
-        });
+        events(super::BrokerEvent::ToolCall);
+    }
+    // A key provider's key is redacted from tool results: have it before the first one.
+    if policy.api_key.unfetched() {
+        if let Err(e) = policy.api_key.resolve().await {
+            tracing::warn!(error = %e, "model key unavailable");
+        }
     }
     match route {
-        Route::Chat => {
-            tracing::debug!("model call");
-            turn.broker
-                .upstream
-                .chat(object, accept, turn.stop.clone())
-                .await
-        }
+        Route::Chat => unreachable!("answered above"),
         Route::Tool(name) => {
             tracing::debug!(tool = name, "host tool call");
             turn.broker

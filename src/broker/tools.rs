@@ -17,7 +17,7 @@ use hyper::StatusCode;
 use roundtable_sandbox_protocol::ToolCallResult;
 use tokio_util::sync::CancellationToken;
 
-use super::redact::redact;
+use super::redact::Secrets;
 use super::server::{error_response, json_response, Response};
 use super::{BrokerError, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
 
@@ -51,9 +51,10 @@ pub(crate) fn check_args(
     }
 }
 
-/// A tool result for the guest: `ok` with content (capped, redacted) or a readable error.
+/// A tool result for the guest: `ok` with content (capped, every declared secret of the
+/// policy redacted) or a readable error (cut after redaction, so no piece of one shows).
 pub(crate) fn tool_result(result: Result<String, String>, policy: &BrokerPolicy) -> Response {
-    let key = policy.api_key.known();
+    let secrets = Secrets::new(policy.secret_strings());
     let cap = policy.limits.max_response_bytes;
     let body = match result {
         Ok(content) if content.len() > cap => ToolCallResult {
@@ -63,13 +64,17 @@ pub(crate) fn tool_result(result: Result<String, String>, policy: &BrokerPolicy)
         },
         Ok(content) => ToolCallResult {
             ok: true,
-            content: Some(redact(&content, key)),
+            content: Some(secrets.redact(&content)),
             error: None,
         },
         Err(error) => ToolCallResult {
             ok: false,
             content: None,
-            error: Some(redact(&error.chars().take(4096).collect::<String>(), key)),
+            // Any secret that starts in the first 4096 characters ends in `head`.
+            error: {
+                let head: String = error.chars().take(4096 + secrets.longest()).collect();
+                Some(secrets.redact(&head).chars().take(4096).collect())
+            },
         },
     };
     json_response(StatusCode::OK, &body)

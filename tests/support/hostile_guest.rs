@@ -165,7 +165,7 @@ fn post(target: &str, headers: &[&str], body: &str) -> Vec<u8> {
 }
 
 fn broker(group: &str) -> Vec<String> {
-    let chat = r#"{"model":"gpt-evil","messages":[{"role":"user","content":"hi"}],"base_url":"http://evil.example/v1","api_key":"sk-guest"}"#;
+    let chat = r#"{"model":"gpt-evil","messages":[{"role":"user","content":"hi"}]}"#;
     let forged = [
         "Authorization: Bearer sk-guest-forged",
         "X-Api-Key: sk-guest-forged",
@@ -281,6 +281,35 @@ fn broker(group: &str) -> Vec<String> {
             }
             Ok((status, _)) => format!("{name}={status}"),
             Err(e) => format!("{name}=error({e})"),
+        });
+    }
+    if group == "all" || group == "fields" {
+        // Body fields that would pick another model, provider or endpoint, or cost more.
+        let fields = [
+            ("models", r#"["openai/gpt-4o","anthropic/claude-opus"]"#),
+            ("route", r#""fallback""#),
+            ("provider", r#"{"order":["expensive"]}"#),
+            ("plugins", r#"[{"id":"web"}]"#),
+            ("n", "64"),
+            ("service_tier", r#""priority""#),
+            ("store", "true"),
+            ("metadata", r#"{"who":"guest"}"#),
+            ("base_url", r#""http://evil.example/v1""#),
+            ("api_key", r#""sk-guest""#),
+        ];
+        for (field, value) in fields {
+            let body = format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"{field}":{value}}}"#
+            );
+            out.push(match raw(&post("/v1/chat/completions", &[], &body)) {
+                Ok((status, body)) => format!("field_{field}={status}:{body}"),
+                Err(e) => format!("field_{field}=error({e})"),
+            });
+        }
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1000000000}"#;
+        out.push(match raw(&post("/v1/chat/completions", &[], body)) {
+            Ok((status, _)) => format!("max_tokens={status}"),
+            Err(e) => format!("max_tokens=error({e})"),
         });
     }
     if group != "all" && group != "forge" {

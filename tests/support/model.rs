@@ -57,6 +57,8 @@ pub enum Step {
     EchoKeyError(u16),
     /// A stream carrying the `Authorization` header split across two chunks.
     EchoKeyStream,
+    /// `200 text/event-stream`: these chunks, then the connection is cut mid-body.
+    StreamThenFail(Vec<String>),
 }
 
 impl Step {
@@ -216,13 +218,17 @@ impl Drop for ScriptedModel {
     }
 }
 
-type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+type Body = http_body_util::combinators::BoxBody<Bytes, std::io::Error>;
 
 fn full(status: u16, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
-        .body(Full::new(body.into()).boxed())
+        .body(
+            Full::new(body.into())
+                .map_err(|never: Infallible| match never {})
+                .boxed(),
+        )
         .unwrap()
 }
 
@@ -232,7 +238,7 @@ fn channel_body() -> (mpsc::Sender<Bytes>, Body) {
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await
-            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+            .map(|b| (Ok::<_, std::io::Error>(Frame::data(b)), rx))
     });
     (tx, StreamBody::new(stream).boxed())
 }
@@ -325,6 +331,23 @@ async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
             "application/json",
             serde_json::json!({"error": {"message": format!("bad key: {auth}")}}).to_string(),
         ),
+        Some(Step::StreamThenFail(chunks)) => {
+            let (tx, rx) = mpsc::channel::<std::io::Result<Bytes>>(16);
+            tokio::spawn(async move {
+                for c in chunks {
+                    if tx.send(Ok(Bytes::from(c))).await.is_err() {
+                        return;
+                    }
+                }
+                // Let the chunks reach the client before the cut.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = tx.send(Err(std::io::Error::other("cut"))).await;
+            });
+            let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|r| (r.map(Frame::data), rx))
+            });
+            sse(StreamBody::new(stream).boxed())
+        }
         Some(Step::EchoKeyStream) => {
             let mid = auth.len() / 2 + 3;
             let (a, b) = auth.split_at(mid.min(auth.len()));

@@ -1,0 +1,464 @@
+//! `roundtable-bench hostile`: the host's peak RSS under a hostile turn, against the same
+//! process idle, in the same run.
+//!
+//! The measured process is a child (`roundtable-bench --hostile-host SOCKET MODEL_URL`): a
+//! [`Broker`] with the default limits and one host tool, listening for one turn, exactly
+//! as the runtime holds it for a turn. Nothing else lives in it: the attacker and the
+//! upstream run in the parent, so their buffers are not counted.
+//!
+//! 1. idle: the child's `VmRSS` once it listens and has settled;
+//! 2. the hostile turn, for `--seconds` (default 20), all at once, each attacker retrying
+//!    as soon as it is answered:
+//!    - 64 connections each sending a 1 MiB body of empty arrays (`[[],[],…]`, the shape
+//!      that a `serde_json::Value` inflates most) as the `messages` of a model call, to an
+//!      upstream that reads the request and never answers;
+//!    - 64 more sending the same as a host tool's arguments;
+//!    - 16 connections sending their request head one byte per 100 ms (slow headers);
+//!    - 16 connections announcing a 1 MiB body and sending 1 KiB per 100 ms (slow bodies);
+//!    - 4 streamed model calls to an upstream that never stops streaming (1 KiB per ms),
+//!      two read slowly and two never read;
+//! 3. the child's `VmHWM` (the kernel's peak RSS of the process) after the attack.
+//!
+//! Printed: idle, peak, peak − idle (the figure with the target: ≤ 64 MiB), peak / idle,
+//! and what the attackers were answered.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper_util::rt::TokioIo;
+use roundtable_sandbox::broker::{
+    BoxFuture, BrokerLimits, BrokerPolicy, HostTool, ToolCallContext, TurnContext,
+};
+use roundtable_sandbox::protocol::Speaker;
+use roundtable_sandbox::{ApiKey, Broker};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio_util::sync::CancellationToken;
+
+/// The target: the hostile turn's peak over idle.
+pub const TARGET_MIB: f64 = 64.0;
+
+struct Echo;
+
+impl HostTool for Echo {
+    fn name(&self) -> &str {
+        "echo"
+    }
+    fn description(&self) -> &str {
+        "echoes its arguments"
+    }
+    fn parameters(&self) -> Value {
+        json!({"type": "object"})
+    }
+    fn call(&self, args: Value, _ctx: ToolCallContext) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async move { Ok(args.to_string().chars().take(100).collect()) })
+    }
+}
+
+/// In the child: a broker listening on `socket` until stdin closes.
+pub fn host(socket: &str, model_url: &str) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let policy = BrokerPolicy {
+            model: "bench-model".into(),
+            model_url: model_url.into(),
+            api_key: ApiKey::from_static("sk-bench-hostile-never-leaves"),
+            tools: vec![Arc::new(Echo)],
+            mcp: Vec::new(),
+            allow_http: true,
+            limits: BrokerLimits::default(),
+            worker_uid: nix::unistd::getuid().as_raw(),
+            peer_uid_check: true,
+            model_request: Default::default(),
+        };
+        let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
+        let ctx = TurnContext {
+            channel: "#hostile".into(),
+            speaker: Speaker {
+                id: "u1".into(),
+                name: "mallory".into(),
+            },
+            cancel: CancellationToken::new(),
+            events: None,
+        };
+        let listener = broker.listen(Path::new(socket), ctx).await?;
+        println!("ready");
+        // Until the parent closes our stdin.
+        tokio::task::spawn_blocking(|| {
+            let mut sink = String::new();
+            while std::io::stdin().read_line(&mut sink).unwrap_or(0) > 0 {}
+        })
+        .await?;
+        listener.stop().await?;
+        Ok(())
+    })
+}
+
+fn status_kib(pid: u32, field: &str) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    text.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
+type UpBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+/// The upstream: a streamed call never ends; any other call is read whole and never answered.
+async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
+                        let streamed = body.windows(13).any(|w| w == b"\"stream\":true");
+                        drop(body);
+                        if !streamed {
+                            std::future::pending::<()>().await;
+                        }
+                        let event = Bytes::from(format!(
+                            "data: {}\n\n",
+                            json!({"choices": [{"delta": {"content": "x".repeat(1000)}}]})
+                        ));
+                        let frames = futures_util::stream::unfold(event, |event| async move {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            Some((Ok::<_, Infallible>(Frame::data(event.clone())), event))
+                        });
+                        Ok::<_, Infallible>(
+                            hyper::Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .body(UpBody::new(StreamBody::new(frames)))
+                                .expect("a response"),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok((format!("http://{addr}/v1"), task))
+}
+
+/// `{"<field>":[[],[],…]}` of `size` bytes.
+fn nested_body(field: &str, size: usize) -> Bytes {
+    let mut body = format!("{{\"{field}\":[").into_bytes();
+    while body.len() + 3 + 4 <= size {
+        body.extend_from_slice(b"[],");
+    }
+    body.extend_from_slice(b"[]]}");
+    Bytes::from(body)
+}
+
+#[derive(Default)]
+struct Tally(Mutex<BTreeMap<String, u64>>);
+
+impl Tally {
+    fn add(&self, what: impl Into<String>) {
+        *self.0.lock().unwrap().entry(what.into()).or_default() += 1;
+    }
+}
+
+/// The status of an answer's head, or what happened instead.
+async fn read_status(s: &mut UnixStream) -> String {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 * 1024 {
+        match s.read(&mut chunk).await {
+            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            end if !buf.starts_with(b"HTTP/") => {
+                return if end.is_ok() { "closed" } else { "reset" }.into()
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&buf)
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("?")
+        .to_owned()
+}
+
+fn head(path: &str, len: usize) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
+         Content-Length: {len}\r\nConnection: close\r\n\r\n"
+    )
+}
+
+/// One attacker sending `body` to `path` until `end`, retrying 50 ms after each answer.
+async fn flood(socket: PathBuf, path: &'static str, body: Bytes, end: Instant, tally: Arc<Tally>) {
+    while Instant::now() < end {
+        let Ok(mut s) = UnixStream::connect(&socket).await else {
+            tally.add(format!("{path} connect failed"));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let answer = tokio::time::timeout(end.saturating_duration_since(Instant::now()), async {
+            let sent = async {
+                s.write_all(head(path, body.len()).as_bytes()).await?;
+                s.write_all(&body).await
+            };
+            match sent.await {
+                Ok(()) => read_status(&mut s).await,
+                // Refused before the body was read: the answer may be there all the same.
+                Err(_) => format!("{} before the body was sent", read_status(&mut s).await),
+            }
+        })
+        .await;
+        match answer {
+            Ok(status) => tally.add(format!("{path} {status}")),
+            Err(_) => tally.add(format!("{path} still open at the end")),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One connection trickling `bytes` one `step` per 100 ms until `end`.
+async fn trickle(
+    socket: PathBuf,
+    what: &'static str,
+    bytes: Vec<u8>,
+    step: usize,
+    end: Instant,
+    tally: Arc<Tally>,
+) {
+    while Instant::now() < end {
+        let Ok(mut s) = UnixStream::connect(&socket).await else {
+            tally.add(format!("{what} connect failed"));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let mut outcome = "still open at the end".to_owned();
+        for piece in bytes.chunks(step) {
+            if Instant::now() >= end {
+                break;
+            }
+            if s.write_all(piece).await.is_err() {
+                outcome = "cut off by the broker".into();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if outcome != "cut off by the broker" && Instant::now() < end {
+            let left = end.saturating_duration_since(Instant::now());
+            if let Ok(status) = tokio::time::timeout(left, read_status(&mut s)).await {
+                outcome = status;
+            }
+        }
+        tally.add(format!("{what}: {outcome}"));
+    }
+}
+
+/// A streamed model call read `per_read` bytes per 10 ms (0: never read).
+async fn stream_reader(socket: PathBuf, per_read: usize, end: Instant, tally: Arc<Tally>) {
+    while Instant::now() < end {
+        let Ok(mut s) = UnixStream::connect(&socket).await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let body = br#"{"stream":true,"messages":[{"role":"user","content":"go on forever"}]}"#;
+        let mut req = head("/v1/chat/completions", body.len()).into_bytes();
+        req.extend_from_slice(body);
+        if s.write_all(&req).await.is_err() {
+            tally.add("stream write failed");
+            continue;
+        }
+        let mut read = 0usize;
+        let mut buf = vec![0u8; per_read.max(1)];
+        if per_read > 0 {
+            let status = read_status(&mut s).await;
+            if status != "200" {
+                tally.add(format!("stream (read {per_read} B / 10 ms): {status}"));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        }
+        let outcome = loop {
+            if Instant::now() >= end {
+                break "still streaming at the end";
+            }
+            if per_read == 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+            match s.read(&mut buf).await {
+                Ok(0) => break "ended by the broker",
+                Ok(n) => read += n,
+                Err(_) => break "reset",
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        tally.add(format!(
+            "stream (read {per_read} B / 10 ms): {outcome} after {} KiB",
+            read / 1024
+        ));
+    }
+}
+
+/// The measurement; prints the figures and returns them as JSON.
+pub async fn run(seconds: u64) -> Result<Value> {
+    let (model_url, upstream_task) = upstream().await?;
+    let dir = tempfile::Builder::new()
+        .prefix("rtb-hostile-")
+        .tempdir_in("/tmp")?;
+    let socket = dir.path().join("broker.sock");
+    let mut child = Command::new(std::env::current_exe()?)
+        .args([
+            "--hostile-host",
+            socket.to_str().context("socket path")?,
+            &model_url,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("start the hostile host child")?;
+    let pid = child.id();
+    let mut stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut line = String::new();
+    stdout.read_line(&mut line)?;
+    if line.trim() != "ready" {
+        let _ = child.kill();
+        bail!("the hostile host child said {line:?}");
+    }
+    // Settle, then idle is the mean of a few samples.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut idle = 0;
+    for _ in 0..5 {
+        idle += status_kib(pid, "VmRSS:")?;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let idle_kib = idle / 5;
+    let idle_hwm_kib = status_kib(pid, "VmHWM:")?;
+
+    println!(
+        "\n== hostile turn: {seconds} s against one turn's broker (child pid {pid}, default limits)"
+    );
+    let tally = Arc::new(Tally::default());
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let mut set = tokio::task::JoinSet::new();
+    let chat = nested_body("messages", 1 << 20);
+    let tool = nested_body("a", 1 << 20);
+    for _ in 0..64 {
+        set.spawn(flood(
+            socket.clone(),
+            "/v1/chat/completions",
+            chat.clone(),
+            end,
+            tally.clone(),
+        ));
+        set.spawn(flood(
+            socket.clone(),
+            "/v1/tools/echo",
+            tool.clone(),
+            end,
+            tally.clone(),
+        ));
+    }
+    let slow_head = head("/v1/chat/completions", 2).into_bytes();
+    let mut slow_body = head("/v1/tools/echo", 1 << 20).into_bytes();
+    slow_body.extend_from_slice(&nested_body("a", 1 << 20));
+    for _ in 0..16 {
+        set.spawn(trickle(
+            socket.clone(),
+            "slow head",
+            slow_head.clone(),
+            1,
+            end,
+            tally.clone(),
+        ));
+        set.spawn(trickle(
+            socket.clone(),
+            "slow body",
+            slow_body.clone(),
+            1024,
+            end,
+            tally.clone(),
+        ));
+    }
+    for per_read in [0, 0, 1024, 1024] {
+        set.spawn(stream_reader(socket.clone(), per_read, end, tally.clone()));
+    }
+    let mut peak_sampled = 0;
+    while Instant::now() < end {
+        peak_sampled = peak_sampled.max(status_kib(pid, "VmRSS:").unwrap_or(0));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let hwm_kib = status_kib(pid, "VmHWM:")?;
+    let after_kib = status_kib(pid, "VmRSS:")?;
+    // Each attacker records how its last attempt ended, then stops.
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while set.join_next().await.is_some() {}
+    })
+    .await;
+    set.abort_all();
+    while set.join_next().await.is_some() {}
+    drop(child.stdin.take());
+    let exited = tokio::task::spawn_blocking(move || child.wait()).await??;
+    upstream_task.abort();
+    if !exited.success() {
+        bail!("the hostile host child failed ({exited})");
+    }
+
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    let over = mib(hwm_kib.saturating_sub(idle_kib));
+    println!(
+        "idle RSS            {:>8.1} MiB (VmHWM before the attack {:.1} MiB)",
+        mib(idle_kib),
+        mib(idle_hwm_kib)
+    );
+    println!(
+        "peak RSS (VmHWM)    {:>8.1} MiB (highest 5 ms sample {:.1} MiB)",
+        mib(hwm_kib),
+        mib(peak_sampled)
+    );
+    println!("RSS after           {:>8.1} MiB", mib(after_kib));
+    println!(
+        "peak − idle         {over:>8.1} MiB (target ≤ {TARGET_MIB} MiB: {}), peak / idle {:.2}",
+        if over <= TARGET_MIB { "met" } else { "NOT met" },
+        hwm_kib as f64 / idle_kib.max(1) as f64
+    );
+    println!("what the attackers were answered:");
+    let answers = tally.0.lock().unwrap().clone();
+    for (what, n) in &answers {
+        println!("  {n:>6}  {what}");
+    }
+    Ok(json!({
+        "seconds": seconds,
+        "idle_kib": idle_kib,
+        "peak_kib": hwm_kib,
+        "peak_sampled_kib": peak_sampled,
+        "after_kib": after_kib,
+        "over_idle_mib": over,
+        "ratio": hwm_kib as f64 / idle_kib.max(1) as f64,
+        "target_mib": TARGET_MIB,
+        "met": over <= TARGET_MIB,
+        "answers": answers,
+    }))
+}
