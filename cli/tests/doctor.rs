@@ -163,3 +163,33 @@ fn explain_shows_the_quota_and_the_floor() {
         "{text}"
     );
 }
+
+#[test]
+fn explain_shows_the_model_fields_and_the_turn_caps() {
+    let (d, run, ws) = roots();
+    let path = d.path().join("fields.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
+             model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
+             [broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+             [model_request]\nmax_tokens = 4096\nextra_fields = [\"reasoning_effort\"]\n"
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config", &path.display().to_string()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("model fields  messages, tools, tool_choice, parallel_tool_calls, stream, stream_options, temperature, top_p, stop, seed, response_format, max_tokens, max_completion_tokens, reasoning_effort (anything else: 400); model forced; max_tokens capped at 4096 (set when absent)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("broker turn   2 calls in flight, 8 connections"),
+        "{text}"
+    );
+}
