@@ -511,3 +511,44 @@ async fn floor_kills_a_running_turn_when_free_space_falls_below_it() {
     );
     std::fs::remove_dir_all(env.workspace_of("#floor-run")).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_files_held_only_in_a_socket_queue_are_left_to_the_floor() {
+    // 8 files × 8 MiB, each unlinked, sent with SCM_RIGHTS over a socket pair nobody reads,
+    // and closed: no directory and no descriptor table holds them, only the socket's queue.
+    // A known limit: the quota cannot see them (the turn runs to its deadline) …
+    let env = Env::new();
+    let mut config = quota_config(&env, &["inflight", "8", "8"]);
+    config.turn_timeout = Some(Duration::from_secs(8));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#inflight", "x")).await;
+    let stored = progress(&env, "#inflight");
+    eprintln!("in flight in a socket: {stored} MiB held past the quota's sight: {reply:?}");
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 8s"));
+    assert_eq!(stored, 64, "all of it was stored");
+    assert_no_leftovers(&sandbox).await;
+
+    // … and the free-space floor is the backstop: set 32 MiB under the workspaces' free
+    // space, it ends the turn.
+    let (free, _) = quota::free_space(env.dir.path()).unwrap();
+    let mut config = quota_config(&env, &["inflight", "8", "8"]);
+    config.limits.disk_floor_mb = (free >> 20).saturating_sub(32);
+    config.limits.disk_floor_percent = 0;
+    with_data_root(&mut config, None);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let started = Instant::now();
+    let reply = sandbox.run_turn(request("#inflight", "x")).await;
+    let error = reply.error.unwrap();
+    eprintln!(
+        "in flight, with the floor: stopped in {:?}: {error}",
+        started.elapsed()
+    );
+    assert!(
+        error.starts_with(&format!(
+            "the filesystem of {} (the workspaces) has ",
+            sandbox.config().workspace_root.display()
+        )),
+        "{error}"
+    );
+    assert_no_leftovers(&sandbox).await;
+}

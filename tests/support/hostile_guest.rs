@@ -344,7 +344,9 @@ fn broker(group: &str) -> Vec<String> {
 ///   (replies at once if the call fails);
 /// - `mapped MIB`: a file mapped shared, its descriptor closed, unlinked, MIB MiB written
 ///   through the mapping, then waits;
-/// - `nondumpable FILES MIB`: `prctl(PR_SET_DUMPABLE, 0)`, then `held FILES MIB 1` in-process.
+/// - `nondumpable FILES MIB`: `prctl(PR_SET_DUMPABLE, 0)`, then `held FILES MIB 1` in-process;
+/// - `inflight FILES MIB`: FILES files of MIB MiB, each unlinked, sent with `SCM_RIGHTS` over
+///   a socket pair that nobody reads, and closed: held only by the socket's queue; waits.
 mod quota {
     use std::io::Write;
     use std::os::fd::AsRawFd;
@@ -360,6 +362,7 @@ mod quota {
         fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
         fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
         fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
+        fn sendmsg(fd: i32, msg: *const MsgHdr, flags: i32) -> isize;
         fn renameat2(
             olddir: i32,
             old: *const std::ffi::c_char,
@@ -547,6 +550,7 @@ mod quota {
                 hold(60);
                 vec![format!("nondumpable=survived({})", kept.len())]
             }
+            Some("inflight") => inflight(n(args, 1, 8), n(args, 2, 8)),
             other => vec![format!("unknown quota trick {other:?}")],
         }
     }
@@ -570,6 +574,68 @@ mod quota {
         }
         hold(60);
         vec![format!("held=survived({})", children.len())]
+    }
+
+    #[repr(C)]
+    struct IoVec {
+        base: *const u8,
+        len: usize,
+    }
+
+    #[repr(C)]
+    struct MsgHdr {
+        name: *mut u8,
+        namelen: u32,
+        iov: *const IoVec,
+        iovlen: usize,
+        control: *mut u8,
+        controllen: usize,
+        flags: i32,
+    }
+
+    /// Sends `fd` with one byte over `socket` (`SCM_RIGHTS`).
+    fn send_fd(socket: i32, fd: i32) -> std::io::Result<()> {
+        let byte = [0u8; 1];
+        let iov = IoVec {
+            base: byte.as_ptr(),
+            len: 1,
+        };
+        // cmsghdr { len: usize, level: i32, type: i32 } then the int, padded to 8 bytes.
+        let mut control = [0u64; 3];
+        control[0] = 20; // CMSG_LEN(sizeof(int))
+        control[1] = 1 | (1 << 32); // SOL_SOCKET, SCM_RIGHTS
+        control[2] = fd as u32 as u64;
+        let msg = MsgHdr {
+            name: std::ptr::null_mut(),
+            namelen: 0,
+            iov: &iov,
+            iovlen: 1,
+            control: control.as_mut_ptr() as *mut u8,
+            controllen: 24,
+            flags: 0,
+        };
+        // SAFETY: every pointer in `msg` points at a live local of the right size.
+        if unsafe { sendmsg(socket, &msg, 0) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn inflight(files: usize, mib: usize) -> Vec<String> {
+        let result = (|| {
+            let (tx, _rx) = std::os::unix::net::UnixStream::pair()?;
+            for i in 0..files {
+                let path = format!("/workspace/inflight-{i}");
+                let mut f = std::fs::File::create(&path)?;
+                std::fs::remove_file(&path)?;
+                fill(&mut f, mib)?;
+                send_fd(tx.as_raw_fd(), f.as_raw_fd())?;
+                // Closed here: the socket's queue is all that holds it now.
+            }
+            hold(60);
+            Ok(format!("survived({files})"))
+        })();
+        vec![format!("inflight={}", io(result))]
     }
 
     fn swap(sentinel: &str, secs: u64) -> Vec<String> {
