@@ -105,9 +105,17 @@ pub(crate) async fn serve(
         }
         if connections.len() >= max_connections {
             tracing::warn!(limit = max_connections, "broker connection limit reached");
-            // Told why, without waiting on the peer: a non-blocking write of a few hundred
-            // bytes into a fresh socket's buffer, then closed.
-            let _ = stream.try_write(&too_many_connections(max_connections));
+            // Told why, then closed: a few hundred bytes into a fresh socket's buffer (a
+            // peer that reads nothing does not hold the task past the deadline).
+            let refusal = too_many_connections(max_connections);
+            tokio::spawn(async move {
+                let mut stream = stream;
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    tokio::io::AsyncWriteExt::write_all(&mut stream, &refusal),
+                )
+                .await;
+            });
             continue;
         }
         let turn = turn.clone();
