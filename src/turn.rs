@@ -6,6 +6,11 @@
 //! `<run_dir>/broker.sock`, runs the container through the driver, hands the
 //! reply to a callback **before** cleanup, then tears down on every path: listener stopped,
 //! container removed, run dir removed. The host never reads a workspace file.
+//!
+//! The turn timeout counts from the turn's admission ([`TurnRequest::admitted`], default:
+//! the call), as the TypeScript package arms its timer in `runTurn` before anything else:
+//! it covers the workspace checks, the broker's start and the container (and, in the actor
+//! layer, the wait for a container slot). Teardown runs after it, on every path.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::DirBuilderExt;
@@ -32,6 +37,10 @@ pub struct TurnRequest {
     pub reset: bool,
     /// Fired by the caller to stop the turn.
     pub stop: CancellationToken,
+    /// When the turn was admitted: its timeout counts from here (`None`: from the call of
+    /// [`run_turn`]). The actor layer sets it to the channel's admission, so the wait for a
+    /// container slot counts too.
+    pub admitted: Option<Instant>,
 }
 
 /// Where a turn is; reported to an optional observer (progress display, tests).
@@ -57,6 +66,10 @@ pub type PhaseObserver = Arc<dyn Fn(TurnPhase) + Send + Sync>;
 pub enum TurnError {
     #[error("turn timed out after {0:?}")]
     Timeout(Duration),
+    /// The turn's timeout passed while it waited for a container slot (the actor layer's
+    /// global cap); it never started.
+    #[error("turn timed out after {timeout:?} waiting for a container slot (all {slots} in use)")]
+    SlotTimeout { timeout: Duration, slots: usize },
     #[error("turn stopped")]
     Stopped,
     #[error("create workspace {path}: {source}")]
@@ -151,77 +164,92 @@ async fn run_turn_inner(
     // The turn's own cancellation: stop, timeout and teardown all end broker calls with it.
     let cancel = request.stop.child_token();
 
+    let timeout = config.turn_timeout;
+    let deadline_at = tokio::time::Instant::from_std(request.admitted.unwrap_or(started)) + timeout;
+
     let result: Result<Reply, TurnError> = async {
-        make_workspace(&workspace_dir)?;
-        // Held open for the whole turn: every measure starts from this descriptor and never
-        // follows a guest path (see crate::quota).
-        let workspace = Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(
-            |source| TurnError::CreateWorkspace {
-                path: workspace_dir.clone(),
-                source,
-            },
-        )?);
-        // The filesystems the free-space floor guards: the workspaces', the engine's.
-        let mut guarded = vec![crate::quota::Guarded {
-            what: "the workspaces",
-            path: config.workspace_root.clone(),
-        }];
+        // One deadline for the whole turn, from admission: preparation and container.
+        let deadline = tokio::time::sleep_until(deadline_at);
+        tokio::pin!(deadline);
         let quota = config.config.limits.workspace_quota();
         let floor = config.config.limits.disk_floor();
-        if floor.is_on() {
-            let data_root = tokio::select! {
-                r = sandbox.driver().data_root() => r?,
+        let prepare = async {
+            make_workspace(&workspace_dir)?;
+            // Held open for the whole turn: every measure starts from this descriptor and never
+            // follows a guest path (see crate::quota).
+            let workspace = Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(
+                |source| TurnError::CreateWorkspace {
+                    path: workspace_dir.clone(),
+                    source,
+                },
+            )?);
+            // The filesystems the free-space floor guards: the workspaces', the engine's.
+            let mut guarded = vec![crate::quota::Guarded {
+                what: "the workspaces",
+                path: config.workspace_root.clone(),
+            }];
+            if floor.is_on() {
+                let data_root = tokio::select! {
+                    r = sandbox.driver().data_root() => r?,
+                    _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+                };
+                if let Some(path) = data_root {
+                    guarded.push(crate::quota::Guarded {
+                        what: "the engine's data root",
+                        path,
+                    });
+                }
+            }
+            // A filesystem below its floor, or a workspace over its quota, refuses the turn.
+            let (ws, g) = (workspace.clone(), guarded.clone());
+            tokio::task::spawn_blocking(move || {
+                crate::quota::check_floor(&g, &floor)?;
+                crate::quota::check(&ws, &quota, None)
+            })
+            .await
+            .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
+            let dir = tempfile::Builder::new()
+                .prefix("turn-")
+                .rand_bytes(6)
+                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .tempdir_in(&config.run_root)
+                .map_err(|source| TurnError::CreateRunDir {
+                    path: config.run_root.clone(),
+                    source,
+                })?
+                .keep();
+            run_dir.0 = Some(dir.clone());
+            let socket = dir.join("broker.sock");
+            if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
+                return Err(TurnError::SocketPathTooLong(socket));
+            }
+            let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
+                Arc::new(move |e: BrokerEvent| {
+                    o(match e {
+                        BrokerEvent::ModelCall => TurnPhase::ModelCall,
+                        BrokerEvent::ToolCall => TurnPhase::ToolCall,
+                    })
+                }) as crate::broker::BrokerEvents
+            });
+            let ctx = TurnContext {
+                channel: request.channel.clone(),
+                speaker: request.speaker.clone(),
+                cancel: cancel.clone(),
+                events,
+            };
+            let l = tokio::select! {
+                l = sandbox.broker().listen(&socket, ctx) => l?,
                 _ = request.stop.cancelled() => return Err(TurnError::Stopped),
             };
-            if let Some(path) = data_root {
-                guarded.push(crate::quota::Guarded {
-                    what: "the engine's data root",
-                    path,
-                });
-            }
-        }
-        // A filesystem below its floor, or a workspace over its quota, refuses the turn.
-        let (ws, g) = (workspace.clone(), guarded.clone());
-        tokio::task::spawn_blocking(move || {
-            crate::quota::check_floor(&g, &floor)?;
-            crate::quota::check(&ws, &quota, None)
-        })
-        .await
-        .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
-        let dir = tempfile::Builder::new()
-            .prefix("turn-")
-            .rand_bytes(6)
-            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .tempdir_in(&config.run_root)
-            .map_err(|source| TurnError::CreateRunDir {
-                path: config.run_root.clone(),
-                source,
-            })?
-            .keep();
-        run_dir.0 = Some(dir.clone());
-        let socket = dir.join("broker.sock");
-        if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
-            return Err(TurnError::SocketPathTooLong(socket));
-        }
-        let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
-            Arc::new(move |e: BrokerEvent| {
-                o(match e {
-                    BrokerEvent::ModelCall => TurnPhase::ModelCall,
-                    BrokerEvent::ToolCall => TurnPhase::ToolCall,
-                })
-            }) as crate::broker::BrokerEvents
-        });
-        let ctx = TurnContext {
-            channel: request.channel.clone(),
-            speaker: request.speaker.clone(),
-            cancel: cancel.clone(),
-            events,
+            listener = Some(l);
+            Ok::<_, TurnError>((workspace, guarded, dir))
         };
-        let l = tokio::select! {
-            l = sandbox.broker().listen(&socket, ctx) => l?,
+        let (workspace, guarded, dir) = tokio::select! {
+            biased;
             _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+            _ = &mut deadline => return Err(TurnError::Timeout(timeout)),
+            prepared = prepare => prepared?,
         };
-        listener = Some(l);
         phase(TurnPhase::BrokerListening);
         tracing::debug!(
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -255,8 +283,6 @@ async fn run_turn_inner(
         container_started = true;
         let run = sandbox.driver().run(&spec, &stdin, cancel.clone());
         tokio::pin!(run);
-        let deadline = tokio::time::sleep(config.turn_timeout);
-        tokio::pin!(deadline);
         let over_quota = crate::quota::watch(crate::quota::Watch {
             workspace: workspace.clone(),
             quota,
@@ -275,7 +301,7 @@ async fn run_turn_inner(
                 run.await
             }
             _ = &mut deadline => {
-                why = Some(TurnError::Timeout(config.turn_timeout));
+                why = Some(TurnError::Timeout(timeout));
                 cancel.cancel();
                 run.await
             }

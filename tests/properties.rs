@@ -1,7 +1,9 @@
 //! Bad input, by property: the reset-generation state machine of the actor layer against
-//! a model of the 0.7.18 semantics (random sequences of resets, successful and failed
-//! turns, resets requested during a turn, actor panics), and channel keys that look like
-//! paths, are huge or are unusual unicode (pure properties, then real turns).
+//! a model of the 0.7.18 semantics in message order (random sequences of resets,
+//! successful and failed turns, resets requested during a turn, bursts of messages and
+//! resets sent without awaiting, also behind a running turn, actor panics), and channel
+//! keys that look like paths, are huge or are unusual unicode (pure properties, then real
+//! turns).
 
 #[path = "support/sandbox.rs"]
 mod sandbox_support;
@@ -19,11 +21,11 @@ use sandbox_support::*;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-/// A driver that hands each run to the test: the `reset` flag the turn carried, and a
-/// sender for the outcome (true: a successful reply; false: a failed run).
+/// A driver that hands each run to the test: the turn's text, the `reset` flag it carried,
+/// and a sender for the outcome (true: a successful reply; false: a failed run).
 #[derive(Debug)]
 struct Gated {
-    runs: mpsc::UnboundedSender<(bool, oneshot::Sender<bool>)>,
+    runs: mpsc::UnboundedSender<(String, bool, oneshot::Sender<bool>)>,
 }
 
 impl ContainerDriver for Gated {
@@ -37,7 +39,11 @@ impl ContainerDriver for Gated {
             let turn: serde_json::Value = serde_json::from_slice(stdin).unwrap();
             let (tx, rx) = oneshot::channel();
             self.runs
-                .send((turn["reset"].as_bool().unwrap(), tx))
+                .send((
+                    turn["text"].as_str().unwrap().to_owned(),
+                    turn["reset"].as_bool().unwrap(),
+                    tx,
+                ))
                 .unwrap();
             tokio::select! {
                 ok = rx => match ok {
@@ -66,6 +72,12 @@ enum Op {
     Turn { ok: bool, fresh_during: u8 },
     /// The channel's actor panics while idle.
     Panic,
+    /// Messages (`Some(ok)`) and resets (`None`) sent one after the other without awaiting
+    /// anything; if `behind`, while a first message's turn runs.
+    Burst {
+        items: Vec<Option<bool>>,
+        behind: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -73,7 +85,61 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::Fresh),
         6 => (any::<bool>(), 0u8..3).prop_map(|(ok, fresh_during)| Op::Turn { ok, fresh_during }),
         1 => Just(Op::Panic),
+        3 => (
+            proptest::collection::vec(proptest::option::weighted(0.6, any::<bool>()), 1..6),
+            any::<bool>()
+        )
+            .prop_map(|(items, behind)| Op::Burst { items, behind }),
     ]
+}
+
+/// The 0.7.18 reset semantics in message order, written as positions in the channel's
+/// sequence of messages and resets: a message resets iff a reset before it is still
+/// pending; its successful turn consumes exactly the pending resets before it.
+#[derive(Debug, Default)]
+struct Model {
+    /// Position of the next message or reset.
+    clock: u64,
+    /// Positions of the resets not consumed yet.
+    pending: Vec<u64>,
+    /// Resets requested since none was pending (the reported generation).
+    generation: u64,
+}
+
+impl Model {
+    fn fresh(&mut self) {
+        if self.pending.is_empty() {
+            self.generation = 0;
+        }
+        self.pending.push(self.clock);
+        self.generation += 1;
+        self.clock += 1;
+    }
+
+    /// A message arrives; returns its position.
+    fn message(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock - 1
+    }
+
+    /// The reset flag of the message at `at`, when it is admitted.
+    fn resets(&self, at: u64) -> bool {
+        self.pending.iter().any(|&r| r < at)
+    }
+
+    fn finished(&mut self, at: u64, ok: bool) {
+        if ok {
+            self.pending.retain(|&r| r > at);
+        }
+    }
+
+    fn reported(&self) -> u64 {
+        if self.pending.is_empty() {
+            0
+        } else {
+            self.generation
+        }
+    }
 }
 
 async fn pending(addr: &Addr<SandboxSupervisor>, channel: &str) -> u64 {
@@ -85,7 +151,7 @@ async fn pending(addr: &Addr<SandboxSupervisor>, channel: &str) -> u64 {
 }
 
 /// Runs `ops` on one channel (and a bystander channel that must never be affected) and
-/// checks every step against the model: `g` is the pending generation (0: none).
+/// checks every step against the [`Model`].
 async fn check_reset_model(ops: Vec<Op>) {
     let env = Env::new();
     let (tx, mut runs) = mpsc::unbounded_channel();
@@ -99,36 +165,95 @@ async fn check_reset_model(ops: Vec<Op>) {
         name: "ann".into(),
     };
     let (ch, bystander) = ("#model", "#bystander");
-    let mut g: u64 = 0;
+    let mut model = Model::default();
+    let mut texts = 0u64;
+    let mut next_text = || {
+        texts += 1;
+        format!("m{texts}")
+    };
     for op in ops {
         match op {
             Op::Fresh => {
                 addr.send(StartFresh { channel: ch.into() }).await.unwrap();
-                g += 1;
+                model.fresh();
             }
             Op::Panic => {
                 addr.send(InjectPanic { channel: ch.into() }).await.unwrap();
             }
             Op::Turn { ok, fresh_during } => {
-                let answer = addr.send(GuestMessage::new(ch, speaker.clone(), "x"));
+                let text = next_text();
+                let at = model.message();
+                let answer = addr.send(GuestMessage::new(ch, speaker.clone(), text.clone()));
                 let answer = actix_rt::spawn(answer);
-                let (reset, outcome) = tokio::time::timeout(Duration::from_secs(10), runs.recv())
-                    .await
-                    .expect("the turn reached the driver")
-                    .unwrap();
-                // Snapshot at admission: reset iff a generation is pending.
-                assert_eq!(reset, g > 0, "reset flag with g = {g}");
-                let snapshot = g;
+                let (ran, reset, outcome) =
+                    tokio::time::timeout(Duration::from_secs(10), runs.recv())
+                        .await
+                        .expect("the turn reached the driver")
+                        .unwrap();
+                assert_eq!(ran, text);
+                assert_eq!(reset, model.resets(at), "reset flag of {text}: {model:?}");
                 for _ in 0..fresh_during {
                     addr.send(StartFresh { channel: ch.into() }).await.unwrap();
-                    g += 1;
+                    model.fresh();
                 }
                 outcome.send(ok).unwrap();
                 let reply = answer.await.unwrap().unwrap().unwrap();
                 assert_eq!(reply.ok, ok, "{reply:?}");
-                // A successful turn consumes only the generation it started with.
-                if ok && snapshot > 0 && g == snapshot {
-                    g = 0;
+                // A successful turn consumes only the resets that arrived before it.
+                model.finished(at, ok);
+            }
+            Op::Burst { items, behind } => {
+                // (text, position, outcome, answer) of each message, in sending order.
+                let mut sent = Vec::new();
+                let mut first_run = None;
+                if behind {
+                    let text = next_text();
+                    let at = model.message();
+                    let answer = actix_rt::spawn(addr.send(GuestMessage::new(
+                        ch,
+                        speaker.clone(),
+                        text.clone(),
+                    )));
+                    let run = tokio::time::timeout(Duration::from_secs(10), runs.recv())
+                        .await
+                        .expect("the first turn reached the driver")
+                        .unwrap();
+                    first_run = Some(run);
+                    sent.push((text, at, true, answer));
+                }
+                // No await from here until every item is sent.
+                for item in &items {
+                    match item {
+                        None => {
+                            addr.do_send(StartFresh { channel: ch.into() });
+                            model.fresh();
+                        }
+                        Some(ok) => {
+                            let text = next_text();
+                            let at = model.message();
+                            let answer = actix_rt::spawn(addr.send(GuestMessage::new(
+                                ch,
+                                speaker.clone(),
+                                text.clone(),
+                            )));
+                            sent.push((text, at, *ok, answer));
+                        }
+                    }
+                }
+                for (text, at, ok, answer) in sent {
+                    let (ran, reset, outcome) = match first_run.take() {
+                        Some(run) => run,
+                        None => tokio::time::timeout(Duration::from_secs(10), runs.recv())
+                            .await
+                            .expect("the turn reached the driver")
+                            .unwrap(),
+                    };
+                    assert_eq!(ran, text, "turns run in message order");
+                    assert_eq!(reset, model.resets(at), "reset flag of {text}: {model:?}");
+                    outcome.send(ok).unwrap();
+                    let reply = answer.await.unwrap().unwrap().unwrap();
+                    assert_eq!(reply.ok, ok, "{reply:?}");
+                    model.finished(at, ok);
                 }
             }
         }
@@ -149,8 +274,8 @@ async fn check_reset_model(ops: Vec<Op>) {
         }
         assert_eq!(
             pending(&addr, ch).await,
-            g,
-            "pending generation after the step"
+            model.reported(),
+            "pending generation after the step: {model:?}"
         );
         assert_eq!(
             pending(&addr, bystander).await,
@@ -159,9 +284,10 @@ async fn check_reset_model(ops: Vec<Op>) {
         );
     }
     // The model's last word: a pending reset reaches the next turn.
-    let answer = actix_rt::spawn(addr.send(GuestMessage::new(ch, speaker.clone(), "x")));
-    let (reset, outcome) = runs.recv().await.unwrap();
-    assert_eq!(reset, g > 0);
+    let at = model.message();
+    let answer = actix_rt::spawn(addr.send(GuestMessage::new(ch, speaker.clone(), "last")));
+    let (_, reset, outcome) = runs.recv().await.unwrap();
+    assert_eq!(reset, model.resets(at));
     outcome.send(true).unwrap();
     assert!(answer.await.unwrap().unwrap().unwrap().ok);
     addr.send(Shutdown).await.unwrap();

@@ -1,4 +1,4 @@
-//! The [`ChannelActor`]: one channel's admission, queue, stop and reset snapshot.
+//! The [`ChannelActor`]: one channel's admission, queue, stop and reset flag.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -10,15 +10,16 @@ use roundtable_sandbox::Reply;
 use tokio::sync::oneshot;
 
 use crate::error::AbortReason;
-use crate::reset::ResetGeneration;
+use crate::reset::{ResetGeneration, Stamp};
 use crate::supervisor::{ChannelIdle, ChannelRestartedNotice, SandboxSupervisor, Shared};
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, SandboxActorError, Stop,
 };
 
-/// One channel: serializes its turns in arrival order behind a bounded queue, snapshots the
-/// channel's reset generation when it admits a turn, and stops the active turn on [`Stop`].
+/// One channel: serializes its turns in arrival order behind a bounded queue, decides each
+/// turn's reset flag from the stamp its message got on arrival (a reset applies to the
+/// messages that arrived after it), and stops the active turn on [`Stop`].
 ///
 /// Spawned by the [`SandboxSupervisor`] under [`actix::Supervisor`]. Every handler runs
 /// under `catch_unwind`: a panic aborts the turn in flight (its caller is answered
@@ -57,6 +58,8 @@ impl std::fmt::Debug for ChannelActor {
 
 struct Pending {
     message: GuestMessage,
+    /// The resets requested before the message arrived at the supervisor.
+    stamp: Stamp,
     responder: Responder,
 }
 
@@ -89,6 +92,15 @@ pub(crate) struct TurnReplied {
 #[rtype(result = "()")]
 pub(crate) struct TurnDone {
     pub(crate) turn: u64,
+}
+
+/// From the supervisor: a guest message, stamped with its place among the channel's
+/// resets when the supervisor received it.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Reply, SandboxActorError>")]
+pub(crate) struct Enqueue {
+    pub(crate) message: GuestMessage,
+    pub(crate) stamp: Stamp,
 }
 
 /// From the supervisor: the channel's status.
@@ -170,7 +182,7 @@ impl ChannelActor {
 
     fn accept(
         &mut self,
-        message: GuestMessage,
+        Enqueue { message, stamp }: Enqueue,
         ctx: &mut Context<Self>,
     ) -> Result<oneshot::Receiver<Result<Reply, SandboxActorError>>, SandboxActorError> {
         if self.shutting_down {
@@ -193,7 +205,11 @@ impl ChannelActor {
             .emit(ProgressEvent::Queued { ahead });
         }
         let (responder, answer) = oneshot::channel();
-        self.queue.push_back(Pending { message, responder });
+        self.queue.push_back(Pending {
+            message,
+            stamp,
+            responder,
+        });
         self.admit_next(ctx);
         Ok(answer)
     }
@@ -219,11 +235,17 @@ impl ChannelActor {
             ctx.cancel_future(timer);
         }
         let id = self.shared.next_turn_id();
-        // The admission snapshot, before anything yields: a reset requested from here on
-        // stays pending for the next turn.
-        let snapshot = self.reset.snapshot();
+        // Decided at admission, before anything yields, from the message's stamp: a reset
+        // that arrived after the message (while it was queued, or from now on while it
+        // runs) stays pending for a later message.
+        let Pending {
+            message,
+            stamp,
+            responder,
+        } = pending;
+        let reset = self.reset.resets(stamp);
+        let admitted = Instant::now();
         let control = TurnControl::default();
-        let Pending { message, responder } = pending;
         let progress = ProgressSink {
             channel: self.key.clone(),
             turn: id,
@@ -234,19 +256,20 @@ impl ChannelActor {
             shared: self.shared.clone(),
             speaker: message.speaker,
             text: message.text,
-            snapshot,
-            reset: self.reset.clone(),
+            stamp,
+            reset,
+            resets: self.reset.clone(),
+            admitted,
             responder,
             progress,
         };
-        let span =
-            tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset = snapshot > 0);
-        tracing::debug!(turn = id, generation = snapshot, "turn admitted");
+        let span = tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset);
+        tracing::debug!(turn = id, reset, "turn admitted");
         TurnActor::new(id, job, control.clone(), ctx.address(), span).start();
         self.active = Some(ActiveTurn {
             id,
             control,
-            admitted: Instant::now(),
+            admitted,
         });
     }
 
@@ -275,7 +298,7 @@ impl ChannelActor {
                 .as_ref()
                 .map_or(ChannelState::Idle, |a| a.control.state()),
             queued: self.queue.len(),
-            pending_reset: self.reset.snapshot(),
+            pending_reset: self.reset.pending(),
             live: true,
             restarts: self.restarts,
             turns_done: self.turns_done,
@@ -321,10 +344,10 @@ impl actix::Supervised for ChannelActor {
     }
 }
 
-impl Handler<GuestMessage> for ChannelActor {
+impl Handler<Enqueue> for ChannelActor {
     type Result = ResponseFuture<Result<Reply, SandboxActorError>>;
 
-    fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, message: Enqueue, ctx: &mut Self::Context) -> Self::Result {
         self.received += 1;
         match self.guarded(ctx, "guest message", |act, ctx| act.accept(message, ctx)) {
             Some(Ok(answer)) => {

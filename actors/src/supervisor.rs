@@ -10,7 +10,7 @@ use roundtable_sandbox::sweep::SweepReport;
 use roundtable_sandbox::{Reply, Sandbox};
 use tokio::sync::{watch, Semaphore};
 
-use crate::channel::{ChannelActor, QueryStatus, Retire, ShutdownChannel};
+use crate::channel::{ChannelActor, Enqueue, QueryStatus, Retire, ShutdownChannel};
 use crate::reset::ResetGeneration;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressCallback, SandboxActorError,
@@ -152,7 +152,14 @@ impl SandboxSupervisor {
             retired: 0,
             shutdown: None,
         };
-        Ok((supervisor.start(), report))
+        // An unbounded mailbox: `send` never parks, so the messages of one sender are
+        // handled in the order they were sent, and a `StartFresh` sent between two
+        // `GuestMessage`s is stamped between them (see `reset`). Each handler is quick.
+        let addr = SandboxSupervisor::create(|ctx| {
+            ctx.set_mailbox_capacity(0);
+            supervisor
+        });
+        Ok((addr, report))
     }
 
     /// The channel's live actor, spawned if it has none (first message, retired, or died
@@ -173,7 +180,10 @@ impl SandboxSupervisor {
             let reset = self.resets.entry(key.to_owned()).or_default().clone();
             let (shared, supervisor, owned_key) =
                 (self.shared.clone(), ctx.address(), key.to_owned());
-            let addr = actix::Supervisor::start(move |_| {
+            let addr = actix::Supervisor::start(move |ctx: &mut Context<ChannelActor>| {
+                // Unbounded: forwarded messages keep their order (the channel's own queue is
+                // the bound; past it a message is answered busy at once).
+                ctx.set_mailbox_capacity(0);
                 ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
             });
             self.channels.insert(
@@ -200,9 +210,15 @@ impl Handler<GuestMessage> for SandboxSupervisor {
         if self.shutdown.is_some() {
             return Box::pin(std::future::ready(Err(SandboxActorError::ShuttingDown)));
         }
+        // The message's place among the channel's resets, in mailbox order (see `reset`).
+        let stamp = self
+            .resets
+            .entry(message.channel.clone())
+            .or_default()
+            .stamp();
         let entry = self.channel(&message.channel, ctx);
         entry.forwarded += 1;
-        let answer = entry.addr.send(message);
+        let answer = entry.addr.send(Enqueue { message, stamp });
         Box::pin(async move { answer.await? })
     }
 }
@@ -211,6 +227,7 @@ impl Handler<StartFresh> for SandboxSupervisor {
     type Result = ();
 
     fn handle(&mut self, msg: StartFresh, _: &mut Self::Context) {
+        // Applies to the messages received after this one (they are stamped after it).
         let generation = self.resets.entry(msg.channel).or_default().request();
         tracing::info!(generation, "fresh session requested");
     }
@@ -268,7 +285,7 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         if self
             .resets
             .get(&msg.channel)
-            .is_some_and(|g| g.snapshot() == 0)
+            .is_some_and(|g| g.pending() == 0)
         {
             self.resets.remove(&msg.channel);
         }
@@ -301,12 +318,12 @@ impl Handler<Status> for SandboxSupervisor {
         let retired: Vec<ChannelStatus> = self
             .resets
             .iter()
-            .filter(|(key, g)| !self.channels.contains_key(*key) && g.snapshot() > 0)
+            .filter(|(key, g)| !self.channels.contains_key(*key) && g.pending() > 0)
             .map(|(key, g)| ChannelStatus {
                 channel: key.clone(),
                 state: ChannelState::Idle,
                 queued: 0,
-                pending_reset: g.snapshot(),
+                pending_reset: g.pending(),
                 live: false,
                 restarts: 0,
                 turns_done: 0,

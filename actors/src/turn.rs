@@ -3,6 +3,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
 
 use actix::prelude::*;
 use roundtable_sandbox::turn::TurnError;
@@ -13,7 +14,7 @@ use tracing::Instrument;
 
 use crate::channel::{ChannelActor, TurnDone, TurnReplied};
 use crate::error::AbortReason;
-use crate::reset::ResetGeneration;
+use crate::reset::{ResetGeneration, Stamp};
 use crate::supervisor::Shared;
 use crate::{ChannelState, ProgressCallback, ProgressEvent, SandboxActorError, TurnProgress};
 
@@ -125,9 +126,13 @@ pub(crate) struct TurnJob {
     pub(crate) shared: Arc<Shared>,
     pub(crate) speaker: Speaker,
     pub(crate) text: String,
-    /// The reset generation snapshotted at admission.
-    pub(crate) snapshot: u64,
-    pub(crate) reset: ResetGeneration,
+    /// The message's stamp among the channel's resets.
+    pub(crate) stamp: Stamp,
+    /// Whether the turn starts a fresh session (decided at admission).
+    pub(crate) reset: bool,
+    pub(crate) resets: ResetGeneration,
+    /// When the channel admitted the turn: its timeout counts from here.
+    pub(crate) admitted: Instant,
     pub(crate) responder: Responder,
     pub(crate) progress: ProgressSink,
 }
@@ -136,9 +141,10 @@ pub(crate) struct TurnJob {
 /// [`roundtable_sandbox::run_turn`]), which runs in its own task so that a panic in it is
 /// caught (as a `JoinError`) instead of taking an actor down.
 ///
-/// In order: waits for a container slot (or a stop); runs the turn; from the core's reply
-/// callback — before any teardown — consumes the reset generation if the reply is ok and
-/// the generation is still the admitted one, answers the caller and reports
+/// In order: waits for a container slot (or a stop, or the turn's deadline, which counts
+/// from admission); runs the turn; from the core's reply callback — before any teardown —
+/// consumes the resets that arrived before the turn's message if the reply is ok, answers
+/// the caller and reports
 /// that it replied to its [`ChannelActor`]; after teardown reports that it is done and stops.
 /// If the actor is dropped early it cancels the turn (the core's guards tear it down) and
 /// still reports `TurnDone`, so its channel never waits forever.
@@ -191,15 +197,16 @@ impl Actor for TurnActor {
             turn: self.id,
             responder: responder.clone(),
             control: self.control.clone(),
-            reset: job.reset,
-            snapshot: job.snapshot,
+            resets: job.resets,
+            stamp: job.stamp,
             channel: self.channel.clone(),
         };
         let work = run_job(
             job.shared,
             job.speaker,
             job.text,
-            job.snapshot,
+            job.reset,
+            job.admitted,
             job.progress,
             self.control.clone(),
             delivery,
@@ -258,16 +265,16 @@ struct Delivery {
     turn: u64,
     responder: Arc<Mutex<Option<Responder>>>,
     control: TurnControl,
-    reset: ResetGeneration,
-    snapshot: u64,
+    resets: ResetGeneration,
+    stamp: Stamp,
     channel: Addr<ChannelActor>,
 }
 
 impl Delivery {
     fn deliver(&self, reply: &Reply) {
         self.control.0.replied.store(true, Ordering::SeqCst);
-        if reply.ok && self.reset.consume(self.snapshot) {
-            tracing::debug!(generation = self.snapshot, "pending reset consumed");
+        if reply.ok && self.resets.consume(self.stamp) {
+            tracing::debug!("pending reset consumed");
         }
         let answer = match self.control.0.abort.get() {
             Some(reason) if !reply.ok => Err(reason.into_error()),
@@ -287,7 +294,8 @@ async fn run_job(
     shared: Arc<Shared>,
     speaker: Speaker,
     text: String,
-    snapshot: u64,
+    reset: bool,
+    admitted: Instant,
     progress: ProgressSink,
     control: TurnControl,
     delivery: Delivery,
@@ -302,7 +310,11 @@ async fn run_job(
         return stopped();
     }
     // A container slot under the global cap. The semaphore is FIFO and each channel has at
-    // most one turn waiting, so waiting channels are served in turn.
+    // most one turn waiting, so waiting channels are served in turn. The wait counts
+    // against the turn's timeout, which runs from admission (as the TypeScript package arms its timer in
+    // `runTurn`, before anything else).
+    let timeout = shared.sandbox.config().turn_timeout;
+    let deadline = tokio::time::Instant::from_std(admitted) + timeout;
     let limiter = shared.limiter.clone();
     let _permit = match limiter.clone().try_acquire_owned() {
         Ok(permit) => permit,
@@ -313,6 +325,16 @@ async fn run_job(
             tokio::select! {
                 biased;
                 _ = token.cancelled() => return stopped(),
+                _ = tokio::time::sleep_until(deadline) => {
+                    let error = TurnError::SlotTimeout {
+                        timeout,
+                        slots: shared.max_containers,
+                    };
+                    tracing::info!(error = %error, "turn failed");
+                    delivery.deliver(&Reply::error(error.to_string()));
+                    progress.emit(ProgressEvent::Phase(TurnPhase::Done));
+                    return;
+                }
                 permit = limiter.acquire_owned() => match permit {
                     Ok(permit) => permit,
                     Err(_) => {
@@ -335,8 +357,9 @@ async fn run_job(
         channel: progress.channel.clone(),
         speaker,
         text,
-        reset: snapshot > 0,
+        reset,
         stop: token,
+        admitted: Some(admitted),
     };
     run_turn(
         &shared.sandbox,

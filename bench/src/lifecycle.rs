@@ -149,6 +149,7 @@ pub async fn runtime_turn_profiled(
         text: "hello".into(),
         reset: false,
         stop: CancellationToken::new(),
+        admitted: None,
     };
     let t0 = Instant::now();
     let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));

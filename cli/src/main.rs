@@ -516,6 +516,7 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
             text: words.join(" "),
             reset,
             stop: tokio_util::sync::CancellationToken::new(),
+            admitted: None,
         })
         .await;
     sandbox.shutdown().await;

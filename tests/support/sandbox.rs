@@ -105,6 +105,7 @@ pub fn request(channel: &str, text: &str) -> TurnRequest {
         text: text.into(),
         reset: false,
         stop: CancellationToken::new(),
+        admitted: None,
     }
 }
 

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,6 +41,8 @@ pub struct Record {
 
 /// A container driver that runs nothing. The turn's text scripts it:
 /// - contains `block`: waits for [`FakeDriver::release`] (or the cancellation);
+/// - contains `stubborn`: waits for [`FakeDriver::release`], ignoring the cancellation (a
+///   container that takes its time to die);
 /// - contains `whoami`: calls the `whoami` host tool through the turn's broker socket;
 /// - contains `fail`: fails with exit code 3;  contains `panic`: panics;
 /// - otherwise (or then) replies `<speaker id>|<text>|reset=<reset>|<tool answer>`.
@@ -50,6 +52,8 @@ pub struct FakeDriver {
     gate: tokio::sync::Semaphore,
     running: AtomicUsize,
     max_running: AtomicUsize,
+    /// Makes every `remove` fail (a teardown that goes wrong).
+    pub fail_remove: AtomicBool,
 }
 
 impl FakeDriver {
@@ -59,6 +63,7 @@ impl FakeDriver {
             gate: tokio::sync::Semaphore::new(0),
             running: AtomicUsize::new(0),
             max_running: AtomicUsize::new(0),
+            fail_remove: AtomicBool::new(false),
         })
     }
 
@@ -160,6 +165,9 @@ impl ContainerDriver for FakeDriver {
                 self.finish(index, "cancelled");
                 return Err(DriverError::Cancelled);
             }
+            if turn.text.contains("stubborn") {
+                self.gate.acquire().await.unwrap().forget();
+            }
             if turn.text.contains("block") {
                 tokio::select! {
                     _ = cancel.cancelled() => {
@@ -195,6 +203,13 @@ impl ContainerDriver for FakeDriver {
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         Box::pin(async move {
             self.record.lock().unwrap().removed.push(name.to_owned());
+            if self.fail_remove.load(Ordering::SeqCst) {
+                return Err(DriverError::Docker {
+                    op: "remove",
+                    container: name.to_owned(),
+                    reason: "injected failure (test)".into(),
+                });
+            }
             Ok(())
         })
     }
