@@ -180,10 +180,7 @@ impl SandboxSupervisor {
             let reset = self.resets.entry(key.to_owned()).or_default().clone();
             let (shared, supervisor, owned_key) =
                 (self.shared.clone(), ctx.address(), key.to_owned());
-            let addr = actix::Supervisor::start(move |ctx: &mut Context<ChannelActor>| {
-                // Unbounded: forwarded messages keep their order (the channel's own queue is
-                // the bound; past it a message is answered busy at once).
-                ctx.set_mailbox_capacity(0);
+            let addr = actix::Supervisor::start(move |_| {
                 ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
             });
             self.channels.insert(

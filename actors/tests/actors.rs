@@ -1048,3 +1048,24 @@ async fn containers_are_named_by_channel_hash_and_turn_and_get_the_default_promp
     }
     assert_ne!(suffixes[0], suffixes[1], "one name per turn");
 }
+
+#[actix_rt::test]
+async fn a_reset_after_a_burst_of_messages_keeps_its_place() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(env.fake(&driver, &tool)).await;
+
+    // More messages than an actix mailbox holds by default (16), then a reset and one more
+    // message, all without yielding: the reset must still land after the thirtieth.
+    let before: Vec<_> = (0..30)
+        .map(|i| send(&addr, "#burst", "ann", &format!("m{i}")))
+        .collect();
+    addr.do_send(StartFresh {
+        channel: "#burst".into(),
+    });
+    let after = send(&addr, "#burst", "ann", "last");
+    for (i, answer) in join_all(before).await.into_iter().enumerate() {
+        assert_eq!(ok_text(answer.unwrap()), format!("ann|m{i}|reset=false|"));
+    }
+    assert_eq!(ok_text(after.await.unwrap()), "ann|last|reset=true|");
+}
