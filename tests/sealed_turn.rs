@@ -152,6 +152,92 @@ async fn timeout_kills_the_container_promptly() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn the_timeout_counts_from_admission_and_covers_preparation() {
+    let env = Env::new();
+    let mut config = env.sh_config("cat >/dev/null; sleep 300");
+    config.turn_timeout = Some(Duration::from_secs(8));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let ago = |secs| {
+        Instant::now()
+            .checked_sub(Duration::from_secs(secs))
+            .unwrap()
+    };
+
+    // Admitted longer ago than the timeout: it ends before any preparation.
+    let phases = Arc::new(Mutex::new(Vec::new()));
+    let seen = phases.clone();
+    let mut late = request("#admitted", "x");
+    late.admitted = Some(ago(9));
+    let reply = run_turn(
+        &sandbox,
+        late,
+        |_| {},
+        Some(Arc::new(move |p| seen.lock().unwrap().push(p))),
+    )
+    .await;
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 8s"));
+    use roundtable_sandbox::TurnPhase::*;
+    assert_eq!(
+        *phases.lock().unwrap(),
+        vec![Preparing, Replied, TearingDown, Done],
+        "no broker, no container"
+    );
+    assert!(!env.workspace_of("#admitted").exists(), "no workspace made");
+    assert_no_leftovers(&sandbox).await;
+
+    // Admitted 5 s ago: 3 s are left for the container (not 8).
+    let mut req = request("#admitted", "x");
+    req.admitted = Some(ago(5));
+    let started = Instant::now();
+    let reply = sandbox.run_turn(req).await;
+    let elapsed = started.elapsed();
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 8s"));
+    assert!(
+        elapsed < Duration::from_secs(7),
+        "the deadline was 3 s after the call, the reply came after {elapsed:?}"
+    );
+    assert!(elapsed >= Duration::from_secs(3), "{elapsed:?}");
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
+    let env = Env::new();
+    let sandbox = Sandbox::new(env.sh_config(&reply_with("echo hi > /workspace/f; echo ok")))
+        .await
+        .unwrap();
+    // Known vectors: FIPS 180-2's "abc", and `printf '%s' '#general' | sha256sum`.
+    let vectors = [
+        (
+            "abc",
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        ),
+        (
+            "#general",
+            "4c49f3f24629f5ee4ad5b3965db47985e01eafc53922f9d011eed513e41e149d",
+        ),
+    ];
+    for (channel, _) in vectors {
+        let reply = sandbox.run_turn(request(channel, "x")).await;
+        assert_eq!(reply.text.as_deref(), Some("ok"), "{reply:?}");
+    }
+    let mut names: Vec<String> = std::fs::read_dir(&sandbox.config().workspace_root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    let mut expected: Vec<String> = vectors.iter().map(|(_, h)| h.to_string()).collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    for (channel, hash) in vectors {
+        assert_eq!(roundtable_sandbox::turn::channel_segment(channel), hash);
+        let file = sandbox.config().workspace_root.join(hash).join("f");
+        assert_eq!(std::fs::read_to_string(file).unwrap(), "hi\n");
+    }
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn stop_ends_the_turn_with_the_stopped_error() {
     let env = Env::new();
     let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 300"))

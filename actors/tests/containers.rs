@@ -313,3 +313,75 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     until_idle(&addr).await;
     assert_no_leftovers(&env, &instance).await;
 }
+
+#[actix_rt::test]
+async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut config = config(&env);
+    config.max_containers = 1;
+    let timeout = Duration::from_secs(8);
+    config.sandbox.turn_timeout = Some(timeout);
+    // When #late got its slot (its turn's Preparing phase).
+    let slot_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+    let slot = slot_at.clone();
+    config.progress = Some(Arc::new(move |p: &TurnProgress| {
+        if p.channel == "#late" && p.event == ProgressEvent::Phase(TurnPhase::Preparing) {
+            slot.lock().unwrap().get_or_insert_with(Instant::now);
+        }
+    }));
+    let addr = SandboxSupervisor::start(config).await.unwrap();
+
+    let holder = send(&addr, "#holder", "sleep long");
+    until_running(&addr, &instance, 1).await;
+    // The real container's name: roundtable-sandbox-<16 hex of sha256(channel)>-<8 hex>.
+    let names = labelled_containers_of(&instance).await;
+    assert_eq!(names.len(), 1, "{names:?}");
+    let segment = roundtable_sandbox::turn::channel_segment("#holder");
+    let name = names[0].trim_start_matches('/');
+    let turn = name
+        .strip_prefix(&format!("roundtable-sandbox-{}-", &segment[..16]))
+        .unwrap_or_else(|| panic!("{name}"));
+    assert!(
+        turn.len() == 8
+            && turn
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+        "{name}"
+    );
+
+    let admitted = Instant::now();
+    let late = send(&addr, "#late", "sleep late");
+    status_until(&addr, "#late waiting for a slot", |s| {
+        s.channels
+            .iter()
+            .any(|c| c.channel == "#late" && c.state == ChannelState::WaitingForSlot)
+    })
+    .await;
+    // #late waits 3 s of its 8 s for the slot, then runs a container that never ends.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    addr.send(Stop {
+        channel: "#holder".into(),
+    })
+    .await
+    .unwrap();
+    let _ = holder.await.unwrap();
+    let reply = tokio::time::timeout(Duration::from_secs(30), late)
+        .await
+        .expect("no hang")
+        .unwrap()
+        .unwrap();
+    let replied = admitted.elapsed();
+    assert_eq!(reply.error.as_deref(), Some("turn timed out after 8s"));
+    let got_slot = slot_at.lock().unwrap().expect("#late got a slot") - admitted;
+    assert!(got_slot >= Duration::from_secs(3), "{got_slot:?}");
+    // From admission: not before 8 s, and before 8 s counted from the slot would end.
+    assert!(replied >= timeout, "{replied:?}");
+    assert!(
+        replied < got_slot + timeout,
+        "replied after {replied:?}, the slot came after {got_slot:?}"
+    );
+    println!("timeout from admission: slot after {got_slot:?}, reply after {replied:?}");
+    until_idle(&addr).await;
+    assert_no_leftovers(&env, &instance).await;
+}
