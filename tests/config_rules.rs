@@ -406,3 +406,243 @@ fn mcp_scope_rules() {
         );
     }
 }
+
+#[test]
+fn the_boundaries_of_each_rule() {
+    let env = Env::new();
+    let base = env.config();
+
+    // The turn timeout's bounds are accepted (in code and in a file).
+    for ok in [Duration::from_secs(1), Duration::from_secs(600)] {
+        let mut c = base.clone();
+        c.turn_timeout = Some(ok);
+        assert_eq!(c.resolve().unwrap().turn_timeout, ok);
+    }
+    for (secs, ok) in [("1", 1), ("600", 600), ("1.0", 1)] {
+        let text = format!(
+            "image = \"x\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\n\
+             model_url = \"https://a\"\nturn_timeout_secs = {secs}\n"
+        );
+        let c = Config::from_toml_str(&text).unwrap();
+        assert_eq!(c.turn_timeout, Some(Duration::from_secs(ok)));
+    }
+
+    // The process's own uid and gid are accepted; a gid that is not the process's is not.
+    let (uid, gid) = (
+        nix::unistd::getuid().as_raw(),
+        nix::unistd::getgid().as_raw(),
+    );
+    let mut c = base.clone();
+    (c.uid, c.gid) = (Some(uid), Some(gid));
+    let resolved = c.resolve().unwrap();
+    assert_eq!((resolved.uid, resolved.gid), (uid, gid));
+    let mut c = base.clone();
+    c.gid = Some(gid + 1);
+    assert_eq!(
+        err(&c),
+        "run the host as a non-root user; worker uid/gid must match it"
+    );
+
+    // The run root inside the workspace root (the other direction is tested above).
+    let mut c = base.clone();
+    c.run_root = env.workspace_root.join("run");
+    let ws = std::fs::canonicalize(&env.workspace_root).unwrap();
+    assert_eq!(
+        err(&c),
+        format!(
+            "sandbox roots must be separate: {} and {}",
+            ws.join("run").display(),
+            ws.display()
+        )
+    );
+
+    // A private root owned by another user (only the owner is wrong).
+    let theirs = ["/root", "/var/cache/ldconfig"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| {
+                use std::os::unix::fs::MetadataExt;
+                m.is_dir() && m.uid() != uid && m.mode() & 0o077 == 0
+            })
+        })
+        .expect("a private directory of another user (/root, 0700) to test with");
+    for field in ["run_root", "workspace_root"] {
+        let mut c = base.clone();
+        match field {
+            "run_root" => c.run_root = theirs.clone(),
+            _ => c.workspace_root = theirs.clone(),
+        }
+        assert_eq!(
+            err(&c),
+            format!(
+                "sandbox roots must be private directories owned by the service user: {}",
+                theirs.display()
+            ),
+            "{field}"
+        );
+    }
+}
+
+/// Time zones as `Intl.DateTimeFormat` takes them: `(given, resolvedOptions().timeZone)`,
+/// `None` where it throws a RangeError. Answers of node v20.20.2 (ICU 78.2, tz 2025c).
+const ZONES: &[(&str, Option<&str>)] = &[
+    ("UTC", Some("UTC")),
+    ("utc", Some("UTC")),
+    ("Etc/UTC", Some("UTC")),
+    ("EtC/uTc", Some("UTC")),
+    ("GMT", Some("UTC")),
+    ("Etc/GMT", Some("UTC")),
+    ("Etc/GMT+0", Some("UTC")),
+    ("Zulu", Some("UTC")),
+    ("Europe/Berlin", Some("Europe/Berlin")),
+    ("europe/berlin", Some("Europe/Berlin")),
+    ("EUROPE/BERLIN", Some("Europe/Berlin")),
+    ("Asia/Tokyo", Some("Asia/Tokyo")),
+    ("Japan", Some("Asia/Tokyo")),
+    ("US/Eastern", Some("America/New_York")),
+    ("us/eastern", Some("America/New_York")),
+    ("EST5EDT", Some("America/New_York")),
+    ("Asia/Calcutta", Some("Asia/Calcutta")),
+    ("asia/calcutta", Some("Asia/Calcutta")),
+    ("Asia/Kolkata", Some("Asia/Calcutta")),
+    ("IST", Some("Asia/Calcutta")),
+    ("Europe/Kyiv", Some("Europe/Kiev")),
+    ("America/Nuuk", Some("America/Godthab")),
+    ("Pacific/Kanton", Some("Pacific/Enderbury")),
+    ("America/Indiana/Indianapolis", Some("America/Indianapolis")),
+    (
+        "america/argentina/buenos_aires",
+        Some("America/Buenos_Aires"),
+    ),
+    ("Europe/Belfast", Some("Europe/London")),
+    ("EST", Some("America/Panama")),
+    ("CET", Some("Europe/Brussels")),
+    ("Etc/GMT+5", Some("Etc/GMT+5")),
+    ("etc/gmt-14", Some("Etc/GMT-14")),
+    ("Mars/Olympus", None),
+    ("", None),
+    (" UTC", None),
+    ("Europe/Berlin ", None),
+    ("Europe/Berlin\n", None),
+    ("UTC\0", None),
+    ("Europe//Berlin", None),
+    ("+01:00", None),
+    ("Z", None),
+    ("Etc/GMT-15", None),
+    ("Etc/GMT+13", None),
+    ("etc/gmt+00", None),
+    ("Factory", None),
+    ("localtime", None),
+    ("/etc/localtime", None),
+    ("../../etc/passwd", None),
+    ("Europe/\u{212a}iev", None),
+    ("\u{130}ST", None),
+];
+
+#[test]
+fn time_zones_are_read_as_intl_reads_them() {
+    let env = Env::new();
+    let base = env.config();
+    for (given, expected) in ZONES {
+        let mut c = base.clone();
+        c.time_zone = Some((*given).to_owned());
+        match expected {
+            Some(canonical) => {
+                assert_eq!(
+                    roundtable_sandbox::config::canonical_time_zone(given),
+                    Some(*canonical),
+                    "{given:?}"
+                );
+                assert_eq!(&c.resolve().unwrap().time_zone, canonical, "{given:?}");
+            }
+            None => {
+                assert_eq!(
+                    roundtable_sandbox::config::canonical_time_zone(given),
+                    None,
+                    "{given:?}"
+                );
+                assert_eq!(err(&c), format!("invalid time zone: {given:?}"));
+            }
+        }
+    }
+    // Intl takes ICU's SystemV ids, which no tz database has: the guest could not show
+    // them, so they are refused (a deliberate difference).
+    let mut c = base.clone();
+    c.time_zone = Some("systemv/ast4".into());
+    assert_eq!(
+        roundtable_sandbox::config::canonical_time_zone("systemv/ast4"),
+        Some("SystemV/AST4")
+    );
+    assert_eq!(
+        err(&c),
+        "time zone \"systemv/ast4\" resolves to SystemV/AST4, which the guest's tz database \
+         does not have; use an IANA zone name"
+    );
+    // No time zone: UTC.
+    assert_eq!(base.resolve().unwrap().time_zone, "UTC");
+}
+
+/// The table above and every name of the tz database (as given, lowercase and uppercase),
+/// checked against node's own answers when node is installed.
+#[test]
+fn time_zones_match_node_where_node_is_installed() {
+    let mut names: Vec<String> = ZONES.iter().map(|(n, _)| (*n).to_owned()).collect();
+    for tz in chrono_tz::TZ_VARIANTS {
+        let name = tz.name();
+        names.extend([name.to_owned(), name.to_lowercase(), name.to_uppercase()]);
+    }
+    for legacy in [
+        "ACT",
+        "AET",
+        "BST",
+        "CST",
+        "PST",
+        "SystemV/AST4",
+        "US/Pacific-New",
+    ] {
+        names.push(legacy.to_owned());
+    }
+    let script = "let s='';process.stdin.on('data',d=>s+=d).on('end',()=>{\
+        console.log(JSON.stringify(JSON.parse(s).map(n=>{try{return new Intl.DateTimeFormat('en-US',{timeZone:n}).resolvedOptions().timeZone}catch(e){return null}})))})";
+    let child = std::process::Command::new("node")
+        .args(["-e", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let Ok(mut child) = child else {
+        eprintln!("node is not installed: compared with the recorded answers only");
+        return;
+    };
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(serde_json::to_string(&names).unwrap().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let answers: Vec<Option<String>> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answers.len(), names.len());
+    let mut differences = Vec::new();
+    for (name, node) in names.iter().zip(&answers) {
+        let ours = roundtable_sandbox::config::canonical_time_zone(name);
+        if ours != node.as_deref() {
+            differences.push(format!("{name:?}: node {node:?}, ours {ours:?}"));
+        }
+    }
+    assert!(
+        differences.is_empty(),
+        "{} names differ from node (regenerate with scripts/gen-time-zones.sh if node was \
+         upgraded; ours come from {}):\n{}",
+        differences.len(),
+        roundtable_sandbox::config::TIME_ZONE_SOURCE,
+        differences.join("\n")
+    );
+    println!("{} names agree with node", names.len());
+}
