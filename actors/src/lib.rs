@@ -8,21 +8,26 @@
 //!   behind, spawns one [`ChannelActor`] per channel on its first message, restarts a
 //!   channel actor that panicked, retires idle ones, and keeps every channel's **pending
 //!   reset generation** so neither a restart nor a retirement loses it. It answers
-//!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
+//!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`], in the order
+//!   they were sent (its mailbox is unbounded: `send` never parks).
 //! - [`ChannelActor`] (one per live channel): serializes the channel's turns in arrival
-//!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), snapshots
-//!   the reset generation when it admits a turn, and stops the active turn on [`Stop`].
+//!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), decides
+//!   a turn's reset flag when it admits it, and stops the active turn on [`Stop`].
 //! - [`TurnActor`] (one per turn, short-lived): owns the turn's future — run dir, broker
 //!   listener and container, through [`roundtable_sandbox::run_turn`] — waits for a slot
-//!   under the global container cap (a FIFO semaphore, so channels are served fairly),
+//!   under the global container cap (a FIFO semaphore, so channels are served fairly; the
+//!   wait counts against the turn timeout, which runs from admission),
 //!   answers the caller and reports to its channel **before** teardown, and makes sure
 //!   teardown runs on every path, panics included.
 //!
-//! Reset generation (the 0.7.18 semantics): [`StartFresh`] increments the channel's
-//! generation; a turn snapshots it when admitted (before any await), runs with
-//! `reset = generation > 0`, and a *successful* reply clears it only if it still equals
-//! the snapshot. A reset requested while a turn starts or runs is kept for the next turn;
-//! a failed turn consumes nothing.
+//! Reset generation (the 0.7.18 semantics, in message order): [`StartFresh`] counts one
+//! more reset for the channel; the supervisor stamps each [`GuestMessage`] with the count
+//! when it receives it, so a reset applies to exactly the messages sent after it (`message,
+//! StartFresh, message`: `reset` false, then true, also when the first waits in the queue).
+//! A turn runs with `reset = true` if a reset before its message is still pending, and a
+//! *successful* reply consumes only those resets (from the reply callback, before
+//! teardown). A reset requested while a turn starts or runs is kept for the next message; a
+//! failed turn consumes nothing.
 //!
 //! Panics: actix does not restart a supervised actor when a handler panics, so every
 //! [`ChannelActor`] handler runs under `catch_unwind`; a caught panic aborts the turn in

@@ -41,8 +41,9 @@ impl GuestMessage {
     }
 }
 
-/// Requests a fresh session for the channel's next turn (increments its pending reset
-/// generation). Needs no channel actor; kept across restarts and retirement.
+/// Requests a fresh session for the channel: the next message sent after this one starts
+/// it (messages sent before it, even if still queued, do not). Increments the pending reset
+/// generation. Needs no channel actor; kept across restarts and retirement.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct StartFresh {
