@@ -201,12 +201,17 @@ impl Actor for TurnActor {
             stamp: job.stamp,
             channel: self.channel.clone(),
         };
+        let request = TurnRequest {
+            channel: job.progress.channel.clone(),
+            speaker: job.speaker,
+            text: job.text,
+            reset: job.reset,
+            stop: self.control.0.stop.clone(),
+            admitted: Some(job.admitted),
+        };
         let work = run_job(
             job.shared,
-            job.speaker,
-            job.text,
-            job.reset,
-            job.admitted,
+            request,
             job.progress,
             self.control.clone(),
             delivery,
@@ -292,10 +297,7 @@ impl Delivery {
 
 async fn run_job(
     shared: Arc<Shared>,
-    speaker: Speaker,
-    text: String,
-    reset: bool,
-    admitted: Instant,
+    request: TurnRequest,
     progress: ProgressSink,
     control: TurnControl,
     delivery: Delivery,
@@ -305,7 +307,7 @@ async fn run_job(
         delivery.deliver(&reply);
         progress.emit(ProgressEvent::Phase(TurnPhase::Done));
     };
-    let token = control.0.stop.clone();
+    let token = request.stop.clone();
     if token.is_cancelled() {
         return stopped();
     }
@@ -314,6 +316,7 @@ async fn run_job(
     // against the turn's timeout, which runs from admission (as the TypeScript package arms its timer in
     // `runTurn`, before anything else).
     let timeout = shared.sandbox.config().turn_timeout;
+    let admitted = request.admitted.unwrap_or_else(Instant::now);
     let deadline = tokio::time::Instant::from_std(admitted) + timeout;
     let limiter = shared.limiter.clone();
     let _permit = match limiter.clone().try_acquire_owned() {
@@ -352,14 +355,6 @@ async fn run_job(
             control.set_turn_phase(phase);
             progress.emit(ProgressEvent::Phase(phase));
         })
-    };
-    let request = TurnRequest {
-        channel: progress.channel.clone(),
-        speaker,
-        text,
-        reset,
-        stop: token,
-        admitted: Some(admitted),
     };
     run_turn(
         &shared.sandbox,
