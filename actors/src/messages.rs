@@ -107,7 +107,9 @@ pub struct ChannelStatus {
     pub state: ChannelState,
     /// Messages waiting behind the active turn.
     pub queued: usize,
-    /// The pending reset generation (0: none); the next turn starts a fresh session if > 0.
+    /// The pending reset generation (0: none): resets requested since none was pending.
+    /// While it is above 0, the next message sent after the latest reset starts a fresh
+    /// session (messages queued before that reset do not).
     pub pending_reset: u64,
     /// Whether a channel actor is alive (false: retired, only a pending reset is kept).
     pub live: bool,
