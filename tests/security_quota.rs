@@ -43,6 +43,16 @@ fn disk_env() -> Env {
     }
 }
 
+/// Gives a locked dir back to its owner when the test ends (passed or not), as an operator
+/// would, so the scratch dir can be removed.
+struct Unlock(PathBuf);
+
+impl Drop for Unlock {
+    fn drop(&mut self) {
+        let _ = std::fs::set_permissions(&self.0, PermissionsExt::from_mode(0o700));
+    }
+}
+
 fn quota_config(env: &Env, args: &[&str]) -> Config {
     let mut all = vec!["quota"];
     all.extend_from_slice(args);
@@ -183,6 +193,7 @@ async fn quota_never_follows_a_dir_swapped_for_a_symlink() {
     std::fs::write(sentinel.join("locked/secret"), b"s").unwrap();
     std::fs::set_permissions(sentinel.join("open"), PermissionsExt::from_mode(0o750)).unwrap();
     std::fs::set_permissions(sentinel.join("locked"), PermissionsExt::from_mode(0o000)).unwrap();
+    let _unlock = Unlock(sentinel.join("locked"));
     let before = modes(&sentinel);
     let sentinel_str = sentinel.display().to_string();
 
@@ -245,7 +256,6 @@ async fn quota_never_follows_a_dir_swapped_for_a_symlink() {
         32 << 20
     );
     assert_no_leftovers(&sandbox).await;
-    std::fs::set_permissions(sentinel.join("locked"), PermissionsExt::from_mode(0o700)).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -256,6 +266,7 @@ async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
     assert_eq!(error, expected);
     eprintln!("unreadable dir: stopped in {took:?}");
     let hidden = env.workspace_of("#unreadable").join("h");
+    let _unlock = Unlock(hidden.clone());
     let mode = std::fs::symlink_metadata(&hidden)
         .unwrap()
         .permissions()
@@ -276,7 +287,6 @@ async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
             .is_some_and(|e| e.starts_with(expected)),
         "the trick plays again and is stopped again: {reply:?}"
     );
-    std::fs::set_permissions(&hidden, PermissionsExt::from_mode(0o700)).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
