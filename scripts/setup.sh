@@ -2,9 +2,18 @@
 # Installs what the tests and the demo need on a fresh Debian machine, as root:
 # the static busybox, the non-root service user (the runtime refuses root) with access to
 # the Docker socket, and the MCP servers' venv. Idempotent. Run as root.
+#   --gvisor (or ROUNDTABLE_GVISOR=1): also register gVisor's runsc with the engine
+#   (scripts/setup-gvisor.sh: package, daemon.json, SIGHUP reload, never a restart).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 user="${ROUNDTABLE_USER:-roundtable}"
+gvisor="${ROUNDTABLE_GVISOR:-0}"
+for arg in "$@"; do
+  case "$arg" in
+    --gvisor) gvisor=1 ;;
+    *) echo "setup: unknown argument $arg (known: --gvisor)" >&2; exit 2 ;;
+  esac
+done
 if [ "$(id -u)" -ne 0 ]; then
   echo "setup: run as root (it installs packages and creates the service user $user)" >&2
   exit 1
@@ -41,4 +50,5 @@ sock="${DOCKER_HOST:-unix:///var/run/docker.sock}"; sock="${sock#unix://}"
 sock_group=$(stat -c %G "$sock")
 id -nG "$user" | tr ' ' '\n' | grep -qx "$sock_group" || usermod -aG "$sock_group" "$user"
 if [ -x scripts/mcp-venv.sh ]; then scripts/mcp-venv.sh; fi
+if [ "$gvisor" = 1 ]; then scripts/setup-gvisor.sh; fi
 echo "setup: ready (service user $user: uid $(id -u "$user"), groups $(id -nG "$user"))" >&2

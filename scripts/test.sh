@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 if [ "$(id -u)" -eq 0 ]; then
-  scripts/setup.sh
+  scripts/setup.sh --gvisor
   export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/as-service-user.sh"
 fi
 echo "== format and lints" >&2
@@ -17,6 +17,22 @@ scripts/build-image.sh
 scripts/build-hostile-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
+# The same binaries again with every guest container under gVisor (runsc): the sealed turn,
+# the agent end to end, the hostile guests and the runtime's own tests.
+gvisor_listed() { docker info --format '{{range $n, $_ := .Runtimes}}{{$n}} {{end}}' | tr ' ' '\n' | grep -qx runsc; }
+if gvisor_listed; then
+  echo "== tests under gVisor (ROUNDTABLE_RUNTIME=runsc)" >&2
+  started=$SECONDS
+  ROUNDTABLE_RUNTIME=runsc cargo test -p roundtable-sandbox --no-fail-fast \
+    --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
+    --test runtime "$@"
+  echo "== gVisor pass: $((SECONDS - started)) s" >&2
+elif [ "${ROUNDTABLE_SKIP_GVISOR:-0}" = 1 ]; then
+  echo "== tests under gVisor SKIPPED (ROUNDTABLE_SKIP_GVISOR=1)" >&2
+else
+  echo "the engine does not list runsc: run scripts/setup.sh --gvisor as root (or set ROUNDTABLE_SKIP_GVISOR=1 to skip the gVisor pass)" >&2
+  exit 1
+fi
 if [ "$(id -u)" -eq 0 ]; then
   echo "== doctor, run as root, refuses root" >&2
   if out=$(target/debug/roundtable-sandbox doctor 2>&1); then

@@ -419,5 +419,6 @@ fn container_spec(
             (LABEL_TURN.to_owned(), turn_id.to_owned()),
         ]),
         command: config.config.command.clone(),
+        runtime: config.config.runtime.clone(),
     }
 }

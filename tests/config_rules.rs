@@ -646,3 +646,48 @@ fn time_zones_match_node_where_node_is_installed() {
     );
     println!("{} names agree with node", names.len());
 }
+
+#[test]
+fn runtime_names_and_the_gvisor_peer_check_rule() {
+    let env = Env::new();
+    let mut base = env.config();
+    base.runtime = None;
+    base.peer_uid_check = true;
+    for bad in ["", "run c", "runsc;rm", "../runc", &"r".repeat(65)] {
+        let mut c = base.clone();
+        c.runtime = Some(bad.into());
+        assert_eq!(
+            err(&c),
+            format!("invalid runtime name {bad:?}: use 1 to 64 of A-Z, a-z, 0-9, '.', '_' and '-'")
+        );
+    }
+    // gVisor hides the peer's uid: the operator must turn the check off explicitly.
+    let mut c = base.clone();
+    c.runtime = Some("runsc".into());
+    assert_eq!(
+        err(&c),
+        "runtime runsc reports every broker peer as uid 0: set peer_uid_check = false \
+         (the per-turn 0700 run dir is then the only door to the socket)"
+    );
+    // Refused before any side effect: the roots were not created.
+    assert!(!env.run_root.exists() && !env.workspace_root.exists());
+    c.peer_uid_check = false;
+    let resolved = c.resolve().unwrap();
+    assert_eq!(resolved.config.runtime.as_deref(), Some("runsc"));
+    // Other runtimes keep the check (and accept it).
+    let mut c = base.clone();
+    c.runtime = Some("runc".into());
+    assert!(c.resolve().unwrap().config.peer_uid_check);
+
+    // In the file: `runtime` next to `peer_uid_check`; absent means the engine's default.
+    let file = |extra: &str| {
+        format!(
+            "image = \"img\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\n\
+             model_url = \"https://a\"\n{extra}"
+        )
+    };
+    let c = Config::from_toml_str(&file("runtime = \"runsc\"\npeer_uid_check = false\n")).unwrap();
+    assert_eq!(c.runtime.as_deref(), Some("runsc"));
+    assert!(!c.peer_uid_check);
+    assert_eq!(Config::from_toml_str(&file("")).unwrap().runtime, None);
+}

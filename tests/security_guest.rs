@@ -143,7 +143,14 @@ async fn attack_reach_any_network() {
         );
     }
     // 101 ENETUNREACH: no route at all (only `lo` exists); 111: the container's own loopback.
-    assert_eq!(f[&targets[0]], "error(101)");
+    // Under gVisor its own network stack (netstack) answers the same missing route with
+    // 113 EHOSTUNREACH: still no route, nothing sent.
+    let no_route = if under_gvisor() {
+        "error(113)"
+    } else {
+        "error(101)"
+    };
+    assert_eq!(f[&targets[0]], no_route);
     assert_eq!(f[&targets[1]], "error(111)");
     assert_eq!(f[&format!("abstract:{abstract_name}")], "error(111)");
     assert!(tcp.accept().is_err(), "nothing reached the host listener");
@@ -295,14 +302,26 @@ async fn attack_escalate_through_a_setuid_binary() {
         stderr_cap: 4096,
         labels: Default::default(),
         command: Some(vec!["/bin/suid-hostile".into(), "identity".into()]),
+        runtime: runtime(),
     };
     let mut body = create_body(&spec);
     body.host_config.as_mut().unwrap().security_opt = None;
     let control = run_raw_container(&spec.name, body).await;
-    assert!(
-        control.contains("euid=0") && control.contains("root_only=READ:ROOT-ONLY-SECRET"),
-        "the bait must work without no-new-privileges: {control}"
-    );
+    if under_gvisor() {
+        // gVisor (20221219) does not honour the setuid bit of the bait at all: even without
+        // no-new-privileges it runs as the service uid. The path this test attacks does not
+        // exist there; the sealed checks below must still hold.
+        assert!(
+            control.contains(&format!("euid={uid};"))
+                && control.contains("root_only=denied(permission denied)"),
+            "under gVisor the bait stays unprivileged: {control}"
+        );
+    } else {
+        assert!(
+            control.contains("euid=0") && control.contains("root_only=READ:ROOT-ONLY-SECRET"),
+            "the bait must work without no-new-privileges: {control}"
+        );
+    }
 
     // The sealed container: the setuid bit is inert, the file stays closed.
     let sandbox = Sandbox::new(hostile::config(&env, &["identity"]))
@@ -315,8 +334,17 @@ async fn attack_escalate_through_a_setuid_binary() {
     assert_eq!(f["euid"], uid.to_string(), "{f:?}");
     assert_eq!(f["uids"], format!("{uid},{uid},{uid},{uid}"));
     assert_eq!(f["capeff"], "0000000000000000");
-    assert_eq!(f["nnp"], "1");
-    assert_eq!(f["seccomp"], "2", "the default seccomp filter is on");
+    if under_gvisor() {
+        // gVisor's /proc/self/status has no NoNewPrivs line, and Docker's seccomp profile
+        // is not loaded inside the sandbox (the guest's syscalls reach gVisor's Sentry, not
+        // the host kernel). What reaches the host, the Sentry, runs with no_new_privs and
+        // gVisor's own seccomp filter, as nobody: runtime::the_turn_process_on_the_host_is_confined.
+        assert_eq!(f["nnp"], "?");
+        assert_eq!(f["seccomp"], "0");
+    } else {
+        assert_eq!(f["nnp"], "1");
+        assert_eq!(f["seccomp"], "2", "the default seccomp filter is on");
+    }
     assert_eq!(f["root_only"], "denied(permission denied)");
 
     // The other ways up: a setuid busybox, su, user namespaces, mount, chroot, raw sockets.
@@ -341,6 +369,32 @@ async fn attack_escalate_through_a_setuid_binary() {
         .unwrap();
     let reply = probe.run_turn(request("#suid", "x")).await;
     let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    let text = if under_gvisor() && text.contains(" mknod:DID") {
+        // gVisor (20221219) lets an unprivileged process mknod in its own tmpfs (it checks
+        // neither CAP_MKNOD nor `nodev`), but such a node reaches no device: the Sentry
+        // serves only the devices it emulates, so 8:0 (the host's first disk) answers
+        // ENXIO to read and write. Checked here, then counted as refused.
+        let inert = Sandbox::new(hostile::sh_config(
+            &env,
+            &reply_after(
+                "mknod /tmp/sda b 8 0 2>/dev/null; \
+                 head -c1 /tmp/sda >/dev/null 2>&1 && out=read:DID || out=read:refused; \
+                 { echo x > /tmp/sda; } 2>/dev/null && out=\"$out write:DID\" || out=\"$out write:refused\"",
+            ),
+        ))
+        .await
+        .unwrap();
+        let r = inert.run_turn(request("#suid", "x")).await;
+        assert_eq!(
+            r.text.as_deref(),
+            Some("read:refused write:refused"),
+            "{r:?}"
+        );
+        assert_no_leftovers(&inert).await;
+        text.replace(" mknod:DID", " mknod:refused")
+    } else {
+        text
+    };
     assert!(text.contains(&format!("busybox-suid-id={uid}")), "{text}");
     assert!(!text.contains(":DID"), "{text}");
     assert_eq!(text.matches(":refused").count(), 10, "{text}");

@@ -209,6 +209,7 @@ pub async fn driver_turn(
         stderr_cap: 64 << 10,
         labels: BTreeMap::from([(BENCH_LABEL.to_owned(), "driver".to_owned())]),
         command: Some(command()),
+        runtime: None,
     };
     let t0 = Instant::now();
     let reply = driver.run(&spec, stdin, CancellationToken::new()).await;

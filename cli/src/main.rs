@@ -276,6 +276,37 @@ fn user_check(uid: u32, gid: u32) -> Check {
     }
 }
 
+/// The configured runtime must be one the engine lists in its info's `Runtimes`.
+fn runtime_check(
+    wanted: Option<&str>,
+    listed: Result<(Vec<String>, String), roundtable_sandbox::DriverError>,
+) -> Check {
+    let (names, default) = match listed {
+        Ok(l) => l,
+        Err(e) => return fail("runtime", e.to_string(), "fix the docker check first"),
+    };
+    match wanted {
+        None => pass("runtime", format!("the engine's default ({default})")),
+        Some(r) if names.iter().any(|n| n == r) => {
+            pass("runtime", format!("{r}, listed by the engine"))
+        }
+        Some(r) => fail(
+            "runtime",
+            format!(
+                "{r} is not listed by the engine (it lists {})",
+                names.join(", ")
+            ),
+            if r == roundtable_sandbox::config::GVISOR_RUNTIME {
+                "run scripts/setup.sh --gvisor as root (installs runsc, adds it to \
+                 /etc/docker/daemon.json, reloads the engine with SIGHUP)"
+            } else {
+                "add it to \"runtimes\" in /etc/docker/daemon.json and reload the engine \
+                 (kill -HUP $(cat /var/run/docker.pid))"
+            },
+        ),
+    }
+}
+
 fn driver_for(config: &Config) -> DockerDriver {
     let mut options = DockerOptions::default();
     if let Some(host) = &config.docker_host {
@@ -322,6 +353,15 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
             ),
             Err(e) => fail("image", e.to_string(), "fix the docker check first"),
         }
+    });
+    checks.push(if !docker_ok {
+        fail(
+            "runtime",
+            "not checked, Docker is unreachable".to_owned(),
+            "fix the docker check first",
+        )
+    } else {
+        runtime_check(config.runtime.as_deref(), driver.runtimes().await)
     });
     checks.push(check_root("run_root", &config.run_root, uid));
     checks.push(check_root("workspace_root", &config.workspace_root, uid));
@@ -398,6 +438,16 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     let gid = config.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw());
     println!("image         {}", config.image);
     println!(
+        "runtime       {}",
+        match config.runtime.as_deref() {
+            None => "the engine's default (runc: the guest shares the host kernel)".to_owned(),
+            Some(r) if r == roundtable_sandbox::config::GVISOR_RUNTIME => {
+                format!("{r} (gVisor: a user-space kernel between the guest and the host)")
+            }
+            Some(r) => r.to_owned(),
+        }
+    );
+    println!(
         "container     user {uid}:{gid}, network none, read-only root, all capabilities dropped, \
          no-new-privileges, init process"
     );
@@ -463,7 +513,8 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         if config.peer_uid_check {
             "only the worker uid may connect (SO_PEERCRED)"
         } else {
-            "uid check OFF (peer_uid_check = false)"
+            "uid check OFF (peer_uid_check = false): only the per-turn 0700 run dir keeps \
+             other local users away"
         }
     );
     if config.tools.is_empty() {
@@ -658,6 +709,38 @@ mod tests {
         assert_eq!(c.detail, "running as root: the runtime refuses root");
         assert!(c.hint.unwrap().contains("setpriv --reuid=roundtable"));
         assert!(user_check(999, 995).ok);
+    }
+
+    #[test]
+    fn runtime_check_names_the_fix() {
+        let listed = || {
+            Ok((
+                vec!["runc".to_owned(), "runsc".to_owned()],
+                "runc".to_owned(),
+            ))
+        };
+        let c = runtime_check(None, listed());
+        assert!(c.ok);
+        assert_eq!(c.detail, "the engine's default (runc)");
+        let c = runtime_check(Some("runsc"), listed());
+        assert!(c.ok);
+        assert_eq!(c.detail, "runsc, listed by the engine");
+        let c = runtime_check(Some("runsc"), Ok((vec!["runc".into()], "runc".into())));
+        assert!(!c.ok);
+        assert_eq!(
+            c.detail,
+            "runsc is not listed by the engine (it lists runc)"
+        );
+        assert_eq!(
+            c.hint.as_deref(),
+            Some(
+                "run scripts/setup.sh --gvisor as root (installs runsc, adds it to \
+                 /etc/docker/daemon.json, reloads the engine with SIGHUP)"
+            )
+        );
+        let c = runtime_check(Some("kata"), listed());
+        assert!(!c.ok);
+        assert!(c.hint.unwrap().starts_with("add it to \"runtimes\""));
     }
 
     #[test]

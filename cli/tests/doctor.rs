@@ -60,7 +60,11 @@ fn a_healthy_host_passes_every_check() {
     );
     let (code, out) = doctor(&["--config", &config], &[]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("all 8 checks passed"), "{out}");
+    assert!(out.contains("all 9 checks passed"), "{out}");
+    assert!(
+        out.contains("ok   runtime         the engine's default (runc)"),
+        "{out}"
+    );
     assert!(out.contains("ok   workspace disk"), "{out}");
     assert!(out.contains("ok   engine disk     /"), "{out}");
     assert!(out.contains(" MiB free of "), "{out}");
@@ -191,5 +195,39 @@ fn explain_shows_the_model_fields_and_the_turn_caps() {
     assert!(
         text.contains("broker turn   2 calls in flight, 8 connections"),
         "{text}"
+    );
+}
+
+#[test]
+fn a_runtime_the_engine_does_not_list_is_detected_with_the_fix() {
+    let (d, run, ws) = roots();
+    let config = |runtime: &str| {
+        let path = d.path().join(format!("{runtime}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\n\
+                 workspace_root = \"{ws}\"\nmodel = \"m\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
+                 allow_http = true\nruntime = \"{runtime}\"\npeer_uid_check = false\n"
+            ),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let (code, out) = doctor(&["--config", &config("roundtable-no-such-runtime")], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL runtime         roundtable-no-such-runtime is not listed by the engine (it lists "),
+        "{out}"
+    );
+    assert!(
+        out.contains("fix: add it to \"runtimes\" in /etc/docker/daemon.json"),
+        "{out}"
+    );
+    // The engine always lists runc.
+    let (_, out) = doctor(&["--config", &config("runc")], &[]);
+    assert!(
+        out.contains("ok   runtime         runc, listed by the engine"),
+        "{out}"
     );
 }

@@ -53,6 +53,8 @@ pub struct ContainerSpec {
     pub labels: BTreeMap<String, String>,
     /// Replaces the image's entrypoint (tests and benchmarks).
     pub command: Option<Vec<String>>,
+    /// The engine's runtime for this container (`runsc`: gVisor); `None`: the engine's default.
+    pub runtime: Option<String>,
 }
 
 /// How a container run failed.
@@ -72,6 +74,8 @@ pub enum DriverError {
     MalformedOutput { reason: String },
     #[error("sandbox image not found: {image} (build it with scripts/build-image.sh)")]
     ImageMissing { image: String },
+    #[error("container runtime {runtime} is not known to the engine (register it: scripts/setup.sh --gvisor, as root, for runsc)")]
+    RuntimeMissing { runtime: String },
     #[error("docker daemon unreachable: {reason}")]
     DaemonUnreachable { reason: String },
     #[error("docker {op} of {container} timed out after {after:?}")]
