@@ -177,12 +177,11 @@ async fn run_turn_inner(
             make_workspace(&workspace_dir)?;
             // Held open for the whole turn: every measure starts from this descriptor and never
             // follows a guest path (see crate::quota).
-            let workspace = Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(
-                |source| TurnError::CreateWorkspace {
-                    path: workspace_dir.clone(),
-                    source,
-                },
-            )?);
+            // A workspace the guest locked (`chmod 000 /workspace`) cannot be measured.
+            let workspace =
+                Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(|e| {
+                    crate::quota::QuotaError::Measure(format!("open the workspace: {e}"))
+                })?);
             // The filesystems the free-space floor guards: the workspaces', the engine's.
             let mut guarded = vec![crate::quota::Guarded {
                 what: "the workspaces",

@@ -290,6 +290,27 @@ async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn quota_a_locked_workspace_root_counts_as_over_quota() {
+    let env = Env::new();
+    // The guest owns /workspace itself: it locks it, then waits.
+    let mut config = hostile::sh_config(&env, "cat >/dev/null; chmod 000 /workspace; sleep 60");
+    config.limits.workspace_mb = QUOTA_MB;
+    config.turn_timeout = Some(Duration::from_secs(40));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let ws = env.workspace_of("#locked");
+    let _unlock = Unlock(ws.clone());
+    let locked = "this channel's workspace cannot be measured (open the workspace: Permission denied (os error 13)); an operator must fix or clear it before the next turn";
+    // The watcher ends the turn; the host leaves the mode alone; the next turn is refused.
+    let reply = sandbox.run_turn(request("#locked", "x")).await;
+    assert_eq!(reply.error.as_deref(), Some(locked));
+    let mode = std::fs::symlink_metadata(&ws).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0, "the host never changes it");
+    let reply = sandbox.run_turn(request("#locked", "x")).await;
+    assert_eq!(reply.error.as_deref(), Some(locked));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn quota_a_deleted_file_held_only_by_a_mapping_ends_the_turn() {
     let env = Env::new();
     let (_, error, took) = run_trick(&env, "#mapped", &["mapped", "8"]).await;
