@@ -18,6 +18,7 @@ use serde::Deserialize;
 
 use crate::broker::{
     self, ApiKey, BrokerError, BrokerLimits, BrokerPolicy, HostTool, ModelRequestPolicy,
+    SummarizerConfig,
 };
 use crate::driver::ContainerDriver;
 
@@ -247,6 +248,9 @@ pub struct Config {
     /// gVisor's user-space kernel (register it with `scripts/setup.sh --gvisor`; it needs
     /// `peer_uid_check = false`).
     pub runtime: Option<String>,
+    /// A separate summarizer for compaction (`[compaction]`); `None` compacts through the
+    /// main model, as before.
+    pub compaction: Option<SummarizerConfig>,
 }
 
 impl std::fmt::Debug for Config {
@@ -262,6 +266,7 @@ impl std::fmt::Debug for Config {
             .field("turn_timeout", &self.turn_timeout)
             .field("allow_http", &self.allow_http)
             .field("runtime", &self.runtime)
+            .field("compaction", &self.compaction)
             .finish_non_exhaustive()
     }
 }
@@ -302,6 +307,7 @@ impl Config {
             peer_uid_check: true,
             model_request: ModelRequestPolicy::default(),
             runtime: None,
+            compaction: None,
         }
     }
 
@@ -318,6 +324,7 @@ impl Config {
             worker_uid,
             peer_uid_check: self.peer_uid_check,
             model_request: self.model_request.clone(),
+            compaction: self.compaction.clone(),
         }
     }
 
@@ -536,6 +543,75 @@ pub struct ConfigFile {
     pub model_request: ModelRequestPolicy,
     #[serde(default)]
     pub runtime: Option<String>,
+    #[serde(default)]
+    pub compaction: Option<CompactionFile>,
+}
+
+/// The `[compaction]` section: a separate summarizer. Its key comes from the environment
+/// variable or the file named here, never from the config file itself; one of the two
+/// must be named. A variable that is unset or a file that is missing or empty is not an
+/// error: the runtime logs it once at startup and compaction falls back to the main model.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CompactionFile {
+    /// OpenAI-compatible API base (`https://…/v1`).
+    pub url: String,
+    pub model: String,
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// Deadline of one summarizer call (default 60).
+    #[serde(default)]
+    pub timeout_secs: Option<f64>,
+    /// Allow `http://` to a loopback IP address (a local summarizer).
+    #[serde(default)]
+    pub allow_http: bool,
+}
+
+impl CompactionFile {
+    /// The summarizer, its key read from the named variable or file.
+    pub fn into_summarizer(self) -> Result<SummarizerConfig, ConfigError> {
+        let present = |v: String| {
+            let v = v.trim();
+            (!v.is_empty()).then(|| ApiKey::from_static(v))
+        };
+        let (api_key, key_source) = match (&self.api_key_env, &self.api_key_file) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::ApiKeySource(
+                    "compaction: set api_key_env or api_key_file, not both".into(),
+                ))
+            }
+            (None, None) => {
+                return Err(ConfigError::ApiKeySource(
+                    "compaction: set api_key_env or api_key_file".into(),
+                ))
+            }
+            (Some(var), None) => (
+                std::env::var(var).ok().and_then(present),
+                format!("environment variable {var}"),
+            ),
+            (None, Some(path)) => (
+                std::fs::read_to_string(path).ok().and_then(present),
+                format!("file {}", path.display()),
+            ),
+        };
+        let timeout = match self.timeout_secs {
+            None => SummarizerConfig::DEFAULT_TIMEOUT,
+            Some(secs) if secs.is_finite() && secs > 0.0 && secs <= 1e6 => {
+                Duration::from_secs_f64(secs)
+            }
+            Some(_) => Duration::ZERO,
+        };
+        Ok(SummarizerConfig {
+            url: self.url,
+            model: self.model,
+            api_key: api_key.unwrap_or(ApiKey::None),
+            key_source,
+            timeout,
+            allow_http: self.allow_http,
+        })
+    }
 }
 
 fn yes() -> bool {
@@ -605,6 +681,10 @@ impl ConfigFile {
         config.peer_uid_check = self.peer_uid_check;
         config.model_request = self.model_request;
         config.runtime = self.runtime;
+        config.compaction = self
+            .compaction
+            .map(CompactionFile::into_summarizer)
+            .transpose()?;
         Ok(config)
     }
 }

@@ -30,7 +30,9 @@ pub mod turn;
 
 use std::sync::Arc;
 
-pub use broker::{ApiKey, Broker, HostTool, McpScope, McpServerConfig, ToolCallContext};
+pub use broker::{
+    ApiKey, Broker, HostTool, McpScope, McpServerConfig, SummarizerConfig, ToolCallContext,
+};
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError};
 pub use roundtable_sandbox_protocol as protocol;

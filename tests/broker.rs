@@ -51,6 +51,7 @@ fn policy(model_url: &str) -> BrokerPolicy {
         worker_uid: uid(),
         peer_uid_check: true,
         model_request: Default::default(),
+        compaction: None,
     }
 }
 

@@ -44,6 +44,7 @@ fn policy(model_url: &str) -> BrokerPolicy {
         worker_uid: nix::unistd::getuid().as_raw(),
         peer_uid_check: true,
         model_request: ModelRequestPolicy::default(),
+        compaction: None,
     }
 }
 

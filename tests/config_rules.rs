@@ -691,3 +691,158 @@ fn runtime_names_and_the_gvisor_peer_check_rule() {
     assert!(!c.peer_uid_check);
     assert_eq!(Config::from_toml_str(&file("")).unwrap().runtime, None);
 }
+
+#[test]
+fn compaction_rules_have_their_messages() {
+    use roundtable_sandbox::SummarizerConfig;
+    let env = Env::new();
+    let summarizer = |url: &str, allow_http: bool| SummarizerConfig {
+        url: url.into(),
+        model: "sum".into(),
+        api_key: ApiKey::from_static("sk-sum"),
+        key_source: "test".into(),
+        timeout: SummarizerConfig::DEFAULT_TIMEOUT,
+        allow_http,
+    };
+    let with = |s: SummarizerConfig| {
+        let mut c = env.config();
+        c.compaction = Some(s);
+        c
+    };
+    assert_eq!(
+        err(&with(summarizer("http://127.0.0.1:9/v1", false))),
+        "invalid broker policy: compaction.url must use https (allow_http permits http to a loopback address only): http://127.0.0.1:9/v1"
+    );
+    for not_loopback in [
+        "http://10.1.2.3/v1",
+        "http://localhost:9/v1",
+        "http://sum.example.com/v1",
+    ] {
+        assert_eq!(
+            err(&with(summarizer(not_loopback, true))),
+            format!("invalid broker policy: compaction.url must use https (allow_http permits http to a loopback address only): {not_loopback}")
+        );
+    }
+    for invalid in [
+        "ftp://sum.example.com/v1",
+        "sum.example.com",
+        "https://u:p@sum.example.com/v1",
+    ] {
+        assert_eq!(
+            err(&with(summarizer(invalid, true))),
+            format!("invalid broker policy: invalid compaction.url: {invalid}")
+        );
+    }
+    let mut s = summarizer("https://sum.example.com/v1", false);
+    s.model = " ".into();
+    assert_eq!(
+        err(&with(s)),
+        "invalid broker policy: compaction.model is required"
+    );
+    for bad in [Duration::from_millis(999), Duration::from_secs(601)] {
+        let mut s = summarizer("https://sum.example.com/v1", false);
+        s.timeout = bad;
+        assert_eq!(
+            err(&with(s)),
+            format!("invalid broker policy: compaction.timeout must be 1 s to 600 s, got {bad:?}")
+        );
+    }
+    // Nothing was created by the failed checks; the good ones resolve.
+    assert!(!env.run_root.exists() && !env.workspace_root.exists());
+    with(summarizer("https://sum.example.com/v1", false))
+        .resolve()
+        .unwrap();
+    with(summarizer("http://127.0.0.1:9/v1", true))
+        .resolve()
+        .unwrap();
+    with(summarizer("http://[::1]:9/v1", true))
+        .resolve()
+        .unwrap();
+}
+
+#[test]
+fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
+    let env = Env::new();
+    let path = env.dir.path().join("sandbox.toml");
+    let base = format!(
+        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
+         model = \"m\"\nmodel_url = \"https://models.invalid/v1\"\n",
+        env.run_root.display(),
+        env.workspace_root.display()
+    );
+    let load = |section: &str| {
+        std::fs::write(&path, format!("{base}[compaction]\n{section}")).unwrap();
+        Config::from_toml_file(&path)
+    };
+    let url = "url = \"https://sum.invalid/v1\"\nmodel = \"sum\"\n";
+
+    // The key itself is never a config key.
+    let e = load(&format!("{url}api_key = \"sk-in-the-file\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with(&format!(
+            "config file {}: compaction.api_key: unknown field `api_key`",
+            path.display()
+        )),
+        "{e}"
+    );
+    assert_eq!(
+        load(url).unwrap_err().to_string(),
+        "api key: compaction: set api_key_env or api_key_file"
+    );
+    assert_eq!(
+        load(&format!(
+            "{url}api_key_env = \"A\"\napi_key_file = \"/nonexistent\"\n"
+        ))
+        .unwrap_err()
+        .to_string(),
+        "api key: compaction: set api_key_env or api_key_file, not both"
+    );
+
+    // A key from a file, with the deadline and loopback http.
+    let key_file = env.dir.path().join("sum.key");
+    std::fs::write(&key_file, "sk-sum-from-file\n").unwrap();
+    let c = load(&format!(
+        "url = \"http://127.0.0.1:9/v1\"\nmodel = \"sum\"\napi_key_file = \"{}\"\ntimeout_secs = 30\nallow_http = true\n",
+        key_file.display()
+    ))
+    .unwrap();
+    let s = c.compaction.clone().unwrap();
+    assert!(matches!(s.api_key, ApiKey::Static(_)));
+    assert_eq!(s.key_source, format!("file {}", key_file.display()));
+    assert_eq!(s.timeout, Duration::from_secs(30));
+    assert!(!format!("{c:?}").contains("sk-sum-from-file"));
+    c.resolve().unwrap();
+
+    // A variable that is not set is no error: the summarizer is keyless (logged at startup).
+    let c = load(&format!(
+        "{url}api_key_env = \"RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR\"\n"
+    ))
+    .unwrap();
+    let s = c.compaction.clone().unwrap();
+    assert!(matches!(s.api_key, ApiKey::None));
+    assert_eq!(
+        s.key_source,
+        "environment variable RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR"
+    );
+    c.resolve().unwrap();
+    // So is an empty key file.
+    std::fs::write(&key_file, " \n").unwrap();
+    let c = load(&format!("{url}api_key_file = \"{}\"\n", key_file.display())).unwrap();
+    assert!(matches!(c.compaction.unwrap().api_key, ApiKey::None));
+
+    let e = load(&format!("{url}api_key_env = \"X\"\ntimeout_secs = 0\n"))
+        .unwrap()
+        .resolve()
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "invalid broker policy: compaction.timeout must be 1 s to 600 s, got 0ns"
+    );
+    let e = load(&format!("{url}api_key_env = \"X\"\nallow_http = \"yes\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("compaction.allow_http: invalid type"), "{e}");
+}

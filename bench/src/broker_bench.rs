@@ -135,6 +135,7 @@ impl BrokerUnderTest {
             worker_uid: nix::unistd::getuid().as_raw(),
             peer_uid_check: true,
             model_request: Default::default(),
+            compaction: None,
         };
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
         let dir = tempfile::Builder::new()

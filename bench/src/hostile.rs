@@ -82,6 +82,7 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             worker_uid: nix::unistd::getuid().as_raw(),
             peer_uid_check: true,
             model_request: Default::default(),
+            compaction: None,
         };
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
         let ctx = TurnContext {

@@ -3,7 +3,7 @@
 //! - `doctor`: checks what a runtime needs (not root, Docker reachable, the image present,
 //!   private roots, a short enough socket path), each with a fix hint; exits 1 on a failure;
 //! - `explain`: the effective policy (mounts, limits, tools, MCP allow-lists, the model
-//!   endpoint's host), never the key;
+//!   endpoint's host, the compaction settings), never a key;
 //! - `turn`: one turn for a channel from the command line;
 //! - `sweep`: removes this runtime's leftover containers and run dirs;
 //! - `image build`: builds the guest image FROM scratch from the static guest and busybox.
@@ -490,6 +490,30 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
             ""
         }
     );
+    match &config.compaction {
+        None => println!(
+            "compaction    through the main model (no [compaction] section); fallback: plain summary"
+        ),
+        Some(c) => {
+            let key = match &c.api_key {
+                ApiKey::None => format!(
+                    "MISSING ({}), so compaction falls back to the main model",
+                    c.key_source
+                ),
+                ApiKey::Static(_) => {
+                    format!("set from {} (held by the broker only)", c.key_source)
+                }
+                ApiKey::Provider(_) => "from a provider (held by the broker only)".to_owned(),
+            };
+            println!(
+                "compaction    summarizer {} at {} ({}), timeout {} s, key: {key}; fallback: main model, then plain summary",
+                c.model,
+                host_of(&c.url),
+                c.url.split("://").next().unwrap_or("?"),
+                c.timeout.as_secs_f64()
+            );
+        }
+    }
     println!(
         "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {:?} per call",
         b.max_request_bytes / 1024,

@@ -79,6 +79,7 @@ fn state() -> &'static State {
                 .unwrap(),
             peer_uid_check: true,
             model_request: Default::default(),
+            compaction: None,
         };
         let broker = Arc::new(rt.block_on(Broker::new(policy)).unwrap());
         let dir = std::env::temp_dir().join(format!("rts-fuzz-{}", std::process::id()));

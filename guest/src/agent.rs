@@ -11,6 +11,7 @@ use std::collections::HashSet;
 
 use serde_json::{Map, Value};
 
+use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
 use roundtable_sandbox_protocol::Usage;
 
 use crate::chat::{cap_text, ChatRequest, FunctionCall, Message, ModelReply, ToolCall, ToolDef};
@@ -24,10 +25,12 @@ pub const NO_ANSWER: &str = "(no answer)";
 /// The longest tool name or call id kept.
 const MAX_ID: usize = 128;
 
-/// A chat-completions model.
+/// A chat-completions model, and the host's compactor behind it.
 pub trait Model {
     /// Answers one request.
     fn complete(&mut self, request: &ChatRequest) -> Result<ModelReply, ModelError>;
+    /// Summarises the older part of the conversation (the broker's `POST /v1/compact`).
+    fn compact(&mut self, request: &CompactRequest) -> Result<CompactReply, ModelError>;
 }
 
 /// The tools the model may call.
@@ -113,6 +116,17 @@ impl Meter {
                 self.completion_tokens =
                     Some(self.completion_tokens.unwrap_or(0).saturating_add(n));
             }
+        }
+    }
+
+    /// Adds what another party (the host's compactor) reports it used.
+    pub fn add(&mut self, usage: &Usage) {
+        self.model_calls = self.model_calls.saturating_add(usage.model_calls);
+        if let Some(n) = usage.prompt_tokens {
+            self.prompt_tokens = Some(self.prompt_tokens.unwrap_or(0).saturating_add(n));
+        }
+        if let Some(n) = usage.completion_tokens {
+            self.completion_tokens = Some(self.completion_tokens.unwrap_or(0).saturating_add(n));
         }
     }
 
@@ -319,6 +333,49 @@ pub(crate) mod tests {
                 .pop_front()
                 .unwrap_or_else(|| Err(ModelError("script exhausted".into())))
         }
+
+        fn compact(&mut self, request: &CompactRequest) -> Result<CompactReply, ModelError> {
+            host_compact(self, request)
+        }
+    }
+
+    /// What the host's compactor does without a summarizer (see src/broker/compact.rs),
+    /// with `model` as the main model: the summary request, else the plain summary.
+    pub(crate) fn host_compact<M: Model>(
+        model: &mut M,
+        request: &CompactRequest,
+    ) -> Result<CompactReply, ModelError> {
+        use roundtable_sandbox_protocol::compaction::{
+            finish_summary, plain_summary, summary_messages, CompactSource,
+        };
+        let chat = ChatRequest {
+            messages: summary_messages(request),
+            tools: Vec::new(),
+        };
+        let outcome = model.complete(&chat);
+        let mut usage = Usage {
+            model_calls: 1,
+            ..Usage::default()
+        };
+        if let Ok(reply) = &outcome {
+            usage.prompt_tokens = reply.prompt_tokens;
+            usage.completion_tokens = reply.completion_tokens;
+        }
+        let summary = outcome
+            .ok()
+            .and_then(|r| finish_summary(request, r.content.as_deref().unwrap_or("")));
+        Ok(match summary {
+            Some(summary) => CompactReply {
+                summary,
+                source: CompactSource::Model,
+                usage,
+            },
+            None => CompactReply {
+                summary: plain_summary(request),
+                source: CompactSource::Plain,
+                usage,
+            },
+        })
     }
 
     /// Tools that echo their arguments and record the calls.

@@ -1,5 +1,5 @@
-//! The broker as the agent sees it: a [`Model`] (chat completions) and a [`Remote`]
-//! (host and MCP tools), both over the unix-socket HTTP client.
+//! The broker as the agent sees it: a [`Model`] (chat completions and the host's
+//! compactor) and a [`Remote`] (host and MCP tools), all over the unix-socket HTTP client.
 //!
 //! Model answers are parsed leniently (providers add fields; `arguments` may arrive as an
 //! object; `content` may be a list of parts) but never trusted: anything unexpected is a
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde_json::{Map, Value};
 
+use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
 use roundtable_sandbox_protocol::{paths, ErrorBody, ToolCallResult};
 
 use crate::agent::{Model, ModelError};
@@ -97,6 +98,23 @@ impl Model for Broker {
             return Err(ModelError(error_text(&response)));
         }
         parse_completion(&response.body)
+    }
+
+    fn compact(&mut self, request: &CompactRequest) -> Result<CompactReply, ModelError> {
+        let body = serde_json::to_vec(request)
+            .map_err(|e| ModelError(format!("cannot encode the compaction request: {e}")))?;
+        let response = self
+            .client
+            .post_json(paths::COMPACT, &body, self.model_timeout)
+            .map_err(|e| ModelError(e.to_string()))?;
+        if response.status != 200 {
+            return Err(ModelError(error_text(&response)));
+        }
+        serde_json::from_slice(&response.body).map_err(|e| {
+            ModelError(clean(&format!(
+                "malformed compaction answer from the broker: {e}"
+            )))
+        })
     }
 }
 

@@ -3,48 +3,10 @@
 //! The same [`Message`] type is the wire format toward the broker and the stored format
 //! of the session, so a session file can be checked strictly on load ([`validate_history`]).
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// One chat message. The system message is never stored; it is rebuilt every turn.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "role", rename_all = "lowercase", deny_unknown_fields)]
-pub enum Message {
-    /// The system prompt (only in requests).
-    System { content: String },
-    /// A guest's message, attributed "name: text" by the guest program.
-    User { content: String },
-    /// The model's answer: text, tool calls, or both.
-    Assistant {
-        #[serde(default)]
-        content: Option<String>,
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        tool_calls: Vec<ToolCall>,
-    },
-    /// The result of one tool call.
-    Tool {
-        tool_call_id: String,
-        content: String,
-    },
-}
-
-/// A tool call made by the model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ToolCall {
-    pub id: String,
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub function: FunctionCall,
-}
-
-/// The function part of a tool call: the name and the arguments as a JSON string.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FunctionCall {
-    pub name: String,
-    pub arguments: String,
-}
+pub use roundtable_sandbox_protocol::chat::{FunctionCall, Message, ToolCall};
+pub use roundtable_sandbox_protocol::text::cap_text;
 
 /// A tool offered to the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -162,23 +124,6 @@ pub fn validate_history(messages: &[Message]) -> Result<(), HistoryError> {
     }
 }
 
-/// Cuts `text` to at most `max` bytes on a character boundary, marking the cut.
-pub fn cap_text(text: &str, max: usize) -> String {
-    if text.len() <= max {
-        return text.to_string();
-    }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!(
-        "{}\n[truncated: {} of {} bytes shown]",
-        &text[..end],
-        end,
-        text.len()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,14 +180,5 @@ mod tests {
             content: "x".into(),
         }];
         assert!(validate_history(&sys).is_err());
-    }
-
-    #[test]
-    fn cap_text_respects_char_boundaries() {
-        let s = "ééé";
-        let capped = cap_text(s, 3);
-        assert!(capped.starts_with('é'));
-        assert!(capped.contains("truncated"));
-        assert_eq!(cap_text("abc", 3), "abc");
     }
 }

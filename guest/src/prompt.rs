@@ -9,37 +9,12 @@
 use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 
+pub use roundtable_sandbox_protocol::text::clean_label;
 use roundtable_sandbox_protocol::Speaker;
 
 /// The longest speaker name or id kept, in characters.
-const MAX_NAME: usize = 64;
-
-/// A speaker name or id made safe to show: control characters and line breaks become
-/// spaces, runs of whitespace collapse, the result is trimmed and capped.
-pub fn clean_label(raw: &str) -> String {
-    let mut out = String::new();
-    let mut space = false;
-    for c in raw.chars() {
-        if c.is_control() || c.is_whitespace() || is_invisible(c) {
-            space = !out.is_empty();
-            continue;
-        }
-        if space {
-            out.push(' ');
-            space = false;
-        }
-        out.push(c);
-        if out.chars().count() >= MAX_NAME {
-            break;
-        }
-    }
-    out
-}
-
-/// Format characters that render as nothing (bidi overrides, zero-width joiners …).
-fn is_invisible(c: char) -> bool {
-    matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
-}
+#[cfg(test)]
+const MAX_NAME: usize = roundtable_sandbox_protocol::text::MAX_LABEL;
 
 /// The name shown for a speaker: the cleaned name, or "guest" when nothing is left.
 pub fn display_name(speaker: &Speaker) -> String {

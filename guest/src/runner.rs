@@ -127,6 +127,7 @@ mod tests {
     use crate::chat::{ChatRequest, Message, ModelReply};
     use crate::testutil::TempDir;
     use chrono::TimeZone;
+    use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
     use roundtable_sandbox_protocol::{McpServerSpec, Speaker, ToolSpec};
     use serde_json::{json, Map, Value};
     use std::cell::RefCell;
@@ -139,6 +140,10 @@ mod tests {
     impl Model for Shared {
         fn complete(&mut self, request: &ChatRequest) -> Result<ModelReply, ModelError> {
             self.0.borrow_mut().complete(request)
+        }
+
+        fn compact(&mut self, request: &CompactRequest) -> Result<CompactReply, ModelError> {
+            self.0.borrow_mut().compact(request)
         }
     }
 

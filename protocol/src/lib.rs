@@ -4,7 +4,11 @@
 //! - [`Turn`]: what the host writes, as one JSON document, on the guest's stdin;
 //! - [`Reply`]: what the guest prints, as one JSON document, on its stdout;
 //! - the broker's HTTP surface ([`paths`], [`ToolCallResult`], [`ErrorBody`]) that the
-//!   guest reaches through the unix socket mounted at [`BROKER_SOCKET`].
+//!   guest reaches through the unix socket mounted at [`BROKER_SOCKET`];
+//! - [`chat`]: the chat messages the guest stores and sends;
+//! - [`compaction`]: the compaction request and reply (`POST /v1/compact`) and the one
+//!   definition of the summary rules, used by the guest and by the host's compactor;
+//! - [`text`]: the text caps and cleaning both sides apply.
 //!
 //! Nothing here holds a secret or a host path: a [`Turn`] is safe to show to the guest.
 //! Every type denies unknown fields, because the other side of this boundary is hostile.
@@ -12,6 +16,10 @@
 #![forbid(unsafe_code)]
 
 use serde::{Deserialize, Serialize};
+
+pub mod chat;
+pub mod compaction;
+pub mod text;
 
 /// Where the turn's run dir (holding only `broker.sock`) is mounted, read-only.
 pub const RUN_MOUNT: &str = "/run/roundtable";
@@ -135,6 +143,9 @@ pub mod paths {
     pub const TOOLS_PREFIX: &str = "/v1/tools/";
     /// `POST /v1/mcp/{server}/{tool}` with the arguments object as the body.
     pub const MCP_PREFIX: &str = "/v1/mcp/";
+    /// `POST /v1/compact` with a [`crate::compaction::CompactRequest`]; `200` with a
+    /// [`crate::compaction::CompactReply`].
+    pub const COMPACT: &str = "/v1/compact";
 }
 
 /// The guest's built-in tools, by name: defined once here for the guest (which runs

@@ -11,14 +11,16 @@
 //! - [`HostTool`]: the trait a bot author implements for a host tool;
 //! - [`McpServerConfig`]: an MCP server and the allow-list of its tools;
 //! - [`BrokerLimits`]: per-turn caps on sizes, call counts and call time;
+//! - [`SummarizerConfig`]: an optional separate summarizer for compaction;
 //! - [`BrokerPolicy`]: all of the above plus the model endpoint, checked by
 //!   [`validate_policy`] without side effects;
 //! - [`Broker`] / [`BrokerListener`]: the runtime-long broker and one turn's listener.
 //!
 //! The other files: `server` (HTTP/1.1 on the unix socket: peer check, routing, limits),
-//! `model` (the upstream chat-completions proxy), `tools` (host tools and their schemas),
-//! `mcp` (the rmcp client pool with pinned tools), `redact` (removing declared secrets
-//! from everything that flows back).
+//! `model` (the upstream chat-completions proxy), `compact` (the compactor behind
+//! `POST /v1/compact`), `tools` (host tools and their schemas), `mcp` (the rmcp client
+//! pool with pinned tools), `redact` (removing declared secrets from everything that flows
+//! back).
 //!
 //! # Wire behaviour (see `roundtable_sandbox_protocol::paths`)
 //! - `POST /v1/chat/completions`: forwarded to `{model_url}/chat/completions` (the
@@ -35,6 +37,12 @@
 //!   `max_response_bytes`. Upstream failures become `502` (`504` past the deadline) with
 //!   a readable message; every declared secret is redacted from everything returned, and
 //!   no piece of one is sent on any error path.
+//! - `POST /v1/compact`: a typed, size-capped compaction request (the older messages, the
+//!   previous summary, `tokens_before`); the host builds the summary request from the shared
+//!   rules and sends it to the configured summarizer, else (or when it fails) to the main
+//!   model, else builds the plain summary; `200` with a `CompactReply`. Each upstream call
+//!   counts against the turn's model calls; each fallback is logged at warn with the
+//!   channel's hash, the reason and `tokens_before`. See `compact`.
 //! - `POST /v1/tools/{name}`, `POST /v1/mcp/{server}/{tool}`: the body is the arguments
 //!   object, validated against the tool's schema first; `200` with a `ToolCallResult`.
 //! - Refusals: `400` malformed JSON or arguments (or a model field not allowed), `404`
@@ -43,6 +51,7 @@
 //!   connections (written raw, then closed), `504` past the per-call deadline; always
 //!   `{"error": "..."}`.
 
+mod compact;
 mod mcp;
 mod model;
 pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
@@ -106,6 +115,16 @@ pub enum BrokerError {
     },
     #[error("api key provider failed: {0}")]
     ApiKey(String),
+    #[error("invalid compaction.url: {0}")]
+    InvalidCompactionUrl(String),
+    #[error(
+        "compaction.url must use https (allow_http permits http to a loopback address only): {0}"
+    )]
+    InsecureCompactionUrl(String),
+    #[error("compaction.model is required")]
+    CompactionModelMissing,
+    #[error("compaction.timeout must be 1 s to 600 s, got {0:?}")]
+    CompactionTimeout(Duration),
 }
 
 /// An async source of the model key (a vault, a refreshing token).
@@ -531,6 +550,44 @@ impl ModelRequestPolicy {
     }
 }
 
+/// A separate summarizer for compaction (the config's `[compaction]` section): its own
+/// OpenAI-compatible endpoint, model and key. Like the model key, its key stays in the
+/// broker; its `Debug` never shows it.
+#[derive(Clone)]
+pub struct SummarizerConfig {
+    /// The API base, e.g. `https://summarizer.example.com/v1` (`/chat/completions` is added).
+    pub url: String,
+    pub model: String,
+    /// The summarizer's key. [`ApiKey::None`] means it was configured without a key (its
+    /// variable unset, its file missing or empty): that is logged once when the broker
+    /// starts, and every compaction falls back to the main model.
+    pub api_key: ApiKey,
+    /// Where the key comes from, as `explain` and the startup log show it (never the key).
+    pub key_source: String,
+    /// Deadline of one summarizer call (1 s to 600 s).
+    pub timeout: Duration,
+    /// Allow `http://`, and then only to a loopback IP address (a local summarizer).
+    pub allow_http: bool,
+}
+
+impl SummarizerConfig {
+    /// The default deadline of a summarizer call.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+}
+
+impl fmt::Debug for SummarizerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SummarizerConfig")
+            .field("url", &self.url)
+            .field("model", &self.model)
+            .field("api_key", &self.api_key)
+            .field("key_source", &self.key_source)
+            .field("timeout", &self.timeout)
+            .field("allow_http", &self.allow_http)
+            .finish()
+    }
+}
+
 /// Everything the broker enforces.
 #[derive(Clone)]
 pub struct BrokerPolicy {
@@ -548,6 +605,8 @@ pub struct BrokerPolicy {
     pub peer_uid_check: bool,
     /// The chat-completions fields forwarded and the output token cap.
     pub model_request: ModelRequestPolicy,
+    /// A separate summarizer for compaction; `None` compacts through the main model.
+    pub compaction: Option<SummarizerConfig>,
 }
 
 /// Words that mark an MCP server's env variable or header as a credential.
@@ -573,6 +632,9 @@ impl BrokerPolicy {
     /// the scheme), from [`MIN_INFERRED_SECRET`] bytes on.
     pub(crate) fn secret_strings(&self) -> Vec<String> {
         let mut out = self.api_key.known();
+        if let Some(summarizer) = &self.compaction {
+            out.extend(summarizer.api_key.known());
+        }
         for tool in &self.tools {
             out.extend(tool.secrets().iter().map(|s| s.expose_secret().to_owned()));
         }
@@ -630,6 +692,7 @@ impl fmt::Debug for BrokerPolicy {
             .field("worker_uid", &self.worker_uid)
             .field("peer_uid_check", &self.peer_uid_check)
             .field("model_request", &self.model_request)
+            .field("compaction", &self.compaction)
             .finish()
     }
 }
@@ -674,6 +737,9 @@ pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
     model::chat_url(&policy.model_url, policy.allow_http)?;
     policy.limits.validate()?;
     policy.model_request.validate()?;
+    if let Some(summarizer) = &policy.compaction {
+        compact::validate(summarizer)?;
+    }
     let mut seen = BTreeSet::new();
     for tool in &policy.tools {
         let name = tool.name();
@@ -713,6 +779,7 @@ pub fn valid_tool_name(name: &str) -> bool {
 pub struct Broker {
     policy: BrokerPolicy,
     upstream: model::Upstream,
+    compactor: compact::Compactor,
     tools: tools::HostTools,
     mcp: mcp::McpPool,
 }
@@ -732,11 +799,13 @@ impl Broker {
     pub async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
         validate_policy(&policy)?;
         let upstream = model::Upstream::new(&policy)?;
+        let compactor = compact::Compactor::new(&policy)?;
         let tools = tools::HostTools::new(&policy.tools)?;
         let mcp = mcp::McpPool::start(&policy.mcp, policy.limits.call_timeout).await?;
         Ok(Self {
             policy,
             upstream,
+            compactor,
             tools,
             mcp,
         })

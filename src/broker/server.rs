@@ -47,11 +47,11 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
 
 /// One turn's state shared by its connections.
-struct Turn {
-    broker: Arc<Broker>,
-    ctx: TurnContext,
-    stop: CancellationToken,
-    model_calls: AtomicU32,
+pub(super) struct Turn {
+    pub(super) broker: Arc<Broker>,
+    pub(super) ctx: TurnContext,
+    pub(super) stop: CancellationToken,
+    pub(super) model_calls: AtomicU32,
     tool_calls: AtomicU32,
     /// One permit per call being served.
     in_flight: Arc<Semaphore>,
@@ -287,6 +287,9 @@ fn route(path: &str) -> Option<Route<'_>> {
 async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let limits = turn.broker.policy.limits;
     let path = req.uri().path().to_owned();
+    if path == paths::COMPACT {
+        return super::compact::handle(turn, req).await;
+    }
     let Some(route) = route(&path) else {
         return error_response(StatusCode::NOT_FOUND, "not found");
     };

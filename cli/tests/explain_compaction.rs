@@ -1,0 +1,77 @@
+//! `explain` shows the compaction settings, never a key. Needs no Docker: `explain` reads
+//! the config file and prints.
+
+use std::process::Command;
+
+fn explain(config: &str, env: &[(&str, &str)]) -> (i32, String, String) {
+    let dir = tempfile::Builder::new()
+        .prefix("rte-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let path = dir.path().join("sandbox.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{0}/run\"\n\
+             workspace_root = \"{0}/ws\"\nmodel = \"m\"\nmodel_url = \"https://models.invalid/v1\"\n\
+             api_key_env = \"RTS_EXPLAIN_MAIN_KEY\"\n{config}",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"));
+    cmd.arg("explain")
+        .arg("--config")
+        .arg(&path)
+        .env("RTS_EXPLAIN_MAIN_KEY", "sk-explain-main-5150")
+        .env_remove("RTS_EXPLAIN_SUM_KEY");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const SECTION: &str =
+    "[compaction]\nurl = \"https://summarizer.invalid/v1\"\nmodel = \"sum-model\"\n\
+                       api_key_env = \"RTS_EXPLAIN_SUM_KEY\"\ntimeout_secs = 45\n";
+
+#[test]
+fn explain_shows_the_summarizer_and_never_its_key() {
+    let (code, out, err) = explain(SECTION, &[("RTS_EXPLAIN_SUM_KEY", "sk-explain-sum-6160")]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "compaction    summarizer sum-model at summarizer.invalid (https), timeout 45 s, \
+             key: set from environment variable RTS_EXPLAIN_SUM_KEY (held by the broker only); \
+             fallback: main model, then plain summary"
+        ),
+        "{out}"
+    );
+    assert!(!out.contains("sk-explain-sum-6160") && !err.contains("sk-explain-sum-6160"));
+    assert!(!out.contains("sk-explain-main-5150"));
+}
+
+#[test]
+fn explain_shows_a_missing_summarizer_key_and_the_default() {
+    let (code, out, err) = explain(SECTION, &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "key: MISSING (environment variable RTS_EXPLAIN_SUM_KEY), so compaction falls back to the main model"
+        ),
+        "{out}"
+    );
+    let (code, out, err) = explain("", &[]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(
+            "compaction    through the main model (no [compaction] section); fallback: plain summary"
+        ),
+        "{out}"
+    );
+}

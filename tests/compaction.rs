@@ -1,0 +1,654 @@
+//! The host-side compactor (`[compaction]`, `POST /v1/compact`): the real guest in the
+//! project's image compacts its session through the broker, which runs a scripted
+//! summarizer (an OpenAI-compatible server on loopback, with its own key) or falls back to
+//! the scripted main model, then to the plain summary. Every test captures the runtime's
+//! logs with its own subscriber in a current-thread runtime, so every broker task logs into
+//! it. Runs as the non-root service user (scripts/test.sh).
+
+#[path = "support/broker_client.rs"]
+mod client;
+#[path = "support/model.rs"]
+mod model_support;
+#[path = "support/sandbox.rs"]
+mod sandbox_support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use model_support::{ScriptedModel, Step};
+use roundtable_sandbox::broker::{
+    ApiKey, Broker, BrokerLimits, BrokerPolicy, SummarizerConfig, TurnContext,
+};
+use roundtable_sandbox::protocol::chat::Message;
+use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
+use roundtable_sandbox::{Config, Sandbox, Speaker};
+use sandbox_support::*;
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+const KEY: &str = "sk-main-cobra-1111-do-not-leak";
+const SUM_KEY: &str = "sk-sum-otter-2222-do-not-leak";
+const BUDGET: u64 = 2000;
+
+// ---------------------------------------------------------------- harness
+
+/// Everything logged at INFO and above while the test runs.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
+    /// The lines holding every one of `needles`.
+    fn lines(&self, needles: &[&str]) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|l| needles.iter().all(|n| l.contains(n)))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// Runs `test` in a current-thread runtime with a capturing subscriber as the default.
+fn with_logs<F: std::future::Future<Output = ()>>(test: impl FnOnce(Captured) -> F) {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(test(logs.clone()));
+    drop(rt);
+    eprintln!("captured logs:\n{}", logs.text());
+}
+
+fn hash(channel: &str) -> String {
+    roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
+}
+
+fn summarizer(s: &ScriptedModel, key: ApiKey, source: &str) -> SummarizerConfig {
+    SummarizerConfig {
+        url: s.url(),
+        model: "sum-model".into(),
+        api_key: key,
+        key_source: source.into(),
+        timeout: Duration::from_secs(2),
+        allow_http: true,
+    }
+}
+
+fn config(env: &Env, model: &ScriptedModel, compaction: Option<SummarizerConfig>) -> Config {
+    let mut c = env.config();
+    c.model_url = model.url();
+    c.allow_http = true;
+    c.api_key = ApiKey::from_static(KEY);
+    c.turn_timeout = Some(Duration::from_secs(90));
+    c.session_budget = Some(BUDGET);
+    c.compaction = compaction;
+    c
+}
+
+fn long(tag: &str) -> String {
+    format!("{tag} ").repeat(1500)
+}
+
+fn messages(v: &Value) -> Vec<Value> {
+    v["messages"].as_array().cloned().unwrap_or_default()
+}
+
+fn is_summary_request(v: &Value) -> bool {
+    messages(v)
+        .first()
+        .and_then(|m| m["content"].as_str())
+        .is_some_and(|c| c.starts_with("You compact the conversation"))
+}
+
+/// The stored session of a channel.
+fn session(env: &Env, channel: &str) -> Value {
+    let raw = std::fs::read_to_string(env.workspace_of(channel).join(".roundtable/session.json"))
+        .unwrap();
+    serde_json::from_str(&raw).unwrap()
+}
+
+/// `tokens_before=N` of a log line.
+fn tokens_before(line: &str) -> u64 {
+    let rest = line
+        .split("tokens_before=")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no tokens_before in {line}"));
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+// ---------------------------------------------------------------- through the real guest
+
+/// The summarizer's answer becomes the session's summary; its key is injected by the
+/// broker only, redacted from what comes back, and nowhere the container can look.
+#[test]
+fn a_configured_summarizer_writes_the_summary_and_its_key_stays_on_the_host() {
+    with_logs(|logs| async move {
+        let env = Env::new();
+        let channel = "#sum-used";
+        let model = ScriptedModel::start(vec![Step::text(&long("alpha"))]).await;
+        let sum = ScriptedModel::start(vec![
+            Step::text(
+                "SUMMARIZER-ONE: ann set the rule to answer in French.\nFiles to reload:\n- notes.txt",
+            ),
+            // A leaky summarizer: its answer carries the Authorization header it received.
+            Step::EchoKey,
+        ])
+        .await;
+        let mut c = config(
+            &env,
+            &model,
+            Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
+        );
+        // The guest runs under a probe that looks for the summarizer's key everywhere
+        // afterwards (assembled from halves so the probe's command line never holds it).
+        let probe = r#"
+            cat > /tmp/turn.json
+            /roundtable-guest < /tmp/turn.json > /tmp/reply.json 2>/tmp/guest.err
+            K="sk-sum-otter"; K="$K-2222-do-not-leak"
+            found=""
+            grep -q "$K" /tmp/turn.json && found="$found turn-json"
+            grep -q "$K" /tmp/reply.json && found="$found reply"
+            grep -q "$K" /tmp/guest.err && found="$found stderr"
+            env | grep -q "$K" && found="$found env"
+            for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do
+              grep -q "$K" "$f" 2>/dev/null && found="$found $f"
+            done
+            grep -rqs "$K" /workspace /run /tmp/turn.json /tmp/reply.json /etc && found="$found files"
+            ok=$(grep -c '"ok":true' /tmp/reply.json)
+            calls=$(sed -n 's/.*"modelCalls":\([0-9]*\).*/\1/p' /tmp/reply.json)
+            printf '{"ok":true,"text":"found=[%s] guest_ok=%s calls=%s"}' "$found" "$ok" "$calls"
+        "#;
+        c.command = Some(vec!["/bin/sh".into(), "-c".into(), probe.into()]);
+        let sandbox = Sandbox::new(c).await.unwrap();
+
+        let r = sandbox
+            .run_turn(request(channel, "rule: always answer in French"))
+            .await;
+        assert_eq!(
+            r.text.as_deref(),
+            Some("found=[] guest_ok=1 calls=1"),
+            "{r:?}"
+        );
+        // Over budget now: the summarizer summarises, then the main model answers.
+        model.push(Step::text(&long("beta")));
+        let r = sandbox.run_turn(request(channel, "second")).await;
+        assert_eq!(
+            r.text.as_deref(),
+            Some("found=[] guest_ok=1 calls=2"),
+            "{r:?}"
+        );
+        assert!(
+            session(&env, channel)["summary"]
+                .as_str()
+                .unwrap()
+                .starts_with("SUMMARIZER-ONE: ann set the rule"),
+            "the summarizer's answer is the summary"
+        );
+        model.push(Step::text("ok"));
+        let r = sandbox.run_turn(request(channel, "third")).await;
+        assert_eq!(
+            r.text.as_deref(),
+            Some("found=[] guest_ok=1 calls=2"),
+            "{r:?}"
+        );
+
+        let sums = sum.requests();
+        assert_eq!(sums.len(), 2);
+        for s in &sums {
+            assert_eq!(s.path, "/v1/chat/completions");
+            assert_eq!(
+                s.header_values("authorization"),
+                vec![format!("Bearer {SUM_KEY}")]
+            );
+            let body = s.json();
+            assert_eq!(body["model"], "sum-model");
+            assert!(is_summary_request(&body), "{body}");
+            assert!(!s.body.windows(KEY.len()).any(|w| w == KEY.as_bytes()));
+        }
+        // The same rules as before: the previous summary once, the rules goal, the reload list.
+        let second = messages(&sums[1].json())[1]["content"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert_eq!(second.matches("SUMMARIZER-ONE").count(), 1, "{second}");
+        assert!(second.contains("standing rule"));
+        assert!(second.contains("Files to reload:\n- notes.txt"), "{second}");
+
+        let main = model.requests();
+        assert_eq!(main.len(), 3, "the main model only answered");
+        for m in &main {
+            assert_eq!(
+                m.header_values("authorization"),
+                vec![format!("Bearer {KEY}")]
+            );
+            assert!(!is_summary_request(&m.json()));
+            let all = format!("{:?}{}", m.headers, String::from_utf8_lossy(&m.body));
+            assert!(
+                !all.contains(SUM_KEY),
+                "the summarizer's key reached the model"
+            );
+        }
+        let t2 = String::from_utf8_lossy(&main[1].body).into_owned();
+        assert!(t2.contains("SUMMARIZER-ONE"));
+        let t3 = String::from_utf8_lossy(&main[2].body).into_owned();
+        assert!(t3.contains("I saw Bearer [redacted]"), "{t3}");
+        let stored = session(&env, channel);
+        let summary = stored["summary"].as_str().unwrap();
+        assert!(summary.starts_with("I saw Bearer [redacted]"), "{summary}");
+        assert!(!stored.to_string().contains(SUM_KEY));
+
+        let h = hash(channel);
+        let done = logs.lines(&["session compacted", &h, "source=Summarizer"]);
+        assert_eq!(done.len(), 2, "{}", logs.text());
+        assert!(logs.lines(&["compaction fell back", &h]).is_empty());
+        assert!(!logs.text().contains(SUM_KEY) && !logs.text().contains(KEY));
+        assert_no_leftovers(&sandbox).await;
+    });
+}
+
+/// A summarizer that errs, answers garbage or hangs: each time the main model summarises
+/// instead, and when it fails too the plain summary is used; each fallback is a warn line
+/// with the channel's hash, the reason and tokens_before, and no guest or upstream text.
+#[test]
+fn a_failing_summarizer_falls_back_and_each_fallback_is_logged_at_warn() {
+    with_logs(|logs| async move {
+        let env = Env::new();
+        let channel = "#sum-failing";
+        let model = ScriptedModel::start(vec![Step::text(&long("alpha"))]).await;
+        let sum = ScriptedModel::start(vec![
+            Step::Status(500, r#"{"error":"boom UPSTREAM-WORDS-93"}"#.into()),
+            Step::Json(json!({"nope": "UPSTREAM-WORDS-93"})),
+            Step::Hang,
+        ])
+        .await;
+        let sandbox = Sandbox::new(config(
+            &env,
+            &model,
+            Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
+        ))
+        .await
+        .unwrap();
+        let r = sandbox
+            .run_turn(request(
+                channel,
+                "GUEST-WORDS-41 rule: always answer in French",
+            ))
+            .await;
+        assert!(r.ok, "{r:?}");
+
+        // 1: the summarizer answers 500; the main model summarises.
+        model.push(Step::text("MAIN-SUMMARY-ONE"));
+        model.push(Step::text(&long("beta")));
+        let r = sandbox
+            .run_turn(request(channel, "GUEST-WORDS-41 two"))
+            .await;
+        assert!(r.ok, "{r:?}");
+        assert_eq!(r.usage.unwrap().model_calls, 3, "summarizer, model, answer");
+        assert!(session(&env, channel)["summary"]
+            .as_str()
+            .unwrap()
+            .starts_with("MAIN-SUMMARY-ONE"));
+        // 2: the summarizer's answer is not a chat completion.
+        model.push(Step::text("MAIN-SUMMARY-TWO"));
+        model.push(Step::text(&long("gamma")));
+        let r = sandbox
+            .run_turn(request(channel, "GUEST-WORDS-41 three"))
+            .await;
+        assert!(r.ok, "{r:?}");
+        // 3: the summarizer hangs past its deadline and the main model fails too.
+        model.push(Step::Status(503, r#"{"error":"UPSTREAM-WORDS-93"}"#.into()));
+        model.push(Step::text("done"));
+        let r = sandbox
+            .run_turn(request(channel, "GUEST-WORDS-41 four"))
+            .await;
+        assert_eq!(r.text.as_deref(), Some("done"), "{r:?}");
+        let summary = session(&env, channel)["summary"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(summary.starts_with("Plain summary"), "{summary}");
+        assert!(
+            summary.contains("MAIN-SUMMARY-TWO"),
+            "the previous summary is kept"
+        );
+
+        let main = model.requests();
+        let summaries: Vec<bool> = main.iter().map(|m| is_summary_request(&m.json())).collect();
+        assert_eq!(
+            summaries,
+            vec![false, true, false, true, false, true, false],
+            "the main model got each fallback summary request"
+        );
+        assert_eq!(sum.requests().len(), 3);
+
+        let h = hash(channel);
+        let fell = logs.lines(&["WARN", "compaction fell back", &format!("channel={h}")]);
+        let expected = [
+            (
+                "reason=the summarizer returned HTTP 500",
+                "fallback=\"main model\"",
+            ),
+            (
+                "reason=the summarizer answer is not a chat completion",
+                "fallback=\"main model\"",
+            ),
+            (
+                "reason=the summarizer timed out after 2s",
+                "fallback=\"main model\"",
+            ),
+            (
+                "reason=the model returned HTTP 503",
+                "fallback=\"plain summary\"",
+            ),
+        ];
+        assert_eq!(fell.len(), expected.len(), "{}", logs.text());
+        for (line, (reason, fallback)) in fell.iter().zip(expected) {
+            assert!(line.contains(reason), "{line}");
+            assert!(line.contains(fallback), "{line}");
+            assert!(tokens_before(line) > BUDGET, "{line}");
+        }
+        let all = logs.text();
+        assert!(!all.contains("GUEST-WORDS-41"), "guest text was logged");
+        assert!(
+            !all.contains("UPSTREAM-WORDS-93"),
+            "upstream text was logged"
+        );
+        assert!(!all.contains(SUM_KEY) && !all.contains(KEY));
+        assert_no_leftovers(&sandbox).await;
+    });
+}
+
+/// A summarizer configured without a key: logged once at startup, then every compaction
+/// goes through the main model (each fallback logged), the summarizer is never called.
+#[test]
+fn a_summarizer_without_a_key_is_logged_once_and_compaction_falls_back() {
+    with_logs(|logs| async move {
+        let env = Env::new();
+        let channel = "#sum-keyless";
+        let model = ScriptedModel::start(vec![Step::text(&long("alpha"))]).await;
+        let sum = ScriptedModel::start(vec![Step::text("never")]).await;
+        let source = "environment variable RTS_KEYLESS_SUMMARIZER_TEST";
+        let sandbox = Sandbox::new(config(
+            &env,
+            &model,
+            Some(summarizer(&sum, ApiKey::None, source)),
+        ))
+        .await
+        .unwrap();
+        assert!(sandbox.run_turn(request(channel, "one")).await.ok);
+        for (i, tag) in ["beta", "gamma"].into_iter().enumerate() {
+            model.push(Step::text(&format!("MAIN-SUMMARY-{i}")));
+            model.push(Step::text(&long(tag)));
+            let r = sandbox.run_turn(request(channel, tag)).await;
+            assert!(r.ok, "{r:?}");
+            assert!(session(&env, channel)["summary"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("MAIN-SUMMARY-{i}")));
+        }
+        assert!(
+            sum.requests().is_empty(),
+            "the keyless summarizer was called"
+        );
+        let startup = logs.lines(&[
+            "WARN",
+            "compaction summarizer configured without a key",
+            source,
+        ]);
+        assert_eq!(startup.len(), 1, "{}", logs.text());
+        let h = hash(channel);
+        let fell = logs.lines(&[
+            "WARN",
+            "compaction fell back",
+            &format!("channel={h}"),
+            "reason=the summarizer has no key",
+        ]);
+        assert_eq!(fell.len(), 2, "{}", logs.text());
+        assert!(fell.iter().all(|l| tokens_before(l) > BUDGET));
+        assert_no_leftovers(&sandbox).await;
+    });
+}
+
+/// Without `[compaction]` the main model summarises as before; when it fails, the plain
+/// summary is used and the fallback is now visible at warn on the host.
+#[test]
+fn without_a_summarizer_a_failed_summary_is_a_plain_summary_logged_at_warn() {
+    with_logs(|logs| async move {
+        let env = Env::new();
+        let channel = "#no-summarizer";
+        let model = ScriptedModel::start(vec![
+            Step::text(&long("alpha")),
+            Step::Status(500, r#"{"error":"down"}"#.into()),
+            Step::text("fine"),
+        ])
+        .await;
+        let sandbox = Sandbox::new(config(&env, &model, None)).await.unwrap();
+        assert!(sandbox.run_turn(request(channel, "one")).await.ok);
+        let r = sandbox.run_turn(request(channel, "two")).await;
+        assert_eq!(r.text.as_deref(), Some("fine"), "{r:?}");
+        assert_eq!(r.usage.unwrap().model_calls, 2);
+        let summary = session(&env, channel)["summary"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        assert!(summary.starts_with("Plain summary"), "{summary}");
+        assert!(is_summary_request(&model.requests()[1].json()));
+        let fell = logs.lines(&[
+            "WARN",
+            "compaction fell back",
+            &format!("channel={}", hash(channel)),
+            "reason=the model returned HTTP 500",
+            "fallback=\"plain summary\"",
+        ]);
+        assert_eq!(fell.len(), 1, "{}", logs.text());
+        assert!(tokens_before(&fell[0]) > BUDGET);
+        assert_no_leftovers(&sandbox).await;
+    });
+}
+
+// ---------------------------------------------------------------- the route itself
+
+fn policy(model: &ScriptedModel, compaction: Option<SummarizerConfig>) -> BrokerPolicy {
+    BrokerPolicy {
+        model: "configured-model".into(),
+        model_url: model.url(),
+        api_key: ApiKey::from_static(KEY),
+        tools: vec![],
+        mcp: vec![],
+        allow_http: true,
+        limits: BrokerLimits::default(),
+        worker_uid: nix::unistd::getuid().as_raw(),
+        peer_uid_check: true,
+        model_request: Default::default(),
+        compaction,
+    }
+}
+
+fn compact_request(tokens_before: u64) -> CompactRequest {
+    let older = vec![
+        Message::User {
+            content: "ann: GUEST-WORDS-41 keep the door code".into(),
+        },
+        Message::Assistant {
+            content: Some("kept".into()),
+            tool_calls: vec![],
+        },
+    ];
+    CompactRequest::new(Some("PREVIOUS"), &older, tokens_before, BUDGET)
+}
+
+/// The calls of a compaction count against the turn's model calls (3 here); past them the
+/// plain summary is returned (logged), and both keys are redacted from what is returned.
+#[test]
+fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::EchoKey]).await;
+        let sum = ScriptedModel::start(vec![Step::EchoKey]).await;
+        let mut p = policy(
+            &model,
+            Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
+        );
+        p.limits.max_model_calls = 3;
+        let broker = Arc::new(Broker::new(p).await.unwrap());
+        let dir = tempfile::Builder::new()
+            .prefix("rtc-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let socket = dir.path().join("broker.sock");
+        let ctx = TurnContext {
+            channel: "chan-budget".into(),
+            speaker: Speaker::default(),
+            cancel: CancellationToken::new(),
+            events: None,
+        };
+        let listener = broker.listen(&socket, ctx).await.unwrap();
+        let body = serde_json::to_value(compact_request(4321)).unwrap();
+
+        // 1: the summarizer echoes its key: redacted.
+        let a = client::post_json(&socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Summarizer);
+        assert_eq!(reply.usage.model_calls, 1);
+        assert!(
+            reply.summary.starts_with("I saw Bearer [redacted]"),
+            "{}",
+            reply.summary
+        );
+        assert!(!a.text().contains(SUM_KEY));
+        // 2: the summarizer fails (its script is used up); the main model echoes its key.
+        let a = client::post_json(&socket, "/v1/compact", &body).await;
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Model, "{reply:?}");
+        assert_eq!(reply.usage.model_calls, 2);
+        assert!(
+            reply.summary.starts_with("I saw Bearer [redacted]"),
+            "{}",
+            reply.summary
+        );
+        assert!(!a.text().contains(KEY));
+        // 3: the turn's model calls are used up: the plain summary, no upstream call.
+        let a = client::post_json(&socket, "/v1/compact", &body).await;
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Plain);
+        assert_eq!(reply.usage.model_calls, 0);
+        assert!(reply.summary.contains("PREVIOUS"), "{}", reply.summary);
+        assert_eq!(sum.requests().len(), 2);
+        assert_eq!(model.requests().len(), 1);
+        // And a model call of the same turn is refused: the compactions counted.
+        let a = client::post_json(
+            &socket,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(a.status, 429, "{}", a.text());
+        let budget = logs.lines(&[
+            "compaction fell back",
+            "reason=the turn's model calls are used up (limit 3)",
+            "tokens_before=4321",
+        ]);
+        assert_eq!(budget.len(), 2, "{}", logs.text());
+        assert!(!logs.text().contains("GUEST-WORDS-41"));
+        listener.stop().await.unwrap();
+    });
+}
+
+/// Malformed, oversized or unchecked requests are refused (the guest then builds the
+/// plain summary) and logged at warn with the channel's hash, no guest text.
+#[test]
+fn bad_compaction_requests_are_refused_and_logged() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_request_bytes = 64 * 1024;
+        let broker = Arc::new(Broker::new(p).await.unwrap());
+        let dir = tempfile::Builder::new()
+            .prefix("rtc-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let socket = dir.path().join("broker.sock");
+        let ctx = TurnContext {
+            channel: "chan-bad".into(),
+            speaker: Speaker::default(),
+            cancel: CancellationToken::new(),
+            events: None,
+        };
+        let listener = broker.listen(&socket, ctx).await.unwrap();
+        let a = client::post_json(
+            &socket,
+            "/v1/compact",
+            &json!({"messages": [], "tokensBefore": 1, "budget": 1, "apiKey": "GUEST-WORDS-41"}),
+        )
+        .await;
+        assert_eq!(a.status, 400);
+        assert!(
+            a.error()
+                .starts_with("malformed compaction request: unknown field `apiKey`"),
+            "{}",
+            a.error()
+        );
+        let mut bad = compact_request(1);
+        bad.reload = vec!["a\u{202e}b".into()];
+        let a =
+            client::post_json(&socket, "/v1/compact", &serde_json::to_value(&bad).unwrap()).await;
+        assert_eq!(a.status, 400);
+        assert_eq!(
+            a.error(),
+            "invalid compaction request: a file to reload is not a clean path"
+        );
+        let mut big = compact_request(1);
+        big.messages[0] = Message::User {
+            content: "GUEST-WORDS-41 ".repeat(10_000),
+        };
+        let a =
+            client::post_json(&socket, "/v1/compact", &serde_json::to_value(&big).unwrap()).await;
+        assert_eq!(a.status, 413);
+        assert_eq!(
+            a.error(),
+            "compaction request too large (limit 65536 bytes)"
+        );
+        let a = client::send(&socket, "GET", "/v1/compact", &[], "").await;
+        assert_eq!(a.unwrap().0, 405);
+        let refused = logs.lines(&[
+            "WARN",
+            "compaction request refused",
+            &format!("channel={}", hash("chan-bad")),
+        ]);
+        assert_eq!(refused.len(), 4, "{}", logs.text());
+        assert!(!logs.text().contains("GUEST-WORDS-41"));
+        assert!(model.requests().is_empty());
+        listener.stop().await.unwrap();
+    });
+}
