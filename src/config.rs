@@ -564,7 +564,7 @@ pub struct CompactionFile {
     /// Deadline of one summarizer call (default 60).
     #[serde(default)]
     pub timeout_secs: Option<f64>,
-    /// Allow `http://` to a loopback IP address (a local summarizer).
+    /// Allow `http://` to loopback (a local summarizer).
     #[serde(default)]
     pub allow_http: bool,
 }

@@ -715,7 +715,7 @@ fn compaction_rules_have_their_messages() {
     );
     for not_loopback in [
         "http://10.1.2.3/v1",
-        "http://localhost:9/v1",
+        "http://localhost.evil.example:9/v1",
         "http://sum.example.com/v1",
     ] {
         assert_eq!(

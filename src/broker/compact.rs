@@ -20,7 +20,6 @@
 //! `max_tokens`. Whatever summary comes back has every declared secret (the summarizer's
 //! key and the model key among them) redacted before it is returned.
 
-use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -42,22 +41,16 @@ use super::server::{error_response, json_response, Response, Turn};
 use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, SummarizerConfig};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
-/// to a loopback IP address), a model, a deadline of 1 s to 600 s.
+/// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
 pub(crate) fn validate(s: &SummarizerConfig) -> Result<reqwest::Url, BrokerError> {
-    let url =
-        chat_url(&s.url, true).map_err(|_| BrokerError::InvalidCompactionUrl(s.url.clone()))?;
-    if url.scheme() == "http" {
-        // An IP literal only: a name could resolve anywhere.
-        let host = url.host_str().unwrap_or_default();
-        let loopback = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .parse::<IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
-        if !(s.allow_http && loopback) {
-            return Err(BrokerError::InsecureCompactionUrl(s.url.clone()));
+    // The model URL's rules (one definition, see `model::chat_url` and `model::loopback`),
+    // reported as the compaction section's.
+    let url = chat_url(&s.url, s.allow_http).map_err(|e| match e {
+        BrokerError::InsecureModelUrl(_) | BrokerError::HttpNotLoopback(_) => {
+            BrokerError::InsecureCompactionUrl(s.url.clone())
         }
-    }
+        _ => BrokerError::InvalidCompactionUrl(s.url.clone()),
+    })?;
     if s.model.trim().is_empty() {
         return Err(BrokerError::CompactionModelMissing);
     }
@@ -439,10 +432,11 @@ mod tests {
         assert!(ok("http://127.0.0.1:8080/v1", true).is_ok());
         assert!(ok("http://127.9.9.9/v1", true).is_ok());
         assert!(ok("http://[::1]:9/v1", true).is_ok());
+        assert!(ok("http://localhost:9/v1", true).is_ok());
         for (u, allow) in [
             ("http://127.0.0.1:8080/v1", false),
             ("http://10.0.0.1/v1", true),
-            ("http://localhost/v1", true),
+            ("http://localhost.evil.example/v1", true),
             ("http://sum.example.com/v1", true),
         ] {
             assert!(

@@ -566,7 +566,7 @@ pub struct SummarizerConfig {
     pub key_source: String,
     /// Deadline of one summarizer call (1 s to 600 s).
     pub timeout: Duration,
-    /// Allow `http://`, and then only to a loopback IP address (a local summarizer).
+    /// Allow `http://`, and then only to loopback (a local summarizer; as for `model_url`).
     pub allow_http: bool,
 }
 
