@@ -10,6 +10,7 @@
 //! - [`turn`]: one turn's lifecycle and teardown;
 //! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
 //! - [`sweep`]: removal of what a crashed runtime left behind;
+//! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
 //! - [`offline`]: an embedded offline model for first runs and demos (loopback only);
 //! - [`settings`]: config file, flags and defaults for programs embedding the runtime.
@@ -22,13 +23,16 @@ pub mod broker;
 pub mod config;
 pub mod driver;
 pub mod image;
+pub mod lock;
 pub mod offline;
 pub mod quota;
 pub mod settings;
 pub mod sweep;
 pub mod turn;
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use broker::{
     ApiKey, Broker, HostTool, McpScope, McpServerConfig, SummarizerConfig, ToolCallContext,
@@ -51,6 +55,17 @@ struct Inner {
     config: ResolvedConfig,
     broker: Arc<Broker>,
     driver: Arc<dyn ContainerDriver>,
+    /// The turns in flight: the sweep never touches them.
+    live: Arc<Mutex<LiveTurns>>,
+    /// The run root's and the workspace root's locks, held for the runtime's life.
+    _locks: [lock::RootLock; 2],
+}
+
+/// The run dirs and containers of this runtime's turns in flight.
+#[derive(Debug, Default)]
+pub(crate) struct LiveTurns {
+    pub(crate) run_dirs: HashSet<PathBuf>,
+    pub(crate) containers: HashSet<String>,
 }
 
 /// Errors of starting a runtime.
@@ -58,15 +73,23 @@ struct Inner {
 pub enum SandboxError {
     #[error("invalid configuration: {0}")]
     Config(#[from] ConfigError),
+    #[error("{0}")]
+    Lock(#[from] lock::LockError),
     #[error("start broker: {0}")]
     Broker(#[from] broker::BrokerError),
 }
 
 impl Sandbox {
-    /// Validates the configuration and prepares the broker (MCP servers are started and
-    /// their allow-listed tools pinned). Starts no container.
+    /// Validates the configuration, takes the locks of both roots (a second runtime on
+    /// either root fails here with [`lock::LockError::InUse`]; see [`lock`]) and prepares
+    /// the broker (MCP servers are started and their allow-listed tools pinned). Starts
+    /// no container.
     pub async fn new(config: Config) -> Result<Self, SandboxError> {
         let resolved = config.resolve()?;
+        let locks = [
+            lock::RootLock::acquire(&resolved.run_root)?,
+            lock::RootLock::acquire(&resolved.workspace_root)?,
+        ];
         let broker = Broker::new(resolved.config.broker_policy(resolved.uid)).await?;
         let driver: Arc<dyn ContainerDriver> = match &resolved.config.driver {
             Some(d) => d.clone(),
@@ -83,6 +106,8 @@ impl Sandbox {
                 config: resolved,
                 broker: Arc::new(broker),
                 driver,
+                live: Default::default(),
+                _locks: locks,
             }),
         })
     }
@@ -102,12 +127,22 @@ impl Sandbox {
         &self.inner.driver
     }
 
+    /// The turns in flight (the turn runner registers them, the sweep skips them).
+    pub(crate) fn live_turns(&self) -> MutexGuard<'_, LiveTurns> {
+        self.inner.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn live_turns_shared(&self) -> Arc<Mutex<LiveTurns>> {
+        self.inner.live.clone()
+    }
+
     /// Runs one turn (see [`turn::run_turn`]).
     pub async fn run_turn(&self, request: TurnRequest) -> Reply {
         turn::run_turn(self, request, |_| {}, None).await
     }
 
-    /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]).
+    /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]); the
+    /// turns in flight are never touched.
     pub async fn sweep(&self) -> sweep::SweepReport {
         sweep::sweep(self).await
     }

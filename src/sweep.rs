@@ -1,10 +1,13 @@
 //! The orphan sweep: what a crashed runtime left behind.
 //!
-//! Removes every container labelled with this runtime instance and every `turn-` dir
-//! under `run_root` (a live runtime has none at startup). Workspaces are kept: they are the
+//! Removes every container labelled with this runtime instance whose run dir lies under
+//! `run_root`, and every `turn-` dir under `run_root`, except those of this runtime's turns
+//! in flight. No other runtime can have a turn under these roots: the runtime holds their
+//! locks (see [`crate::lock`]); a container of another runtime that shares the instance
+//! name (its run dir lies elsewhere) is left alone. Workspaces are kept: they are the
 //! channels' data. Run it once at startup, before the first turn.
 
-use crate::driver::DriverError;
+use crate::driver::{DriverError, SweepScope};
 use crate::Sandbox;
 
 /// What a sweep removed, and what it could not.
@@ -19,11 +22,25 @@ pub struct SweepReport {
 pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
     let mut report = SweepReport::default();
     let config = sandbox.config();
-    match sandbox.driver().sweep(&config.instance).await {
+    let live = sandbox.live_turns_shared();
+    let is_live = move |name: &str| {
+        live.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .containers
+            .contains(name)
+    };
+    let scope = SweepScope {
+        instance: &config.instance,
+        run_root: &config.run_root,
+        live: &is_live,
+    };
+    match sandbox.driver().sweep(scope).await {
         Ok(names) => report.containers = names,
         Err(e @ DriverError::DaemonUnreachable { .. }) => report.errors.push(e.to_string()),
         Err(e) => report.errors.push(format!("sweep containers: {e}")),
     }
+    // Held throughout: a turn creates and registers its run dir under this lock.
+    let live = sandbox.live_turns();
     match std::fs::read_dir(&config.run_root) {
         Ok(entries) => {
             for entry in entries.flatten() {
@@ -32,6 +49,9 @@ pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
                     continue;
                 }
                 let path = entry.path();
+                if live.run_dirs.contains(&path) {
+                    continue;
+                }
                 match std::fs::remove_dir_all(&path) {
                     Ok(()) => report.run_dirs.push(path),
                     Err(e) => report
@@ -44,6 +64,7 @@ pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
             .errors
             .push(format!("read run root {}: {e}", config.run_root.display())),
     }
+    drop(live);
     if !report.containers.is_empty() || !report.run_dirs.is_empty() {
         tracing::info!(
             containers = report.containers.len(),

@@ -118,21 +118,41 @@ pub async fn run_turn(
         .await
 }
 
-struct RunDir(Option<PathBuf>);
+/// The turn's run dir, registered as live (the sweep skips it) until removed.
+struct RunDir<'a> {
+    sandbox: &'a Sandbox,
+    path: Option<PathBuf>,
+}
 
-impl RunDir {
+impl RunDir<'_> {
     fn remove(&mut self) -> Result<(), std::io::Error> {
-        match self.0.take() {
-            Some(p) => match std::fs::remove_dir_all(&p) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                _ => Ok(()),
-            },
+        match self.path.take() {
+            Some(p) => {
+                let result = match std::fs::remove_dir_all(&p) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                    _ => Ok(()),
+                };
+                self.sandbox.live_turns().run_dirs.remove(&p);
+                result
+            }
             None => Ok(()),
         }
     }
 }
 
-impl Drop for RunDir {
+/// The turn's container name, registered as live (the sweep skips it) for the turn's life.
+struct LiveContainer<'a> {
+    sandbox: &'a Sandbox,
+    name: &'a str,
+}
+
+impl Drop for LiveContainer<'_> {
+    fn drop(&mut self) {
+        self.sandbox.live_turns().containers.remove(self.name);
+    }
+}
+
+impl Drop for RunDir<'_> {
     fn drop(&mut self) {
         // The future was dropped before teardown (an aborted or panicking caller).
         let _ = self.remove();
@@ -158,7 +178,18 @@ async fn run_turn_inner(
 
     let workspace_dir = config.workspace_root.join(&segment);
     let container_name = format!("roundtable-sandbox-{}-{}", &segment[..16], &turn_id[..8]);
-    let mut run_dir = RunDir(None);
+    let mut run_dir = RunDir {
+        sandbox,
+        path: None,
+    };
+    sandbox
+        .live_turns()
+        .containers
+        .insert(container_name.clone());
+    let _live_container = LiveContainer {
+        sandbox,
+        name: &container_name,
+    };
     let mut listener = None;
     let mut container_started = false;
     // The turn's own cancellation: stop, timeout and teardown all end broker calls with it.
@@ -207,17 +238,24 @@ async fn run_turn_inner(
             })
             .await
             .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
-            let dir = tempfile::Builder::new()
-                .prefix("turn-")
-                .rand_bytes(6)
-                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                .tempdir_in(&config.run_root)
-                .map_err(|source| TurnError::CreateRunDir {
-                    path: config.run_root.clone(),
-                    source,
-                })?
-                .keep();
-            run_dir.0 = Some(dir.clone());
+            // Created and registered under the live-turns lock, which the sweep holds while
+            // it removes stale run dirs: a sweep never sees this dir unregistered.
+            let dir = {
+                let mut live = sandbox.live_turns();
+                let dir = tempfile::Builder::new()
+                    .prefix("turn-")
+                    .rand_bytes(6)
+                    .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                    .tempdir_in(&config.run_root)
+                    .map_err(|source| TurnError::CreateRunDir {
+                        path: config.run_root.clone(),
+                        source,
+                    })?
+                    .keep();
+                live.run_dirs.insert(dir.clone());
+                dir
+            };
+            run_dir.path = Some(dir.clone());
             let socket = dir.join("broker.sock");
             if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
                 return Err(TurnError::SocketPathTooLong(socket));

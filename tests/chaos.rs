@@ -96,6 +96,7 @@ async fn container_killed_from_outside_mid_turn() {
     assert!(elapsed < PROMPTLY, "{elapsed:?}");
     assert_no_leftovers(&sandbox).await;
     // The channel goes on.
+    drop(sandbox);
     let sandbox =
         Sandbox::new(env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"on\"}'"))
             .await
@@ -184,6 +185,7 @@ async fn docker_daemon_dies_mid_turn_and_comes_back() {
     proxy.set(Mode::Forward);
     let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
     config.driver = Some(Arc::new(driver.clone()));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#dies", "x")).await;
     assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
@@ -222,6 +224,7 @@ async fn docker_daemon_hangs_mid_turn_and_comes_back() {
     proxy.set(Mode::Forward);
     let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
     config.driver = Some(Arc::new(driver.clone()));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#hangs", "x")).await;
     assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
@@ -278,6 +281,7 @@ async fn mcp_server_killed_mid_call() {
     // The server is started again on its next use.
     let mut config = hostile::config(&env, &["post", "/v1/mcp/stub/echo", r#"{"text":"again"}"#]);
     config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["sleep", "echo"])];
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let f = hostile::findings(&sandbox.run_turn(request("#mcp", "x")).await);
     assert_eq!(f["status"], "200", "{f:?}");
@@ -344,13 +348,33 @@ async fn host_process_killed_mid_turn_then_restarted() {
         assert!(child.try_wait().unwrap().is_none(), "the child ended early");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let restarted = Sandbox::new(child_config(&dir)).await.unwrap();
-    // Wait until the container really runs, then kill the host process (SIGKILL: no
-    // teardown, no drop guard).
-    the_container(&restarted).await;
+    // Wait until the container really runs.
+    let instance = child_config(&dir).resolve().unwrap().instance;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while labelled_containers_of(&instance).await.is_empty() {
+        assert!(Instant::now() < deadline, "no container appeared");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // An overlapping restart (a second process on the same roots while the first lives)
+    // is refused: its sweep would kill the live turn.
+    let err = Sandbox::new(child_config(&dir))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        format!(
+            "sandbox root {} is in use by another runtime (pid {}): one runtime per root",
+            std::fs::canonicalize(dir.join("run")).unwrap().display(),
+            child.id()
+        )
+    );
+    // Kill the host process (SIGKILL: no teardown, no drop guard); the kernel drops its
+    // lock with it.
     tokio::time::sleep(Duration::from_millis(500)).await;
     child.kill().unwrap();
     child.wait().unwrap();
+    let restarted = Sandbox::new(child_config(&dir)).await.unwrap();
 
     // What the dead host left: its container (still running) and its run dir.
     let left = labelled_containers(&restarted).await;

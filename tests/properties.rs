@@ -59,7 +59,10 @@ impl ContainerDriver for Gated {
         Box::pin(async { Ok(()) })
     }
 
-    fn sweep<'a>(&'a self, _instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+    fn sweep<'a>(
+        &'a self,
+        _scope: roundtable_sandbox::driver::SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(async { Ok(Vec::new()) })
     }
 }
@@ -381,10 +384,12 @@ async fn odd_channel_keys_get_private_workspaces_in_real_turns() {
         assert!(ws.join("note").is_file());
         assert_eq!(ws.parent(), Some(sandbox.config().workspace_root.as_path()));
     }
-    // One dir per distinct key, each named by its hash, nothing else in the root.
+    // One dir per distinct key, each named by its hash, nothing else in the root but the
+    // runtime's lock file.
     let mut names: Vec<String> = std::fs::read_dir(&sandbox.config().workspace_root)
         .unwrap()
         .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n != roundtable_sandbox::lock::LOCK_FILE)
         .collect();
     names.sort();
     let mut expected: Vec<String> = keys.iter().map(|k| channel_segment(k)).collect();

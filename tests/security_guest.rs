@@ -10,8 +10,12 @@ mod sandbox_support;
 #[path = "support/hostile.rs"]
 mod hostile;
 
+#[path = "support/model.rs"]
+mod model_support;
+
 use std::time::{Duration, Instant};
 
+use model_support::{ScriptedModel, Step};
 use roundtable_sandbox::{ApiKey, Sandbox};
 use sandbox_support::*;
 
@@ -39,17 +43,45 @@ async fn attack_read_the_api_key_anywhere() {
         # applet links: 20 s of a busy machine, against the turn's 30 s deadline).
         find /workspace /run /tmp /etc /bin /roundtable-hostile /root-only -type f \
           -exec grep -ls "$K" {} + 2>/dev/null | grep -q . && out="$out files"
-        cat /run/roundtable/broker.sock >/dev/null 2>&1 && out="$out socket-readable"
+        # The one door out: the broker's answers, from an upstream that echoes the key it
+        # was sent (in a completion, in an error body, split across stream chunks).
+        codes=""
+        for body in '{"messages":[{"role":"user","content":"a"}]}' \
+                    '{"messages":[{"role":"user","content":"b"}]}' \
+                    '{"messages":[{"role":"user","content":"c"}],"stream":true}'; do
+          r=$(/roundtable-hostile post /v1/chat/completions "$body" </dev/null)
+          codes="$codes$(echo "$r" | grep -o 'status=[0-9a-z]*' | head -1 | cut -d= -f2),"
+          echo "$r" | grep -q "$K" && out="$out broker"
+          echo "$r" | grep -q "sk-sec-otter" && out="$out broker-prefix"
+        done
         runs=$(ls -A /run/roundtable | tr '\n' ',')
         env_names=$(env | cut -d= -f1 | sort | tr '\n' ',')
-        printf '{"ok":true,"text":"found=[%s];run=%s;env=%s"}' "$out" "$runs" "$env_names"
+        printf '{"ok":true,"text":"found=[%s];run=%s;env=%s;codes=%s"}' "$out" "$runs" "$env_names" "$codes"
     "#;
+    let model = ScriptedModel::start(vec![
+        Step::EchoKey,
+        Step::EchoKeyError(401),
+        Step::EchoKeyStream,
+    ])
+    .await;
     let mut config = hostile::sh_config(&env, probe);
     config.api_key = ApiKey::from_static(KEY);
+    config.model_url = model.url();
+    // Generous: each broker read waits for the connection's end (up to 15 s).
+    config.turn_timeout = Some(Duration::from_secs(120));
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#key", "what is the key?")).await;
     let f = hostile::findings(&reply);
     assert_eq!(f["found"], "[]", "{reply:?}");
+    // The reads through the broker were real: each reached the leaky upstream with the key.
+    let seen = model.requests();
+    assert_eq!(seen.len(), 3, "codes {}", f["codes"]);
+    for r in &seen {
+        assert_eq!(
+            r.header_values("authorization"),
+            vec![format!("Bearer {KEY}")]
+        );
+    }
     assert_eq!(
         f["run"], "broker.sock,",
         "the run dir holds only the socket"
@@ -64,6 +96,7 @@ async fn attack_read_the_api_key_anywhere() {
     // The turn the guest is given holds neither the key nor any host path.
     let mut config = hostile::config(&env, &["turn"]);
     config.api_key = ApiKey::from_static(KEY);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#key", "show me the turn")).await;
     let turn = reply.text.clone().unwrap();
@@ -220,6 +253,7 @@ async fn attack_reach_another_channels_workspace() {
           -exec grep -ls a-secret {{}} + 2>/dev/null | grep -q . && out="$out grep:FOUND"
         "#
     ));
+    drop(sandbox);
     let sandbox = Sandbox::new(hostile::sh_config(&env, &probe))
         .await
         .unwrap();
@@ -230,6 +264,7 @@ async fn attack_reach_another_channels_workspace() {
     // its own container, where the host path does not exist.
     let follow =
         reply_after("cat /workspace/peek/secret-of-a 2>/dev/null && out=READ || out=refused");
+    drop(sandbox);
     let sandbox = Sandbox::new(hostile::sh_config(&env, &follow))
         .await
         .unwrap();
@@ -262,6 +297,7 @@ async fn attack_reach_the_docker_socket() {
         "{reply:?}"
     );
     // And the hostile program's own connect attempts.
+    drop(sandbox);
     let sandbox = Sandbox::new(hostile::config(
         &env,
         &["net", "unix:/var/run/docker.sock", "unix:/run/docker.sock"],
@@ -324,9 +360,6 @@ async fn attack_escalate_through_a_setuid_binary() {
     }
 
     // The sealed container: the setuid bit is inert, the file stays closed.
-    let sandbox = Sandbox::new(hostile::config(&env, &["identity"]))
-        .await
-        .unwrap();
     let mut config = hostile::config(&env, &["identity"]);
     config.command = Some(vec!["/bin/suid-hostile".into(), "identity".into()]);
     let sealed = Sandbox::new(config).await.unwrap();
@@ -346,6 +379,8 @@ async fn attack_escalate_through_a_setuid_binary() {
         assert_eq!(f["seccomp"], "2", "the default seccomp filter is on");
     }
     assert_eq!(f["root_only"], "denied(permission denied)");
+    assert_no_leftovers(&sealed).await;
+    drop(sealed);
 
     // The other ways up: a setuid busybox, su, user namespaces, mount, chroot, raw sockets.
     let script = reply_after(
@@ -398,9 +433,7 @@ async fn attack_escalate_through_a_setuid_binary() {
     assert!(text.contains(&format!("busybox-suid-id={uid}")), "{text}");
     assert!(!text.contains(":DID"), "{text}");
     assert_eq!(text.matches(":refused").count(), 10, "{text}");
-    for s in [&sandbox, &sealed, &probe] {
-        assert_no_leftovers(s).await;
-    }
+    assert_no_leftovers(&probe).await;
 }
 
 /// Runs a container straight through the engine (no runtime) and returns its stdout.
@@ -512,17 +545,17 @@ async fn attack_flood_stderr() {
     assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
     assert_no_leftovers(&sandbox).await;
 
-    // Both streams at once, forever: the deadline ends it.
+    // Both streams at once, forever: stderr floods never hide stdout's cap, which kills
+    // the guest long before the (generous) deadline.
+    drop(sandbox);
     let mut config = hostile::sh_config(&env, "cat >/dev/null; yes >&2 & yes 1>&2 & yes");
-    config.turn_timeout = Some(Duration::from_secs(3));
-    config.limits.output_kb = 65536;
+    config.turn_timeout = Some(Duration::from_secs(30));
+    config.limits.output_kb = 1024;
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#stderr", "x")).await;
-    assert!(!reply.ok);
-    let error = reply.error.unwrap();
-    assert!(
-        error == "turn timed out after 3s" || error.starts_with("guest output exceeds"),
-        "{error}"
+    assert_eq!(
+        reply.error.as_deref(),
+        Some("guest output exceeds 1048576 bytes")
     );
     assert_no_leftovers(&sandbox).await;
 }
@@ -552,6 +585,7 @@ async fn attack_hang_forever() {
 
     // A guest that answers and leaves a detached daemon behind: the init process ends
     // with the guest, and the container with it.
+    drop(sandbox);
     let sandbox = Sandbox::new(hostile::sh_config(
         &env,
         &reply_after("setsid sleep 1000 & out=bye"),
@@ -648,6 +682,7 @@ async fn attack_fill_the_workspace_disk() {
     // container starts.
     let mut config = hostile::sh_config(&env, &reply_after("echo note > /workspace/note"));
     limits(&mut config);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#big", "x")).await;
     assert!(
@@ -663,6 +698,7 @@ async fn attack_fill_the_workspace_disk() {
     std::fs::remove_file(env.workspace_of("#big").join("note")).unwrap();
     let mut config = hostile::sh_config(&env, &reply_after("out=back"));
     limits(&mut config);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     assert_eq!(
         sandbox.run_turn(request("#big", "x")).await.text.as_deref(),
@@ -676,6 +712,7 @@ async fn attack_fill_the_workspace_disk() {
         "cat >/dev/null; i=0; while :; do dd if=/dev/zero of=/workspace/f$i bs=1M count=1 2>/dev/null; i=$((i+1)); done",
     );
     limits(&mut config);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
     let reply = sandbox.run_turn(request("#many", "x")).await;
@@ -697,6 +734,7 @@ async fn attack_fill_the_workspace_disk() {
         "cat >/dev/null; i=0; while :; do : > /workspace/n$i; i=$((i+1)); done",
     );
     limits(&mut config);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#inodes", "x")).await;
     let error = reply.error.unwrap();
@@ -715,6 +753,7 @@ async fn attack_fill_the_workspace_disk() {
         ),
     );
     limits(&mut config);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     // The turn answers, or the watcher sees the locked dir first and ends it.
     let reply = sandbox.run_turn(request("#hide", "x")).await;
@@ -784,4 +823,140 @@ async fn attack_hide_data_from_the_quota_past_path_max() {
     assert_no_leftovers(&sandbox).await;
     // The operator clears it (remove_dir_all walks by descriptor, past PATH_MAX).
     std::fs::remove_dir_all(env.workspace_of("#deep")).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
+    use roundtable_sandbox::driver::docker::{create_body, GUEST_OOM_SCORE_ADJ};
+    use roundtable_sandbox::driver::ContainerSpec;
+    let env = Env::new();
+    let forbidden = [
+        "keyctl",
+        "bpf",
+        "userfaultfd",
+        "perf_event_open",
+        "mount",
+        "unshare_newuser",
+    ];
+
+    // Control: the probe sees success. In a container like the sealed one but without the
+    // seccomp filter, the calls the filter alone stops go through (the probe shapes each
+    // to need no privilege); `bpf` and `mount` still fail: they need a capability.
+    let ws = env.dir.path().join("control-ws");
+    std::fs::create_dir(&ws).unwrap();
+    let run = env.dir.path().join("control-run");
+    std::fs::create_dir(&run).unwrap();
+    let spec = ContainerSpec {
+        name: format!("roundtable-sec-seccomp-control-{}", std::process::id()),
+        image: hostile::image(),
+        run_dir: run,
+        workspace_dir: ws,
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+        memory_mb: 64,
+        cpus: 0.5,
+        pids: 16,
+        tmpfs_mb: 1,
+        file_size_mb: 64,
+        output_cap: 4096,
+        stderr_cap: 4096,
+        labels: Default::default(),
+        command: Some(vec!["/roundtable-hostile".into(), "forbidden".into()]),
+        // The control is about Docker's seccomp profile, which runc applies.
+        runtime: None,
+    };
+    let mut body = create_body(&spec);
+    body.host_config
+        .as_mut()
+        .unwrap()
+        .security_opt
+        .as_mut()
+        .unwrap()
+        .push("seccomp=unconfined".into());
+    let control = run_raw_container(&spec.name, body).await;
+    for call in [
+        "keyctl",
+        "userfaultfd",
+        "perf_event_open",
+        "unshare_newuser",
+    ] {
+        assert!(
+            control.contains(&format!("{call}=allowed")),
+            "{call} must work without the seccomp filter: {control}"
+        );
+    }
+    for call in ["bpf", "mount"] {
+        assert!(control.contains(&format!("{call}=errno(1)")), "{control}");
+    }
+
+    // The sealed container: each is refused with EPERM (the filter's and the kernel's
+    // answer without the capability alike).
+    let sandbox = Sandbox::new(hostile::config(&env, &["forbidden"]))
+        .await
+        .unwrap();
+    let reply = sandbox.run_turn(request("#syscalls", "x")).await;
+    let f = hostile::findings(&reply);
+    eprintln!("forbidden calls in the sealed container: {f:?}");
+    if under_gvisor() {
+        // The guest's system calls reach gVisor's Sentry, not the host kernel: each is
+        // refused by the Sentry (its own errno), except `unshare(CLONE_NEWUSER)`, which the
+        // Sentry implements inside the sandbox (no host kernel object). `/proc/self/limits`
+        // and the host-side OOM score are the Sentry's business, not visible inside.
+        for (call, errno) in [
+            ("keyctl", "errno(13)"),
+            ("bpf", "errno(1)"),
+            ("userfaultfd", "errno(38)"),
+            ("perf_event_open", "errno(19)"),
+            ("mount", "errno(1)"),
+            ("ptrace_sibling", "errno(1)"),
+            ("ptrace_init", "errno(1)"),
+        ] {
+            assert_eq!(f[call], errno, "{call}: {f:?}");
+        }
+        assert_eq!(f["unshare_newuser"], "allowed", "{f:?}");
+        assert_no_leftovers(&sandbox).await;
+        return;
+    }
+    for call in forbidden {
+        assert_eq!(f[call], "errno(1)", "{call}: {f:?}");
+    }
+    // No core dump can be written or handed to the host's handler; a guest is the first
+    // pick of the host's OOM killer.
+    assert_eq!(f["core"], "0,0", "soft and hard core limits: {f:?}");
+    assert_eq!(f["oom_score_adj"], GUEST_OOM_SCORE_ADJ.to_string());
+    // Not asserted: ptrace within the container. The default seccomp profile allows
+    // ptrace on kernels >= 4.8, so a same-uid, dumpable sibling may be traced unless an
+    // LSM (Yama) forbids it; it crosses no boundary (one uid, one container, no secret
+    // inside). The finding is printed above and discussed in docs/security.md.
+    assert!(f.contains_key("ptrace_sibling") && f.contains_key("ptrace_init"));
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attack_print_host_error_wording_in_an_ok_reply() {
+    // What the bot sees: an ok reply's text is the agent's answer and is passed as is,
+    // whatever it says; it is never turned into (or marked as) an error. The host's own
+    // failures arrive only as `ok: false` with `error`, and a failure the guest reports is
+    // prefixed as the guest's (the case above). A program that acts on failures (alerts,
+    // retries, metrics) keys off `ok`/`error`, which the guest cannot forge.
+    let env = Env::new();
+    let texts = [
+        "turn timed out after 30s",
+        "turn stopped",
+        "guest killed: out of memory (limit 512 MiB)",
+        "docker daemon unreachable: connection refused",
+        "the guest reported an error: none",
+        "error: sandbox image not found",
+    ];
+    for text in texts {
+        let script = format!("cat >/dev/null; printf '{{\"ok\":true,\"text\":\"%s\"}}' '{text}'");
+        let sandbox = Sandbox::new(hostile::sh_config(&env, &script))
+            .await
+            .unwrap();
+        let reply = sandbox.run_turn(request("#okforge", "x")).await;
+        assert!(reply.ok, "{text}: {reply:?}");
+        assert_eq!(reply.error, None, "{text}");
+        assert_eq!(reply.text.as_deref(), Some(text));
+        assert_no_leftovers(&sandbox).await;
+    }
 }

@@ -397,8 +397,11 @@ impl ContainerDriver for DataRootAt {
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         self.inner.remove(name)
     }
-    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
-        self.inner.sweep(instance)
+    fn sweep<'a>(
+        &'a self,
+        scope: roundtable_sandbox::driver::SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+        self.inner.sweep(scope)
     }
     fn processes<'a>(
         &'a self,
@@ -447,6 +450,7 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     config.limits.disk_floor_mb = 1;
     config.limits.disk_floor_percent = 0;
     with_data_root(&mut config, Some("/proc".into()));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#floor", "x")).await;
     assert_eq!(
@@ -458,6 +462,7 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     let mut config = hostile::sh_config(&env, RAN);
     config.limits.disk_floor_mb = 1;
     with_data_root(&mut config, Some("/nonexistent/docker".into()));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#floor", "x")).await;
     assert_eq!(
@@ -467,6 +472,7 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     // The floor off: the turn runs.
     let mut config = hostile::sh_config(&env, RAN);
     with_data_root(&mut config, Some("/proc".into()));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     assert_eq!(
         sandbox

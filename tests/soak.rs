@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use roundtable_sandbox::Sandbox;
 use roundtable_sandbox_actors::*;
 use sandbox_support::*;
 
@@ -92,7 +91,8 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
         .unwrap_or(0x5eed_1234_abcd_0001);
     let env = Env::new();
     let config = env.sh_config(SCRIPT);
-    let sandbox = Sandbox::new(config.clone()).await.unwrap();
+    // The leftover check needs the instance and run root only: one runtime per root.
+    let resolved = config.resolve().unwrap();
     let mut settings = SupervisorConfig::new(config);
     settings.max_containers = 4;
     let addr = SandboxSupervisor::start(settings).await.unwrap();
@@ -256,7 +256,7 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
     until_idle(&addr).await;
 
     // Nothing leaked, memory stayed flat.
-    assert_no_leftovers(&sandbox).await;
+    assert_no_leftovers_in(&resolved.instance, &resolved.run_root).await;
     let (rss0, fds0) = baseline.unwrap_or((rss_kib(), open_fds()));
     let (rss1, fds1) = (rss_kib(), open_fds());
     let report = format!(
@@ -272,5 +272,5 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
     assert!(rss1 <= rss0 + 32 * 1024, "memory grew: {report}");
     let shutdown = addr.send(Shutdown).await.unwrap();
     assert_eq!(shutdown.stopped_turns, 0);
-    assert_no_leftovers(&sandbox).await;
+    assert_no_leftovers_in(&resolved.instance, &resolved.run_root).await;
 }

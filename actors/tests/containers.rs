@@ -271,12 +271,12 @@ impl roundtable_sandbox::ContainerDriver for PanicsMidRun {
 
     fn sweep<'a>(
         &'a self,
-        instance: &'a str,
+        scope: roundtable_sandbox::driver::SweepScope<'a>,
     ) -> roundtable_sandbox::driver::BoxFuture<
         'a,
         Result<Vec<String>, roundtable_sandbox::DriverError>,
     > {
-        self.0.sweep(instance)
+        self.0.sweep(scope)
     }
 }
 

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     parse_reply, BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError,
-    KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
+    SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
 };
 
 /// How the driver reaches the engine.
@@ -639,8 +639,12 @@ impl ContainerDriver for DockerDriver {
         })
     }
 
-    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+    fn sweep<'a>(
+        &'a self,
+        scope: SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(async move {
+            let instance = scope.instance;
             let docker = self.client().await?;
             self.retry_pending_removals().await;
             let filters: HashMap<&str, Vec<String>> =
@@ -661,6 +665,23 @@ impl ContainerDriver for DockerDriver {
                     .and_then(|n| n.into_iter().next())
                     .map(|n| n.trim_start_matches('/').to_owned())
                     .unwrap_or_else(|| id.clone());
+                // Asked after the listing: a turn registers before it creates its container.
+                if (scope.live)(&name) {
+                    tracing::debug!(container = %name, "sweep: a live turn's, kept");
+                    continue;
+                }
+                let run_dir = c.mounts.unwrap_or_default().into_iter().find_map(|m| {
+                    (m.destination.as_deref() == Some(RUN_MOUNT))
+                        .then_some(m.source)
+                        .flatten()
+                });
+                if !run_dir.is_some_and(|d| std::path::Path::new(&d).starts_with(scope.run_root)) {
+                    tracing::warn!(
+                        container = %name,
+                        "sweep: labelled with this instance but its run dir is not under this run root (another runtime's), kept"
+                    );
+                    continue;
+                }
                 match self.remove_inner(&id).await {
                     Ok(()) => removed.push(name),
                     Err(e) => {
@@ -677,9 +698,14 @@ impl ContainerDriver for DockerDriver {
     }
 }
 
+/// What the kernel's OOM killer adds to a guest's badness: the most (1000), so under host
+/// memory pressure a guest is picked before the service or anything else on the host.
+/// Raising one's own score needs no privilege, so the engine accepts it from any caller.
+pub const GUEST_OOM_SCORE_ADJ: i64 = 1000;
+
 /// The sealed container: no network, read-only root, no capabilities, no new privileges,
-/// an init process, caps on memory (no swap), cpu, pids, /tmp and file size; only the two
-/// mounts.
+/// an init process, caps on memory (no swap), cpu, pids, /tmp and file size, no core
+/// dumps, first in line for the host's OOM killer; only the two mounts.
 pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
     let memory = (spec.memory_mb as i64) * 1024 * 1024;
     let file_size = (spec.file_size_mb as i64).saturating_mul(1024 * 1024);
@@ -703,6 +729,7 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         memory_swap: Some(memory),
         nano_cpus: Some((spec.cpus * 1e9) as i64),
         pids_limit: Some(spec.pids),
+        oom_score_adj: Some(GUEST_OOM_SCORE_ADJ),
         init: Some(true),
         ipc_mode: Some("private".into()),
         tmpfs: Some(HashMap::from([(
@@ -718,6 +745,13 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
                 name: Some("nofile".into()),
                 soft: Some(1024),
                 hard: Some(1024),
+            },
+            // No core dump: a crashing guest hands nothing to the host's core handler
+            // (`core_pattern` may pipe to a host program) and writes nothing to the workspace.
+            ResourcesUlimits {
+                name: Some("core".into()),
+                soft: Some(0),
+                hard: Some(0),
             },
             // No file may grow past the workspace quota (bytes; see crate::quota).
             ResourcesUlimits {

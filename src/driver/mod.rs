@@ -118,8 +118,13 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// Removes the named container (killing it); absent is not an error.
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
 
-    /// Removes every container labelled with this runtime instance; returns their names.
-    fn sweep<'a>(&'a self, instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>>;
+    /// Removes the leftover containers of this runtime: labelled with `scope.instance`,
+    /// their run dir under `scope.run_root`, and not of a live turn (`scope.live`, asked
+    /// after listing). Returns the names removed.
+    fn sweep<'a>(
+        &'a self,
+        scope: SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>>;
 
     /// The host pids of the named container's processes (empty when it is not running).
     /// The workspace quota stats their open descriptors to count files deleted while held
@@ -137,6 +142,27 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// filesystem the free-space floor guards (`None`: no such directory, as in a fake).
     fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
         Box::pin(async { Ok(None) })
+    }
+}
+
+/// What a sweep may remove (see [`ContainerDriver::sweep`]).
+#[derive(Clone, Copy)]
+pub struct SweepScope<'a> {
+    /// The runtime instance (the value of [`LABEL_RUNTIME`]).
+    pub instance: &'a str,
+    /// The run root: a container whose run dir lies elsewhere belongs to another runtime
+    /// that shares the instance name, and is left alone.
+    pub run_root: &'a std::path::Path,
+    /// Whether the named container is a live turn's (never removed).
+    pub live: &'a (dyn Fn(&str) -> bool + Send + Sync),
+}
+
+impl std::fmt::Debug for SweepScope<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SweepScope")
+            .field("instance", &self.instance)
+            .field("run_root", &self.run_root)
+            .finish_non_exhaustive()
     }
 }
 

@@ -21,6 +21,14 @@
 //! - `quota <trick> [args…]`: stores bytes in `/workspace` past the quota's sight (see
 //!   [`quota`]); `/workspace/progress-<pid>` always holds the MiB each process stored so far, so the host side
 //!   can tell how far a trick got before the watcher ended the turn.
+//! - `forbidden`: the system calls Docker's default seccomp profile and the dropped
+//!   capabilities forbid (`keyctl`, `bpf`, `userfaultfd`, `perf_event_open`,
+//!   `unshare(CLONE_NEWUSER)`, `mount`, `ptrace` of a sibling and of PID 1), each made so
+//!   that it would succeed without those controls; the result is `allowed` or `errno(N)`.
+//!   Also the core-dump limit (`core=soft,hard` from `/proc/self/limits`) and
+//!   `oom_score_adj`.
+//! - `ptrace-attach PID`: (used by `forbidden`) one `PTRACE_SEIZE` of `PID` (the same
+//!   permission check as `PTRACE_ATTACH`, without stopping it). Never run it on a host.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -38,6 +46,11 @@ fn main() {
         Some("broker") => broker(args.get(1).map_or("all", String::as_str)),
         Some("turn") => vec![turn],
         Some("quota") => quota::attack(&args[1..]),
+        Some("forbidden") => forbidden(),
+        Some("ptrace-attach") => vec![format!(
+            "ptrace={}",
+            ptrace_attach(args.get(1).and_then(|p| p.parse().ok()).unwrap_or(0))
+        )],
         Some("post") => vec![match raw(&post(&args[1], &[], &args[2])) {
             Ok((status, body)) => format!("status={status};body={}", body.replace(';', ",")),
             Err(e) => format!("status=error({e})"),
@@ -673,4 +686,134 @@ mod quota {
         })();
         vec![format!("swaps={}", io(result))]
     }
+}
+// The raw system call entry of the C library this program is linked with (statically).
+extern "C" {
+    fn syscall(number: i64, ...) -> i64;
+}
+
+/// `allowed` if a system call returned a non-negative value, else `errno(N)`.
+fn syscall_result(ret: i64) -> String {
+    if ret >= 0 {
+        "allowed".to_owned()
+    } else {
+        let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(-1);
+        format!("errno({errno})")
+    }
+}
+
+const SYS_PTRACE: i64 = 101;
+const SYS_MOUNT: i64 = 165;
+const SYS_KEYCTL: i64 = 250;
+const SYS_UNSHARE: i64 = 272;
+const SYS_PERF_EVENT_OPEN: i64 = 298;
+const SYS_BPF: i64 = 321;
+const SYS_USERFAULTFD: i64 = 323;
+
+fn ptrace_attach(pid: i64) -> String {
+    // PTRACE_SEIZE: the same permission check as PTRACE_ATTACH, but the tracee is not
+    // stopped; the tracer's exit releases it.
+    const PTRACE_SEIZE: i64 = 0x4206;
+    // SAFETY: ptrace(PTRACE_SEIZE) takes no pointer.
+    let ret = unsafe { syscall(SYS_PTRACE, PTRACE_SEIZE, pid, 0i64, 0i64) };
+    syscall_result(ret)
+}
+
+/// Each call is shaped to succeed for an unprivileged process on this kernel when
+/// neither the seccomp filter nor the dropped capabilities stand in the way.
+fn forbidden() -> Vec<String> {
+    let mut out = Vec::new();
+    let limits = std::fs::read_to_string("/proc/self/limits").unwrap_or_default();
+    let core = limits
+        .lines()
+        .find(|l| l.starts_with("Max core file size"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            format!("{},{}", f.get(4).unwrap_or(&"?"), f.get(5).unwrap_or(&"?"))
+        })
+        .unwrap_or_else(|| "?".into());
+    out.push(format!("core={core}"));
+    let oom = std::fs::read_to_string("/proc/self/oom_score_adj").unwrap_or_default();
+    out.push(format!("oom_score_adj={}", oom.trim()));
+
+    // ptrace of a sibling: a sleeper, then a second child of this program that attaches to it.
+    let sibling = std::process::Command::new("/bin/sleep")
+        .arg("30")
+        .stdin(std::process::Stdio::null())
+        .spawn();
+    out.push(match sibling {
+        Ok(mut sleeper) => {
+            let attacker = std::process::Command::new("/proc/self/exe")
+                .args(["ptrace-attach", &sleeper.id().to_string()])
+                .stdin(std::process::Stdio::null())
+                .output();
+            let _ = sleeper.kill();
+            let _ = sleeper.wait();
+            match attacker {
+                Ok(o) => {
+                    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+                    let found = text
+                        .split("ptrace=")
+                        .nth(1)
+                        .and_then(|r| r.split('"').next())
+                        .unwrap_or("no-answer")
+                        .to_owned();
+                    format!("ptrace_sibling={found}")
+                }
+                Err(e) => format!("ptrace_sibling=spawn-failed({e})"),
+            }
+        }
+        Err(e) => format!("ptrace_sibling=spawn-failed({e})"),
+    });
+    out.push(format!("ptrace_init={}", ptrace_attach(1)));
+
+    // keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, create=1).
+    // SAFETY: integer arguments only.
+    let ret = unsafe { syscall(SYS_KEYCTL, 0i64, -3i64, 1i64) };
+    out.push(format!("keyctl={}", syscall_result(ret)));
+
+    // bpf(BPF_MAP_CREATE) of a one-entry array: map_type 2, key 4, value 4, max_entries 1.
+    let mut attr = [0u32; 32];
+    attr[..4].copy_from_slice(&[2, 4, 4, 1]);
+    // SAFETY: `attr` is a live, zero-padded buffer of the size passed.
+    let ret = unsafe { syscall(SYS_BPF, 0i64, attr.as_mut_ptr(), 128i64) };
+    out.push(format!("bpf={}", syscall_result(ret)));
+
+    // userfaultfd(O_CLOEXEC | UFFD_USER_MODE_ONLY): user-mode-only faults need no privilege.
+    // SAFETY: integer arguments only.
+    let ret = unsafe { syscall(SYS_USERFAULTFD, 0o2000000i64 | 1) };
+    out.push(format!("userfaultfd={}", syscall_result(ret)));
+
+    // perf_event_open of this process's task clock, user space only (allowed at
+    // perf_event_paranoid 2 without privilege).
+    let mut pattr = [0u8; 128];
+    pattr[0..4].copy_from_slice(&1u32.to_ne_bytes()); // type: PERF_TYPE_SOFTWARE
+    pattr[4..8].copy_from_slice(&128u32.to_ne_bytes()); // size
+    pattr[8..16].copy_from_slice(&1u64.to_ne_bytes()); // config: PERF_COUNT_SW_TASK_CLOCK
+    // flags: disabled (bit 0), exclude_kernel (bit 5), exclude_hv (bit 6)
+    pattr[40..48].copy_from_slice(&((1u64 << 0) | (1 << 5) | (1 << 6)).to_ne_bytes());
+    // SAFETY: `pattr` is a live buffer of the size it declares.
+    let ret = unsafe { syscall(SYS_PERF_EVENT_OPEN, pattr.as_mut_ptr(), 0i64, -1i64, -1i64, 0i64) };
+    out.push(format!("perf_event_open={}", syscall_result(ret)));
+
+    // mount("none", "/tmp", "tmpfs", 0, NULL).
+    let (none, tmp, tmpfs) = (b"none\0", b"/tmp\0", b"tmpfs\0");
+    // SAFETY: NUL-terminated static strings and a null data pointer.
+    let ret = unsafe {
+        syscall(
+            SYS_MOUNT,
+            none.as_ptr(),
+            tmp.as_ptr(),
+            tmpfs.as_ptr(),
+            0i64,
+            std::ptr::null::<u8>(),
+        )
+    };
+    out.push(format!("mount={}", syscall_result(ret)));
+
+    // unshare(CLONE_NEWUSER) last: if it were allowed, this process would change namespace.
+    // SAFETY: integer arguments only.
+    let ret = unsafe { syscall(SYS_UNSHARE, 0x1000_0000i64) };
+    out.push(format!("unshare_newuser={}", syscall_result(ret)));
+    out
 }

@@ -156,12 +156,13 @@ pub async fn labelled_containers_of(instance: &str) -> Vec<String> {
         .collect()
 }
 
-/// Entries of the run root (turn dirs, sockets).
+/// Entries of the run root (turn dirs, sockets), the runtime's lock file aside.
 pub fn run_root_entries(root: &Path) -> Vec<String> {
     std::fs::read_dir(root)
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n != roundtable_sandbox::lock::LOCK_FILE)
                 .collect()
         })
         .unwrap_or_default()
@@ -169,9 +170,14 @@ pub fn run_root_entries(root: &Path) -> Vec<String> {
 
 /// Nothing of a turn may be left: no labelled container, no turn dir, no socket.
 pub async fn assert_no_leftovers(sandbox: &Sandbox) {
-    let containers = labelled_containers(sandbox).await;
+    assert_no_leftovers_in(&sandbox.config().instance, &sandbox.config().run_root).await;
+}
+
+/// [`assert_no_leftovers`] for a runtime instance and run root (no runtime needed).
+pub async fn assert_no_leftovers_in(instance: &str, run_root: &Path) {
+    let containers = labelled_containers_of(instance).await;
     assert!(containers.is_empty(), "leaked containers: {containers:?}");
-    let entries = run_root_entries(&sandbox.config().run_root);
+    let entries = run_root_entries(run_root);
     assert!(entries.is_empty(), "leaked run dir entries: {entries:?}");
 }
 

@@ -214,7 +214,10 @@ impl ContainerDriver for FakeDriver {
         })
     }
 
-    fn sweep<'a>(&'a self, _instance: &'a str) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+    fn sweep<'a>(
+        &'a self,
+        _scope: roundtable_sandbox::driver::SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(async { Ok(Vec::new()) })
     }
 }
