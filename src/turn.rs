@@ -200,6 +200,11 @@ async fn run_turn_inner(
 
     let result: Result<Reply, TurnError> = async {
         // One deadline for the whole turn, from admission: preparation and container.
+        // Already past it: end before any preparation (a timer set in the past fires only
+        // when the time driver next turns, which the preparation could outrun).
+        if tokio::time::Instant::now() >= deadline_at {
+            return Err(TurnError::Timeout(timeout));
+        }
         let deadline = tokio::time::sleep_until(deadline_at);
         tokio::pin!(deadline);
         let quota = config.config.limits.workspace_quota();
