@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! roundtable-bench [--iterations N] [--rounds N] [--broker-calls N] [--channels N]
-//!                  [--only turn,concurrency,broker,memory] [--json PATH] [--image IMAGE]
+//!                  [--only turn,gvisor,concurrency,broker,memory] [--json PATH] [--image IMAGE]
 //! ```
 //! Run it through `scripts/bench.sh` (it builds the image and the release binary and runs
 //! this as the non-root service user; the runtime refuses root).
@@ -16,6 +16,7 @@ mod broker_bench;
 mod hostile;
 mod lifecycle;
 mod memory;
+mod runtimes;
 mod stats;
 
 use std::time::{Duration, Instant};
@@ -54,8 +55,8 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "concurrency", "broker", "memory"],
-        default_value = "turn,concurrency,broker,memory"
+        value_parser = ["turn", "gvisor", "concurrency", "broker", "memory"],
+        default_value = "turn,gvisor,concurrency,broker,memory"
     )]
     only: Vec<String>,
     /// Where the JSON results go
@@ -207,6 +208,13 @@ async fn run(o: &Options) -> Result<Value> {
 
     if o.wants("turn") {
         results["turn"] = turn_overhead(o, &sandbox, &driver, &docker, &roots, &stdin).await?;
+    }
+    if o.wants("gvisor") {
+        if let Some(r) =
+            runtimes::compare(&driver, &o.image, &model.url(), o.iterations, o.warmup).await?
+        {
+            results["gvisor"] = r;
+        }
     }
     if o.wants("concurrency") {
         let (conc, rss) = concurrency(o, &sandbox, &docker, &roots, &stdin).await?;
