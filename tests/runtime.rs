@@ -297,6 +297,7 @@ async fn a_fork_bomb_is_held_at_the_pids_limit() {
     );
     config.limits.pids = 24;
     config.turn_timeout = Some(Duration::from_secs(60));
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#bomb", "x")).await;
     let n: usize = reply

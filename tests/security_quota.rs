@@ -572,6 +572,7 @@ async fn quota_files_held_only_in_a_socket_queue_are_left_to_the_floor() {
     config.limits.disk_floor_mb = (free >> 20).saturating_sub(32);
     config.limits.disk_floor_percent = 0;
     with_data_root(&mut config, None);
+    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
     let reply = sandbox.run_turn(request("#inflight", "x")).await;
