@@ -409,8 +409,10 @@ async fn attack_escalate_through_a_setuid_binary() {
         // neither CAP_MKNOD nor `nodev`), but such a node reaches no device: the Sentry
         // serves only the devices it emulates, so 8:0 (the host's first disk) answers
         // ENXIO to read and write. Checked here, then counted as refused.
+        // A runtime holds its run root: this check gets roots of its own.
+        let inert_env = Env::new();
         let inert = Sandbox::new(hostile::sh_config(
-            &env,
+            &inert_env,
             &reply_after(
                 "mknod /tmp/sda b 8 0 2>/dev/null; \
                  head -c1 /tmp/sda >/dev/null 2>&1 && out=read:DID || out=read:refused; \
