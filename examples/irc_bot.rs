@@ -22,6 +22,7 @@ use clap::Parser;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorConfig,
+    TurnFailure,
 };
 use roundtable_sandbox_examples::{print_completions, RollDice};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
@@ -228,8 +229,12 @@ async fn run(cli: Cli) -> Result<()> {
                         };
                         let answer = addr.send(GuestMessage::new(&channel, speaker, asked)).await;
                         let text = match answer {
-                            Ok(Ok(r)) if r.ok => r.text.unwrap_or_default(),
-                            Ok(Ok(r)) => format!("error: {}", r.error.unwrap_or_default()),
+                            Ok(Ok(o)) if o.reply.ok => o.reply.text.unwrap_or_default(),
+                            // A full queue is not worth an error line on a public channel.
+                            Ok(Err(e)) if e.failure() == TurnFailure::Busy => {
+                                "busy with earlier messages; ask again in a moment".to_owned()
+                            }
+                            Ok(Ok(o)) => format!("error: {}", o.reply.error.unwrap_or_default()),
                             Ok(Err(e)) => format!("error: {e}"),
                             Err(e) => format!("error: {e}"),
                         };

@@ -189,8 +189,12 @@ async fn run(settings: Settings) -> Result<()> {
                 pending.push(actix::spawn(async move {
                     let answer = addr.send(GuestMessage::new(&channel, who, text)).await;
                     let line = match answer {
-                        Ok(Ok(reply)) if reply.ok => reply.text.unwrap_or_default(),
-                        Ok(Ok(reply)) => format!("error: {}", reply.error.unwrap_or_default()),
+                        Ok(Ok(outcome)) if outcome.reply.ok => {
+                            outcome.reply.text.unwrap_or_default()
+                        }
+                        Ok(Ok(outcome)) => {
+                            format!("error: {}", outcome.reply.error.unwrap_or_default())
+                        }
                         Ok(Err(e)) => format!("error: {e}"),
                         Err(e) => format!("error: {e}"),
                     };

@@ -38,10 +38,12 @@ pub use broker::{
     ApiKey, Broker, HostTool, McpScope, McpServerConfig, SummarizerConfig, ToolCallContext,
 };
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
-pub use driver::{ContainerDriver, DockerDriver, DriverError};
+pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
 pub use roundtable_sandbox_protocol::{Reply, Speaker, Usage};
-pub use turn::{run_turn, PhaseObserver, TurnPhase, TurnRequest};
+pub use turn::{
+    run_turn, run_turn_outcome, PhaseObserver, TurnFailure, TurnOutcome, TurnPhase, TurnRequest,
+};
 
 /// A configured runtime: the resolved configuration, the broker and the driver.
 /// Cheap to clone; share one per process.
@@ -139,6 +141,11 @@ impl Sandbox {
     /// Runs one turn (see [`turn::run_turn`]).
     pub async fn run_turn(&self, request: TurnRequest) -> Reply {
         turn::run_turn(self, request, |_| {}, None).await
+    }
+
+    /// Runs one turn and gives its typed outcome (see [`turn::run_turn_outcome`]).
+    pub async fn run_turn_outcome(&self, request: TurnRequest) -> TurnOutcome {
+        turn::run_turn_outcome(self, request, |_| {}, None).await
     }
 
     /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]); the

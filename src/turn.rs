@@ -24,7 +24,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::broker::{BrokerEvent, TurnContext};
-use crate::driver::{ContainerSpec, DriverError, LABEL_CHANNEL, LABEL_RUNTIME, LABEL_TURN};
+use crate::driver::{
+    ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME, LABEL_TURN,
+};
 use crate::Sandbox;
 
 /// What the caller asks of one turn.
@@ -90,7 +92,202 @@ pub enum TurnError {
     Driver(#[from] DriverError),
     #[error("{0}")]
     Quota(#[from] crate::quota::QuotaError),
+    /// The engine reports that the memory limit killed the guest.
+    #[error("guest killed: out of memory (limit {limit_mb} MiB)")]
+    OutOfMemory { limit_mb: u64 },
+    /// The guest died of `SIGXFSZ` (its init exits `128+SIGXFSZ`): `RLIMIT_FSIZE` was hit.
+    #[error("guest killed: a file grew past the workspace quota ({limit_mb} MiB)")]
+    FileTooLarge { limit_mb: u64 },
+    /// The container exited non-zero (137 under the init process: `SIGKILL`).
+    #[error("guest exited with code {code}")]
+    Exit { code: i64 },
+    #[error("{0}")]
+    Reply(#[from] ReplyError),
 }
+
+/// Why the guest's stdout is not a reply (see [`parse_reply`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReplyError {
+    #[error("guest output exceeds {cap} bytes")]
+    OutputTooLarge { cap: usize },
+    #[error("guest output is not a valid reply: {reason}")]
+    MalformedOutput { reason: String },
+}
+
+/// Why a turn did not give the guest's own successful answer: what a bot matches on to
+/// answer each case its own way (the reply's `error` text stays for display).
+///
+/// The core reports the kinds a turn can end with; the actor layer adds its own refusals
+/// (`Busy`, `ShuttingDown`, …). New kinds may come: match with a `_` arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TurnFailure {
+    /// The turn's timeout passed (counted from admission).
+    Timeout,
+    /// The timeout passed while the turn waited for a container slot; it never started.
+    SlotTimeout,
+    /// The turn was stopped (a `Stop`, or the caller's token).
+    Stopped,
+    /// The memory limit killed the guest.
+    OutOfMemory,
+    /// The workspace is (or grew) over its quota, or a file passed it (`RLIMIT_FSIZE`).
+    OverQuota,
+    /// A guarded filesystem is below its free-space floor (or cannot be measured).
+    DiskFloor,
+    /// The guest itself reported a failure (the reply's error carries
+    /// [`GUEST_ERROR_PREFIX`]).
+    GuestError,
+    /// The guest's stdout was not a valid reply, or exceeded the output cap.
+    MalformedOutput,
+    /// The guest exited non-zero without a reply.
+    GuestExit,
+    /// The container engine cannot be reached.
+    EngineUnavailable,
+    /// The sandbox image is missing.
+    ImageMissing,
+    /// The engine refused or failed a call, or the host could not prepare the turn (its
+    /// workspace, run dir or broker).
+    Internal,
+    /// The actor layer: the channel's queue is full.
+    Busy,
+    /// The actor layer: the supervisor is shutting down.
+    ShuttingDown,
+    /// The actor layer: the channel's worker failed and was restarted mid-turn.
+    ChannelRestarted,
+}
+
+impl TurnError {
+    /// The kind of failure, for an embedder that answers each differently.
+    pub fn failure(&self) -> TurnFailure {
+        use crate::quota::QuotaError;
+        match self {
+            TurnError::Timeout(_) => TurnFailure::Timeout,
+            TurnError::SlotTimeout { .. } => TurnFailure::SlotTimeout,
+            TurnError::Stopped | TurnError::Driver(DriverError::Cancelled) => TurnFailure::Stopped,
+            TurnError::OutOfMemory { .. } => TurnFailure::OutOfMemory,
+            TurnError::FileTooLarge { .. }
+            | TurnError::Quota(QuotaError::Exceeded { .. } | QuotaError::Measure(_)) => {
+                TurnFailure::OverQuota
+            }
+            TurnError::Quota(_) => TurnFailure::DiskFloor,
+            TurnError::Exit { .. } => TurnFailure::GuestExit,
+            TurnError::Reply(_) => TurnFailure::MalformedOutput,
+            TurnError::Driver(DriverError::DaemonUnreachable { .. }) => {
+                TurnFailure::EngineUnavailable
+            }
+            TurnError::Driver(DriverError::ImageMissing { .. }) => TurnFailure::ImageMissing,
+            TurnError::Driver(_)
+            | TurnError::CreateWorkspace { .. }
+            | TurnError::CreateRunDir { .. }
+            | TurnError::SocketPathTooLong(_)
+            | TurnError::Broker(_) => TurnFailure::Internal,
+        }
+    }
+}
+
+/// One turn's end: the wire [`Reply`] (as the guest or the host wrote it) and, when it is
+/// not a success, the typed reason. Dereferences to the reply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnOutcome {
+    pub reply: Reply,
+    /// `None` exactly when `reply.ok`.
+    pub failure: Option<TurnFailure>,
+}
+
+impl TurnOutcome {
+    /// The outcome of a turn that failed with `error` (its reply carries the message).
+    pub fn failed(error: &TurnError) -> Self {
+        Self {
+            reply: Reply::error(error.to_string()),
+            failure: Some(error.failure()),
+        }
+    }
+
+    /// The outcome of a reply the guest wrote (a guest-reported failure is `GuestError`).
+    pub fn from_guest(reply: Reply) -> Self {
+        let failure = (!reply.ok).then_some(TurnFailure::GuestError);
+        Self { reply, failure }
+    }
+
+    /// The wire reply.
+    pub fn into_reply(self) -> Reply {
+        self.reply
+    }
+}
+
+impl std::ops::Deref for TurnOutcome {
+    type Target = Reply;
+    fn deref(&self) -> &Reply {
+        &self.reply
+    }
+}
+
+impl From<TurnOutcome> for Reply {
+    fn from(o: TurnOutcome) -> Reply {
+        o.reply
+    }
+}
+
+/// Judges what a container did, the same for every backend: an OOM kill, then the output
+/// cap, then `128+SIGXFSZ` (the file-size limit), then any non-zero exit, and only then the
+/// strict parse of stdout.
+pub fn judge(outcome: &RunOutcome, spec: &ContainerSpec) -> Result<Reply, TurnError> {
+    if outcome.oom_killed {
+        return Err(TurnError::OutOfMemory {
+            limit_mb: spec.memory_mb,
+        });
+    }
+    if outcome.stdout_overflow {
+        return Err(ReplyError::OutputTooLarge {
+            cap: spec.output_cap,
+        }
+        .into());
+    }
+    if outcome.exit_code == 128 + libc::SIGXFSZ as i64 {
+        return Err(TurnError::FileTooLarge {
+            limit_mb: spec.file_size_mb,
+        });
+    }
+    if outcome.exit_code != 0 {
+        return Err(TurnError::Exit {
+            code: outcome.exit_code,
+        });
+    }
+    Ok(parse_reply(&outcome.stdout, spec.output_cap)?)
+}
+
+/// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace
+/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes. A failed
+/// reply's error is prefixed with [`GUEST_ERROR_PREFIX`].
+pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, ReplyError> {
+    if stdout.len() > cap {
+        return Err(ReplyError::OutputTooLarge { cap });
+    }
+    if stdout.iter().all(u8::is_ascii_whitespace) {
+        return Err(ReplyError::MalformedOutput {
+            reason: "no output".into(),
+        });
+    }
+    let mut reply: Reply =
+        serde_json::from_slice(stdout).map_err(|e| ReplyError::MalformedOutput {
+            reason: e.to_string(),
+        })?;
+    reply
+        .check_shape()
+        .map_err(|reason| ReplyError::MalformedOutput {
+            reason: reason.into(),
+        })?;
+    // A failure the guest reports is marked as the guest's: it can never pass for one of
+    // the host's own errors (a timeout, a stop, an out-of-memory kill).
+    if let Some(error) = reply.error.take() {
+        reply.error = Some(format!("{GUEST_ERROR_PREFIX}{error}"));
+    }
+    Ok(reply)
+}
+
+/// What every failure reported by the guest itself starts with (see [`parse_reply`]).
+pub const GUEST_ERROR_PREFIX: &str = "the guest reported an error: ";
 
 /// `hex(sha256(channel))`: the channel's workspace segment.
 pub fn channel_segment(channel: &str) -> String {
@@ -99,12 +296,26 @@ pub fn channel_segment(channel: &str) -> String {
 
 /// Runs one turn. `on_reply` sees the reply before any cleanup; the same reply is returned
 /// after cleanup. Never panics on a failing part; every failure is an `{ok:false}` reply.
+/// [`run_turn_outcome`] gives the typed failure beside it.
 pub async fn run_turn(
     sandbox: &Sandbox,
     request: TurnRequest,
     on_reply: impl FnOnce(&Reply),
     observer: Option<PhaseObserver>,
 ) -> Reply {
+    run_turn_outcome(sandbox, request, |o| on_reply(&o.reply), observer)
+        .await
+        .reply
+}
+
+/// [`run_turn`], with the reply's typed failure ([`TurnOutcome`]) given to `on_reply`
+/// (before any cleanup) and returned (after it).
+pub async fn run_turn_outcome(
+    sandbox: &Sandbox,
+    request: TurnRequest,
+    on_reply: impl FnOnce(&TurnOutcome),
+    observer: Option<PhaseObserver>,
+) -> TurnOutcome {
     let turn_id = uuid::Uuid::new_v4().simple().to_string();
     let segment = channel_segment(&request.channel);
     let span = tracing::info_span!(
@@ -162,11 +373,11 @@ impl Drop for RunDir<'_> {
 async fn run_turn_inner(
     sandbox: &Sandbox,
     request: TurnRequest,
-    on_reply: impl FnOnce(&Reply),
+    on_reply: impl FnOnce(&TurnOutcome),
     observer: Option<PhaseObserver>,
     turn_id: String,
     segment: String,
-) -> Reply {
+) -> TurnOutcome {
     let phase = |p: TurnPhase| {
         if let Some(o) = &observer {
             o(p);
@@ -352,8 +563,17 @@ async fn run_turn_inner(
                 run.await
             }
         };
+        if let Ok(run) = &outcome {
+            if !run.stderr_tail.is_empty() {
+                tracing::debug!(
+                    container = %container_name,
+                    stderr = %String::from_utf8_lossy(&run.stderr_tail),
+                    "guest stderr"
+                );
+            }
+        }
         match (outcome, why) {
-            (Ok(reply), None) => Ok(reply),
+            (Ok(run), None) => judge(&run, &spec),
             (_, Some(reason)) => Err(reason),
             (Err(DriverError::Cancelled), None) => Err(TurnError::Stopped),
             (Err(e), None) => Err(e.into()),
@@ -362,10 +582,10 @@ async fn run_turn_inner(
     .await;
 
     let reply = match result {
-        Ok(reply) => reply,
+        Ok(reply) => TurnOutcome::from_guest(reply),
         Err(e) => {
             tracing::info!(error = %e, "turn failed");
-            Reply::error(e.to_string())
+            TurnOutcome::failed(&e)
         }
     };
     phase(TurnPhase::Replied);
@@ -462,5 +682,132 @@ fn container_spec(
         ]),
         command: config.config.command.clone(),
         runtime: config.config.runtime.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_reply_is_strict() {
+        assert_eq!(
+            parse_reply(b" {\"ok\":true,\"text\":\"hi\"}\n", 100)
+                .unwrap()
+                .text
+                .as_deref(),
+            Some("hi")
+        );
+        let err = |b: &[u8]| parse_reply(b, 64).unwrap_err().to_string();
+        assert_eq!(err(b""), "guest output is not a valid reply: no output");
+        assert!(err(b"garbage").starts_with("guest output is not a valid reply: expected value"));
+        assert!(err(b"{\"ok\":true,\"text\":\"a\"} trailing").contains("trailing characters"));
+        assert!(err(b"{\"ok\":true,\"text\":\"a\",\"admin\":true}").contains("unknown field"));
+        assert_eq!(
+            err(b"{\"ok\":true}"),
+            "guest output is not a valid reply: an ok reply must carry text and no error"
+        );
+        assert_eq!(err(&[b' '; 65]), "guest output exceeds 64 bytes");
+        assert_eq!(
+            parse_reply(b"{\"ok\":false,\"error\":\"turn stopped\"}", 100)
+                .unwrap()
+                .error
+                .as_deref(),
+            Some("the guest reported an error: turn stopped")
+        );
+    }
+
+    fn spec() -> ContainerSpec {
+        ContainerSpec {
+            name: "c".into(),
+            image: "i".into(),
+            run_dir: "/r".into(),
+            workspace_dir: "/w".into(),
+            uid: 1,
+            gid: 1,
+            memory_mb: 256,
+            cpus: 1.0,
+            pids: 64,
+            tmpfs_mb: 16,
+            file_size_mb: 100,
+            output_cap: 64,
+            stderr_cap: 8,
+            labels: BTreeMap::new(),
+            command: None,
+            runtime: None,
+        }
+    }
+
+    /// The one mapping every backend's outcome goes through, in its order of precedence.
+    #[test]
+    fn a_run_outcome_is_judged_once_in_order() {
+        let spec = spec();
+        let run = |exit_code, oom_killed, stdout: &[u8], stdout_overflow| RunOutcome {
+            exit_code,
+            oom_killed,
+            stdout: stdout.to_vec(),
+            stdout_overflow,
+            stderr_tail: Vec::new(),
+        };
+        let judged = |o: RunOutcome| judge(&o, &spec).map_err(|e| (e.failure(), e.to_string()));
+        let ok = br#"{"ok":true,"text":"hi"}"#;
+        assert_eq!(
+            judged(run(0, false, ok, false)).unwrap().text.as_deref(),
+            Some("hi")
+        );
+        assert_eq!(
+            judged(run(137, true, ok, true)).unwrap_err(),
+            (
+                TurnFailure::OutOfMemory,
+                "guest killed: out of memory (limit 256 MiB)".into()
+            )
+        );
+        assert_eq!(
+            judged(run(137, false, b"", true)).unwrap_err(),
+            (
+                TurnFailure::MalformedOutput,
+                "guest output exceeds 64 bytes".into()
+            )
+        );
+        assert_eq!(
+            judged(run(128 + libc::SIGXFSZ as i64, false, ok, false)).unwrap_err(),
+            (
+                TurnFailure::OverQuota,
+                "guest killed: a file grew past the workspace quota (100 MiB)".into()
+            )
+        );
+        assert_eq!(
+            judged(run(137, false, ok, false)).unwrap_err(),
+            (TurnFailure::GuestExit, "guest exited with code 137".into())
+        );
+        assert_eq!(
+            judged(run(0, false, b"nope", false)).unwrap_err().0,
+            TurnFailure::MalformedOutput
+        );
+        let mut collector = crate::driver::OutputCollector::new(&spec);
+        assert!(!collector.stdout(&[b'a'; 60]));
+        assert!(collector.stdout(&[b'a'; 5]), "past the cap: kill");
+        assert!(!collector.stdout(b"more"), "reported once");
+        collector.stderr(b"0123456789");
+        let o = collector.finish(3, false);
+        assert!(o.stdout_overflow && o.stdout.is_empty());
+        assert_eq!(o.stderr_tail, b"01234567");
+        assert_eq!(o.exit_code, 3);
+    }
+
+    #[test]
+    fn a_guest_failure_is_typed_as_the_guests() {
+        let guest = parse_reply(br#"{"ok":false,"error":"turn timed out after 1s"}"#, 100).unwrap();
+        let o = TurnOutcome::from_guest(guest);
+        assert_eq!(o.failure, Some(TurnFailure::GuestError));
+        assert_eq!(
+            o.error.as_deref(),
+            Some("the guest reported an error: turn timed out after 1s")
+        );
+        let o = TurnOutcome::failed(&TurnError::Timeout(Duration::from_secs(1)));
+        assert_eq!(o.failure, Some(TurnFailure::Timeout));
+        assert_eq!(o.error.as_deref(), Some("turn timed out after 1s"));
+        let ok = TurnOutcome::from_guest(Reply::text("hi", Default::default()));
+        assert_eq!(ok.failure, None);
     }
 }

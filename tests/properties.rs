@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use actix::Addr;
 use proptest::prelude::*;
-use roundtable_sandbox::driver::{BoxFuture, ContainerDriver, ContainerSpec, DriverError};
+use roundtable_sandbox::driver::{
+    BoxFuture, ContainerDriver, ContainerSpec, DriverError, RunOutcome,
+};
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox::{Reply, Sandbox, Speaker, Usage};
 use roundtable_sandbox_actors::*;
@@ -34,7 +36,7 @@ impl ContainerDriver for Gated {
         _spec: &'a ContainerSpec,
         stdin: &'a [u8],
         cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<Reply, DriverError>> {
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
         Box::pin(async move {
             let turn: serde_json::Value = serde_json::from_slice(stdin).unwrap();
             let (tx, rx) = oneshot::channel();
@@ -47,8 +49,8 @@ impl ContainerDriver for Gated {
                 .unwrap();
             tokio::select! {
                 ok = rx => match ok {
-                    Ok(true) => Ok(Reply::text("done", Usage::default())),
-                    _ => Err(DriverError::Exit { code: 3 }),
+                    Ok(true) => Ok(RunOutcome::replied(&Reply::text("done", Usage::default()))),
+                    _ => Ok(RunOutcome::exited(3)),
                 },
                 _ = cancel.cancelled() => Err(DriverError::Cancelled),
             }

@@ -391,7 +391,7 @@ impl ContainerDriver for DataRootAt {
         spec: &'a roundtable_sandbox::driver::ContainerSpec,
         stdin: &'a [u8],
         cancel: tokio_util::sync::CancellationToken,
-    ) -> BoxFuture<'a, Result<roundtable_sandbox::Reply, DriverError>> {
+    ) -> BoxFuture<'a, Result<roundtable_sandbox::RunOutcome, DriverError>> {
         self.inner.run(spec, stdin, cancel)
     }
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::Reply;
+use roundtable_sandbox::TurnOutcome;
 use tokio::sync::oneshot;
 
 use crate::error::AbortReason;
@@ -97,7 +97,7 @@ pub(crate) struct TurnDone {
 /// From the supervisor: a guest message, stamped with its place among the channel's
 /// resets when the supervisor received it.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Reply, SandboxActorError>")]
+#[rtype(result = "Result<TurnOutcome, SandboxActorError>")]
 pub(crate) struct Enqueue {
     pub(crate) message: GuestMessage,
     pub(crate) stamp: Stamp,
@@ -184,7 +184,7 @@ impl ChannelActor {
         &mut self,
         Enqueue { message, stamp }: Enqueue,
         ctx: &mut Context<Self>,
-    ) -> Result<oneshot::Receiver<Result<Reply, SandboxActorError>>, SandboxActorError> {
+    ) -> Result<oneshot::Receiver<Result<TurnOutcome, SandboxActorError>>, SandboxActorError> {
         if self.shutting_down {
             return Err(SandboxActorError::ShuttingDown);
         }
@@ -345,7 +345,7 @@ impl actix::Supervised for ChannelActor {
 }
 
 impl Handler<Enqueue> for ChannelActor {
-    type Result = ResponseFuture<Result<Reply, SandboxActorError>>;
+    type Result = ResponseFuture<Result<TurnOutcome, SandboxActorError>>;
 
     fn handle(&mut self, message: Enqueue, ctx: &mut Self::Context) -> Self::Result {
         self.received += 1;

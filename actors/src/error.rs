@@ -1,10 +1,12 @@
 //! The one error type of the actor layer.
 
+use roundtable_sandbox::{TurnFailure, TurnOutcome};
+
 /// Everything the actor layer can refuse or fail with. Each message is meant to be shown
 /// as it is (to the operator for the start-up errors, to the guest for the others).
 ///
 /// A turn that ran and failed (timeout, stop, guest error…) is not an error here: it is an
-/// `Ok` [`Reply`](roundtable_sandbox::Reply) with `ok: false`.
+/// `Ok` [`TurnOutcome`] whose reply has `ok: false` and whose `failure` says why.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxActorError {
     /// A setting of the actor layer is out of range (checked before anything starts).
@@ -45,6 +47,30 @@ impl SandboxActorError {
     /// The error as an `{ok:false}` reply, for a bot that posts every answer the same way.
     pub fn to_reply(&self) -> roundtable_sandbox::Reply {
         roundtable_sandbox::Reply::error(self.to_string())
+    }
+
+    /// The kind of failure, typed as a turn's ([`TurnFailure`]): `Busy`, `ShuttingDown`
+    /// and `ChannelRestarted` are their own kinds; the others are `Internal`.
+    pub fn failure(&self) -> TurnFailure {
+        match self {
+            SandboxActorError::Busy { .. } => TurnFailure::Busy,
+            SandboxActorError::ShuttingDown => TurnFailure::ShuttingDown,
+            SandboxActorError::ChannelRestarted => TurnFailure::ChannelRestarted,
+            SandboxActorError::InvalidSettings { .. }
+            | SandboxActorError::Start(_)
+            | SandboxActorError::TurnPanicked { .. }
+            | SandboxActorError::TurnLost
+            | SandboxActorError::ChannelUnavailable(_) => TurnFailure::Internal,
+        }
+    }
+
+    /// The error as a turn's outcome (its reply and its kind), for a bot that answers every
+    /// message the same way.
+    pub fn to_outcome(&self) -> TurnOutcome {
+        TurnOutcome {
+            reply: self.to_reply(),
+            failure: Some(self.failure()),
+        }
     }
 }
 

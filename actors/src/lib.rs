@@ -1,7 +1,9 @@
 //! roundtable-sandbox-actors: the actix face of roundtable-sandbox for chat bots.
 //!
 //! A bot turns each incoming channel message into a [`GuestMessage`] for the
-//! [`SandboxSupervisor`] and posts the response. The layer has three kinds of actor:
+//! [`SandboxSupervisor`] and posts the response: a [`TurnOutcome`] (the wire [`Reply`] and,
+//! when it failed, a typed [`TurnFailure`]) or a [`SandboxActorError`] refusal (whose
+//! [`SandboxActorError::failure`] is typed the same way). The layer has three kinds of actor:
 //!
 //! - [`SandboxSupervisor`] (one per process): validates the whole configuration before it
 //!   starts anything ([`SandboxSupervisor::start`]), sweeps what a crashed runtime left
@@ -42,7 +44,9 @@
 //!
 //! ```no_run
 //! use roundtable_sandbox::{ApiKey, Config, Speaker};
-//! use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Shutdown, SupervisorConfig};
+//! use roundtable_sandbox_actors::{
+//!     GuestMessage, SandboxSupervisor, Shutdown, SupervisorConfig, TurnFailure,
+//! };
 //!
 //! #[actix::main]
 //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -63,9 +67,15 @@
 //!     let answer = sandbox
 //!         .send(GuestMessage::new("#general", speaker, "What time is it?"))
 //!         .await?;
+//!     // Each kind of failure can get its own answer; the reply's text stays for display.
 //!     match answer {
-//!         Ok(reply) if reply.ok => println!("{}", reply.text.unwrap_or_default()),
-//!         Ok(reply) => println!("(turn failed: {})", reply.error.unwrap_or_default()),
+//!         Ok(outcome) if outcome.reply.ok => println!("{}", outcome.reply.text.unwrap_or_default()),
+//!         Ok(outcome) => match outcome.failure {
+//!             Some(TurnFailure::Timeout) => println!("(that took too long; try something smaller)"),
+//!             Some(TurnFailure::OverQuota) => println!("(the channel's workspace is full)"),
+//!             _ => println!("(turn failed: {})", outcome.reply.error.unwrap_or_default()),
+//!         },
+//!         Err(refused) if refused.failure() == TurnFailure::Busy => println!("(busy, later)"),
 //!         Err(refused) => println!("({refused})"),
 //!     }
 //!     sandbox.send(Shutdown).await?;
@@ -90,6 +100,6 @@ pub use messages::{
     ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, Shutdown,
     ShutdownReport, StartFresh, Status, StatusReport, Stop, Totals, TurnProgress,
 };
-pub use roundtable_sandbox::{Config, Reply, Speaker, TurnPhase};
+pub use roundtable_sandbox::{Config, Reply, Speaker, TurnFailure, TurnOutcome, TurnPhase};
 pub use supervisor::SandboxSupervisor;
 pub use turn::TurnActor;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use actix::{Message, Recipient};
-use roundtable_sandbox::{Reply, Speaker, TurnPhase};
+use roundtable_sandbox::{Speaker, TurnOutcome, TurnPhase};
 
 use crate::SandboxActorError;
 
@@ -12,7 +12,7 @@ use crate::SandboxActorError;
 /// (`Ok`, which may be `ok: false` for a timeout, a stop or a guest error) or with a
 /// refusal of the layer (`Err`: busy, shutting down, an internal failure).
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Reply, SandboxActorError>")]
+#[rtype(result = "Result<TurnOutcome, SandboxActorError>")]
 pub struct GuestMessage {
     /// The channel key (any string; it is hashed before it names anything on disk).
     pub channel: String,

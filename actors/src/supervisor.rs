@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use roundtable_sandbox::sweep::SweepReport;
-use roundtable_sandbox::{Reply, Sandbox};
+use roundtable_sandbox::{Sandbox, TurnOutcome};
 use tokio::sync::{watch, Semaphore};
 
 use crate::channel::{ChannelActor, Enqueue, QueryStatus, Retire, ShutdownChannel};
@@ -201,7 +201,7 @@ impl Actor for SandboxSupervisor {
 }
 
 impl Handler<GuestMessage> for SandboxSupervisor {
-    type Result = ResponseFuture<Result<Reply, SandboxActorError>>;
+    type Result = ResponseFuture<Result<TurnOutcome, SandboxActorError>>;
 
     fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
         if self.shutdown.is_some() {

@@ -7,7 +7,10 @@ use std::time::Instant;
 
 use actix::prelude::*;
 use roundtable_sandbox::turn::TurnError;
-use roundtable_sandbox::{run_turn, PhaseObserver, Reply, Speaker, TurnPhase, TurnRequest};
+use roundtable_sandbox::{
+    run_turn_outcome, PhaseObserver, Reply, Speaker, TurnFailure, TurnOutcome, TurnPhase,
+    TurnRequest,
+};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -19,7 +22,7 @@ use crate::supervisor::Shared;
 use crate::{ChannelState, ProgressCallback, ProgressEvent, SandboxActorError, TurnProgress};
 
 /// Where a caller's answer goes.
-pub(crate) type Responder = oneshot::Sender<Result<Reply, SandboxActorError>>;
+pub(crate) type Responder = oneshot::Sender<Result<TurnOutcome, SandboxActorError>>;
 
 /// The handle a channel keeps on its active turn: stop it, say why, see its phase.
 #[derive(Debug, Clone, Default)]
@@ -276,14 +279,15 @@ struct Delivery {
 }
 
 impl Delivery {
-    fn deliver(&self, reply: &Reply) {
+    fn deliver(&self, outcome: &TurnOutcome) {
+        let reply = &outcome.reply;
         self.control.0.replied.store(true, Ordering::SeqCst);
         if reply.ok && self.resets.consume(self.stamp) {
             tracing::debug!("pending reset consumed");
         }
         let answer = match self.control.0.abort.get() {
             Some(reason) if !reply.ok => Err(reason.into_error()),
-            _ => Ok(reply.clone()),
+            _ => Ok(outcome.clone()),
         };
         if let Some(tx) = take(&self.responder) {
             let _ = tx.send(answer);
@@ -303,8 +307,7 @@ async fn run_job(
     delivery: Delivery,
 ) {
     let stopped = || {
-        let reply = Reply::error(TurnError::Stopped.to_string());
-        delivery.deliver(&reply);
+        delivery.deliver(&TurnOutcome::failed(&TurnError::Stopped));
         progress.emit(ProgressEvent::Phase(TurnPhase::Done));
     };
     let token = request.stop.clone();
@@ -334,14 +337,17 @@ async fn run_job(
                         slots: shared.max_containers,
                     };
                     tracing::info!(error = %error, "turn failed");
-                    delivery.deliver(&Reply::error(error.to_string()));
+                    delivery.deliver(&TurnOutcome::failed(&error));
                     progress.emit(ProgressEvent::Phase(TurnPhase::Done));
                     return;
                 }
                 permit = limiter.acquire_owned() => match permit {
                     Ok(permit) => permit,
                     Err(_) => {
-                        delivery.deliver(&Reply::error("the container limiter is closed"));
+                        delivery.deliver(&TurnOutcome {
+                            reply: Reply::error("the container limiter is closed"),
+                            failure: Some(TurnFailure::Internal),
+                        });
                         return;
                     }
                 },
@@ -356,7 +362,7 @@ async fn run_job(
             progress.emit(ProgressEvent::Phase(phase));
         })
     };
-    run_turn(
+    run_turn_outcome(
         &shared.sandbox,
         request,
         |reply| delivery.deliver(reply),

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use fake::*;
 use futures_util::future::join_all;
-use roundtable_sandbox::{Reply, TurnPhase};
+use roundtable_sandbox::TurnPhase;
 use roundtable_sandbox_actors::*;
 
-type Answer = Result<Reply, SandboxActorError>;
+type Answer = Result<TurnOutcome, SandboxActorError>;
 
 const SECS5: Duration = Duration::from_secs(5);
 
@@ -34,15 +34,18 @@ async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str, who: &str, text: &st
 }
 
 fn ok_text(answer: Answer) -> String {
-    let reply = answer.expect("an answer, not a refusal");
-    assert!(reply.ok, "{reply:?}");
-    reply.text.unwrap()
+    let outcome = answer.expect("an answer, not a refusal");
+    assert!(outcome.reply.ok && outcome.failure.is_none(), "{outcome:?}");
+    outcome.reply.text.unwrap()
 }
 
 fn error_text(answer: Answer) -> String {
-    let reply = answer.expect("a turn reply, not a refusal");
-    assert!(!reply.ok, "{reply:?}");
-    reply.error.unwrap()
+    let outcome = answer.expect("a turn reply, not a refusal");
+    assert!(
+        !outcome.reply.ok && outcome.failure.is_some(),
+        "{outcome:?}"
+    );
+    outcome.reply.error.unwrap()
 }
 
 fn channel_status<'a>(status: &'a StatusReport, channel: &str) -> Option<&'a ChannelStatus> {
@@ -396,6 +399,7 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
         matches!(err, SandboxActorError::Busy { waiting: 2 }),
         "{err:?}"
     );
+    assert_eq!(err.failure(), TurnFailure::Busy);
     assert_eq!(
         err.to_string(),
         "this channel is busy: a turn is running and 2 message(s) are already waiting (the \
@@ -932,13 +936,16 @@ async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
         channel_status(s, "#w").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
     })
     .await;
+    let answer = tokio::time::timeout(SECS5 * 2, waiting)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(
-        error_text(
-            tokio::time::timeout(SECS5 * 2, waiting)
-                .await
-                .unwrap()
-                .unwrap()
-        ),
+        answer.as_ref().unwrap().failure,
+        Some(TurnFailure::SlotTimeout)
+    );
+    assert_eq!(
+        error_text(answer),
         "turn timed out after 1s waiting for a container slot (all 1 in use)"
     );
     let waited = sent.elapsed();

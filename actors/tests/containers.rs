@@ -13,10 +13,10 @@ use actix::prelude::*;
 use bollard::query_parameters::ListContainersOptionsBuilder;
 use fake::*;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
-use roundtable_sandbox::{DockerDriver, Reply, TurnPhase};
+use roundtable_sandbox::{DockerDriver, TurnPhase};
 use roundtable_sandbox_actors::*;
 
-type Answer = Result<Reply, SandboxActorError>;
+type Answer = Result<TurnOutcome, SandboxActorError>;
 
 const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'"text":"fail'*) exit 3;; esac; printf '{"ok":true,"text":"hi"}'"#;
 
@@ -249,8 +249,10 @@ impl roundtable_sandbox::ContainerDriver for PanicsMidRun {
         spec: &'a roundtable_sandbox::driver::ContainerSpec,
         stdin: &'a [u8],
         cancel: tokio_util::sync::CancellationToken,
-    ) -> roundtable_sandbox::driver::BoxFuture<'a, Result<Reply, roundtable_sandbox::DriverError>>
-    {
+    ) -> roundtable_sandbox::driver::BoxFuture<
+        'a,
+        Result<roundtable_sandbox::RunOutcome, roundtable_sandbox::DriverError>,
+    > {
         Box::pin(async move {
             let run = self.0.run(spec, stdin, cancel);
             tokio::pin!(run);

@@ -212,7 +212,12 @@ pub async fn driver_turn(
         runtime: None,
     };
     let t0 = Instant::now();
-    let reply = driver.run(&spec, stdin, CancellationToken::new()).await;
+    // What the turn does with a run: the driver's outcome, judged into a reply.
+    let reply = driver
+        .run(&spec, stdin, CancellationToken::new())
+        .await
+        .map_err(anyhow::Error::from)
+        .and_then(|o| roundtable_sandbox::turn::judge(&o, &spec).map_err(anyhow::Error::from));
     let reply_at = t0.elapsed();
     driver.remove(&spec.name).await?;
     let total = t0.elapsed();

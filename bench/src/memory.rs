@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use roundtable_sandbox::driver::{BoxFuture, ContainerSpec};
-use roundtable_sandbox::{ContainerDriver, DriverError, Reply, Usage};
+use roundtable_sandbox::{ContainerDriver, DriverError, Reply, RunOutcome, Usage};
 use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorConfig};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
@@ -30,8 +30,8 @@ impl ContainerDriver for InstantDriver {
         _spec: &'a ContainerSpec,
         _stdin: &'a [u8],
         _cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<Reply, DriverError>> {
-        Box::pin(async { Ok(Reply::text("hi", Usage::default())) })
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
+        Box::pin(async { Ok(RunOutcome::replied(&Reply::text("hi", Usage::default()))) })
     }
 
     fn remove<'a>(&'a self, _name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {

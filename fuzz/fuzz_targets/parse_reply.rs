@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use roundtable_sandbox::driver::{parse_reply, DriverError, GUEST_ERROR_PREFIX};
+use roundtable_sandbox::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 
 fuzz_target!(|data: &[u8]| {
     let cap = 4096;
@@ -19,8 +19,8 @@ fuzz_target!(|data: &[u8]| {
             let back: roundtable_sandbox::Reply = serde_json::from_slice(&again).unwrap();
             assert_eq!(back.ok, reply.ok);
         }
-        Err(DriverError::OutputTooLarge { .. }) => assert!(data.len() > cap),
-        Err(DriverError::MalformedOutput { reason }) => assert!(!reason.is_empty()),
+        Err(ReplyError::OutputTooLarge { .. }) => assert!(data.len() > cap),
+        Err(ReplyError::MalformedOutput { reason }) => assert!(!reason.is_empty()),
         Err(other) => panic!("unexpected error kind: {other}"),
     }
 });

@@ -22,14 +22,14 @@ use bollard::query_parameters::{
 };
 use bollard::{ClientVersion, Docker};
 use futures_util::StreamExt;
-use roundtable_sandbox_protocol::{Reply, RUN_MOUNT, WORKSPACE_MOUNT};
+use roundtable_sandbox_protocol::{RUN_MOUNT, WORKSPACE_MOUNT};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    parse_reply, BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError,
-    SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
+    BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError, OutputCollector,
+    RunOutcome, SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
 };
 
 /// How the driver reaches the engine.
@@ -107,6 +107,7 @@ impl DockerDriver {
                     tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
                         .await
                         .map_err(|_| DriverError::DaemonUnreachable {
+                            engine: ENGINE,
                             reason: format!(
                                 "no answer from {} within {:?}",
                                 self.options.host, self.options.call_timeout
@@ -117,6 +118,7 @@ impl DockerDriver {
                 let v = negotiated.client_version();
                 if (v.major_version, v.minor_version) < (1, 41) {
                     return Err(DriverError::DaemonUnreachable {
+                        engine: ENGINE,
                         reason: format!(
                             "engine API {}.{} is older than 1.41",
                             v.major_version, v.minor_version
@@ -156,7 +158,7 @@ impl DockerDriver {
             .await
         {
             Ok(_) => Ok(true),
-            Err(DriverError::Docker { reason, .. }) if reason.starts_with("404") => Ok(false),
+            Err(e) if e.is_not_found() => Ok(false),
             Err(e) => Err(e),
         }
     }
@@ -173,9 +175,7 @@ impl DockerDriver {
             .await
         {
             Ok(i) => i,
-            Err(DriverError::Docker { reason, .. }) if reason.starts_with("404") => {
-                return Ok(None)
-            }
+            Err(e) if e.is_not_found() => return Ok(None),
             Err(e) => return Err(e),
         };
         let state = inspected.state.unwrap_or_default();
@@ -203,7 +203,8 @@ impl DockerDriver {
         match tokio::time::timeout(self.options.call_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(op, container, e)),
-            Err(_) => Err(DriverError::DockerTimeout {
+            Err(_) => Err(DriverError::CallTimeout {
+                engine: ENGINE,
                 op,
                 container: container.to_owned(),
                 after: self.options.call_timeout,
@@ -231,7 +232,7 @@ impl DockerDriver {
         spec: &ContainerSpec,
         stdin: &[u8],
         cancel: CancellationToken,
-    ) -> Result<Reply, DriverError> {
+    ) -> Result<RunOutcome, DriverError> {
         if cancel.is_cancelled() {
             return Err(DriverError::Cancelled);
         }
@@ -251,16 +252,16 @@ impl DockerDriver {
             .await
         {
             Ok(_) => {}
-            Err(DriverError::Docker { reason, .. })
-                if reason.contains("No such image") || reason.starts_with("404") =>
-            {
+            Err(DriverError::Call {
+                status, message, ..
+            }) if status == Some(404) || message.contains("No such image") => {
                 return Err(DriverError::ImageMissing {
                     image: spec.image.clone(),
                 })
             }
             // "Unknown runtime specified runsc" (20.10), "unknown or invalid runtime name" (23+).
-            Err(DriverError::Docker { reason, .. })
-                if spec.runtime.is_some() && reason.to_lowercase().contains("runtime") =>
+            Err(DriverError::Call { message, .. })
+                if spec.runtime.is_some() && message.to_lowercase().contains("runtime") =>
             {
                 return Err(DriverError::RuntimeMissing {
                     runtime: spec.runtime.clone().unwrap_or_default(),
@@ -299,7 +300,7 @@ impl DockerDriver {
 
         // Keep reading while a kill is under way: a daemon whose attach copier is blocked
         // on a full pipe does not answer the kill.
-        let mut out = Collected::new(spec.output_cap, spec.stderr_cap);
+        let mut out = OutputCollector::new(spec);
         let mut output_done = false;
         let mut exit: Option<Result<i64, DriverError>> = None;
         let mut killing = false;
@@ -325,7 +326,7 @@ impl DockerDriver {
                 }
                 item = output.next(), if !output_done => match item {
                     Some(Ok(o)) => {
-                        if out.push(o) && !killing {
+                        if push(&mut out, o) && !killing {
                             killing = true;
                             self.spawn_kill(docker, name);
                         }
@@ -341,7 +342,7 @@ impl DockerDriver {
                         Some(Ok(r)) => Ok(r.status_code),
                         Some(Err(BollardError::DockerContainerWaitError { code, .. })) => Ok(code),
                         Some(Err(e)) => Err(classify("wait", name, e)),
-                        None => Err(DriverError::Docker { op: "wait", container: name.to_owned(), reason: "wait stream ended".into() }),
+                        None => Err(DriverError::Call { engine: ENGINE, op: "wait", container: name.to_owned(), status: None, message: "wait stream ended".into() }),
                     });
                     // The attach stream ends at exit; give it a moment to drain.
                     let drain = tokio::time::Instant::now() + Duration::from_secs(2);
@@ -353,92 +354,25 @@ impl DockerDriver {
         if cancelled {
             return Err(DriverError::Cancelled);
         }
-        let Collected {
-            stdout,
-            stderr,
-            overflow,
-            ..
-        } = out;
-        if !stderr.is_empty() {
-            tracing::debug!(
-                container = name,
-                stderr = %String::from_utf8_lossy(&stderr),
-                "guest stderr"
-            );
-        }
         let code = exit.unwrap_or(Ok(-1))?;
         let state = self
             .call("inspect", name, docker.inspect_container(name, None))
             .await?
             .state
             .unwrap_or_default();
-        if state.oom_killed == Some(true) {
-            return Err(DriverError::OutOfMemory {
-                limit_mb: spec.memory_mb,
-            });
-        }
-        if overflow {
-            return Err(DriverError::OutputTooLarge {
-                cap: spec.output_cap,
-            });
-        }
-        if code == 128 + libc::SIGXFSZ as i64 {
-            // The init process reports the guest's death by SIGXFSZ: RLIMIT_FSIZE was hit.
-            return Err(DriverError::FileTooLarge {
-                limit_mb: spec.file_size_mb,
-            });
-        }
-        if code != 0 {
-            // 137 under the init process: SIGKILL, which the memory cgroup uses too.
-            return Err(DriverError::Exit { code });
-        }
-        parse_reply(&stdout, spec.output_cap)
+        Ok(out.finish(code, state.oom_killed == Some(true)))
     }
 }
 
-/// The guest's output as read so far: stdout up to its cap (past it: overflow), stderr
-/// truncated at its cap.
-struct Collected {
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    overflow: bool,
-    stdout_cap: usize,
-    stderr_cap: usize,
-}
-
-impl Collected {
-    fn new(stdout_cap: usize, stderr_cap: usize) -> Self {
-        Self {
-            stdout: Vec::new(),
-            stderr: Vec::new(),
-            overflow: false,
-            stdout_cap,
-            stderr_cap,
+/// Feeds one attach frame to the collector; returns true when stdout has just passed its cap.
+fn push(out: &mut OutputCollector, frame: LogOutput) -> bool {
+    match frame {
+        LogOutput::StdOut { message } | LogOutput::Console { message } => out.stdout(&message),
+        LogOutput::StdErr { message } => {
+            out.stderr(&message);
+            false
         }
-    }
-
-    /// Takes one frame; returns true when stdout has just passed its cap.
-    fn push(&mut self, frame: LogOutput) -> bool {
-        match frame {
-            LogOutput::StdOut { message } | LogOutput::Console { message } => {
-                if self.overflow {
-                    return false;
-                }
-                if self.stdout.len() + message.len() > self.stdout_cap {
-                    self.overflow = true;
-                    self.stdout = Vec::new();
-                    return true;
-                }
-                self.stdout.extend_from_slice(&message);
-            }
-            LogOutput::StdErr { message } => {
-                let room = self.stderr_cap.saturating_sub(self.stderr.len());
-                self.stderr
-                    .extend_from_slice(&message[..message.len().min(room)]);
-            }
-            LogOutput::StdIn { .. } => {}
-        }
-        false
+        LogOutput::StdIn { .. } => false,
     }
 }
 
@@ -530,11 +464,9 @@ impl DockerDriver {
             .await
         {
             Ok(()) => Ok(()),
-            Err(DriverError::Docker { reason, .. })
-                if reason.starts_with("404") || reason.contains("is already in progress") =>
-            {
-                Ok(())
-            }
+            Err(DriverError::Call {
+                status, message, ..
+            }) if status == Some(404) || message.contains("is already in progress") => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -546,7 +478,7 @@ impl ContainerDriver for DockerDriver {
         spec: &'a ContainerSpec,
         stdin: &'a [u8],
         cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<Reply, DriverError>> {
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
         Box::pin(async move {
             let mut guard = RemoveGuard {
                 driver: self,
@@ -578,10 +510,12 @@ impl ContainerDriver for DockerDriver {
                     // The cgroup is gone: the container has stopped.
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
                     Err(e) => {
-                        return Err(DriverError::Docker {
+                        return Err(DriverError::Call {
+                            engine: ENGINE,
                             op: "list processes",
                             container: name.to_owned(),
-                            reason: format!("read {}: {e}", file.display()),
+                            status: None,
+                            message: format!("read {}: {e}", file.display()),
                         })
                     }
                 },
@@ -593,9 +527,7 @@ impl ContainerDriver for DockerDriver {
                     {
                         Ok(t) => t,
                         // Not running (yet, or any more).
-                        Err(DriverError::Docker { reason, .. })
-                            if reason.starts_with("404") || reason.starts_with("409") =>
-                        {
+                        Err(e) if matches!(e.status(), Some(404 | 409)) => {
                             return Ok(ContainerProcesses::default())
                         }
                         Err(e) => return Err(e),
@@ -845,9 +777,12 @@ fn adapt_to_gvisor(host_config: &mut HostConfig, pids: i64) {
             hard: Some(pids),
         });
 }
+/// The engine's name in [`DriverError`]s.
+const ENGINE: &str = "docker";
 
 fn unreachable_error(e: &BollardError) -> DriverError {
     DriverError::DaemonUnreachable {
+        engine: ENGINE,
         reason: e.to_string(),
     }
 }
@@ -859,22 +794,27 @@ fn classify(op: &'static str, container: &str, e: BollardError) -> DriverError {
         BollardError::DockerResponseServerError {
             status_code,
             message,
-        } => DriverError::Docker {
+        } => DriverError::Call {
+            engine: ENGINE,
             op,
             container: container.to_owned(),
-            reason: format!("{status_code} {message}"),
+            status: Some(status_code),
+            message,
         },
         BollardError::IOError { .. }
         | BollardError::HyperResponseError { .. }
         | BollardError::HyperLegacyError { .. }
         | BollardError::SocketNotFoundError(_)
         | BollardError::RequestTimeoutError => DriverError::DaemonUnreachable {
+            engine: ENGINE,
             reason: e.to_string(),
         },
-        other => DriverError::Docker {
+        other => DriverError::Call {
+            engine: ENGINE,
             op,
             container: container.to_owned(),
-            reason: other.to_string(),
+            status: None,
+            message: other.to_string(),
         },
     }
 }

@@ -4,8 +4,9 @@
 //! - [`ContainerSpec`]: everything that shapes the container (name, identity, mounts,
 //!   limits, labels); built by the turn runner, never from guest input;
 //! - [`ContainerDriver`]: the pluggable trait (Docker by default; a recording fake in tests);
-//! - [`DriverError`]: each way a run can fail, mapped to a distinct reply by the runner;
-//! - [`parse_reply`]: the strict parser of the guest's stdout;
+//! - [`RunOutcome`]: what a run did (exit status, OOM flag, capped stdout, stderr tail),
+//!   collected with an [`OutputCollector`] and judged once, by the turn;
+//! - [`DriverError`]: each way a driver call can fail, backend-neutral;
 //! - [`docker`]: the Docker Engine driver on bollard.
 
 pub mod docker;
@@ -18,6 +19,7 @@ use roundtable_sandbox_protocol::Reply;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::broker::BoxFuture;
+pub use crate::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 pub use docker::{DockerDriver, DockerOptions};
 
 /// Label set on every container of this project; its value is the runtime instance.
@@ -57,39 +59,154 @@ pub struct ContainerSpec {
     pub runtime: Option<String>,
 }
 
-/// How a container run failed.
+/// How a driver call failed. Backend-neutral: the engine is named by [`DriverError`]'s
+/// `engine` fields (`"docker"` for [`DockerDriver`]); a server's answer keeps its HTTP-like
+/// status code in a field of its own. What a container *did* (its exit code, an OOM kill,
+/// its output) is not an error here: it is a [`RunOutcome`], judged by the turn.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DriverError {
+    /// The run's cancellation token fired; the container was killed.
     #[error("turn cancelled")]
     Cancelled,
-    #[error("guest killed: out of memory (limit {limit_mb} MiB)")]
-    OutOfMemory { limit_mb: u64 },
-    #[error("guest exited with code {code}")]
-    Exit { code: i64 },
-    #[error("guest killed: a file grew past the workspace quota ({limit_mb} MiB)")]
-    FileTooLarge { limit_mb: u64 },
-    #[error("guest output exceeds {cap} bytes")]
-    OutputTooLarge { cap: usize },
-    #[error("guest output is not a valid reply: {reason}")]
-    MalformedOutput { reason: String },
     #[error("sandbox image not found: {image} (build it with scripts/build-image.sh)")]
     ImageMissing { image: String },
+    /// The engine does not know the spec's runtime (`runsc` not registered).
     #[error("container runtime {runtime} is not known to the engine (register it: scripts/setup.sh --gvisor, as root, for runsc)")]
     RuntimeMissing { runtime: String },
-    #[error("docker daemon unreachable: {reason}")]
-    DaemonUnreachable { reason: String },
-    #[error("docker {op} of {container} timed out after {after:?}")]
-    DockerTimeout {
+    /// The engine cannot be reached (transport failure, no answer, too old).
+    #[error("{engine} daemon unreachable: {reason}")]
+    DaemonUnreachable {
+        engine: &'static str,
+        reason: String,
+    },
+    /// One engine call passed its deadline.
+    #[error("{engine} {op} of {container} timed out after {after:?}")]
+    CallTimeout {
+        engine: &'static str,
         op: &'static str,
         container: String,
         after: Duration,
     },
-    #[error("docker {op} of {container} failed: {reason}")]
-    Docker {
+    /// The engine answered a call with a failure.
+    #[error("{engine} {op} of {container} failed: {}", status_and(*status, message))]
+    Call {
+        engine: &'static str,
         op: &'static str,
         container: String,
-        reason: String,
+        /// The HTTP-like status of the engine's answer (`None`: not an answer with a status).
+        status: Option<u16>,
+        message: String,
     },
+}
+
+impl DriverError {
+    /// The HTTP-like status of the engine's answer, if it was one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            DriverError::Call { status, .. } => *status,
+            _ => None,
+        }
+    }
+
+    /// Whether the engine answered "not found" (404).
+    pub fn is_not_found(&self) -> bool {
+        self.status() == Some(404)
+    }
+}
+
+fn status_and(status: Option<u16>, message: &str) -> String {
+    match status {
+        Some(code) => format!("{code} {message}"),
+        None => message.to_owned(),
+    }
+}
+
+/// What one container run did, as any backend reports it: the turn (not the driver) maps
+/// it to a reply ([`crate::turn`]: OOM, `128+SIGXFSZ`, a non-zero exit, the output cap,
+/// then [`parse_reply`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunOutcome {
+    /// The container's exit status (`-1`: the engine reported none).
+    pub exit_code: i64,
+    /// The engine reports that the memory limit killed a process of the container.
+    pub oom_killed: bool,
+    /// The guest's stdout, up to [`ContainerSpec::output_cap`] (empty past it).
+    pub stdout: Vec<u8>,
+    /// Stdout passed its cap (the container was killed then).
+    pub stdout_overflow: bool,
+    /// The first [`ContainerSpec::stderr_cap`] bytes of stderr (for the debug log only).
+    pub stderr_tail: Vec<u8>,
+}
+
+impl RunOutcome {
+    /// A run that printed `reply` as its stdout and exited 0 (for fakes and tests).
+    pub fn replied(reply: &Reply) -> Self {
+        Self {
+            stdout: serde_json::to_vec(reply).expect("a reply always serialises"),
+            ..Self::default()
+        }
+    }
+
+    /// A run that exited with `code` and printed nothing.
+    pub fn exited(code: i64) -> Self {
+        Self {
+            exit_code: code,
+            ..Self::default()
+        }
+    }
+}
+
+/// Collects a run's output under the spec's caps; a backend feeds it the streams it reads.
+#[derive(Debug)]
+pub struct OutputCollector {
+    outcome: RunOutcome,
+    stdout_cap: usize,
+    stderr_cap: usize,
+}
+
+impl OutputCollector {
+    pub fn new(spec: &ContainerSpec) -> Self {
+        Self {
+            outcome: RunOutcome::default(),
+            stdout_cap: spec.output_cap,
+            stderr_cap: spec.stderr_cap,
+        }
+    }
+
+    /// Takes stdout bytes; returns true when stdout has just passed its cap (kill then).
+    pub fn stdout(&mut self, bytes: &[u8]) -> bool {
+        let o = &mut self.outcome;
+        if o.stdout_overflow {
+            return false;
+        }
+        if o.stdout.len() + bytes.len() > self.stdout_cap {
+            o.stdout_overflow = true;
+            o.stdout = Vec::new();
+            return true;
+        }
+        o.stdout.extend_from_slice(bytes);
+        false
+    }
+
+    /// Takes stderr bytes; past its cap they are dropped.
+    pub fn stderr(&mut self, bytes: &[u8]) {
+        let room = self
+            .stderr_cap
+            .saturating_sub(self.outcome.stderr_tail.len());
+        self.outcome
+            .stderr_tail
+            .extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    /// The outcome, with the exit status and OOM flag the engine reported.
+    pub fn finish(self, exit_code: i64, oom_killed: bool) -> RunOutcome {
+        RunOutcome {
+            exit_code,
+            oom_killed,
+            ..self.outcome
+        }
+    }
 }
 
 /// The processes of one running container, as the host sees them (see
@@ -106,14 +223,15 @@ pub struct ContainerProcesses {
 /// Runs turns in containers. Implementations must be cancellation-safe: when `cancel`
 /// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
 pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
-    /// Creates and starts the container, writes `stdin` (the turn JSON) to it, and returns
-    /// the parsed reply. The container is left for [`ContainerDriver::remove`].
+    /// Creates and starts the container, writes `stdin` (the turn JSON) to it, collects
+    /// its output under the spec's caps (an [`OutputCollector`]) and returns what it did.
+    /// The container is left for [`ContainerDriver::remove`].
     fn run<'a>(
         &'a self,
         spec: &'a ContainerSpec,
         stdin: &'a [u8],
         cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<Reply, DriverError>>;
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>>;
 
     /// Removes the named container (killing it); absent is not an error.
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
@@ -163,71 +281,5 @@ impl std::fmt::Debug for SweepScope<'_> {
             .field("instance", &self.instance)
             .field("run_root", &self.run_root)
             .finish_non_exhaustive()
-    }
-}
-
-/// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace
-/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes. A failed
-/// reply's error is prefixed with [`GUEST_ERROR_PREFIX`].
-pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, DriverError> {
-    if stdout.len() > cap {
-        return Err(DriverError::OutputTooLarge { cap });
-    }
-    if stdout.iter().all(u8::is_ascii_whitespace) {
-        return Err(DriverError::MalformedOutput {
-            reason: "no output".into(),
-        });
-    }
-    let reply: Reply =
-        serde_json::from_slice(stdout).map_err(|e| DriverError::MalformedOutput {
-            reason: e.to_string(),
-        })?;
-    let mut reply = reply;
-    reply
-        .check_shape()
-        .map_err(|reason| DriverError::MalformedOutput {
-            reason: reason.into(),
-        })?;
-    // A failure the guest reports is marked as the guest's: it can never pass for one of
-    // the host's own errors (a timeout, a stop, an out-of-memory kill).
-    if let Some(error) = reply.error.take() {
-        reply.error = Some(format!("{GUEST_ERROR_PREFIX}{error}"));
-    }
-    Ok(reply)
-}
-
-/// What every failure reported by the guest itself starts with (see [`parse_reply`]).
-pub const GUEST_ERROR_PREFIX: &str = "the guest reported an error: ";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parse_reply_is_strict() {
-        assert_eq!(
-            parse_reply(b" {\"ok\":true,\"text\":\"hi\"}\n", 100)
-                .unwrap()
-                .text
-                .as_deref(),
-            Some("hi")
-        );
-        let err = |b: &[u8]| parse_reply(b, 64).unwrap_err().to_string();
-        assert_eq!(err(b""), "guest output is not a valid reply: no output");
-        assert!(err(b"garbage").starts_with("guest output is not a valid reply: expected value"));
-        assert!(err(b"{\"ok\":true,\"text\":\"a\"} trailing").contains("trailing characters"));
-        assert!(err(b"{\"ok\":true,\"text\":\"a\",\"admin\":true}").contains("unknown field"));
-        assert_eq!(
-            err(b"{\"ok\":true}"),
-            "guest output is not a valid reply: an ok reply must carry text and no error"
-        );
-        assert_eq!(err(&[b' '; 65]), "guest output exceeds 64 bytes");
-        assert_eq!(
-            parse_reply(b"{\"ok\":false,\"error\":\"turn stopped\"}", 100)
-                .unwrap()
-                .error
-                .as_deref(),
-            Some("the guest reported an error: turn stopped")
-        );
     }
 }

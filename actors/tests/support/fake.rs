@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use roundtable_sandbox::driver::{BoxFuture, ContainerSpec, DriverError, LABEL_CHANNEL};
+use roundtable_sandbox::driver::{
+    BoxFuture, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL,
+};
 use roundtable_sandbox::protocol::Turn;
 use roundtable_sandbox::{ContainerDriver, HostTool, Reply, Speaker, ToolCallContext, Usage};
 use roundtable_sandbox_actors::{
@@ -134,7 +136,7 @@ impl ContainerDriver for FakeDriver {
         spec: &'a ContainerSpec,
         stdin: &'a [u8],
         cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<Reply, DriverError>> {
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
         Box::pin(async move {
             let turn: Turn = serde_json::from_slice(stdin).expect("the runner writes a Turn");
             let channel = spec.labels.get(LABEL_CHANNEL).cloned().unwrap_or_default();
@@ -183,20 +185,20 @@ impl ContainerDriver for FakeDriver {
             }
             if turn.text.contains("fail") {
                 self.finish(index, "failed");
-                return Err(DriverError::Exit { code: 3 });
+                return Ok(RunOutcome::exited(3));
             }
             if turn.text.contains("panic") {
                 self.finish(index, "panicked");
                 panic!("fake driver panic (test)");
             }
             self.finish(index, "ok");
-            Ok(Reply::text(
+            Ok(RunOutcome::replied(&Reply::text(
                 format!(
                     "{}|{}|reset={}|{}",
                     turn.speaker.id, turn.text, turn.reset, tool
                 ),
                 Usage::default(),
-            ))
+            )))
         })
     }
 
@@ -204,10 +206,12 @@ impl ContainerDriver for FakeDriver {
         Box::pin(async move {
             self.record.lock().unwrap().removed.push(name.to_owned());
             if self.fail_remove.load(Ordering::SeqCst) {
-                return Err(DriverError::Docker {
+                return Err(DriverError::Call {
+                    engine: "docker",
                     op: "remove",
                     container: name.to_owned(),
-                    reason: "injected failure (test)".into(),
+                    status: None,
+                    message: "injected failure (test)".into(),
                 });
             }
             Ok(())
