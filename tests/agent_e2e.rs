@@ -351,6 +351,10 @@ async fn the_default_prompt_and_the_canonical_time_zone_reach_the_guest() {
         "{system}"
     );
 
+    // One runtime per root: the first one lets go of the roots before the second starts.
+    sandbox.shutdown().await;
+    drop(sandbox);
+
     // Backward link US/Eastern: shown as America/New_York.
     let mut config = model_config(&env, &model);
     config.time_zone = Some("US/Eastern".into());
