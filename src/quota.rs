@@ -31,7 +31,8 @@
 //! then the entries of its `fd` dirs are `stat`ed — never opened — and every regular file
 //! with no link left on the workspace's filesystem counts). A process that hides its
 //! descriptors (not dumpable) or a deleted workspace file held only through a memory mapping
-//! cannot be measured, so it counts as over quota too.
+//! cannot be measured, so it counts as over quota too, once it has stayed so for
+//! [`UNMEASURABLE_FOR`] (the tree alone is held to the quota meanwhile).
 
 use std::collections::HashSet;
 use std::ffi::CStr;
@@ -56,6 +57,14 @@ pub const MAX_DEPTH: usize = 128;
 
 /// How soon a measure that failed in a way a race explains is tried again.
 const RETRY_AFTER: Duration = Duration::from_millis(50);
+
+/// How long the turn's processes may stay unmeasurable (every measure in a row failing in a
+/// way a race explains) before the turn counts as over quota. The engine's own init is not
+/// dumpable from its `setuid` until its `exec` of the guest, and waits there for the
+/// container's start: on a busy machine that lasts past a second. Meanwhile the tree itself
+/// is still measured and held to the quota; what a hidden process holds open is freed when
+/// the turn is killed.
+pub const UNMEASURABLE_FOR: Duration = Duration::from_secs(3);
 
 /// How many times a directory that changed while it was listed is listed again.
 const RELISTS: u8 = 3;
@@ -666,7 +675,8 @@ pub struct Watch {
 /// turn.
 pub async fn watch(w: Watch) -> QuotaError {
     let mut pause = WATCH_INTERVAL;
-    let mut failed_before = false;
+    // Since when every measure in a row failed in a way a race explains.
+    let mut failing_since: Option<std::time::Instant> = None;
     loop {
         tokio::time::sleep(pause).await;
         let started = std::time::Instant::now();
@@ -681,26 +691,42 @@ pub async fn watch(w: Watch) -> QuotaError {
             (w.workspace.clone(), w.quota, w.floor, w.guarded.clone());
         let measured = tokio::task::spawn_blocking(move || {
             check_floor(&guarded, &floor)?;
-            Ok::<_, QuotaError>(measure(&ws, &quota, Some(&processes)))
+            let full = measure(&ws, &quota, Some(&processes));
+            // While the turn's processes cannot be read, the tree alone is still measured.
+            let tree = match &full {
+                Err(e) if !e.is_final() => Some(measure(&ws, &quota, None)),
+                _ => None,
+            };
+            Ok::<_, QuotaError>((full, tree))
         })
         .await;
         pause = WATCH_INTERVAL.max(started.elapsed() * 4);
         match measured {
             Ok(Err(floor_error)) => return floor_error,
-            Ok(Ok(Ok(usage))) => {
-                failed_before = false;
+            Ok(Ok((Ok(usage), _))) => {
+                failing_since = None;
                 if quota.exceeded_by(&usage) {
                     return QuotaError::exceeded(&quota, &usage);
                 }
             }
             // What the guest did on purpose ends the turn at once; anything else (a race)
-            // twice in a row, [`RETRY_AFTER`] apart.
-            Ok(Ok(Err(e))) => {
-                if e.is_final() || failed_before {
+            // once it has lasted [`UNMEASURABLE_FOR`]; the tree is held to the quota meanwhile.
+            Ok(Ok((Err(e), tree))) => {
+                if e.is_final() {
                     return QuotaError::Measure(e.to_string());
                 }
-                failed_before = true;
-                pause = RETRY_AFTER;
+                match tree {
+                    Some(Ok(usage)) if quota.exceeded_by(&usage) => {
+                        return QuotaError::exceeded(&quota, &usage);
+                    }
+                    Some(Err(t)) if t.is_final() => return QuotaError::Measure(t.to_string()),
+                    _ => {}
+                }
+                let since = *failing_since.get_or_insert(started);
+                if started.duration_since(since) >= UNMEASURABLE_FOR {
+                    return QuotaError::Measure(e.to_string());
+                }
+                pause = pause.min(WATCH_INTERVAL).max(RETRY_AFTER);
             }
             Err(e) => tracing::debug!(error = %e, "workspace measure task"),
         }
