@@ -35,7 +35,7 @@ use roundtable_sandbox_protocol::compaction::{
 use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::model::chat_url;
+use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
 use super::server::{error_response, json_response, Response, Turn};
 use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, SummarizerConfig};
@@ -389,22 +389,6 @@ fn parse_answer(bytes: &[u8]) -> Option<(String, Option<u64>, Option<u64>)> {
         tokens("prompt_tokens"),
         tokens("completion_tokens"),
     ))
-}
-
-/// Reads at most `cap` bytes; the flag tells whether there was more.
-async fn read_capped(
-    mut response: reqwest::Response,
-    cap: usize,
-) -> Result<(Vec<u8>, bool), reqwest::Error> {
-    let mut out = Vec::new();
-    while let Some(chunk) = response.chunk().await? {
-        if out.len() + chunk.len() > cap {
-            out.extend_from_slice(&chunk[..cap - out.len()]);
-            return Ok((out, true));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    Ok((out, false))
 }
 
 #[cfg(test)]

@@ -469,7 +469,7 @@ enum Whole {
 }
 
 /// Reads at most `cap` bytes; the flag tells whether there was more.
-async fn read_capped(
+pub(super) async fn read_capped(
     mut response: reqwest::Response,
     cap: usize,
 ) -> Result<(Vec<u8>, bool), reqwest::Error> {
