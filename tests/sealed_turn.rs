@@ -325,10 +325,16 @@ async fn fork_bomb_is_bounded_by_the_pids_limit() {
     let reply = sandbox.run_turn(request("#fork", "x")).await;
     if under_gvisor() {
         // Under gVisor the limit is RLIMIT_NPROC inside the Sentry (driver::docker::
-        // adapt_to_gvisor), and the shell's own next fork meets it: busybox sh exits 2 on a
-        // failed fork. The bound itself is counted by
-        // runtime::a_fork_bomb_is_held_at_the_pids_limit.
-        assert_eq!(reply.error.as_deref(), Some("guest exited with code 2"));
+        // adapt_to_gvisor), and the Sentry has no pids cgroup for the shell to read. Whether
+        // the shell itself meets the limit is a race: it forks once for the bomb and then
+        // only if a step is not a builtin; when it does, busybox sh exits 2 on the failed
+        // fork, otherwise it answers. Either way the turn ends with that clear reply and
+        // leaves nothing (seen failing in CI when only the exit was accepted). The bound
+        // itself is counted by runtime::a_fork_bomb_is_held_at_the_pids_limit.
+        assert!(
+            reply.ok || reply.error.as_deref() == Some("guest exited with code 2"),
+            "{reply:?}"
+        );
         assert_no_leftovers(&sandbox).await;
         return;
     }
