@@ -2,8 +2,11 @@
 //! real MCP servers (`mcp-server-time` from the venv that `scripts/mcp-venv.sh` makes, and
 //! a tiny stdio stub in `tests/support/mcp_stub.py`), limits, peer check, cancellation.
 
+#[path = "support/captured_logs.rs"]
+mod captured_logs;
 #[path = "support/broker_client.rs"]
 mod client;
+use captured_logs::Captured;
 #[path = "support/mcp_stub.rs"]
 mod mcp_stub;
 #[path = "support/model.rs"]
@@ -1652,27 +1655,6 @@ async fn mcp_over_streamable_http_with_host_side_headers() {
 
 // ---------------------------------------------------------------- logs
 
-/// Collects everything logged (every level) while it is the default subscriber.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
 /// Logs at TRACE and INFO+ in a current-thread runtime, so every task of the broker
 /// (connections, upstream client) logs into this test's subscribers.
 #[test]
@@ -1725,8 +1707,8 @@ fn logs_never_hold_the_key_nor_guest_text_at_info() {
         post_json(s, &format!("/v1/tools/{GUEST}"), &json!({})).await;
     });
     drop(rt);
-    let all = String::from_utf8(all.0.lock().unwrap().clone()).unwrap();
-    let info = String::from_utf8(info.0.lock().unwrap().clone()).unwrap();
+    let all = all.text();
+    let info = info.text();
     assert!(all.contains("model call"), "nothing was captured:\n{all}");
     assert!(!all.contains(KEY), "the key was logged:\n{all}");
     assert!(

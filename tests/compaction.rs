@@ -5,14 +5,17 @@
 //! logs with its own subscriber in a current-thread runtime, so every broker task logs into
 //! it. Runs as the non-root service user (scripts/test.sh).
 
+#[path = "support/captured_logs.rs"]
+mod captured_logs;
 #[path = "support/broker_client.rs"]
 mod client;
+use captured_logs::Captured;
 #[path = "support/model.rs"]
 mod model_support;
 #[path = "support/sandbox.rs"]
 mod sandbox_support;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use model_support::{ScriptedModel, Step};
@@ -31,42 +34,6 @@ const SUM_KEY: &str = "sk-sum-otter-2222-do-not-leak";
 const BUDGET: u64 = 2000;
 
 // ---------------------------------------------------------------- harness
-
-/// Everything logged at INFO and above while the test runs.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
-    type Writer = Captured;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
-impl Captured {
-    fn text(&self) -> String {
-        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
-    }
-
-    /// The lines holding every one of `needles`.
-    fn lines(&self, needles: &[&str]) -> Vec<String> {
-        self.text()
-            .lines()
-            .filter(|l| needles.iter().all(|n| l.contains(n)))
-            .map(str::to_owned)
-            .collect()
-    }
-}
 
 /// Runs `test` in a current-thread runtime with a capturing subscriber as the default.
 fn with_logs<F: std::future::Future<Output = ()>>(test: impl FnOnce(Captured) -> F) {

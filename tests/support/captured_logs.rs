@@ -1,0 +1,42 @@
+//! A `tracing` writer that keeps everything written to it, for tests that read their logs.
+
+use std::sync::{Arc, Mutex};
+
+/// Collects every byte the subscriber it is given to writes.
+#[derive(Clone, Default)]
+pub struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+impl Captured {
+    /// Everything captured so far.
+    #[allow(dead_code)]
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
+    /// The lines holding every one of `needles`.
+    #[allow(dead_code)]
+    pub fn lines(&self, needles: &[&str]) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|l| needles.iter().all(|n| l.contains(n)))
+            .map(str::to_owned)
+            .collect()
+    }
+}
