@@ -70,7 +70,7 @@ async fn main() -> std::process::ExitCode {
     match run(cli).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("irc-bot: {}", roundtable_sandbox::error_chain(e.as_ref()));
+            roundtable_sandbox_examples::print_error("irc-bot", &e);
             std::process::ExitCode::from(2)
         }
     }

@@ -67,6 +67,14 @@ pub fn print_completions<C: clap::CommandFactory>(
     std::process::ExitCode::SUCCESS
 }
 
+/// Prints a bot's fatal error on stderr: its message, then each cause on a line of its own.
+pub fn print_error(program: &str, error: &anyhow::Error) {
+    eprintln!("{program}: {error}");
+    for cause in error.chain().skip(1) {
+        eprintln!("  caused by: {cause}");
+    }
+}
+
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

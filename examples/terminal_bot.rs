@@ -51,10 +51,7 @@ async fn main() -> std::process::ExitCode {
     match run(cli.settings).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!(
-                "terminal-bot: {}",
-                roundtable_sandbox::error_chain(e.as_ref())
-            );
+            roundtable_sandbox_examples::print_error("terminal-bot", &e);
             std::process::ExitCode::from(2)
         }
     }

@@ -78,8 +78,13 @@ pub enum ConfigError {
     SessionBudget(u64),
     #[error("sandbox roots must be absolute dedicated directories: {0}")]
     RootNotAbsolute(PathBuf),
-    #[error("create sandbox root {path}: {source}")]
+    #[error("create sandbox root {path}")]
     CreateRoot {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("inspect sandbox root {path}")]
+    InspectRoot {
         path: PathBuf,
         source: std::io::Error,
     },
@@ -97,17 +102,30 @@ pub enum ConfigError {
     InvalidRuntime(String),
     #[error("runtime {0} reports every broker peer as uid 0: set peer_uid_check = false (the per-turn 0700 run dir is then the only door to the socket)")]
     PeerUidCheckUnderRuntime(String),
-    #[error("invalid broker policy: {0}")]
+    #[error(transparent)]
     Policy(#[from] BrokerError),
-    #[error("read config file {path}: {source}")]
+    #[error("read config file {path}")]
     ReadFile {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error("config file {path}: {message}")]
     ParseFile { path: PathBuf, message: String },
-    #[error("api key: {0}")]
-    ApiKeySource(String),
+    #[error("{section}: set api_key_env or api_key_file, not both")]
+    ApiKeyBothSources { section: &'static str },
+    #[error("{section}: set api_key_env or api_key_file")]
+    ApiKeyNoSource { section: &'static str },
+    #[error("read api key: environment variable {var} is not set")]
+    ApiKeyEnvUnset { var: String },
+    #[error("read api key file {path}: it is empty")]
+    ApiKeyFileEmpty { path: PathBuf },
+    #[error("read api key file {path}")]
+    ReadApiKeyFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{key} must be a number of seconds, got {value}")]
+    Seconds { key: &'static str, value: f64 },
 }
 
 /// The container's resource caps.
@@ -394,7 +412,7 @@ impl Config {
                     path: root.clone(),
                     source,
                 })?;
-            let meta = std::fs::metadata(root).map_err(|source| ConfigError::CreateRoot {
+            let meta = std::fs::metadata(root).map_err(|source| ConfigError::InspectRoot {
                 path: root.clone(),
                 source,
             })?;
@@ -403,7 +421,7 @@ impl Config {
             }
         }
         let canonical = |p: &PathBuf| {
-            std::fs::canonicalize(p).map_err(|source| ConfigError::CreateRoot {
+            std::fs::canonicalize(p).map_err(|source| ConfigError::InspectRoot {
                 path: p.clone(),
                 source,
             })
@@ -578,14 +596,14 @@ impl CompactionFile {
         };
         let (api_key, key_source) = match (&self.api_key_env, &self.api_key_file) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::ApiKeySource(
-                    "compaction: set api_key_env or api_key_file, not both".into(),
-                ))
+                return Err(ConfigError::ApiKeyBothSources {
+                    section: "compaction",
+                })
             }
             (None, None) => {
-                return Err(ConfigError::ApiKeySource(
-                    "compaction: set api_key_env or api_key_file".into(),
-                ))
+                return Err(ConfigError::ApiKeyNoSource {
+                    section: "compaction",
+                })
             }
             (Some(var), None) => (
                 std::env::var(var).ok().and_then(present),
@@ -598,10 +616,7 @@ impl CompactionFile {
         };
         let timeout = match self.timeout_secs {
             None => SummarizerConfig::DEFAULT_TIMEOUT,
-            Some(secs) if secs.is_finite() && secs > 0.0 && secs <= 1e6 => {
-                Duration::from_secs_f64(secs)
-            }
-            Some(_) => Duration::ZERO,
+            Some(secs) => seconds("compaction.timeout_secs", secs)?,
         };
         Ok(SummarizerConfig {
             url: self.url,
@@ -618,36 +633,32 @@ fn yes() -> bool {
     true
 }
 
+/// A file's number of seconds as a duration (its range is checked by [`Config::resolve`]).
+fn seconds(key: &'static str, value: f64) -> Result<Duration, ConfigError> {
+    Duration::try_from_secs_f64(value).map_err(|_| ConfigError::Seconds { key, value })
+}
+
 impl ConfigFile {
     /// Builds the [`Config`], reading the key from the named variable or file.
     pub fn into_config(self) -> Result<Config, ConfigError> {
         let api_key = match (&self.api_key_env, &self.api_key_file) {
             (Some(_), Some(_)) => {
-                return Err(ConfigError::ApiKeySource(
-                    "set api_key_env or api_key_file, not both".into(),
-                ))
+                return Err(ConfigError::ApiKeyBothSources {
+                    section: "config file",
+                })
             }
             (Some(var), None) => match std::env::var(var) {
                 Ok(v) if !v.trim().is_empty() => ApiKey::from_static(v.trim()),
-                _ => {
-                    return Err(ConfigError::ApiKeySource(format!(
-                        "environment variable {var} is not set"
-                    )))
-                }
+                _ => return Err(ConfigError::ApiKeyEnvUnset { var: var.clone() }),
             },
             (None, Some(path)) => match std::fs::read_to_string(path) {
                 Ok(v) if !v.trim().is_empty() => ApiKey::from_static(v.trim()),
-                Ok(_) => {
-                    return Err(ConfigError::ApiKeySource(format!(
-                        "key file {} is empty",
-                        path.display()
-                    )))
-                }
-                Err(e) => {
-                    return Err(ConfigError::ApiKeySource(format!(
-                        "read key file {}: {e}",
-                        path.display()
-                    )))
+                Ok(_) => return Err(ConfigError::ApiKeyFileEmpty { path: path.clone() }),
+                Err(source) => {
+                    return Err(ConfigError::ReadApiKeyFile {
+                        path: path.clone(),
+                        source,
+                    })
                 }
             },
             (None, None) => ApiKey::None,
@@ -666,10 +677,7 @@ impl ConfigFile {
         config.gid = self.gid;
         config.limits = self.limits;
         if let Some(secs) = self.turn_timeout_secs {
-            if !(secs.is_finite() && secs > 0.0 && secs <= 1e6) {
-                return Err(ConfigError::TurnTimeout(Duration::ZERO));
-            }
-            config.turn_timeout = Some(Duration::from_secs_f64(secs));
+            config.turn_timeout = Some(seconds("turn_timeout_secs", secs)?);
         }
         config.allow_http = self.allow_http;
         config.broker_limits = self.broker;
@@ -947,7 +955,7 @@ mod tests {
         let text = "image = \"x\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\nmodel_url = \"https://a\"\napi_key_env = \"RTS_TEST_SURELY_UNSET_VAR\"\n";
         assert_eq!(
             Config::from_toml_str(text).unwrap_err().to_string(),
-            "api key: environment variable RTS_TEST_SURELY_UNSET_VAR is not set"
+            "read api key: environment variable RTS_TEST_SURELY_UNSET_VAR is not set"
         );
     }
 }

@@ -16,7 +16,7 @@ use crate::driver::DockerDriver;
 /// Errors of building the image.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
-    #[error("read {path}: {source}")]
+    #[error("read {path}")]
     Read {
         path: PathBuf,
         source: std::io::Error,
@@ -25,11 +25,11 @@ pub enum ImageError {
     NotStatic(PathBuf),
     #[error("list busybox applets with {path}: {reason}")]
     Applets { path: PathBuf, reason: String },
-    #[error("{0}")]
+    #[error(transparent)]
     Driver(#[from] crate::driver::DriverError),
     #[error("docker build of {tag} failed: {reason}")]
     Build { tag: String, reason: String },
-    #[error("write the build context archive: {source}")]
+    #[error("write the build context archive")]
     Archive { source: std::io::Error },
 }
 

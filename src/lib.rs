@@ -73,11 +73,14 @@ pub(crate) struct LiveTurns {
 /// Errors of starting a runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
-    #[error("invalid configuration: {0}")]
+    /// The configuration breaks a rule (the cause names it).
+    #[error("invalid configuration")]
     Config(#[from] ConfigError),
-    #[error("{0}")]
+    /// A root's lock could not be taken.
+    #[error(transparent)]
     Lock(#[from] lock::LockError),
-    #[error("start broker: {0}")]
+    /// The broker could not be prepared (an MCP server did not start, say).
+    #[error("start broker")]
     Broker(#[from] broker::BrokerError),
 }
 
@@ -166,20 +169,15 @@ impl Sandbox {
     }
 }
 
-/// An error and its causes on one line, each shown once (this crate's errors already carry
-/// their cause's text, so a plain walk of the chain would repeat it).
-pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = String::new();
-    let mut next = Some(error);
-    while let Some(e) = next {
-        let text = e.to_string();
-        if !out.contains(&text) {
-            if !out.is_empty() {
-                out.push_str(": ");
-            }
-            out.push_str(&text);
-        }
-        next = e.source();
+/// An error and its causes on one line, `error: cause: cause`, for a reply's text (each
+/// layer's message leaves out its cause, so each appears once).
+pub(crate) fn one_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        next = cause.source();
     }
     out
 }
@@ -187,20 +185,16 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn error_chain_shows_each_cause_once() {
-        let e = crate::SandboxError::Config(crate::ConfigError::ModelMissing);
-        assert_eq!(
-            super::error_chain(&e),
-            "invalid configuration: model is required"
-        );
+    fn one_line_shows_each_cause_once() {
         let io = std::io::Error::other("disk on fire");
-        let e = crate::ConfigError::ReadFile {
+        let e = crate::SandboxError::Config(crate::ConfigError::ReadFile {
             path: "/etc/x.toml".into(),
             source: io,
-        };
+        });
+        assert_eq!(e.to_string(), "invalid configuration");
         assert_eq!(
-            super::error_chain(&e),
-            "read config file /etc/x.toml: disk on fire"
+            super::one_line(&e),
+            "invalid configuration: read config file /etc/x.toml: disk on fire"
         );
     }
 }

@@ -27,7 +27,7 @@ pub const LOCK_FILE: &str = ".roundtable-sandbox.lock";
 pub enum LockError {
     #[error("sandbox root {root} is in use by another runtime{holder}: one runtime per root")]
     InUse { root: PathBuf, holder: String },
-    #[error("lock sandbox root {root}: {source}")]
+    #[error("lock sandbox root {root}")]
     Lock {
         root: PathBuf,
         source: std::io::Error,
@@ -119,11 +119,14 @@ mod tests {
         let target = dir.path().join("elsewhere");
         std::fs::write(&target, "x").unwrap();
         std::os::unix::fs::symlink(&target, dir.path().join(LOCK_FILE)).unwrap();
-        let err = RootLock::acquire(dir.path()).unwrap_err().to_string();
-        assert!(
-            err.starts_with(&format!("lock sandbox root {}: ", dir.path().display())),
-            "{err}"
+        let err = RootLock::acquire(dir.path()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("lock sandbox root {}", dir.path().display())
         );
+        // The cause: the link is refused, not followed.
+        let cause = std::error::Error::source(&err).unwrap().to_string();
+        assert!(cause.contains("symbolic links"), "{cause}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "x");
     }
 }

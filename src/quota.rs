@@ -192,7 +192,7 @@ pub enum MeasureError {
     HiddenDescriptors,
     #[error("a deleted workspace file is held only through a memory mapping")]
     MappedDeleted,
-    #[error("{op}: {source}")]
+    #[error("{op}")]
     Io {
         op: &'static str,
         source: std::io::Error,
@@ -588,8 +588,8 @@ pub fn check(
     quota: &Quota,
     processes: Option<&ContainerProcesses>,
 ) -> Result<Usage, QuotaError> {
-    let usage =
-        measure(workspace, quota, processes).map_err(|e| QuotaError::Measure(e.to_string()))?;
+    let usage = measure(workspace, quota, processes)
+        .map_err(|e| QuotaError::Measure(crate::one_line(&e)))?;
     if quota.exceeded_by(&usage) {
         return Err(QuotaError::exceeded(quota, &usage));
     }
@@ -713,18 +713,20 @@ pub async fn watch(w: Watch) -> QuotaError {
             // once it has lasted [`UNMEASURABLE_FOR`]; the tree is held to the quota meanwhile.
             Ok(Ok((Err(e), tree))) => {
                 if e.is_final() {
-                    return QuotaError::Measure(e.to_string());
+                    return QuotaError::Measure(crate::one_line(&e));
                 }
                 match tree {
                     Some(Ok(usage)) if quota.exceeded_by(&usage) => {
                         return QuotaError::exceeded(&quota, &usage);
                     }
-                    Some(Err(t)) if t.is_final() => return QuotaError::Measure(t.to_string()),
+                    Some(Err(t)) if t.is_final() => {
+                        return QuotaError::Measure(crate::one_line(&t))
+                    }
                     _ => {}
                 }
                 let since = *failing_since.get_or_insert(started);
                 if started.duration_since(since) >= UNMEASURABLE_FOR {
-                    return QuotaError::Measure(e.to_string());
+                    return QuotaError::Measure(crate::one_line(&e));
                 }
                 pause = pause.min(WATCH_INTERVAL).max(RETRY_AFTER);
             }

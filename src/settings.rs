@@ -51,6 +51,17 @@ pub struct Settings {
     pub offline: bool,
 }
 
+/// Errors of turning settings into a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// The config file could not be read or breaks a rule.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The embedded offline model could not start (its loopback listener).
+    #[error("start the offline model")]
+    StartOfflineModel(#[source] std::io::Error),
+}
+
 /// What a usage text says about the settings beyond their flags.
 pub const SETTINGS_NOTE: &str = "Without OPENAI_API_KEY (and without --config) the embedded \
 offline model is used. The key only ever comes from the environment (or the file the config \
@@ -71,7 +82,7 @@ impl Settings {
 
     /// The configuration these settings describe (not yet validated), and the offline
     /// model when it is the one configured (keep it alive as long as the runtime).
-    pub async fn build(&self) -> Result<(Config, Option<OfflineModel>), ConfigError> {
+    pub async fn build(&self) -> Result<(Config, Option<OfflineModel>), SettingsError> {
         let mut config = match &self.config_file {
             Some(path) => Config::from_toml_file(path)?,
             None => {
@@ -109,7 +120,7 @@ impl Settings {
         let offline = if self.offline || (no_key && self.config_file.is_none()) {
             let model = OfflineModel::start()
                 .await
-                .map_err(|e| ConfigError::ApiKeySource(format!("start the offline model: {e}")))?;
+                .map_err(SettingsError::StartOfflineModel)?;
             config.model = OFFLINE_MODEL.into();
             config.model_url = model.url();
             config.api_key = ApiKey::None;

@@ -74,23 +74,23 @@ pub enum TurnError {
     SlotTimeout { timeout: Duration, slots: usize },
     #[error("turn stopped")]
     Stopped,
-    #[error("create workspace {path}: {source}")]
+    #[error("create workspace {path}")]
     CreateWorkspace {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("create run dir under {path}: {source}")]
+    #[error("create run dir under {path}")]
     CreateRunDir {
         path: PathBuf,
         source: std::io::Error,
     },
     #[error("broker socket path too long: {0}")]
     SocketPathTooLong(PathBuf),
-    #[error("start broker: {0}")]
+    #[error("start broker")]
     Broker(#[from] crate::broker::BrokerError),
-    #[error("{0}")]
+    #[error(transparent)]
     Driver(#[from] DriverError),
-    #[error("{0}")]
+    #[error(transparent)]
     Quota(#[from] crate::quota::QuotaError),
     /// The engine reports that the memory limit killed the guest.
     #[error("guest killed: out of memory (limit {limit_mb} MiB)")]
@@ -101,7 +101,7 @@ pub enum TurnError {
     /// The container exited non-zero (137 under the init process: `SIGKILL`).
     #[error("guest exited with code {code}")]
     Exit { code: i64 },
-    #[error("{0}")]
+    #[error(transparent)]
     Reply(#[from] ReplyError),
 }
 
@@ -199,7 +199,7 @@ impl TurnOutcome {
     /// The outcome of a turn that failed with `error` (its reply carries the message).
     pub fn failed(error: &TurnError) -> Self {
         Self {
-            reply: Reply::error(error.to_string()),
+            reply: Reply::error(crate::one_line(error)),
             failure: Some(error.failure()),
         }
     }

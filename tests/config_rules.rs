@@ -80,7 +80,7 @@ fn each_rule_has_its_message() {
     c.allow_http = false;
     assert_eq!(
         err(&c),
-        "invalid broker policy: model_url must use https (set allow_http only for offline tests): http://127.0.0.1:9/v1"
+        "model_url must use https (set allow_http only for offline tests): http://127.0.0.1:9/v1"
     );
 
     // allow_http admits plain HTTP to loopback only, for the model and for MCP servers.
@@ -94,7 +94,7 @@ fn each_rule_has_its_message() {
         c.allow_http = true;
         assert_eq!(
             err(&c),
-            format!("invalid broker policy: model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}")
+            format!("model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}")
         );
     }
     let mut c = base.clone();
@@ -111,7 +111,7 @@ fn each_rule_has_its_message() {
     }];
     assert_eq!(
         err(&c),
-        "invalid broker policy: MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"
+        "MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"
     );
 
     // The model request allow-list and token cap.
@@ -119,7 +119,7 @@ fn each_rule_has_its_message() {
     c.model_request.max_tokens = 0;
     assert_eq!(
         err(&c),
-        "invalid broker policy: invalid model_request: max_tokens must be 1 to 10000000, got 0"
+        "invalid model_request: max_tokens must be 1 to 10000000, got 0"
     );
     for (field, msg) in [
         (
@@ -134,10 +134,7 @@ fn each_rule_has_its_message() {
     ] {
         let mut c = base.clone();
         c.model_request.extra_fields = vec![field.into()];
-        assert_eq!(
-            err(&c),
-            format!("invalid broker policy: invalid model_request: {msg}")
-        );
+        assert_eq!(err(&c), format!("invalid model_request: {msg}"));
     }
 
     let mut c = base.clone();
@@ -161,7 +158,7 @@ fn each_rule_has_its_message() {
         assert_eq!(
             err(&c),
             format!(
-                "invalid broker policy: host tool \"{builtin}\" has the name of a built-in guest \
+                "host tool \"{builtin}\" has the name of a built-in guest \
                  tool (built-ins: read, write, edit, list, sh)"
             )
         );
@@ -356,7 +353,7 @@ fn mcp_scope_rules() {
         e,
         "config file <string>: mcp[0].scope: unknown variant `global`, expected `channel` or `shared` (at line 11, column 9)"
     );
-    let prefix = "invalid broker policy: MCP server db: ";
+    let prefix = "MCP server db: ";
     assert_eq!(
         rule(&format!(
             "{stdio}scope = \"shared\"\nargs = [\"/data/{{channel}}.db\"]\n"
@@ -711,7 +708,7 @@ fn compaction_rules_have_their_messages() {
     };
     assert_eq!(
         err(&with(summarizer("http://127.0.0.1:9/v1", false))),
-        "invalid broker policy: compaction.url must use https (allow_http permits http to a loopback address only): http://127.0.0.1:9/v1"
+        "compaction.url must use https (allow_http permits http to a loopback address only): http://127.0.0.1:9/v1"
     );
     for not_loopback in [
         "http://10.1.2.3/v1",
@@ -720,7 +717,7 @@ fn compaction_rules_have_their_messages() {
     ] {
         assert_eq!(
             err(&with(summarizer(not_loopback, true))),
-            format!("invalid broker policy: compaction.url must use https (allow_http permits http to a loopback address only): {not_loopback}")
+            format!("compaction.url must use https (allow_http permits http to a loopback address only): {not_loopback}")
         );
     }
     for invalid in [
@@ -730,21 +727,18 @@ fn compaction_rules_have_their_messages() {
     ] {
         assert_eq!(
             err(&with(summarizer(invalid, true))),
-            format!("invalid broker policy: invalid compaction.url: {invalid}")
+            format!("invalid compaction.url: {invalid}")
         );
     }
     let mut s = summarizer("https://sum.example.com/v1", false);
     s.model = " ".into();
-    assert_eq!(
-        err(&with(s)),
-        "invalid broker policy: compaction.model is required"
-    );
+    assert_eq!(err(&with(s)), "compaction.model is required");
     for bad in [Duration::from_millis(999), Duration::from_secs(601)] {
         let mut s = summarizer("https://sum.example.com/v1", false);
         s.timeout = bad;
         assert_eq!(
             err(&with(s)),
-            format!("invalid broker policy: compaction.timeout must be 1 s to 600 s, got {bad:?}")
+            format!("compaction.timeout must be 1 s to 600 s, got {bad:?}")
         );
     }
     // Nothing was created by the failed checks; the good ones resolve.
@@ -789,7 +783,7 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
     );
     assert_eq!(
         load(url).unwrap_err().to_string(),
-        "api key: compaction: set api_key_env or api_key_file"
+        "compaction: set api_key_env or api_key_file"
     );
     assert_eq!(
         load(&format!(
@@ -797,7 +791,7 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
         ))
         .unwrap_err()
         .to_string(),
-        "api key: compaction: set api_key_env or api_key_file, not both"
+        "compaction: set api_key_env or api_key_file, not both"
     );
 
     // A key from a file, with the deadline and loopback http.
@@ -837,10 +831,7 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
         .resolve()
         .unwrap_err()
         .to_string();
-    assert_eq!(
-        e,
-        "invalid broker policy: compaction.timeout must be 1 s to 600 s, got 0ns"
-    );
+    assert_eq!(e, "compaction.timeout must be 1 s to 600 s, got 0ns");
     let e = load(&format!("{url}api_key_env = \"X\"\nallow_http = \"yes\"\n"))
         .unwrap_err()
         .to_string();

@@ -13,7 +13,7 @@ pub enum SandboxActorError {
     #[error("invalid actor settings: {field} {reason}")]
     InvalidSettings { field: &'static str, reason: String },
     /// The core refused the configuration or could not prepare the broker; nothing started.
-    #[error("cannot start the sandbox: {0}")]
+    #[error("cannot start the sandbox")]
     Start(#[from] roundtable_sandbox::SandboxError),
     /// The channel's queue is full.
     #[error(
@@ -39,7 +39,7 @@ pub enum SandboxActorError {
     #[error("the turn ended without a reply (internal error)")]
     TurnLost,
     /// The channel's actor could not be reached.
-    #[error("the channel's worker is unavailable: {0}")]
+    #[error("the channel's worker is unavailable")]
     ChannelUnavailable(#[from] actix::MailboxError),
 }
 

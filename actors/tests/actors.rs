@@ -70,6 +70,13 @@ async fn start(config: SupervisorConfig) -> Addr<SandboxSupervisor> {
         .expect("valid config")
 }
 
+/// An error's message and its causes' (each layer's own).
+fn causes(error: &(dyn std::error::Error + 'static)) -> Vec<String> {
+    std::iter::successors(Some(error), |e| e.source())
+        .map(ToString::to_string)
+        .collect()
+}
+
 #[actix_rt::test]
 async fn invalid_configuration_starts_nothing() {
     let env = Env::new();
@@ -90,18 +97,22 @@ async fn invalid_configuration_starts_nothing() {
     let mut config = env.fake(&driver, &tool);
     config.sandbox.model = " ".into();
     let err = SandboxSupervisor::start(config).await.unwrap_err();
+    // Each layer says what failed; the rule is the last cause.
     assert_eq!(
-        err.to_string(),
-        "cannot start the sandbox: invalid configuration: model is required"
+        causes(&err),
+        [
+            "cannot start the sandbox",
+            "invalid configuration",
+            "model is required"
+        ]
     );
 
     let mut config = env.fake(&driver, &tool);
     config.sandbox.turn_timeout = Some(Duration::from_millis(10));
     let err = SandboxSupervisor::start(config).await.unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("turn_timeout must be 1 s to 600 s"),
-        "{err}"
+    assert_eq!(
+        causes(&err).last().unwrap(),
+        "turn_timeout must be 1 s to 600 s, got 10ms"
     );
     assert_eq!(driver.started(), 0);
 }

@@ -107,10 +107,10 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!(
-                "roundtable-sandbox: {}",
-                roundtable_sandbox::error_chain(e.as_ref())
-            );
+            eprintln!("roundtable-sandbox: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
             ExitCode::from(2)
         }
     }

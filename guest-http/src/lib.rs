@@ -27,13 +27,13 @@ pub const MAX_HEADERS: usize = 64;
 #[derive(Debug, thiserror::Error)]
 pub enum HttpError {
     /// The socket could not be reached.
-    #[error("cannot reach the broker: {0}")]
+    #[error("cannot reach the broker")]
     Connect(#[source] io::Error),
     /// The deadline passed before the exchange finished.
     #[error("the broker did not answer in time")]
     Timeout,
     /// Reading or writing failed.
-    #[error("broker connection failed: {0}")]
+    #[error("broker connection failed")]
     Io(#[source] io::Error),
     /// The response was not well-formed HTTP/1.1.
     #[error("malformed broker response: {0}")]

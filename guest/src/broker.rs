@@ -65,6 +65,14 @@ fn clean(text: &str) -> String {
 }
 
 /// The error text of a non-2xx answer: `{"error":"…"}`, `{"error":{"message":"…"}}`, or none.
+/// A failed exchange and its cause on one line (the model or the tool result shows it).
+fn http_text(error: &crate::http::HttpError) -> String {
+    match std::error::Error::source(error) {
+        Some(cause) => format!("{error}: {cause}"),
+        None => error.to_string(),
+    }
+}
+
 fn error_text(response: &Response) -> String {
     let detail = serde_json::from_slice::<ErrorBody>(&response.body)
         .map(|b| b.error)
@@ -93,7 +101,7 @@ impl Model for Broker {
         let response = self
             .client
             .post_json(paths::CHAT_COMPLETIONS, &body, self.model_timeout)
-            .map_err(|e| ModelError(e.to_string()))?;
+            .map_err(|e| ModelError(http_text(&e)))?;
         if !(200..300).contains(&response.status) {
             return Err(ModelError(error_text(&response)));
         }
@@ -106,7 +114,7 @@ impl Model for Broker {
         let response = self
             .client
             .post_json(paths::COMPACT, &body, self.model_timeout)
-            .map_err(|e| ModelError(e.to_string()))?;
+            .map_err(|e| ModelError(http_text(&e)))?;
         if response.status != 200 {
             return Err(ModelError(error_text(&response)));
         }
@@ -184,7 +192,7 @@ impl Remote for Broker {
         let response = self
             .client
             .post_json(path, &body, self.tool_timeout)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| http_text(&e))?;
         if response.status != 200 {
             return Err(error_text(&response));
         }

@@ -108,7 +108,7 @@ pub enum BrokerError {
     McpUnknownTool { server: String, tool: String },
     #[error("build the upstream HTTP client: {0}")]
     HttpClient(String),
-    #[error("bind broker socket {path}: {source}")]
+    #[error("bind broker socket {path}")]
     Bind {
         path: PathBuf,
         source: std::io::Error,
