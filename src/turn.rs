@@ -23,9 +23,10 @@ use sha2::Digest;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::broker::{BrokerEvent, TurnContext};
+use crate::broker::{BrokerEvent, BrokerListener, TurnContext};
 use crate::driver::{
-    ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME, LABEL_TURN,
+    BrokerTransport, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME,
+    LABEL_TURN,
 };
 use crate::Sandbox;
 
@@ -472,32 +473,23 @@ async fn run_turn_inner(
                 dir
             };
             run_dir.path = Some(dir.clone());
-            let socket = dir.join("broker.sock");
-            if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
-                return Err(TurnError::SocketPathTooLong(socket));
-            }
-            let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
-                Arc::new(move |e: BrokerEvent| {
-                    o(match e {
-                        BrokerEvent::ModelCall => TurnPhase::ModelCall,
-                        BrokerEvent::ToolCall => TurnPhase::ToolCall,
-                    })
-                }) as crate::broker::BrokerEvents
-            });
-            let ctx = TurnContext {
-                channel: request.channel.clone(),
-                speaker: request.speaker.clone(),
-                cancel: cancel.clone(),
-                events,
-            };
+            let spec = container_spec(
+                sandbox,
+                &container_name,
+                &segment,
+                &turn_id,
+                &dir,
+                &workspace_dir,
+            );
+            let ctx = turn_context(&request, &cancel, &observer);
             let l = tokio::select! {
-                l = sandbox.broker().listen(&socket, ctx) => l?,
+                l = bind_broker(sandbox, &spec, ctx) => l?,
                 _ = request.stop.cancelled() => return Err(TurnError::Stopped),
             };
             listener = Some(l);
-            Ok::<_, TurnError>((workspace, guarded, dir))
+            Ok::<_, TurnError>((workspace, guarded, spec))
         };
-        let (workspace, guarded, dir) = tokio::select! {
+        let (workspace, guarded, spec) = tokio::select! {
             biased;
             _ = request.stop.cancelled() => return Err(TurnError::Stopped),
             _ = &mut deadline => return Err(TurnError::Timeout(timeout)),
@@ -523,14 +515,6 @@ async fn run_turn_inner(
             session_budget: config.config.session_budget,
         };
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
-        let spec = container_spec(
-            sandbox,
-            &container_name,
-            &segment,
-            &turn_id,
-            &dir,
-            &workspace_dir,
-        );
 
         phase(TurnPhase::ContainerRunning);
         container_started = true;
@@ -629,6 +613,52 @@ async fn run_turn_inner(
     );
     phase(TurnPhase::Done);
     reply
+}
+
+/// The broker's view of this turn: its channel, speaker and cancellation, and the phase
+/// observer told of each call.
+fn turn_context(
+    request: &TurnRequest,
+    cancel: &CancellationToken,
+    observer: &Option<PhaseObserver>,
+) -> TurnContext {
+    let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
+        Arc::new(move |e: BrokerEvent| {
+            o(match e {
+                BrokerEvent::ModelCall => TurnPhase::ModelCall,
+                BrokerEvent::ToolCall => TurnPhase::ToolCall,
+            })
+        }) as crate::broker::BrokerEvents
+    });
+    TurnContext {
+        channel: request.channel.clone(),
+        speaker: request.speaker.clone(),
+        cancel: cancel.clone(),
+        events,
+    }
+}
+
+/// The broker's socket in a turn's run dir (the guest sees it at
+/// [`roundtable_sandbox_protocol::BROKER_SOCKET`]).
+pub const SOCKET_FILE: &str = "broker.sock";
+
+/// Binds the broker to the turn, over the transport the backend asks for: a unix socket in
+/// the turn's run dir (its peer checked), or the byte streams the backend carries.
+async fn bind_broker(
+    sandbox: &Sandbox,
+    spec: &ContainerSpec,
+    ctx: TurnContext,
+) -> Result<BrokerListener, TurnError> {
+    match sandbox.driver().broker_transport(spec).await? {
+        BrokerTransport::UnixSocket => {
+            let socket = spec.run_dir.join(SOCKET_FILE);
+            if socket.as_os_str().len() > crate::config::MAX_SOCKET_PATH {
+                return Err(TurnError::SocketPathTooLong(socket));
+            }
+            Ok(sandbox.broker().listen(&socket, ctx).await?)
+        }
+        BrokerTransport::Streams(streams) => Ok(sandbox.broker().serve_streams(streams, ctx)),
+    }
 }
 
 fn make_workspace(dir: &Path) -> Result<(), TurnError> {

@@ -827,7 +827,8 @@ impl Broker {
         (tools, self.mcp.specs())
     }
 
-    /// Listens on `socket` for one turn. Each connection is its own task; the listener's
+    /// Listens on `socket` for one turn (the Docker path: a unix socket in the turn's
+    /// run dir, each peer's uid checked). Each connection is its own task; the listener's
     /// cancellation (a child of the turn's) ends every call in flight.
     pub async fn listen(
         self: &Arc<Self>,
@@ -838,13 +839,34 @@ impl Broker {
             path: socket.to_owned(),
             source,
         })?;
+        Ok(self.spawn(server::Acceptor::Unix(listener), socket.to_owned(), ctx))
+    }
+
+    /// Serves one turn over the byte streams a backend carries from its guest (see
+    /// [`crate::driver::BrokerTransport::Streams`]): the same HTTP, limits and policy as on
+    /// the unix socket, without a socket and without a peer check (the backend vouches
+    /// that each stream is this turn's guest). Serving ends when the listener stops.
+    pub fn serve_streams(
+        self: &Arc<Self>,
+        streams: tokio::sync::mpsc::Receiver<Box<dyn crate::driver::GuestStream>>,
+        ctx: TurnContext,
+    ) -> BrokerListener {
+        self.spawn(server::Acceptor::Streams(streams), PathBuf::new(), ctx)
+    }
+
+    fn spawn(
+        self: &Arc<Self>,
+        acceptor: server::Acceptor,
+        path: PathBuf,
+        ctx: TurnContext,
+    ) -> BrokerListener {
         let stop = ctx.cancel.child_token();
-        let task = tokio::spawn(server::serve(self.clone(), listener, ctx, stop.clone()));
-        Ok(BrokerListener {
-            path: socket.to_owned(),
+        let task = tokio::spawn(server::serve(self.clone(), acceptor, ctx, stop.clone()));
+        BrokerListener {
+            path,
             stop,
             task: Some(task),
-        })
+        }
     }
 
     /// Stops the channel's MCP sessions (channel-scoped servers only). They are taken out
@@ -878,23 +900,27 @@ impl Broker {
 /// One turn's listener. Stopping (or dropping) it ends every call in flight.
 #[derive(Debug)]
 pub struct BrokerListener {
+    /// The socket file (empty: streams carried by the backend).
     path: PathBuf,
     stop: CancellationToken,
     task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl BrokerListener {
-    /// The socket path.
+    /// The socket path (empty when the backend carries the streams).
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Stops accepting, ends every connection and removes the socket file.
+    /// Stops accepting, ends every connection and removes the socket file (if any).
     pub async fn stop(mut self) -> Result<(), std::io::Error> {
         self.stop.cancel();
         if let Some(task) = self.task.take() {
             task.abort();
             let _ = task.await;
+        }
+        if self.path.as_os_str().is_empty() {
+            return Ok(());
         }
         match std::fs::remove_file(&self.path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),

@@ -1,7 +1,8 @@
 //! The per-turn HTTP/1.1 server on the unix socket.
 //!
-//! - [`serve`]: the accept loop: the peer check (SO_PEERCRED uid must be the worker uid),
-//!   a cap on open connections (one more is answered `503` and closed), one task per
+//! - [`serve`]: the accept loop over the turn's [`Acceptor`] (a unix listener, with the
+//!   peer check: SO_PEERCRED uid must be the worker uid; or the byte streams a backend
+//!   carries from its guest, see [`crate::driver::BrokerTransport`]), a cap on open connections (one more is answered `503` and closed), one task per
 //!   connection in a `JoinSet` (so stopping the listener aborts them all), a header read
 //!   timeout so a slow client blocks nothing;
 //! - [`handle`]: routing, method check, body size cap (`413`), a cap on calls in flight
@@ -27,11 +28,12 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use roundtable_sandbox_protocol::{paths, ErrorBody};
 use serde::Serialize;
 use tokio::net::UnixListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::{Broker, TurnContext};
+use crate::driver::GuestStream;
 
 /// The response body type of the broker.
 pub(crate) type Body = UnsyncBoxBody<Bytes, std::io::Error>;
@@ -57,15 +59,73 @@ pub(super) struct Turn {
     in_flight: Arc<Semaphore>,
 }
 
+/// Where one turn's connections come from.
+pub(crate) enum Acceptor {
+    /// A unix listener in the turn's run dir; each peer's uid is checked (SO_PEERCRED).
+    Unix(UnixListener),
+    /// Byte streams the backend carries from its guest (it vouches for their origin).
+    Streams(mpsc::Receiver<Box<dyn GuestStream>>),
+}
+
+/// One accept's result.
+enum Accepted {
+    Stream(Box<dyn GuestStream>),
+    /// Nothing to serve this time (a refused peer, a failed accept).
+    Skip,
+    /// No more connections will come (the backend closed its stream source).
+    Closed,
+}
+
+impl Acceptor {
+    async fn accept(&mut self, peer_uid: Option<u32>) -> Accepted {
+        match self {
+            Acceptor::Unix(listener) => {
+                let stream = match listener.accept().await {
+                    Ok((stream, _)) => stream,
+                    Err(e) => {
+                        // Out of descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "broker accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        return Accepted::Skip;
+                    }
+                };
+                match stream.peer_cred() {
+                    Ok(cred) if peer_uid.is_none_or(|uid| cred.uid() == uid) => {
+                        Accepted::Stream(Box::new(stream))
+                    }
+                    Ok(cred) => {
+                        tracing::warn!(
+                            peer_uid = cred.uid(),
+                            worker_uid = peer_uid,
+                            "broker refused a peer"
+                        );
+                        Accepted::Skip
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "broker could not read the peer's credentials");
+                        Accepted::Skip
+                    }
+                }
+            }
+            Acceptor::Streams(streams) => match streams.recv().await {
+                Some(stream) => Accepted::Stream(stream),
+                None => Accepted::Closed,
+            },
+        }
+    }
+}
+
 /// Accepts connections until `stop` fires; dropping this future aborts every connection.
 pub(crate) async fn serve(
     broker: Arc<Broker>,
-    listener: UnixListener,
+    mut acceptor: Acceptor,
     ctx: TurnContext,
     stop: CancellationToken,
 ) {
-    let worker_uid = broker.policy.worker_uid;
-    let check_uid = broker.policy.peer_uid_check;
+    let peer_uid = broker
+        .policy
+        .peer_uid_check
+        .then_some(broker.policy.worker_uid);
     let max_connections = broker.policy.limits.max_connections;
     let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
     let turn = Arc::new(Turn {
@@ -77,32 +137,21 @@ pub(crate) async fn serve(
         in_flight,
     });
     let mut connections = JoinSet::new();
+    let mut closed = false;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = listener.accept() => accepted,
+            accepted = acceptor.accept(peer_uid), if !closed => accepted,
         };
         let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                // Out of descriptors and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "broker accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+            Accepted::Stream(stream) => stream,
+            Accepted::Skip => continue,
+            Accepted::Closed => {
+                closed = true;
                 continue;
             }
         };
-        match stream.peer_cred() {
-            Ok(cred) if !check_uid || cred.uid() == worker_uid => {}
-            Ok(cred) => {
-                tracing::warn!(peer_uid = cred.uid(), worker_uid, "broker refused a peer");
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "broker could not read the peer's credentials");
-                continue;
-            }
-        }
         if connections.len() >= max_connections {
             tracing::warn!(limit = max_connections, "broker connection limit reached");
             // Told why, then closed: a few hundred bytes into a fresh socket's buffer (a

@@ -256,10 +256,53 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         Box::pin(async { Ok(ContainerProcesses::default()) })
     }
 
+    /// How the guest of the container `spec` describes reaches its broker; asked by the
+    /// turn before it binds the broker. The default, and the Docker driver's, is
+    /// [`BrokerTransport::UnixSocket`].
+    fn broker_transport<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+    ) -> BoxFuture<'a, Result<BrokerTransport, DriverError>> {
+        let _ = spec;
+        Box::pin(async { Ok(BrokerTransport::UnixSocket) })
+    }
+
     /// The host directory where the engine stores images and container layers, whose
     /// filesystem the free-space floor guards (`None`: no such directory, as in a fake).
     fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
         Box::pin(async { Ok(None) })
+    }
+}
+
+/// A byte stream between a guest and its broker, carried by the backend (a relay, a
+/// tunnel, an in-memory pipe): the broker serves HTTP/1.1 on it as on its unix socket.
+pub trait GuestStream:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static
+{
+}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static> GuestStream for T {}
+
+/// How a turn's guest reaches its broker (see [`ContainerDriver::broker_transport`]).
+#[non_exhaustive]
+pub enum BrokerTransport {
+    /// The turn binds a unix listener at `<run_dir>/broker.sock`; the backend mounts the
+    /// run dir into the container (read-only, at [`roundtable_sandbox_protocol::RUN_MOUNT`]).
+    /// Each peer's uid is checked (SO_PEERCRED) unless the configuration turns it off.
+    UnixSocket,
+    /// The backend carries each of the guest's connections to the host itself and hands it
+    /// over on this channel; the broker serves every stream it receives until the turn
+    /// ends. There is no socket file and no peer check: the backend vouches that each
+    /// stream comes from this turn's container.
+    Streams(tokio::sync::mpsc::Receiver<Box<dyn GuestStream>>),
+}
+
+impl std::fmt::Debug for BrokerTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BrokerTransport::UnixSocket => f.write_str("UnixSocket"),
+            BrokerTransport::Streams(_) => f.write_str("Streams"),
+        }
     }
 }
 
