@@ -21,7 +21,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
-    GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorConfig,
+    GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
     TurnFailure,
 };
 use roundtable_sandbox_examples::{print_completions, RollDice};
@@ -150,7 +150,7 @@ async fn run(cli: Cli) -> Result<()> {
     } = cli;
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
-    let sandbox = SandboxSupervisor::start(SupervisorConfig::new(config)).await?;
+    let sandbox = SandboxSupervisor::start(SupervisorOptions::new(config)).await?;
 
     let stream = tokio::net::TcpStream::connect(&server)
         .await

@@ -22,7 +22,7 @@ use clap::Parser;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh,
-    Status, Stop, SupervisorConfig, TurnPhase, TurnProgress,
+    Status, Stop, SupervisorOptions, TurnPhase, TurnProgress,
 };
 use roundtable_sandbox_examples::{print_completions, RollDice};
 use tokio::io::AsyncBufReadExt;
@@ -149,7 +149,7 @@ async fn run(settings: Settings) -> Result<()> {
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
     let tty = std::io::stdout().is_terminal();
-    let mut supervisor = SupervisorConfig::new(config);
+    let mut supervisor = SupervisorOptions::new(config);
     if tty {
         supervisor.progress = Some(Arc::new(|p: &TurnProgress| {
             if let Some(what) = describe(&p.event) {

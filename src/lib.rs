@@ -34,9 +34,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use broker::{
-    ApiKey, Broker, HostTool, McpScope, McpServerConfig, SummarizerConfig, ToolCallContext,
-};
+pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
@@ -95,12 +93,12 @@ impl Sandbox {
             lock::RootLock::acquire(&resolved.run_root)?,
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
-        let broker = Broker::new(resolved.config.broker_policy(resolved.uid)).await?;
-        let driver: Arc<dyn ContainerDriver> = match &resolved.config.driver {
-            Some(d) => d.clone(),
+        let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
+        let driver: Arc<dyn ContainerDriver> = match config.driver {
+            Some(d) => d,
             None => {
                 let mut options = driver::DockerOptions::default();
-                if let Some(host) = &resolved.config.docker_host {
+                if let Some(host) = &config.docker_host {
                     options.host = host.clone();
                 }
                 Arc::new(DockerDriver::new(options))

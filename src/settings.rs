@@ -12,8 +12,7 @@ use crate::broker::ApiKey;
 use crate::config::{Config, ConfigError};
 use crate::offline::{OfflineModel, OFFLINE_MODEL};
 
-/// The image the project's scripts build.
-pub const DEFAULT_IMAGE: &str = "roundtable-sandbox-guest:latest";
+pub use crate::config::DEFAULT_IMAGE;
 /// The default OpenAI-compatible endpoint when a key is given without a URL.
 pub const DEFAULT_MODEL_URL: &str = "https://api.openai.com/v1";
 /// The default model when a key is given without a model.
@@ -91,14 +90,14 @@ impl Settings {
                     .ok()
                     .filter(|k| !k.trim().is_empty());
                 let api_key = key.map_or(ApiKey::None, |k| ApiKey::from_static(k.trim()));
-                Config::new(
-                    DEFAULT_IMAGE,
-                    base.join("run"),
-                    base.join("workspaces"),
-                    std::env::var("OPENAI_MODEL").unwrap_or_else(|_| DEFAULT_MODEL.into()),
-                    std::env::var("OPENAI_BASE_URL").unwrap_or_else(|_| DEFAULT_MODEL_URL.into()),
-                    api_key,
-                )
+                Config::builder(base.join("run"), base.join("workspaces"))
+                    .model(
+                        std::env::var("OPENAI_BASE_URL")
+                            .unwrap_or_else(|_| DEFAULT_MODEL_URL.into()),
+                        std::env::var("OPENAI_MODEL").unwrap_or_else(|_| DEFAULT_MODEL.into()),
+                    )
+                    .api_key(api_key)
+                    .build()
             }
         };
         if let Some(image) = &self.image {

@@ -419,8 +419,8 @@ async fn run_turn_inner(
         }
         let deadline = tokio::time::sleep_until(deadline_at);
         tokio::pin!(deadline);
-        let quota = config.config.limits.workspace_quota();
-        let floor = config.config.limits.disk_floor();
+        let quota = config.limits.workspace_quota();
+        let floor = config.limits.disk_floor();
         let prepare = async {
             make_workspace(&workspace_dir)?;
             // Held open for the whole turn: every measure starts from this descriptor and never
@@ -505,14 +505,14 @@ async fn run_turn_inner(
         let turn = Turn {
             text: request.text.clone(),
             speaker: request.speaker.clone(),
-            model: config.config.model.clone(),
+            model: config.model.clone(),
             prompt: config.prompt.clone(),
             time_zone: config.time_zone.clone(),
             reset: request.reset,
             tools,
             mcp,
-            max_steps: config.config.max_steps,
-            session_budget: config.config.session_budget,
+            max_steps: config.max_steps,
+            session_budget: config.session_budget,
         };
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
 
@@ -690,10 +690,10 @@ fn container_spec(
     workspace_dir: &Path,
 ) -> ContainerSpec {
     let config = sandbox.config();
-    let limits = &config.config.limits;
+    let limits = &config.limits;
     ContainerSpec {
         name: name.to_owned(),
-        image: config.config.image.clone(),
+        image: config.image.clone(),
         run_dir: run_dir.to_owned(),
         workspace_dir: workspace_dir.to_owned(),
         uid: config.uid,
@@ -710,8 +710,8 @@ fn container_spec(
             (LABEL_CHANNEL.to_owned(), segment[..16].to_owned()),
             (LABEL_TURN.to_owned(), turn_id.to_owned()),
         ]),
-        command: config.config.command.clone(),
-        runtime: config.config.runtime.clone(),
+        command: config.command.clone(),
+        runtime: config.runtime.clone(),
     }
 }
 

@@ -24,7 +24,7 @@ use mcp_stub::{stub_server, stub_server_with};
 use model_support::{sse_text_events, ScriptedModel, Step};
 use roundtable_sandbox::broker::{
     validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerListener,
-    BrokerPolicy, HostTool, McpScope, McpServerConfig, McpTransport, ToolCallContext, TurnContext,
+    BrokerPolicy, HostTool, McpScope, McpServer, McpTransport, ToolCallContext, TurnContext,
     META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
 };
 use roundtable_sandbox::turn::channel_segment;
@@ -806,7 +806,7 @@ async fn the_policy_is_checked_at_setup() {
     assert!(err(p.clone()).starts_with("invalid JSON schema for tool bad-schema: "));
 
     let mut p = policy("https://api.example.com/v1");
-    p.mcp = vec![McpServerConfig {
+    p.mcp = vec![McpServer {
         name: "time".into(),
         transport: McpTransport::Stdio {
             command: "mcp-server-time".into(),
@@ -897,8 +897,8 @@ fn mcp_time_bin() -> PathBuf {
 }
 
 /// `mcp-server-time` behind `sh`, which writes the server's pid to `pid_file` first.
-fn time_server(pid_file: &Path, tools: &[&str]) -> McpServerConfig {
-    McpServerConfig {
+fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
+    McpServer {
         name: "time".into(),
         transport: McpTransport::Stdio {
             command: "sh".into(),
@@ -1179,7 +1179,7 @@ async fn mcp_allow_list_naming_a_missing_tool_fails_setup_and_leaves_no_child() 
     wait_gone(read_pid(&pid_file)).await;
 
     let mut p = policy("http://127.0.0.1:9/v1");
-    p.mcp = vec![McpServerConfig {
+    p.mcp = vec![McpServer {
         name: "ghost".into(),
         transport: McpTransport::Stdio {
             command: "/nonexistent/mcp-server".into(),
@@ -1245,8 +1245,8 @@ fn mcp_sqlite_bin() -> PathBuf {
 
 /// `mcp-server-sqlite` (PyPI) behind `sh`, which writes the server's pid to `dir/pid-<db>`
 /// first; its database is `dir/<db>.db`. `db` may hold `{channel}`.
-fn sqlite_server(dir: &Path, db: &str, scope: Option<McpScope>) -> McpServerConfig {
-    let mut config = McpServerConfig::new(
+fn sqlite_server(dir: &Path, db: &str, scope: Option<McpScope>) -> McpServer {
+    let mut config = McpServer::new(
         "sqlite",
         McpTransport::Stdio {
             command: "sh".into(),
@@ -1595,8 +1595,8 @@ impl HttpMcp {
         }
     }
 
-    fn config(&self, token: &str) -> McpServerConfig {
-        McpServerConfig {
+    fn config(&self, token: &str) -> McpServer {
+        McpServer {
             name: "remote".into(),
             transport: McpTransport::Http {
                 url: self.url.clone(),

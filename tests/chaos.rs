@@ -293,17 +293,14 @@ async fn mcp_server_killed_mid_call() {
 const CHILD_ENV: &str = "ROUNDTABLE_CHAOS_CHILD_DIR";
 
 fn child_config(dir: &Path) -> Config {
-    let mut c = Config::new(
-        image(),
-        dir.join("run"),
-        dir.join("ws"),
-        "test-model",
-        "http://127.0.0.1:9/v1",
-        ApiKey::from_static("sk-test-never-in-the-container"),
-    );
-    c.allow_http = true;
-    c.turn_timeout = Some(Duration::from_secs(120));
-    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SLEEPER.into()]);
+    let mut c = Config::builder(dir.join("run"), dir.join("ws"))
+        .image(image())
+        .model("http://127.0.0.1:9/v1", "test-model")
+        .api_key(ApiKey::from_static("sk-test-never-in-the-container"))
+        .allow_http(true)
+        .turn_timeout(Duration::from_secs(120))
+        .command(vec!["/bin/sh".into(), "-c".into(), SLEEPER.into()])
+        .build();
     // As in Env::config: no floor (the shared test machine's disk is often nearly full).
     c.limits.disk_floor_mb = 0;
     c.limits.disk_floor_percent = 0;

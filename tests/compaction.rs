@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use model_support::{ScriptedModel, Step};
 use roundtable_sandbox::broker::{
-    ApiKey, Broker, BrokerLimits, BrokerPolicy, SummarizerConfig, TurnContext,
+    ApiKey, Broker, BrokerLimits, BrokerPolicy, CompactionModel, TurnContext,
 };
 use roundtable_sandbox::protocol::chat::Message;
 use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
@@ -57,8 +57,8 @@ fn hash(channel: &str) -> String {
     roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
 }
 
-fn summarizer(s: &ScriptedModel, key: ApiKey, source: &str) -> SummarizerConfig {
-    SummarizerConfig {
+fn summarizer(s: &ScriptedModel, key: ApiKey, source: &str) -> CompactionModel {
+    CompactionModel {
         url: s.url(),
         model: "sum-model".into(),
         api_key: key,
@@ -68,7 +68,7 @@ fn summarizer(s: &ScriptedModel, key: ApiKey, source: &str) -> SummarizerConfig 
     }
 }
 
-fn config(env: &Env, model: &ScriptedModel, compaction: Option<SummarizerConfig>) -> Config {
+fn config(env: &Env, model: &ScriptedModel, compaction: Option<CompactionModel>) -> Config {
     let mut c = env.config();
     c.model_url = model.url();
     c.allow_http = true;
@@ -446,7 +446,7 @@ fn without_a_summarizer_a_failed_summary_is_a_plain_summary_logged_at_warn() {
 
 // ---------------------------------------------------------------- the route itself
 
-fn policy(model: &ScriptedModel, compaction: Option<SummarizerConfig>) -> BrokerPolicy {
+fn policy(model: &ScriptedModel, compaction: Option<CompactionModel>) -> BrokerPolicy {
     BrokerPolicy {
         model: "configured-model".into(),
         model_url: model.url(),

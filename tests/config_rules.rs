@@ -99,7 +99,7 @@ fn each_rule_has_its_message() {
     }
     let mut c = base.clone();
     c.allow_http = true;
-    c.mcp = vec![roundtable_sandbox::McpServerConfig {
+    c.mcp = vec![roundtable_sandbox::McpServer {
         name: "remote".into(),
         transport: roundtable_sandbox::broker::McpTransport::Http {
             url: "http://mcp.example.com/mcp".into(),
@@ -670,11 +670,12 @@ fn runtime_names_and_the_gvisor_peer_check_rule() {
     assert!(!env.run_root.exists() && !env.workspace_root.exists());
     c.peer_uid_check = false;
     let resolved = c.resolve().unwrap();
-    assert_eq!(resolved.config.runtime.as_deref(), Some("runsc"));
+    assert_eq!(resolved.runtime.as_deref(), Some("runsc"));
     // Other runtimes keep the check (and accept it).
     let mut c = base.clone();
     c.runtime = Some("runc".into());
-    assert!(c.resolve().unwrap().config.peer_uid_check);
+    assert!(c.peer_uid_check);
+    assert_eq!(c.resolve().unwrap().runtime.as_deref(), Some("runc"));
 
     // In the file: `runtime` next to `peer_uid_check`; absent means the engine's default.
     let file = |extra: &str| {
@@ -691,17 +692,17 @@ fn runtime_names_and_the_gvisor_peer_check_rule() {
 
 #[test]
 fn compaction_rules_have_their_messages() {
-    use roundtable_sandbox::SummarizerConfig;
+    use roundtable_sandbox::CompactionModel;
     let env = Env::new();
-    let summarizer = |url: &str, allow_http: bool| SummarizerConfig {
+    let summarizer = |url: &str, allow_http: bool| CompactionModel {
         url: url.into(),
         model: "sum".into(),
         api_key: ApiKey::from_static("sk-sum"),
         key_source: "test".into(),
-        timeout: SummarizerConfig::DEFAULT_TIMEOUT,
+        timeout: CompactionModel::DEFAULT_TIMEOUT,
         allow_http,
     };
-    let with = |s: SummarizerConfig| {
+    let with = |s: CompactionModel| {
         let mut c = env.config();
         c.compaction = Some(s);
         c

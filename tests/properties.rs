@@ -162,7 +162,7 @@ async fn check_reset_model(ops: Vec<Op>) {
     let (tx, mut runs) = mpsc::unbounded_channel();
     let mut config = env.config();
     config.driver = Some(Arc::new(Gated { runs: tx }));
-    let addr = SandboxSupervisor::start(SupervisorConfig::new(config))
+    let addr = SandboxSupervisor::start(SupervisorOptions::new(config))
         .await
         .unwrap();
     let speaker = Speaker {

@@ -98,7 +98,7 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
     config.turn_timeout = Some(Duration::from_secs(180));
     // The leftover check needs the instance and run root only: one runtime per root.
     let resolved = config.resolve().unwrap();
-    let mut settings = SupervisorConfig::new(config);
+    let mut settings = SupervisorOptions::new(config);
     settings.max_containers = 4;
     let addr = SandboxSupervisor::start(settings).await.unwrap();
     let mut rng = Rng(seed);

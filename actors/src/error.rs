@@ -9,9 +9,9 @@ use roundtable_sandbox::{TurnFailure, TurnOutcome};
 /// `Ok` [`TurnOutcome`] whose reply has `ok: false` and whose `failure` says why.
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxActorError {
-    /// A setting of the actor layer is out of range (checked before anything starts).
-    #[error("invalid actor settings: {field} {reason}")]
-    InvalidSettings { field: &'static str, reason: String },
+    /// An option of the actor layer is out of range (checked before anything starts).
+    #[error("invalid actor options: {field} {reason}")]
+    InvalidOptions { field: &'static str, reason: String },
     /// The core refused the configuration or could not prepare the broker; nothing started.
     #[error("cannot start the sandbox")]
     Start(#[from] roundtable_sandbox::SandboxError),
@@ -56,7 +56,7 @@ impl SandboxActorError {
             SandboxActorError::Busy { .. } => TurnFailure::Busy,
             SandboxActorError::ShuttingDown => TurnFailure::ShuttingDown,
             SandboxActorError::ChannelRestarted => TurnFailure::ChannelRestarted,
-            SandboxActorError::InvalidSettings { .. }
+            SandboxActorError::InvalidOptions { .. }
             | SandboxActorError::Start(_)
             | SandboxActorError::TurnPanicked { .. }
             | SandboxActorError::TurnLost

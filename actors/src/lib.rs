@@ -45,23 +45,19 @@
 //! ```no_run
 //! use roundtable_sandbox::{ApiKey, Config, Speaker};
 //! use roundtable_sandbox_actors::{
-//!     GuestMessage, SandboxSupervisor, Shutdown, SupervisorConfig, TurnFailure,
+//!     GuestMessage, SandboxSupervisor, Shutdown, SupervisorOptions, TurnFailure,
 //! };
 //!
 //! #[actix::main]
 //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//!     let config = Config::new(
-//!         "roundtable-sandbox-guest:latest",
-//!         "/srv/roundtable/run",
-//!         "/srv/roundtable/ws",
-//!         "gpt-4o-mini",
-//!         "https://api.openai.com/v1",
-//!         ApiKey::from_static(std::env::var("OPENAI_API_KEY")?),
-//!     );
-//!     let mut settings = SupervisorConfig::new(config);
-//!     settings.max_containers = 2;
+//!     let config = Config::builder("/srv/roundtable/run", "/srv/roundtable/ws")
+//!         .model("https://api.openai.com/v1", "gpt-4o-mini")
+//!         .api_key(ApiKey::from_static(std::env::var("OPENAI_API_KEY")?))
+//!         .build();
+//!     let mut options = SupervisorOptions::new(config);
+//!     options.max_containers = 2;
 //!     // An invalid configuration is an error here, before anything starts.
-//!     let sandbox = SandboxSupervisor::start(settings).await?;
+//!     let sandbox = SandboxSupervisor::start(options).await?;
 //!
 //!     let speaker = Speaker { id: "42".into(), name: "ann".into() };
 //!     let answer = sandbox
@@ -86,20 +82,20 @@
 #![forbid(unsafe_code)]
 
 mod channel;
-mod config;
 mod error;
 mod messages;
+mod options;
 mod reset;
 mod supervisor;
 mod turn;
 
 pub use channel::ChannelActor;
-pub use config::{ProgressCallback, SupervisorConfig};
 pub use error::SandboxActorError;
 pub use messages::{
     ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, Shutdown,
     ShutdownReport, StartFresh, Status, StatusReport, Stop, Totals, TurnProgress,
 };
+pub use options::{ProgressCallback, SupervisorOptions};
 pub use roundtable_sandbox::{Config, Reply, Speaker, TurnFailure, TurnOutcome, TurnPhase};
 pub use supervisor::SandboxSupervisor;
 pub use turn::TurnActor;

@@ -14,7 +14,7 @@ use crate::channel::{ChannelActor, Enqueue, QueryStatus, Retire, ShutdownChannel
 use crate::reset::ResetGeneration;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressCallback, SandboxActorError,
-    Shutdown, ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorConfig, Totals,
+    Shutdown, ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
 };
 
 /// What every actor of one supervisor shares.
@@ -103,20 +103,20 @@ pub(crate) struct ChannelRestartedNotice {
 }
 
 impl SandboxSupervisor {
-    /// Validates the actor settings and the core configuration (a bad one is an error and
+    /// Validates the actor options and the core configuration (a bad one is an error and
     /// nothing is started), prepares the broker, runs the orphan sweep (unless disabled; its
     /// failures are logged, not fatal: the daemon may come up later), then starts the
     /// supervisor on the current arbiter. Call it inside an actix `System`.
-    pub async fn start(config: SupervisorConfig) -> Result<Addr<Self>, SandboxActorError> {
+    pub async fn start(config: SupervisorOptions) -> Result<Addr<Self>, SandboxActorError> {
         Ok(Self::start_with_sweep(config).await?.0)
     }
 
     /// [`SandboxSupervisor::start`], also returning what the sweep removed.
     pub async fn start_with_sweep(
-        config: SupervisorConfig,
+        config: SupervisorOptions,
     ) -> Result<(Addr<Self>, SweepReport), SandboxActorError> {
         config.validate()?;
-        let sandbox = Sandbox::new(config.sandbox.clone()).await?;
+        let sandbox = Sandbox::new(config.config.clone()).await?;
         let report = if config.sweep_on_start {
             sandbox.sweep().await
         } else {

@@ -64,7 +64,7 @@ async fn settle(addr: &Addr<SandboxSupervisor>) {
     .await;
 }
 
-async fn start(config: SupervisorConfig) -> Addr<SandboxSupervisor> {
+async fn start(config: SupervisorOptions) -> Addr<SandboxSupervisor> {
     SandboxSupervisor::start(config)
         .await
         .expect("valid config")
@@ -87,7 +87,7 @@ async fn invalid_configuration_starts_nothing() {
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     assert_eq!(
         err.to_string(),
-        "invalid actor settings: max_containers must be 1 to 1024, got 0"
+        "invalid actor options: max_containers must be 1 to 1024, got 0"
     );
     assert!(
         !env.run_root.exists(),
@@ -95,7 +95,7 @@ async fn invalid_configuration_starts_nothing() {
     );
 
     let mut config = env.fake(&driver, &tool);
-    config.sandbox.model = " ".into();
+    config.config.model = " ".into();
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     // Each layer says what failed; the rule is the last cause.
     assert_eq!(
@@ -108,7 +108,7 @@ async fn invalid_configuration_starts_nothing() {
     );
 
     let mut config = env.fake(&driver, &tool);
-    config.sandbox.turn_timeout = Some(Duration::from_millis(10));
+    config.config.turn_timeout = Some(Duration::from_millis(10));
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     assert_eq!(
         causes(&err).last().unwrap(),
@@ -935,7 +935,7 @@ async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let mut config = env.fake(&driver, &tool);
     config.max_containers = 1;
-    config.sandbox.turn_timeout = Some(Duration::from_secs(1));
+    config.config.turn_timeout = Some(Duration::from_secs(1));
     let addr = start(config).await;
 
     // The holder's container ignores its own timeout until released: the slot stays taken.
@@ -985,7 +985,7 @@ async fn the_turn_timeout_counts_from_admission() {
     let mut config = env.fake(&driver, &tool);
     config.max_containers = 1;
     let timeout = Duration::from_secs(3);
-    config.sandbox.turn_timeout = Some(timeout);
+    config.config.turn_timeout = Some(timeout);
     // When #late got its slot (its turn's Preparing phase).
     let slot_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let slot = slot_at.clone();

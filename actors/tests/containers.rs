@@ -20,10 +20,10 @@ type Answer = Result<TurnOutcome, SandboxActorError>;
 
 const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'"text":"fail'*) exit 3;; esac; printf '{"ok":true,"text":"hi"}'"#;
 
-fn config(env: &Env) -> SupervisorConfig {
+fn config(env: &Env) -> SupervisorOptions {
     let mut c = env.config();
     c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
-    let mut s = SupervisorConfig::new(c);
+    let mut s = SupervisorOptions::new(c);
     s.max_containers = 4;
     s
 }
@@ -287,7 +287,7 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     let env = Env::new();
     let instance = instance_of(&env).await;
     let mut config = config(&env);
-    config.sandbox.driver = Some(Arc::new(PanicsMidRun::default()));
+    config.config.driver = Some(Arc::new(PanicsMidRun::default()));
     let addr = SandboxSupervisor::start(config).await.unwrap();
     let turn = send(&addr, "#tp", "sleep long");
     until_running(&addr, &instance, 1).await;
@@ -326,7 +326,7 @@ async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
     // a busy machine's slow kill and reply stay inside it.
     let timeout = Duration::from_secs(40);
     let slot_wait = Duration::from_secs(20);
-    config.sandbox.turn_timeout = Some(timeout);
+    config.config.turn_timeout = Some(timeout);
     // When #late got its slot (its turn's Preparing phase).
     let slot_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
     let slot = slot_at.clone();

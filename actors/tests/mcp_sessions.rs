@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use fake::*;
 use model_support::{ScriptedModel, Step};
-use roundtable_sandbox::broker::{McpServerConfig, McpTransport, PROBE_SEGMENT};
+use roundtable_sandbox::broker::{McpServer, McpTransport, PROBE_SEGMENT};
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::*;
 use serde_json::json;
@@ -94,7 +94,7 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![McpServerConfig::new(
+    c.mcp = vec![McpServer::new(
         "sqlite",
         McpTransport::Stdio {
             command: "sh".into(),
@@ -111,7 +111,7 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
         &["create_table", "write_query", "read_query"],
     )];
     let instance = c.resolve().unwrap().instance;
-    let mut s = SupervisorConfig::new(c);
+    let mut s = SupervisorOptions::new(c);
     s.idle_timeout = Duration::from_secs(3);
     let addr = SandboxSupervisor::start(s).await.unwrap();
     // Only the startup listing ran (and is gone); no channel has a session yet.
@@ -172,7 +172,7 @@ async fn shutdown_stops_every_channels_mcp_session() {
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![McpServerConfig::new(
+    c.mcp = vec![McpServer::new(
         "sqlite",
         McpTransport::Stdio {
             command: "sh".into(),
@@ -188,7 +188,7 @@ async fn shutdown_stops_every_channels_mcp_session() {
         },
         &["read_query"],
     )];
-    let mut s = SupervisorConfig::new(c);
+    let mut s = SupervisorOptions::new(c);
     s.idle_timeout = Duration::from_secs(3600);
     let addr = SandboxSupervisor::start(s).await.unwrap();
     let reply = addr

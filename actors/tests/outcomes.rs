@@ -24,13 +24,13 @@ const SCRIPT: &str = r#"t=$(cat); case "$t" in
 *'"text":"bigfile'*) exec head -c 3000000 /dev/zero > /workspace/big;;
 esac; printf '{"ok":true,"text":"hi"}'"#;
 
-fn settings(env: &Env, timeout: Duration) -> SupervisorConfig {
+fn settings(env: &Env, timeout: Duration) -> SupervisorOptions {
     let mut c = env.config();
     c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
     c.turn_timeout = Some(timeout);
     c.limits.memory_mb = 32;
     c.limits.workspace_mb = 1;
-    let mut s = SupervisorConfig::new(c);
+    let mut s = SupervisorOptions::new(c);
     s.max_containers = 4;
     s.queue_limit = 1;
     s
@@ -194,7 +194,7 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
     // runtime gets its own roots: one runtime per root.)
     let env = Env::new();
     let mut floor = settings(&env, Duration::from_secs(60));
-    floor.sandbox.limits.disk_floor_percent = 90;
+    floor.config.limits.disk_floor_percent = 90;
     let addr = SandboxSupervisor::start(floor).await.unwrap();
     let (kind, error) = ran(&addr, "#floor", "hello").await;
     assert_eq!(kind, Some(TurnFailure::DiskFloor), "{error}");
@@ -205,7 +205,7 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
 
     let env = Env::new();
     let mut dead = settings(&env, Duration::from_secs(60));
-    dead.sandbox.docker_host = Some(format!(
+    dead.config.docker_host = Some(format!(
         "unix://{}/no-docker.sock",
         env.dir.path().display()
     ));

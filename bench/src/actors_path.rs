@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, SupervisorConfig};
+use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, SupervisorOptions};
 use tokio::sync::{mpsc, oneshot};
 
 type Job = (usize, oneshot::Sender<Result<Duration>>);
@@ -26,18 +26,18 @@ impl ActorPath {
         roots: &crate::lifecycle::Roots,
         max_containers: usize,
     ) -> Result<Self> {
-        let mut core = roundtable_sandbox::Config::new(
-            image,
+        let core = roundtable_sandbox::Config::builder(
             &roots.actors_run_root,
             &roots.actors_workspace_root,
-            "bench-model",
-            "http://127.0.0.1:9/v1",
-            roundtable_sandbox::ApiKey::from_static("sk-bench"),
-        );
-        core.allow_http = true;
-        core.command = Some(crate::lifecycle::command());
-        core.instance = Some(format!("bench-actors-{}", std::process::id()));
-        let mut config = SupervisorConfig::new(core);
+        )
+        .image(image)
+        .model("http://127.0.0.1:9/v1", "bench-model")
+        .api_key(roundtable_sandbox::ApiKey::from_static("sk-bench"))
+        .allow_http(true)
+        .command(crate::lifecycle::command())
+        .instance(format!("bench-actors-{}", std::process::id()))
+        .build();
+        let mut config = SupervisorOptions::new(core);
         config.max_containers = max_containers;
         config.queue_limit = 64;
         config.sweep_on_start = false;

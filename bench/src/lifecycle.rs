@@ -117,18 +117,15 @@ impl Roots {
 
 /// The runtime for trivial turns; `model_url` is where a guest's model calls would go.
 pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
-    let mut c = Config::new(
-        image,
-        &roots.run_root,
-        &roots.workspace_root,
-        "bench-model",
-        model_url,
-        ApiKey::from_static("sk-bench-never-in-the-container"),
-    );
-    c.allow_http = true;
-    c.turn_timeout = Some(Duration::from_secs(120));
-    c.command = Some(command());
-    c.instance = Some(format!("bench-{}", std::process::id()));
+    let c = Config::builder(&roots.run_root, &roots.workspace_root)
+        .image(image)
+        .model(model_url, "bench-model")
+        .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
+        .allow_http(true)
+        .turn_timeout(Duration::from_secs(120))
+        .command(command())
+        .instance(format!("bench-{}", std::process::id()))
+        .build();
     Sandbox::new(c).await.context("start the runtime")
 }
 

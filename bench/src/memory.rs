@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use roundtable_sandbox::driver::{BoxFuture, ContainerSpec};
 use roundtable_sandbox::{ContainerDriver, DriverError, Reply, RunOutcome, Usage};
-use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorConfig};
+use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorOptions};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
@@ -59,17 +59,13 @@ pub fn child(channels: usize) -> Result<()> {
 
 async fn measure(channels: usize) -> Result<Value> {
     let roots = crate::lifecycle::Roots::new()?;
-    let mut core = roundtable_sandbox::Config::new(
-        "roundtable-sandbox-guest:latest",
-        &roots.run_root,
-        &roots.workspace_root,
-        "bench-model",
-        "http://127.0.0.1:9/v1",
-        roundtable_sandbox::ApiKey::from_static("sk-bench"),
-    );
-    core.allow_http = true;
-    core.driver = Some(Arc::new(InstantDriver));
-    let mut config = SupervisorConfig::new(core);
+    let core = roundtable_sandbox::Config::builder(&roots.run_root, &roots.workspace_root)
+        .model("http://127.0.0.1:9/v1", "bench-model")
+        .api_key(roundtable_sandbox::ApiKey::from_static("sk-bench"))
+        .allow_http(true)
+        .driver(Arc::new(InstantDriver))
+        .build();
+    let mut config = SupervisorOptions::new(core);
     config.max_containers = BATCH;
     config.idle_timeout = Duration::from_secs(86_400);
     config.sweep_on_start = false;

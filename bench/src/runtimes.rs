@@ -37,16 +37,16 @@ async fn sandbox(
     real_guest: bool,
     runtime: Option<&str>,
 ) -> Result<Sandbox> {
-    let mut c = Config::new(
-        image,
+    let mut c = Config::builder(
         dir.join(format!("{name}-run")),
         dir.join(format!("{name}-ws")),
-        "bench-model",
-        model_url,
-        ApiKey::from_static("sk-bench-never-in-the-container"),
-    );
-    c.allow_http = true;
-    c.turn_timeout = Some(Duration::from_secs(120));
+    )
+    .image(image)
+    .model(model_url, "bench-model")
+    .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
+    .allow_http(true)
+    .turn_timeout(Duration::from_secs(120))
+    .build();
     if !real_guest {
         c.command = Some(command());
     }

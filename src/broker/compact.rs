@@ -38,11 +38,11 @@ use secrecy::{ExposeSecret, SecretString};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
 use super::server::{error_response, json_response, Response, Turn};
-use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, SummarizerConfig};
+use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
 /// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
-pub(crate) fn validate(s: &SummarizerConfig) -> Result<reqwest::Url, BrokerError> {
+pub(crate) fn validate(s: &CompactionModel) -> Result<reqwest::Url, BrokerError> {
     // The model URL's rules (one definition, see `model::chat_url` and `model::loopback`),
     // reported as the compaction section's.
     let url = chat_url(&s.url, s.allow_http).map_err(|e| match e {
@@ -395,13 +395,13 @@ fn parse_answer(bytes: &[u8]) -> Option<(String, Option<u64>, Option<u64>)> {
 mod tests {
     use super::*;
 
-    fn summarizer(url: &str, allow_http: bool) -> SummarizerConfig {
-        SummarizerConfig {
+    fn summarizer(url: &str, allow_http: bool) -> CompactionModel {
+        CompactionModel {
             url: url.into(),
             model: "s".into(),
             api_key: ApiKey::None,
             key_source: "test".into(),
-            timeout: SummarizerConfig::DEFAULT_TIMEOUT,
+            timeout: CompactionModel::DEFAULT_TIMEOUT,
             allow_http,
         }
     }

@@ -42,8 +42,7 @@ use tokio_util::sync::CancellationToken;
 use super::server::{error_response, Response};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
-    valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServerConfig, McpTransport,
-    TurnContext,
+    valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServer, McpTransport, TurnContext,
 };
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
@@ -74,10 +73,7 @@ fn valid_mcp_tool_name(name: &str) -> bool {
 }
 
 /// Pure checks of one server's configuration.
-pub(crate) fn validate_config(
-    config: &McpServerConfig,
-    allow_http: bool,
-) -> Result<(), BrokerError> {
+pub(crate) fn validate_config(config: &McpServer, allow_http: bool) -> Result<(), BrokerError> {
     let err = |reason: String| BrokerError::InvalidMcpServer {
         server: config.name.clone(),
         reason,
@@ -218,7 +214,7 @@ struct Sessions {
 }
 
 struct Server {
-    config: McpServerConfig,
+    config: McpServer,
     scope: McpScope,
     cap: usize,
     pins: BTreeMap<String, Pinned>,
@@ -245,7 +241,7 @@ pub(crate) struct McpPool {
 impl McpPool {
     /// Starts every server, lists its tools and pins the allow-listed ones.
     pub(crate) async fn start(
-        configs: &[McpServerConfig],
+        configs: &[McpServer],
         call_timeout: Duration,
     ) -> Result<Self, BrokerError> {
         let http = super::model::http_client(call_timeout.min(Duration::from_secs(10)))?;
@@ -268,7 +264,7 @@ impl McpPool {
         Ok(pool)
     }
 
-    async fn start_one(&self, config: &McpServerConfig) -> Result<Server, BrokerError> {
+    async fn start_one(&self, config: &McpServer) -> Result<Server, BrokerError> {
         let start_err = |error: String| BrokerError::McpStart {
             server: config.name.clone(),
             error,

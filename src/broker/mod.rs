@@ -9,9 +9,9 @@
 //! Parts (this file is the public API and the pure policy checks):
 //! - [`ApiKey`]: the model key, a secret that never prints, static or from an async provider;
 //! - [`HostTool`]: the trait a bot author implements for a host tool;
-//! - [`McpServerConfig`]: an MCP server and the allow-list of its tools;
+//! - [`McpServer`]: an MCP server and the allow-list of its tools;
 //! - [`BrokerLimits`]: per-turn caps on sizes, call counts and call time;
-//! - [`SummarizerConfig`]: an optional separate summarizer for compaction;
+//! - [`CompactionModel`]: an optional separate summarizer for compaction;
 //! - [`BrokerPolicy`]: all of the above plus the model endpoint, checked by
 //!   [`validate_policy`] without side effects;
 //! - [`Broker`] / [`BrokerListener`]: the runtime-long broker and one turn's listener.
@@ -336,22 +336,22 @@ impl fmt::Display for McpScope {
 /// on a struct with a flattened field: it would refuse the transport's own keys; every key
 /// this struct does not take goes to the transport, whose variants deny unknown fields).
 #[derive(Debug, Clone, Deserialize)]
-pub struct McpServerConfig {
+pub struct McpServer {
     pub name: String,
     #[serde(flatten)]
     pub transport: McpTransport,
     pub tools: Vec<String>,
-    /// `channel` or `shared`; `None` takes the transport's default (see [`McpServerConfig::scope`]).
+    /// `channel` or `shared`; `None` takes the transport's default (see [`McpServer::scope`]).
     #[serde(default)]
     pub scope: Option<McpScope>,
     /// Live channel sessions at most (channel scope only; default
-    /// [`McpServerConfig::DEFAULT_MAX_SESSIONS`]); past it the least recently used idle
+    /// [`McpServer::DEFAULT_MAX_SESSIONS`]); past it the least recently used idle
     /// session is stopped, and with every session busy the call is refused (`503`).
     #[serde(default)]
     pub max_sessions: Option<usize>,
 }
 
-impl McpServerConfig {
+impl McpServer {
     /// Live channel sessions per server when `max_sessions` is not set.
     pub const DEFAULT_MAX_SESSIONS: usize = 16;
 
@@ -554,7 +554,7 @@ impl ModelRequestPolicy {
 /// OpenAI-compatible endpoint, model and key. Like the model key, its key stays in the
 /// broker; its `Debug` never shows it.
 #[derive(Clone)]
-pub struct SummarizerConfig {
+pub struct CompactionModel {
     /// The API base, e.g. `https://summarizer.example.com/v1` (`/chat/completions` is added).
     pub url: String,
     pub model: String,
@@ -570,14 +570,14 @@ pub struct SummarizerConfig {
     pub allow_http: bool,
 }
 
-impl SummarizerConfig {
+impl CompactionModel {
     /// The default deadline of a summarizer call.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 }
 
-impl fmt::Debug for SummarizerConfig {
+impl fmt::Debug for CompactionModel {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SummarizerConfig")
+        f.debug_struct("CompactionModel")
             .field("url", &self.url)
             .field("model", &self.model)
             .field("api_key", &self.api_key)
@@ -595,7 +595,7 @@ pub struct BrokerPolicy {
     pub model_url: String,
     pub api_key: ApiKey,
     pub tools: Vec<Arc<dyn HostTool>>,
-    pub mcp: Vec<McpServerConfig>,
+    pub mcp: Vec<McpServer>,
     pub allow_http: bool,
     pub limits: BrokerLimits,
     /// The uid a connecting peer must have (SO_PEERCRED).
@@ -606,7 +606,7 @@ pub struct BrokerPolicy {
     /// The chat-completions fields forwarded and the output token cap.
     pub model_request: ModelRequestPolicy,
     /// A separate summarizer for compaction; `None` compacts through the main model.
-    pub compaction: Option<SummarizerConfig>,
+    pub compaction: Option<CompactionModel>,
 }
 
 /// Words that mark an MCP server's env variable or header as a credential.

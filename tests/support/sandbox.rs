@@ -80,16 +80,13 @@ impl Env {
 
     /// A config for the project's image; the model endpoint is a closed loopback port.
     pub fn config(&self) -> Config {
-        let mut c = Config::new(
-            image(),
-            &self.run_root,
-            &self.workspace_root,
-            "test-model",
-            "http://127.0.0.1:9/v1",
-            ApiKey::from_static("sk-test-never-in-the-container"),
-        );
-        c.allow_http = true;
-        c.turn_timeout = Some(Duration::from_secs(30));
+        let mut c = Config::builder(&self.run_root, &self.workspace_root)
+            .image(image())
+            .model("http://127.0.0.1:9/v1", "test-model")
+            .api_key(ApiKey::from_static("sk-test-never-in-the-container"))
+            .allow_http(true)
+            .turn_timeout(Duration::from_secs(30))
+            .build();
         // No free-space floor: the shared test machine's disk is often nearly full, and the
         // suite must not depend on it (tests/security_quota.rs tests the floor itself).
         c.limits.disk_floor_mb = 0;

@@ -14,7 +14,7 @@ use roundtable_sandbox::driver::{
 use roundtable_sandbox::protocol::Turn;
 use roundtable_sandbox::{ContainerDriver, HostTool, Reply, Speaker, ToolCallContext, Usage};
 use roundtable_sandbox_actors::{
-    SandboxSupervisor, Status, StatusReport, SupervisorConfig, TurnProgress,
+    SandboxSupervisor, Status, StatusReport, SupervisorOptions, TurnProgress,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -280,11 +280,11 @@ pub use core_support::{image, labelled_containers_of, require_non_root, Env, PRO
 
 impl Env {
     /// Actor settings around a config using `driver` and the `whoami` tool.
-    pub fn fake(&self, driver: &Arc<FakeDriver>, tool: &Arc<WhoAmI>) -> SupervisorConfig {
+    pub fn fake(&self, driver: &Arc<FakeDriver>, tool: &Arc<WhoAmI>) -> SupervisorOptions {
         let mut c = self.config();
         c.driver = Some(driver.clone());
         c.tools = vec![tool.clone()];
-        let mut s = SupervisorConfig::new(c);
+        let mut s = SupervisorOptions::new(c);
         s.max_containers = 16;
         s.queue_limit = 32;
         s

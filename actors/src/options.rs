@@ -1,4 +1,4 @@
-//! The actor layer's own settings, around the core's [`Config`].
+//! The actor layer's own options, around the core's [`Config`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,11 +12,11 @@ use crate::{SandboxActorError, TurnProgress};
 pub type ProgressCallback = Arc<dyn Fn(&TurnProgress) + Send + Sync>;
 
 /// What [`SandboxSupervisor::start`](crate::SandboxSupervisor::start) takes: the core's
-/// configuration and the settings of the actor layer.
+/// configuration and the options of the actor layer.
 #[derive(Clone)]
-pub struct SupervisorConfig {
+pub struct SupervisorOptions {
     /// The core configuration (validated by [`roundtable_sandbox::Sandbox::new`]).
-    pub sandbox: Config,
+    pub config: Config,
     /// Messages that may wait behind a channel's running turn; past it a message is
     /// answered [`SandboxActorError::Busy`] at once. 0 to 10 000; default 8.
     pub queue_limit: usize,
@@ -32,10 +32,10 @@ pub struct SupervisorConfig {
     pub progress: Option<ProgressCallback>,
 }
 
-impl std::fmt::Debug for SupervisorConfig {
+impl std::fmt::Debug for SupervisorOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SupervisorConfig")
-            .field("sandbox", &self.sandbox)
+        f.debug_struct("SupervisorOptions")
+            .field("config", &self.config)
             .field("queue_limit", &self.queue_limit)
             .field("max_containers", &self.max_containers)
             .field("idle_timeout", &self.idle_timeout)
@@ -45,7 +45,7 @@ impl std::fmt::Debug for SupervisorConfig {
     }
 }
 
-impl SupervisorConfig {
+impl SupervisorOptions {
     /// Default queue bound.
     pub const DEFAULT_QUEUE_LIMIT: usize = 8;
     /// Default global container cap.
@@ -53,10 +53,10 @@ impl SupervisorConfig {
     /// Default idle time before a channel actor is retired.
     pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
-    /// The actor settings at their defaults around `sandbox`.
-    pub fn new(sandbox: Config) -> Self {
+    /// The actor options at their defaults around `config`.
+    pub fn new(config: Config) -> Self {
         Self {
-            sandbox,
+            config,
             queue_limit: Self::DEFAULT_QUEUE_LIMIT,
             max_containers: Self::DEFAULT_MAX_CONTAINERS,
             idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
@@ -65,9 +65,9 @@ impl SupervisorConfig {
         }
     }
 
-    /// Checks the actor settings (the core checks its own).
+    /// Checks the actor options (the core checks its own config).
     pub fn validate(&self) -> Result<(), SandboxActorError> {
-        let bad = |field, reason: String| Err(SandboxActorError::InvalidSettings { field, reason });
+        let bad = |field, reason: String| Err(SandboxActorError::InvalidOptions { field, reason });
         if self.queue_limit > 10_000 {
             return bad(
                 "queue_limit",

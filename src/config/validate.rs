@@ -1,0 +1,381 @@
+//! Every rule of a configuration, in one place: [`resolve`] runs the pure checks first
+//! (model, time zone, timeout, image, limits, identity, runtime, broker policy, instance,
+//! roots' shape); only then are the two roots created (0700) and inspected.
+
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::broker;
+
+use super::{
+    time_zones, Config, ConfigError, Limits, ResolvedConfig, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
+    GVISOR_RUNTIME, MAX_SOCKET_PATH, SOCKET_SUFFIX,
+};
+
+/// Validates every rule and prepares the two roots. Nothing else has a side effect.
+pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
+    if config.driver.is_none() && !cfg!(target_os = "linux") {
+        return Err(ConfigError::NotLinux);
+    }
+    if config.model.trim().is_empty() {
+        return Err(ConfigError::ModelMissing);
+    }
+    let time_zone = resolve_time_zone(config.time_zone.as_deref().unwrap_or("UTC"))?.to_owned();
+    let turn_timeout = config.turn_timeout.unwrap_or(DEFAULT_TURN_TIMEOUT);
+    if turn_timeout < Duration::from_secs(1) || turn_timeout > Duration::from_secs(600) {
+        return Err(ConfigError::TurnTimeout(turn_timeout));
+    }
+    if !valid_image_reference(&config.image) {
+        return Err(ConfigError::InvalidImage(config.image.clone()));
+    }
+    config.limits.validate()?;
+    if let Some(steps) = config.max_steps {
+        if !(1..=256).contains(&steps) {
+            return Err(ConfigError::MaxSteps(steps));
+        }
+    }
+    if let Some(budget) = config.session_budget {
+        if !(1000..=10_000_000).contains(&budget) {
+            return Err(ConfigError::SessionBudget(budget));
+        }
+    }
+    let process_uid = nix::unistd::getuid().as_raw();
+    let process_gid = nix::unistd::getgid().as_raw();
+    let uid = config.uid.unwrap_or(process_uid);
+    let gid = config.gid.unwrap_or(process_gid);
+    if uid == 0 || gid == 0 || uid != process_uid || gid != process_gid {
+        return Err(ConfigError::Identity);
+    }
+    if let Some(runtime) = &config.runtime {
+        if !valid_runtime(runtime) {
+            return Err(ConfigError::InvalidRuntime(runtime.clone()));
+        }
+        // gVisor's gofer answers the socket for the guest: SO_PEERCRED says uid 0, so
+        // the check would refuse every turn. Turning it off is the operator's explicit
+        // choice, never implied.
+        if runtime == GVISOR_RUNTIME && config.peer_uid_check {
+            return Err(ConfigError::PeerUidCheckUnderRuntime(runtime.clone()));
+        }
+    }
+    broker::validate_policy(&config.broker_policy(uid))?;
+    if let Some(instance) = &config.instance {
+        if !valid_instance(instance) {
+            return Err(ConfigError::InvalidInstance(instance.clone()));
+        }
+    }
+    for root in [&config.run_root, &config.workspace_root] {
+        if !root.is_absolute() || root == Path::new("/") {
+            return Err(ConfigError::RootNotAbsolute(root.clone()));
+        }
+    }
+    // Side effects start here: the roots are created private, then inspected.
+    let run_root = prepare_root(&config.run_root, process_uid)?;
+    let workspace_root = prepare_root(&config.workspace_root, process_uid)?;
+    if run_root == workspace_root
+        || run_root.starts_with(&workspace_root)
+        || workspace_root.starts_with(&run_root)
+    {
+        return Err(ConfigError::RootsNotSeparate(run_root, workspace_root));
+    }
+    if run_root.as_os_str().len() + SOCKET_SUFFIX.len() > MAX_SOCKET_PATH {
+        return Err(ConfigError::SocketPathTooLong(run_root));
+    }
+    let instance = config
+        .instance
+        .clone()
+        .unwrap_or_else(|| default_instance(&run_root));
+    Ok(ResolvedConfig {
+        run_root,
+        workspace_root,
+        uid,
+        gid,
+        time_zone,
+        turn_timeout,
+        prompt: config
+            .prompt
+            .clone()
+            .unwrap_or_else(|| DEFAULT_PROMPT.to_owned()),
+        instance,
+        image: config.image.clone(),
+        model: config.model.clone(),
+        limits: config.limits,
+        max_steps: config.max_steps,
+        session_budget: config.session_budget,
+        command: config.command.clone(),
+        runtime: config.runtime.clone(),
+    })
+}
+
+/// Creates `root` (0700) if it is missing, checks that it is a directory of this process's
+/// user closed to everyone else, and gives its canonical path.
+fn prepare_root(root: &Path, process_uid: u32) -> Result<PathBuf, ConfigError> {
+    let inspect = |source| ConfigError::InspectRoot {
+        path: root.to_owned(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(root)
+        .map_err(|source| ConfigError::CreateRoot {
+            path: root.to_owned(),
+            source,
+        })?;
+    let meta = std::fs::metadata(root).map_err(inspect)?;
+    if !meta.is_dir() || meta.uid() != process_uid || meta.mode() & 0o077 != 0 {
+        return Err(ConfigError::RootNotPrivate(root.to_owned()));
+    }
+    std::fs::canonicalize(root).map_err(inspect)
+}
+
+impl Limits {
+    /// Checks each limit's range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(16..=1 << 20).contains(&self.memory_mb) {
+            return Err(ConfigError::MemoryLimit(self.memory_mb));
+        }
+        if !(self.cpus.is_finite() && self.cpus > 0.0 && self.cpus <= 1024.0) {
+            return Err(ConfigError::CpuLimit(self.cpus));
+        }
+        if !(8..=65536).contains(&self.pids) {
+            return Err(ConfigError::PidsLimit(self.pids));
+        }
+        if !(1..=4096).contains(&self.tmpfs_mb) {
+            return Err(ConfigError::TmpfsLimit(self.tmpfs_mb));
+        }
+        if !(1..=65536).contains(&self.output_kb) {
+            return Err(ConfigError::OutputLimit(self.output_kb));
+        }
+        if !(1..=1 << 24).contains(&self.workspace_mb) {
+            return Err(ConfigError::WorkspaceLimit(self.workspace_mb));
+        }
+        if !(16..=10_000_000).contains(&self.workspace_files) {
+            return Err(ConfigError::WorkspaceFilesLimit(self.workspace_files));
+        }
+        if self.disk_floor_mb > 1 << 24 {
+            return Err(ConfigError::DiskFloorLimit(self.disk_floor_mb));
+        }
+        if self.disk_floor_percent > 90 {
+            return Err(ConfigError::DiskFloorPercent(self.disk_floor_percent));
+        }
+        Ok(())
+    }
+}
+
+/// The name `Intl.DateTimeFormat` resolves a time zone to (`resolvedOptions().timeZone`),
+/// as pi-roundtable-sandbox validates its `timeZone`: IANA names and their links in any ASCII letter
+/// case, and ICU's legacy ids; `None` for a name it refuses. Taken from node (see
+/// `scripts/gen-time-zones.sh`), e.g. `"utc"` → `"UTC"`, `"europe/berlin"` →
+/// `"Europe/Berlin"`, `"US/Eastern"` → `"America/New_York"`, `"Asia/Kolkata"` →
+/// `"Asia/Calcutta"`.
+pub fn canonical_time_zone(name: &str) -> Option<&'static str> {
+    if !name.is_ascii() {
+        return None;
+    }
+    let key = name.to_ascii_lowercase();
+    time_zones::TIME_ZONES
+        .binary_search_by(|(k, _)| (*k).cmp(key.as_str()))
+        .ok()
+        .map(|i| time_zones::TIME_ZONES[i].1)
+}
+
+/// Where [`canonical_time_zone`]'s table comes from (node, ICU and tz versions).
+pub const TIME_ZONE_SOURCE: &str = time_zones::SOURCE;
+
+/// [`canonical_time_zone`], refusing a zone the guest cannot show (ICU's `SystemV/*` ids,
+/// which are in no tz database).
+fn resolve_time_zone(name: &str) -> Result<&'static str, ConfigError> {
+    let canonical =
+        canonical_time_zone(name).ok_or_else(|| ConfigError::InvalidTimeZone(name.to_owned()))?;
+    if canonical.parse::<chrono_tz::Tz>().is_err() {
+        return Err(ConfigError::TimeZoneUnsupported {
+            given: name.to_owned(),
+            canonical,
+        });
+    }
+    Ok(canonical)
+}
+
+/// An engine runtime name as daemon.json keys them: `runc`, `runsc`, `kata-runtime`.
+fn valid_runtime(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+}
+
+fn valid_instance(s: &str) -> bool {
+    (1..=32).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// `rt-` and 12 hex digits of the sha256 of the canonical run root.
+fn default_instance(run_root: &Path) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(run_root.as_os_str().as_encoded_bytes());
+    format!("rt-{}", &hex::encode(digest)[..12])
+}
+
+/// A Docker image reference, `[host[:port]/]path[:tag][@digest]`, as the distribution
+/// reference grammar defines it (lowercase path components, a repository of at most 255
+/// bytes, a sha256/sha384/sha512 digest of the right length), parsed by `oci-spec`.
+/// ASCII only: the crate's tag pattern would take any Unicode word character, Docker's not.
+pub fn valid_image_reference(reference: &str) -> bool {
+    reference.is_ascii()
+        && reference
+            .parse::<oci_spec::distribution::Reference>()
+            .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_time_zone_table_is_sorted_lowercase_and_renderable() {
+        let table = time_zones::TIME_ZONES;
+        assert!(table.len() > 600, "{}", table.len());
+        for pair in table.windows(2) {
+            assert!(pair[0].0 < pair[1].0, "{pair:?}");
+        }
+        let mut unrenderable = Vec::new();
+        for (key, canonical) in table {
+            assert_eq!(*key, key.to_ascii_lowercase());
+            assert_eq!(
+                canonical_time_zone(canonical),
+                Some(*canonical),
+                "{canonical}"
+            );
+            if canonical.parse::<chrono_tz::Tz>().is_err() {
+                unrenderable.push(*canonical);
+            }
+        }
+        // Only ICU's SystemV ids have no tz database zone.
+        assert!(
+            unrenderable.iter().all(|c| c.starts_with("SystemV/")),
+            "{unrenderable:?}"
+        );
+        // Every name of the guest's tz database is accepted.
+        for tz in chrono_tz::TZ_VARIANTS {
+            assert!(canonical_time_zone(tz.name()).is_some(), "{}", tz.name());
+        }
+    }
+
+    #[test]
+    fn image_references() {
+        for good in [
+            "roundtable-sandbox-guest:latest",
+            "busybox",
+            "library/busybox:1.36",
+            "localhost:5000/a/b:v1",
+            "registry.example.com/team/img@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "a__b/c.d-e",
+        ] {
+            assert!(valid_image_reference(good), "{good}");
+        }
+        for bad in [
+            "",
+            "Upper:tag",
+            "a b",
+            "img:",
+            "img:-tag",
+            "img@sha256:123",
+            "/img",
+            "img/",
+            "a..b",
+            "img:tag:tag2",
+            "--rm",
+            "img:täg",
+            "img@sha256:0123456789ABCDEF0123456789abcdef0123456789abcdef0123456789abcdef0",
+            "img@md5:0123456789abcdef0123456789abcdef",
+        ] {
+            assert!(!valid_image_reference(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn limits_exact_errors() {
+        let cases: [(Limits, &str); 5] = [
+            (
+                Limits {
+                    memory_mb: 15,
+                    ..Limits::default()
+                },
+                "limits.memory_mb must be 16 to 1048576, got 15",
+            ),
+            (
+                Limits {
+                    cpus: 0.0,
+                    ..Limits::default()
+                },
+                "limits.cpus must be above 0 and at most 1024, got 0",
+            ),
+            (
+                Limits {
+                    pids: 7,
+                    ..Limits::default()
+                },
+                "limits.pids must be 8 to 65536, got 7",
+            ),
+            (
+                Limits {
+                    tmpfs_mb: 0,
+                    ..Limits::default()
+                },
+                "limits.tmpfs_mb must be 1 to 4096, got 0",
+            ),
+            (
+                Limits {
+                    output_kb: 0,
+                    ..Limits::default()
+                },
+                "limits.output_kb must be 1 to 65536, got 0",
+            ),
+        ];
+        for (limits, msg) in cases {
+            assert_eq!(limits.validate().unwrap_err().to_string(), msg);
+        }
+        assert!(Limits::default().validate().is_ok());
+        let w = Limits {
+            workspace_mb: 0,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.workspace_mb must be 1 to 16777216, got 0"
+        );
+        let w = Limits {
+            workspace_files: 15,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.workspace_files must be 16 to 10000000, got 15"
+        );
+        let w = Limits {
+            disk_floor_mb: (1 << 24) + 1,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.disk_floor_mb must be 0 to 16777216, got 16777217"
+        );
+        let w = Limits {
+            disk_floor_percent: 91,
+            ..Limits::default()
+        };
+        assert_eq!(
+            w.validate().unwrap_err().to_string(),
+            "limits.disk_floor_percent must be 0 to 90, got 91"
+        );
+        let off = Limits {
+            disk_floor_mb: 0,
+            disk_floor_percent: 0,
+            ..Limits::default()
+        };
+        assert!(off.validate().is_ok());
+        assert_eq!(Limits::default().disk_floor().bytes_of(100 << 30), 5 << 30);
+        assert_eq!(Limits::default().disk_floor().bytes_of(10 << 30), 1 << 30);
+    }
+}
