@@ -372,3 +372,64 @@ async fn the_default_prompt_and_the_canonical_time_zone_reach_the_guest() {
     );
     assert_no_leftovers(&sandbox).await;
 }
+
+/// `Seccomp:` and `Seccomp_filters:` of `/proc/self/status` as `sh` sees them, printed on
+/// one line by the probe below (a missing line prints nothing).
+const SECCOMP_PROBE: &str = "grep -E '^Seccomp(_filters)?:' /proc/self/status | tr '\\t\\n' '  '";
+
+/// The value of `name` (`Seccomp:` …) in the probe's output.
+fn status_field(probe: &str, name: &str) -> Option<u32> {
+    let mut words = probe.split_whitespace();
+    words.find(|w| *w == name)?;
+    words.next()?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guest_installs_its_seccomp_layer_for_every_process_of_the_turn() {
+    let env = Env::new();
+    // Baseline: the production image, `sh` as the entrypoint instead of the guest (so
+    // only the engine's profile applies).
+    let baseline = Sandbox::new(env.sh_config(&format!(
+        "cat >/dev/null; printf '{{\"ok\":true,\"text\":\"%s\"}}' \"$({SECCOMP_PROBE})\""
+    )))
+    .await
+    .unwrap();
+    let reply = baseline.run_turn(request("#layer", "x")).await;
+    let engine_only = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
+    assert_no_leftovers(&baseline).await;
+    drop(baseline);
+
+    // The real guest: its `sh` tool runs the same probe, as every process of a turn runs.
+    let model = ScriptedModel::start(vec![
+        Step::tool_call("c1", "sh", json!({"command": SECCOMP_PROBE})),
+        Step::text("done"),
+    ])
+    .await;
+    let sandbox = Sandbox::new(model_config(&env, &model)).await.unwrap();
+    let reply = sandbox.run_turn(request("#layer", "look")).await;
+    assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
+    let results = tool_results(&model.requests()[1].json());
+    let under_guest = results[0].clone();
+    eprintln!("engine's profile alone: {engine_only:?}; under the guest: {under_guest:?}");
+    // Mode 2 (filter) under the guest in both runtimes.
+    assert_eq!(
+        status_field(&under_guest, "Seccomp:"),
+        Some(2),
+        "{under_guest}"
+    );
+    match status_field(&engine_only, "Seccomp_filters:") {
+        // The engine's filters, and exactly one more: the guest's layer.
+        Some(n) => assert_eq!(
+            status_field(&under_guest, "Seccomp_filters:"),
+            Some(n + 1),
+            "{engine_only} / {under_guest}"
+        ),
+        // gVisor shows no filter count, and no filter at all without the guest (the
+        // engine's profile is not loaded inside its sandbox): mode 0 there.
+        None => {
+            assert!(under_gvisor(), "{engine_only}");
+            assert_eq!(status_field(&engine_only, "Seccomp:"), Some(0));
+        }
+    }
+    assert_no_leftovers(&sandbox).await;
+}

@@ -3,6 +3,12 @@
 //! It reads one [`Turn`] JSON from stdin, runs the agent against the broker socket, and
 //! prints exactly one [`Reply`] JSON on stdout, exiting 0 (also for `{ok:false,error}`).
 //! Logs go to stderr. `roundtable-guest --version` prints the version and exits.
+//!
+//! Before anything else (before the turn is read) it installs its seccomp layer
+//! ([`seccomp`]), which every process of the turn inherits; if that fails it replies with
+//! the error and runs nothing. `roundtable-guest --exec PROGRAM [ARGS…]` installs the same
+//! layer, then replaces itself with PROGRAM: the test suite's hostile image runs its
+//! attacks so, under the very code path the real turn runs under.
 
 #![forbid(unsafe_code)]
 
@@ -13,6 +19,7 @@ mod compact;
 mod confine;
 mod prompt;
 mod runner;
+mod seccomp;
 mod session;
 #[cfg(test)]
 mod testutil;
@@ -32,6 +39,15 @@ fn main() {
         println!("roundtable-guest {}", env!("CARGO_PKG_VERSION"));
         return;
     }
+    // First of all: a turn never runs without the layer (fail closed).
+    if let Err(error) = seccomp::install() {
+        eprintln!("roundtable-guest: {error}");
+        write_reply(&Reply::error(error.to_string()));
+        return;
+    }
+    if std::env::args().nth(1).as_deref() == Some("--exec") {
+        exec_confined();
+    }
     let reply = match std::panic::catch_unwind(|| {
         read_turn().map(|turn| runner::run(&turn, &runner::Config::container()))
     }) {
@@ -39,7 +55,28 @@ fn main() {
         Ok(Err(error)) => Reply::error(error),
         Err(_) => Reply::error("the guest failed unexpectedly"),
     };
-    let mut out = serde_json::to_vec(&reply)
+    write_reply(&reply);
+}
+
+/// `--exec PROGRAM [ARGS…]`: replaces this process (already under the layer) with PROGRAM;
+/// returns only on failure, which it reports as the turn's error.
+fn exec_confined() -> ! {
+    use std::os::unix::process::CommandExt;
+    let mut args = std::env::args_os().skip(2);
+    let error = match args.next() {
+        Some(program) => {
+            let e = std::process::Command::new(&program).args(args).exec();
+            format!("cannot run {}: {e}", program.to_string_lossy())
+        }
+        None => "--exec needs a program".to_owned(),
+    };
+    write_reply(&Reply::error(error));
+    std::process::exit(0);
+}
+
+/// Prints one reply on stdout; exits 1 if stdout is gone.
+fn write_reply(reply: &Reply) {
+    let mut out = serde_json::to_vec(reply)
         .unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the reply"}"#.to_vec());
     out.push(b'\n');
     let mut stdout = std::io::stdout().lock();

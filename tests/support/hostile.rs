@@ -26,24 +26,36 @@ pub fn image() -> String {
         .unwrap_or_else(|_| "roundtable-sandbox-hostile:latest".into())
 }
 
-/// A config running the hostile program with `args` (its entrypoint is the program).
+/// The real guest's launcher in the hostile image: `/roundtable-guest --exec PROGRAM …`
+/// installs the guest's seccomp layer, then execs PROGRAM. In production every process of
+/// a turn descends from the guest, so every attack runs under the same layer.
+pub const UNDER_THE_GUEST: [&str; 2] = ["/roundtable-guest", "--exec"];
+
+/// `command` run as the real guest would run it: under its seccomp layer.
+pub fn under_the_guest(command: &[&str]) -> Vec<String> {
+    UNDER_THE_GUEST
+        .iter()
+        .chain(command)
+        .map(|s| s.to_string())
+        .collect()
+}
+
+/// A config running the hostile program with `args`, under the guest's layer.
 pub fn config(env: &Env, args: &[&str]) -> Config {
     let mut c = env.config();
     c.image = image();
-    c.command = Some(
-        std::iter::once("/roundtable-hostile")
-            .chain(args.iter().copied())
-            .map(String::from)
-            .collect(),
-    );
+    let mut command = vec!["/roundtable-hostile"];
+    command.extend_from_slice(args);
+    c.command = Some(under_the_guest(&command));
     c
 }
 
-/// A config running `sh -c script` in the hostile image (busybox, the setuid bait).
+/// A config running `sh -c script` in the hostile image (busybox, the setuid bait), under
+/// the guest's layer.
 pub fn sh_config(env: &Env, script: &str) -> Config {
     let mut c = env.config();
     c.image = image();
-    c.command = Some(vec!["/bin/sh".into(), "-c".into(), script.into()]);
+    c.command = Some(under_the_guest(&["/bin/sh", "-c", script]));
     c
 }
 

@@ -353,8 +353,9 @@ fn broker(group: &str) -> Vec<String> {
 ///   `/workspace/l` (a symlink to SENTINEL, a host path outside the workspace) with
 ///   `renameat2(RENAME_EXCHANGE)` in a tight loop, then replies;
 /// - `unreadable MIB`: hides MIB MiB in a dir made mode 000, then waits;
-/// - `fallocate MIB`: `fallocate(FALLOC_FL_KEEP_SIZE)` of MIB MiB on an empty file, then waits
-///   (replies at once if the call fails);
+/// - `fallocate MIB`: `fallocate` of MIB MiB on an empty file with `PUNCH_HOLE | KEEP_SIZE`,
+///   no flag, `ZERO_RANGE | KEEP_SIZE`, then `KEEP_SIZE`; waits if a `KEEP_SIZE` call
+///   allocated (replies at once if none did);
 /// - `mapped MIB`: a file mapped shared, its descriptor closed, unlinked, MIB MiB written
 ///   through the mapping, then waits;
 /// - `nondumpable FILES MIB`: `prctl(PR_SET_DUMPABLE, 0)`, then `held FILES MIB 1` in-process;
@@ -368,11 +369,16 @@ mod quota {
 
     const MIB: usize = 1 << 20;
     const O_TMPFILE: i32 = 0o20200000;
-    const FALLOC_FL_KEEP_SIZE: i32 = 1;
+    const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
+    const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
+    const FALLOC_FL_ZERO_RANGE: i32 = 0x10;
+    const SIGXFSZ: i32 = 25;
+    const SIG_IGN: usize = 1;
     const PR_SET_DUMPABLE: i32 = 4;
 
     extern "C" {
         fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
+        fn signal(signum: i32, handler: usize) -> usize;
         fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
         fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
         fn sendmsg(fd: i32, msg: *const MsgHdr, flags: i32) -> isize;
@@ -498,24 +504,49 @@ mod quota {
                 vec![format!("unreadable=survived:{}", io(result.map(|()| "hidden".into())))]
             }
             Some("fallocate") => {
+                // Each mode of MIB MiB on one empty file, the one that frees space first:
+                // `name=ok(ms)` or `name=error(…)`. SIGXFSZ is ignored, so a call held by
+                // RLIMIT_FSIZE answers EFBIG instead of killing the process.
                 let mib = n(args, 1, 256);
-                let result = std::fs::File::create("/workspace/prealloc").and_then(|f| {
-                    let started = Instant::now();
-                    // SAFETY: a plain syscall on a descriptor this program owns.
-                    let r = unsafe { fallocate(f.as_raw_fd(), FALLOC_FL_KEEP_SIZE, 0, (mib * MIB) as i64) };
-                    if r != 0 {
-                        return Err(std::io::Error::last_os_error());
+                // SAFETY: sets the disposition of one signal to SIG_IGN.
+                unsafe { signal(SIGXFSZ, SIG_IGN) };
+                let modes = [
+                    ("punch_hole", FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE),
+                    ("plain", 0),
+                    ("zero_range_keep_size", FALLOC_FL_KEEP_SIZE | FALLOC_FL_ZERO_RANGE),
+                    ("keep_size", FALLOC_FL_KEEP_SIZE),
+                ];
+                let mut findings = Vec::new();
+                let mut allocated = false;
+                match std::fs::File::create("/workspace/prealloc") {
+                    Ok(f) => {
+                        for (name, mode) in modes {
+                            let started = Instant::now();
+                            // SAFETY: a plain syscall on a descriptor this program owns.
+                            let r = unsafe { fallocate(f.as_raw_fd(), mode, 0, (mib * MIB) as i64) };
+                            let result = if r == 0 {
+                                if mode & FALLOC_FL_KEEP_SIZE != 0
+                                    && mode & FALLOC_FL_PUNCH_HOLE == 0
+                                    && !allocated
+                                {
+                                    allocated = true;
+                                    progress(mib);
+                                }
+                                format!("ok({}ms)", started.elapsed().as_millis())
+                            } else {
+                                format!("error({})", std::io::Error::last_os_error())
+                            };
+                            findings.push(format!("{name}={result}"));
+                        }
                     }
-                    progress(mib);
-                    Ok(format!("{}ms", started.elapsed().as_millis()))
-                });
-                let failed = result.is_err();
-                let finding = format!("fallocate={}", io(result));
-                let _ = std::fs::write("/workspace/finding", &finding);
-                if !failed {
+                    Err(e) => findings.push(format!("create=error({e})")),
+                }
+                let _ = std::fs::write("/workspace/finding", findings.join(";"));
+                if allocated {
+                    // Blocks past the file-size limit: hold them for the watcher to see.
                     hold(60);
                 }
-                vec![finding]
+                findings
             }
             Some("mapped") => {
                 let mib = n(args, 1, 8);
@@ -607,7 +638,7 @@ mod quota {
     }
 
     /// Sends `fd` with one byte over `socket` (`SCM_RIGHTS`).
-    fn send_fd(socket: i32, fd: i32) -> std::io::Result<()> {
+    pub fn send_fd(socket: i32, fd: i32) -> std::io::Result<()> {
         let byte = [0u8; 1];
         let iov = IoVec {
             base: byte.as_ptr(),
@@ -709,6 +740,49 @@ const SYS_UNSHARE: i64 = 272;
 const SYS_PERF_EVENT_OPEN: i64 = 298;
 const SYS_BPF: i64 = 321;
 const SYS_USERFAULTFD: i64 = 323;
+const SYS_PROCESS_VM_READV: i64 = 310;
+const SYS_KCMP: i64 = 312;
+const SYS_IO_URING_SETUP: i64 = 425;
+const SYS_PIDFD_OPEN: i64 = 434;
+const SYS_PIDFD_GETFD: i64 = 438;
+
+/// `process_vm_readv` of 8 bytes at the start of the sibling's first mapping, `pidfd_getfd`
+/// of its descriptor 0, and `kcmp(KCMP_FILE)` of its descriptor 0 against ours: each needs
+/// the same permission as `ptrace` (a same-uid, dumpable process, no Yama).
+fn inspect_sibling(pid: i64) -> Vec<String> {
+    let mut out = Vec::new();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let start = maps
+        .split('-')
+        .next()
+        .and_then(|a| u64::from_str_radix(a, 16).ok());
+    out.push(match start {
+        Some(addr) => {
+            let mut buf = [0u8; 8];
+            let local = [buf.as_mut_ptr() as u64, 8u64];
+            let remote = [addr, 8u64];
+            // SAFETY: one local iovec over `buf`, one remote iovec (the kernel checks it).
+            let ret = unsafe {
+                syscall(SYS_PROCESS_VM_READV, pid, local.as_ptr(), 1i64, remote.as_ptr(), 1i64, 0i64)
+            };
+            format!("process_vm_readv_sibling={}", syscall_result(ret))
+        }
+        None => "process_vm_readv_sibling=no-maps".to_owned(),
+    });
+    // SAFETY: integer arguments only.
+    let pidfd = unsafe { syscall(SYS_PIDFD_OPEN, pid, 0i64) };
+    out.push(if pidfd < 0 {
+        format!("pidfd_getfd_sibling=pidfd_open-{}", syscall_result(pidfd))
+    } else {
+        // SAFETY: integer arguments only.
+        let ret = unsafe { syscall(SYS_PIDFD_GETFD, pidfd, 0i64, 0i64) };
+        format!("pidfd_getfd_sibling={}", syscall_result(ret))
+    });
+    // SAFETY: integer arguments only; KCMP_FILE is 0.
+    let ret = unsafe { syscall(SYS_KCMP, std::process::id() as i64, pid, 0i64, 0i64, 0i64) };
+    out.push(format!("kcmp_sibling={}", syscall_result(ret)));
+    out
+}
 
 fn ptrace_attach(pid: i64) -> String {
     // PTRACE_SEIZE: the same permission check as PTRACE_ATTACH, but the tracee is not
@@ -741,14 +815,19 @@ fn forbidden() -> Vec<String> {
         .arg("30")
         .stdin(std::process::Stdio::null())
         .spawn();
-    out.push(match sibling {
+    let mut inspected = Vec::new();
+    let ptrace_sibling = match sibling {
         Ok(mut sleeper) => {
+            let pid = sleeper.id() as i64;
             let attacker = std::process::Command::new("/proc/self/exe")
-                .args(["ptrace-attach", &sleeper.id().to_string()])
+                .args(["ptrace-attach", &pid.to_string()])
                 .stdin(std::process::Stdio::null())
                 .output();
+            // The other ways into a sibling, while it lives.
+            let inspect = inspect_sibling(pid);
             let _ = sleeper.kill();
             let _ = sleeper.wait();
+            inspected = inspect;
             match attacker {
                 Ok(o) => {
                     let text = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -764,8 +843,31 @@ fn forbidden() -> Vec<String> {
             }
         }
         Err(e) => format!("ptrace_sibling=spawn-failed({e})"),
-    });
+    };
+    out.push(ptrace_sibling);
+    out.extend(inspected);
     out.push(format!("ptrace_init={}", ptrace_attach(1)));
+
+    // io_uring_setup(1 entry): a ring would run sendmsg, fallocate … behind seccomp's back.
+    let mut params = [0u8; 120];
+    // SAFETY: `params` is a live, zeroed io_uring_params.
+    let ret = unsafe { syscall(SYS_IO_URING_SETUP, 1i64, params.as_mut_ptr()) };
+    out.push(format!("io_uring_setup={}", syscall_result(ret)));
+
+    // sendmsg of one byte and a descriptor (SCM_RIGHTS) on a fresh socket pair.
+    out.push(format!(
+        "sendmsg={}",
+        match std::os::unix::net::UnixStream::pair() {
+            Ok((tx, _rx)) => {
+                use std::os::fd::AsRawFd;
+                match quota::send_fd(tx.as_raw_fd(), 0) {
+                    Ok(()) => "allowed".to_owned(),
+                    Err(e) => format!("errno({})", e.raw_os_error().unwrap_or(-1)),
+                }
+            }
+            Err(e) => format!("socketpair-failed({e})"),
+        }
+    ));
 
     // keyctl(KEYCTL_GET_KEYRING_ID, KEY_SPEC_SESSION_KEYRING, create=1).
     // SAFETY: integer arguments only.
