@@ -374,8 +374,9 @@ async fn attack_escalate_through_a_setuid_binary() {
         // is not loaded inside the sandbox (the guest's syscalls reach gVisor's Sentry, not
         // the host kernel). What reaches the host, the Sentry, runs with no_new_privs and
         // gVisor's own seccomp filter, as nobody: runtime::the_turn_process_on_the_host_is_confined.
+        // Mode 2 inside is the guest's own layer, which the Sentry runs.
         assert_eq!(f["nnp"], "?");
-        assert_eq!(f["seccomp"], "0");
+        assert_eq!(f["seccomp"], "2", "the guest's seccomp layer is on");
     } else {
         assert_eq!(f["nnp"], "1");
         assert_eq!(f["seccomp"], "2", "the default seccomp filter is on");
@@ -699,7 +700,10 @@ async fn attack_fill_the_workspace_disk() {
     assert!(error.contains("the limit is 8 MiB"), "{error}");
     // An operator frees space: turns run again.
     std::fs::remove_file(env.workspace_of("#big").join("big")).unwrap();
-    std::fs::remove_file(env.workspace_of("#big").join("note")).unwrap();
+    // (The watcher may have ended that turn before `echo` ran: no note then.)
+    if let Err(e) = std::fs::remove_file(env.workspace_of("#big").join("note")) {
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+    }
     let mut config = hostile::sh_config(&env, &reply_after("out=back"));
     limits(&mut config);
     drop(sandbox);
@@ -949,8 +953,13 @@ async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
     let f = hostile::findings(&reply);
     eprintln!("forbidden calls in the sealed container: {f:?}");
     // The layer's refusals, in both runtimes (gVisor runs the guest's seccomp filters in
-    // its Sentry).
+    // its Sentry: `sendmsg`, which gVisor serves, gets EPERM there too).
     for call in &layer {
+        if *call == "pidfd_getfd_sibling" && under_gvisor() {
+            // gVisor (20221219) has no pidfd_open, so the probe gets no pidfd to try.
+            assert_eq!(f[*call], "pidfd_open-errno(38)", "{f:?}");
+            continue;
+        }
         assert_eq!(f[*call], "errno(1)", "{call}: {f:?}");
     }
     if under_gvisor() {

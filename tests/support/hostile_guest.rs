@@ -21,10 +21,13 @@
 //! - `quota <trick> [args…]`: stores bytes in `/workspace` past the quota's sight (see
 //!   [`quota`]); `/workspace/progress-<pid>` always holds the MiB each process stored so far, so the host side
 //!   can tell how far a trick got before the watcher ended the turn.
-//! - `forbidden`: the system calls Docker's default seccomp profile and the dropped
-//!   capabilities forbid (`keyctl`, `bpf`, `userfaultfd`, `perf_event_open`,
-//!   `unshare(CLONE_NEWUSER)`, `mount`, `ptrace` of a sibling and of PID 1), each made so
-//!   that it would succeed without those controls; the result is `allowed` or `errno(N)`.
+//! - `forbidden`: the system calls Docker's default seccomp profile, the guest's seccomp
+//!   layer and the dropped capabilities forbid (`keyctl`, `bpf`, `userfaultfd`,
+//!   `perf_event_open`, `unshare(CLONE_NEWUSER)`, `mount`, `ptrace` of a sibling and of
+//!   PID 1, `process_vm_readv`, `pidfd_getfd` and `kcmp` of a sibling, `io_uring_setup`,
+//!   `sendmsg` with `SCM_RIGHTS`), each made so that it would succeed without those
+//!   controls; the result is `allowed` or `errno(N)`. Never run it on a host (as root it
+//!   would mount a tmpfs over `/tmp`).
 //!   Also the core-dump limit (`core=soft,hard` from `/proc/self/limits`) and
 //!   `oom_score_adj`.
 //! - `ptrace-attach PID`: (used by `forbidden`) one `PTRACE_SEIZE` of `PID` (the same
