@@ -312,7 +312,7 @@ async fn attack_reach_the_docker_socket() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_escalate_through_a_setuid_binary() {
-    use roundtable_sandbox::driver::{docker::create_body, ContainerSpec};
+    use roundtable_sandbox::driver::docker::create_body;
     let env = Env::new();
     let uid = nix::unistd::getuid().as_raw();
 
@@ -320,28 +320,12 @@ async fn attack_escalate_through_a_setuid_binary() {
     // no-new-privileges, the setuid-root program runs as root and reads the root-only file.
     // It runs straight, not under the guest's launcher: installing the guest's seccomp
     // layer sets no_new_privs too, which would hide what this control shows.
-    let ws = env.dir.path().join("control-ws");
-    std::fs::create_dir(&ws).unwrap();
-    let run = env.dir.path().join("control-run");
-    std::fs::create_dir(&run).unwrap();
-    let spec = ContainerSpec {
-        name: format!("roundtable-sec-control-{}", std::process::id()),
-        image: hostile::image(),
-        run_dir: run,
-        workspace_dir: ws,
-        uid,
-        gid: nix::unistd::getgid().as_raw(),
-        memory_mb: 64,
-        cpus: 0.5,
-        pids: 16,
-        tmpfs_mb: 1,
-        file_size_mb: 64,
-        output_cap: 4096,
-        stderr_cap: 4096,
-        labels: Default::default(),
-        command: Some(vec!["/bin/suid-hostile".into(), "identity".into()]),
-        runtime: runtime(),
-    };
+    let spec = control_spec(
+        &env,
+        "control",
+        &["/bin/suid-hostile", "identity"],
+        runtime(),
+    );
     let mut body = create_body(&spec);
     body.host_config.as_mut().unwrap().security_opt = None;
     let control = run_raw_container(&spec.name, body).await;
@@ -439,6 +423,38 @@ async fn attack_escalate_through_a_setuid_binary() {
     assert!(!text.contains(":DID"), "{text}");
     assert_eq!(text.matches(":refused").count(), 10, "{text}");
     assert_no_leftovers(&probe).await;
+}
+
+/// A container like the sealed one (for a control run straight through the engine), with
+/// its own run and workspace dirs named after `tag`, running `command` as the service uid.
+fn control_spec(
+    env: &Env,
+    tag: &str,
+    command: &[&str],
+    runtime: Option<String>,
+) -> roundtable_sandbox::driver::ContainerSpec {
+    let ws = env.dir.path().join(format!("{tag}-ws"));
+    std::fs::create_dir(&ws).unwrap();
+    let run = env.dir.path().join(format!("{tag}-run"));
+    std::fs::create_dir(&run).unwrap();
+    roundtable_sandbox::driver::ContainerSpec {
+        name: format!("roundtable-sec-{tag}-{}", std::process::id()),
+        image: hostile::image(),
+        run_dir: run,
+        workspace_dir: ws,
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+        memory_mb: 64,
+        cpus: 0.5,
+        pids: 16,
+        tmpfs_mb: 1,
+        file_size_mb: 64,
+        output_cap: 4096,
+        stderr_cap: 4096,
+        labels: Default::default(),
+        command: Some(command.iter().map(|s| s.to_string()).collect()),
+        runtime,
+    }
 }
 
 /// Runs a container straight through the engine (no runtime) and returns its stdout.
@@ -849,7 +865,6 @@ const REFUSED_BY_THE_LAYER: [&str; 7] = [
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
     use roundtable_sandbox::driver::docker::{create_body, GUEST_OOM_SCORE_ADJ};
-    use roundtable_sandbox::driver::ContainerSpec;
     let env = Env::new();
     let layer = REFUSED_BY_THE_LAYER;
     let profile = [
@@ -870,29 +885,9 @@ async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
     //     kernels >= 4.8, and this host has no Yama). So the refusals in the sealed turn
     //     below are the layer's, not the profile's.
     let control = |tag: &str, unconfined: bool| {
-        let ws = env.dir.path().join(format!("control-ws-{tag}"));
-        std::fs::create_dir(&ws).unwrap();
-        let run = env.dir.path().join(format!("control-run-{tag}"));
-        std::fs::create_dir(&run).unwrap();
-        let spec = ContainerSpec {
-            name: format!("roundtable-sec-seccomp-{tag}-{}", std::process::id()),
-            image: hostile::image(),
-            run_dir: run,
-            workspace_dir: ws,
-            uid: nix::unistd::getuid().as_raw(),
-            gid: nix::unistd::getgid().as_raw(),
-            memory_mb: 64,
-            cpus: 0.5,
-            pids: 16,
-            tmpfs_mb: 1,
-            file_size_mb: 64,
-            output_cap: 4096,
-            stderr_cap: 4096,
-            labels: Default::default(),
-            command: Some(vec!["/roundtable-hostile".into(), "forbidden".into()]),
-            // The controls are about Docker's seccomp profile, which runc applies.
-            runtime: None,
-        };
+        let tag = format!("seccomp-{tag}");
+        // The controls are about Docker's seccomp profile, which runc applies.
+        let spec = control_spec(&env, &tag, &["/roundtable-hostile", "forbidden"], None);
         let mut body = create_body(&spec);
         if unconfined {
             body.host_config
