@@ -16,27 +16,50 @@ use crate::driver::DockerDriver;
 /// Errors of building the image.
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {
+    /// A binary could not be read.
     #[error("read {path}")]
     Read {
+        /// The binary.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// A binary is not static.
     #[error("{0} is not a static executable (build the guest with the static target; install busybox-static)")]
     NotStatic(PathBuf),
     #[error("list busybox applets with {path}: {reason}")]
-    Applets { path: PathBuf, reason: String },
+    /// busybox could not list its applets.
+    Applets {
+        /// The busybox binary.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// The engine failed.
     #[error(transparent)]
     Driver(#[from] crate::driver::DriverError),
     #[error("docker build of {tag} failed: {reason}")]
-    Build { tag: String, reason: String },
+    /// The engine's build failed.
+    Build {
+        /// The image tag.
+        tag: String,
+        /// The engine's message.
+        reason: String,
+    },
     #[error("write the build context archive")]
-    Archive { source: std::io::Error },
+    /// The build context could not be written.
+    Archive {
+        /// Why.
+        source: std::io::Error,
+    },
 }
 
 /// The two static binaries the image is made of.
 #[derive(Debug, Clone)]
 pub struct ImageSource {
+    /// The static guest binary.
     pub guest: PathBuf,
+    /// The static busybox binary (the shell and its applets).
     pub busybox: PathBuf,
 }
 

@@ -12,20 +12,27 @@
 //! - [`sweep`]: removal of what a crashed runtime left behind;
 //! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
-//! - [`offline`]: an embedded offline model for first runs and demos (loopback only);
-//! - [`settings`]: config file, flags and defaults for programs embedding the runtime.
+//! - `offline` (feature `cli`): an embedded offline model for first runs and demos
+//!   (loopback only);
+//! - `settings` (feature `cli`): config file, flags and defaults for the project's programs.
+//!
+//! Features: `cli` (the two modules above, for the CLI and the example bots) and `testing`
+//! (engine-level hooks for this crate's tests: `driver::docker`).
 //!
 //! [`Sandbox`] ties them together; the actor layer (`roundtable-sandbox-actors`) drives it.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod broker;
 pub mod config;
 pub mod driver;
 pub mod image;
 pub mod lock;
+#[cfg(feature = "cli")]
 pub mod offline;
 pub mod quota;
+#[cfg(feature = "cli")]
 pub mod settings;
 pub mod sweep;
 pub mod turn;

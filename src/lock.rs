@@ -26,10 +26,19 @@ pub const LOCK_FILE: &str = ".roundtable-sandbox.lock";
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error("sandbox root {root} is in use by another runtime{holder}: one runtime per root")]
-    InUse { root: PathBuf, holder: String },
+    /// Another runtime holds the root.
+    InUse {
+        /// The root.
+        root: PathBuf,
+        /// Who holds it, where known (` (pid N)`), or empty.
+        holder: String,
+    },
+    /// The lock file could not be opened or locked.
     #[error("lock sandbox root {root}")]
     Lock {
+        /// The root.
         root: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
 }

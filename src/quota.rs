@@ -85,7 +85,9 @@ pub struct Usage {
 /// A workspace's quota.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quota {
+    /// Bytes the workspace may hold.
     pub max_bytes: u64,
+    /// Entries (files, dirs, links) it may hold.
     pub max_entries: u64,
 }
 
@@ -100,7 +102,9 @@ impl Quota {
 /// its size (what an unprivileged writer can use of it; both zero: no floor).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Floor {
+    /// The least free bytes.
     pub min_bytes: u64,
+    /// The least free space in percent of the filesystem's size.
     pub min_percent: u64,
 }
 
@@ -123,31 +127,44 @@ pub enum QuotaError {
         "this channel's workspace is over its quota ({used} used{held}; the limit is {limit}); \
          an operator must free space in it before the next turn"
     )]
+    /// The workspace holds more than its quota.
     Exceeded {
+        /// What it holds.
         used: String,
         /// What of it is in deleted files held open (empty: none).
         held: String,
+        /// The quota.
         limit: String,
     },
     #[error(
         "this channel's workspace cannot be measured ({0}); an operator must fix or clear it \
          before the next turn"
     )]
+    /// The workspace cannot be measured (why, without guest-chosen names).
     Measure(String),
     #[error(
         "the filesystem of {path} ({what}) has {free_mib} MiB free, below its floor of \
          {floor_mib} MiB; turns are refused until an operator frees space"
     )]
+    /// A guarded filesystem is below its floor.
     FreeSpace {
+        /// What it holds.
         what: &'static str,
+        /// A path on it.
         path: PathBuf,
+        /// Its free space.
         free_mib: u64,
+        /// Its floor.
         floor_mib: u64,
     },
+    /// A guarded filesystem's free space cannot be read.
     #[error("the free space of {path} ({what}) cannot be read: {reason}")]
     FreeSpaceUnknown {
+        /// What it holds.
         what: &'static str,
+        /// A path on it.
         path: PathBuf,
+        /// Why.
         reason: String,
     },
 }
@@ -182,19 +199,27 @@ impl QuotaError {
 /// Why a measure failed. The messages never hold a guest-chosen name.
 #[derive(Debug, thiserror::Error)]
 pub enum MeasureError {
+    /// A directory cannot be opened or searched.
     #[error("a directory in it cannot be opened or searched: {0}")]
     Unreadable(std::io::Error),
+    /// The tree is deeper than the measure descends.
     #[error("it is nested deeper than {MAX_DEPTH} directories")]
     TooDeep,
+    /// An entry is on another filesystem (a mount).
     #[error("an entry in it is on another filesystem")]
     ForeignDevice,
+    /// A process of the turn cannot be inspected.
     #[error("a process of the turn hides its open files from the host")]
     HiddenDescriptors,
+    /// A deleted file is held only by a memory mapping.
     #[error("a deleted workspace file is held only through a memory mapping")]
     MappedDeleted,
+    /// A system call failed.
     #[error("{op}")]
     Io {
+        /// The call.
         op: &'static str,
+        /// Why.
         source: std::io::Error,
     },
 }
@@ -599,7 +624,9 @@ pub fn check(
 /// A filesystem the floor guards: what it holds (for the error) and a path on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Guarded {
+    /// What it holds (`the workspaces`, `the engine's data root`).
     pub what: &'static str,
+    /// A path on it.
     pub path: PathBuf,
 }
 
@@ -660,10 +687,15 @@ pub fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError>
 /// What the watcher of a running turn guards.
 #[derive(Debug, Clone)]
 pub struct Watch {
+    /// The turn's workspace.
     pub workspace: Arc<Workspace>,
+    /// Its quota.
     pub quota: Quota,
+    /// The free-space floor.
     pub floor: Floor,
+    /// The filesystems the floor guards.
     pub guarded: Vec<Guarded>,
+    /// The driver that lists the container's processes.
     pub driver: Arc<dyn ContainerDriver>,
     /// The turn's container (its processes hold files deleted while open).
     pub container: String,

@@ -18,35 +18,35 @@ pub const DEFAULT_MODEL_URL: &str = "https://api.openai.com/v1";
 /// The default model when a key is given without a model.
 pub const DEFAULT_MODEL: &str = "gpt-4o-mini";
 
-/// What the flags and the environment say. With the `clap` feature these are the
+/// What the flags and the environment say. With the `cli` feature these are the
 /// command-line flags of the CLI and the bots (`#[command(flatten)]`), global to every
 /// subcommand; the field docs are their help.
 #[derive(Debug, Clone, Default)]
-#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct Settings {
     /// TOML config file (unknown keys are refused)
     #[cfg_attr(
-        feature = "clap",
+        feature = "cli",
         arg(long = "config", value_name = "FILE", global = true)
     )]
     pub config_file: Option<PathBuf>,
     /// Guest image [default: roundtable-sandbox-guest:latest]
-    #[cfg_attr(feature = "clap", arg(long, value_name = "IMAGE", global = true))]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "IMAGE", global = true))]
     pub image: Option<String>,
     /// Private dir for the per-turn broker sockets
-    #[cfg_attr(feature = "clap", arg(long, value_name = "DIR", global = true))]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "DIR", global = true))]
     pub run_root: Option<PathBuf>,
     /// Private dir of the channel workspaces
-    #[cfg_attr(feature = "clap", arg(long, value_name = "DIR", global = true))]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "DIR", global = true))]
     pub workspace_root: Option<PathBuf>,
     /// Model name (with a key: default gpt-4o-mini)
-    #[cfg_attr(feature = "clap", arg(long, value_name = "NAME", global = true))]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "NAME", global = true))]
     pub model: Option<String>,
     /// OpenAI-compatible API base (with a key: default https://api.openai.com/v1)
-    #[cfg_attr(feature = "clap", arg(long, value_name = "URL", global = true))]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "URL", global = true))]
     pub model_url: Option<String>,
     /// Use the embedded offline model even if OPENAI_API_KEY is set
-    #[cfg_attr(feature = "clap", arg(long, global = true))]
+    #[cfg_attr(feature = "cli", arg(long, global = true))]
     pub offline: bool,
 }
 

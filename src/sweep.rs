@@ -13,8 +13,11 @@ use crate::Sandbox;
 /// What a sweep removed, and what it could not.
 #[derive(Debug, Default, Clone)]
 pub struct SweepReport {
+    /// The containers removed.
     pub containers: Vec<String>,
+    /// The run dirs removed.
     pub run_dirs: Vec<std::path::PathBuf>,
+    /// What could not be removed, and why.
     pub errors: Vec<String>,
 }
 

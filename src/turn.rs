@@ -33,8 +33,11 @@ use crate::Sandbox;
 /// What the caller asks of one turn.
 #[derive(Debug, Clone)]
 pub struct TurnRequest {
+    /// The channel (any string; the workspace is named by its hash).
     pub channel: String,
+    /// Who wrote the message.
     pub speaker: Speaker,
+    /// The message.
     pub text: String,
     /// Start a fresh session (the reset generation at admission was above zero).
     pub reset: bool,
@@ -49,15 +52,21 @@ pub struct TurnRequest {
 /// Where a turn is; reported to an optional observer (progress display, tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TurnPhase {
+    /// Creating the workspace and run dir, checking quota and floor.
     Preparing,
+    /// The broker listens on the turn's socket.
     BrokerListening,
+    /// The container runs.
     ContainerRunning,
     /// The broker forwards a model call (reported at each call).
     ModelCall,
     /// The broker runs a host or MCP tool (reported at each call).
     ToolCall,
+    /// The reply is known.
     Replied,
+    /// The container, listener and run dir are being removed.
     TearingDown,
+    /// Everything is removed.
     Done,
 }
 
@@ -67,41 +76,68 @@ pub type PhaseObserver = Arc<dyn Fn(TurnPhase) + Send + Sync>;
 /// Errors of a turn, before it is turned into an `{ok:false}` reply.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnError {
+    /// The turn's timeout passed.
     #[error("turn timed out after {0:?}")]
     Timeout(Duration),
     /// The turn's timeout passed while it waited for a container slot (the actor layer's
     /// global cap); it never started.
     #[error("turn timed out after {timeout:?} waiting for a container slot (all {slots} in use)")]
-    SlotTimeout { timeout: Duration, slots: usize },
+    SlotTimeout {
+        /// The turn's timeout.
+        timeout: Duration,
+        /// The container slots.
+        slots: usize,
+    },
+    /// The caller stopped the turn.
     #[error("turn stopped")]
     Stopped,
+    /// The channel's workspace could not be created.
     #[error("create workspace {path}")]
     CreateWorkspace {
+        /// The workspace.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// The turn's run dir could not be created.
     #[error("create run dir under {path}")]
     CreateRunDir {
+        /// The run root.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// The turn's socket path is too long.
     #[error("broker socket path too long: {0}")]
     SocketPathTooLong(PathBuf),
+    /// The broker could not listen.
     #[error("start broker")]
     Broker(#[from] crate::broker::BrokerError),
+    /// The driver failed.
     #[error(transparent)]
     Driver(#[from] DriverError),
+    /// The workspace is over its quota or a filesystem below its floor.
     #[error(transparent)]
     Quota(#[from] crate::quota::QuotaError),
     /// The engine reports that the memory limit killed the guest.
     #[error("guest killed: out of memory (limit {limit_mb} MiB)")]
-    OutOfMemory { limit_mb: u64 },
+    OutOfMemory {
+        /// The memory limit.
+        limit_mb: u64,
+    },
     /// The guest died of `SIGXFSZ` (its init exits `128+SIGXFSZ`): `RLIMIT_FSIZE` was hit.
     #[error("guest killed: a file grew past the workspace quota ({limit_mb} MiB)")]
-    FileTooLarge { limit_mb: u64 },
+    FileTooLarge {
+        /// The workspace quota.
+        limit_mb: u64,
+    },
     /// The container exited non-zero (137 under the init process: `SIGKILL`).
     #[error("guest exited with code {code}")]
-    Exit { code: i64 },
+    Exit {
+        /// The exit code.
+        code: i64,
+    },
+    /// The guest's output is not a reply.
     #[error(transparent)]
     Reply(#[from] ReplyError),
 }
@@ -111,9 +147,17 @@ pub enum TurnError {
 #[non_exhaustive]
 pub enum ReplyError {
     #[error("guest output exceeds {cap} bytes")]
-    OutputTooLarge { cap: usize },
+    /// The output passed its cap.
+    OutputTooLarge {
+        /// The cap.
+        cap: usize,
+    },
     #[error("guest output is not a valid reply: {reason}")]
-    MalformedOutput { reason: String },
+    /// The output is not one JSON reply.
+    MalformedOutput {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Why a turn did not give the guest's own successful answer: what a bot matches on to
@@ -191,6 +235,7 @@ impl TurnError {
 /// not a success, the typed reason. Dereferences to the reply.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnOutcome {
+    /// The reply, as the guest or the host wrote it.
     pub reply: Reply,
     /// `None` exactly when `reply.ok`.
     pub failure: Option<TurnFailure>,

@@ -13,9 +13,7 @@ use crate::error::AbortReason;
 use crate::reset::{ResetGeneration, Stamp};
 use crate::supervisor::{ChannelIdle, ChannelRestartedNotice, SandboxSupervisor, Shared};
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
-use crate::{
-    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, SandboxActorError, Stop,
-};
+use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxActorError, Stop};
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, decides each
 /// turn's reset flag from the stamp its message got on arrival (a reset applies to the
@@ -26,7 +24,7 @@ use crate::{
 /// [`SandboxActorError::ChannelRestarted`]) and stops the actor, which actix then restarts
 /// at the same address with its queue; the reset generation lives in a cell the
 /// supervisor keeps. An idle actor asks to be retired after `idle_timeout`.
-pub struct ChannelActor {
+pub(crate) struct ChannelActor {
     key: String,
     shared: Arc<Shared>,
     reset: ResetGeneration,
@@ -471,10 +469,11 @@ impl Handler<Retire> for ChannelActor {
     }
 }
 
-impl Handler<InjectPanic> for ChannelActor {
+#[cfg(feature = "testing")]
+impl Handler<crate::messages::InjectPanic> for ChannelActor {
     type Result = bool;
 
-    fn handle(&mut self, _: InjectPanic, ctx: &mut Self::Context) -> bool {
+    fn handle(&mut self, _: crate::messages::InjectPanic, ctx: &mut Self::Context) -> bool {
         self.guarded(ctx, "inject panic", |_, _| -> bool {
             panic!("panic injected into the channel actor (test hook)")
         });

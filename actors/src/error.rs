@@ -11,7 +11,12 @@ use roundtable_sandbox::{TurnFailure, TurnOutcome};
 pub enum SandboxActorError {
     /// An option of the actor layer is out of range (checked before anything starts).
     #[error("invalid actor options: {field} {reason}")]
-    InvalidOptions { field: &'static str, reason: String },
+    InvalidOptions {
+        /// The option.
+        field: &'static str,
+        /// Its range and the refused value.
+        reason: String,
+    },
     /// The core refused the configuration or could not prepare the broker; nothing started.
     #[error("cannot start the sandbox")]
     Start(#[from] roundtable_sandbox::SandboxError),
@@ -20,7 +25,10 @@ pub enum SandboxActorError {
         "this channel is busy: a turn is running and {waiting} message(s) are already waiting \
          (the limit); try again when it has answered"
     )]
-    Busy { waiting: usize },
+    Busy {
+        /// The messages already waiting.
+        waiting: usize,
+    },
     /// The supervisor is shutting down (or has shut down) and admits nothing.
     #[error("the sandbox is shutting down; this message was not processed")]
     ShuttingDown,
@@ -34,7 +42,10 @@ pub enum SandboxActorError {
     /// The turn's own task panicked; its run dir, listener and container are cleaned up by
     /// the core's drop guards.
     #[error("the turn failed with an internal error ({message}); its resources were cleaned up")]
-    TurnPanicked { message: String },
+    TurnPanicked {
+        /// The panic's message.
+        message: String,
+    },
     /// The turn ended without delivering a reply (an internal error; never expected).
     #[error("the turn ended without a reply (internal error)")]
     TurnLost,

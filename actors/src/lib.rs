@@ -7,15 +7,15 @@
 //!
 //! - [`SandboxSupervisor`] (one per process): validates the whole configuration before it
 //!   starts anything ([`SandboxSupervisor::start`]), sweeps what a crashed runtime left
-//!   behind, spawns one [`ChannelActor`] per channel on its first message, restarts a
+//!   behind, spawns one `ChannelActor` per channel on its first message, restarts a
 //!   channel actor that panicked, retires idle ones, and keeps every channel's **pending
 //!   reset generation** so neither a restart nor a retirement loses it. It answers
 //!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`], in the order
 //!   they were sent (its mailbox is unbounded: `send` never parks).
-//! - [`ChannelActor`] (one per live channel): serializes the channel's turns in arrival
+//! - `ChannelActor` (one per live channel, internal): serializes the channel's turns in arrival
 //!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), decides
 //!   a turn's reset flag when it admits it, and stops the active turn on [`Stop`].
-//! - [`TurnActor`] (one per turn, short-lived): owns the turn's future — run dir, broker
+//! - `TurnActor` (one per turn, short-lived, internal): owns the turn's future — run dir, broker
 //!   listener and container, through [`roundtable_sandbox::run_turn`] — waits for a slot
 //!   under the global container cap (a FIFO semaphore, so channels are served fairly; the
 //!   wait counts against the turn timeout, which runs from admission),
@@ -32,7 +32,7 @@
 //! failed turn consumes nothing.
 //!
 //! Panics: actix does not restart a supervised actor when a handler panics, so every
-//! [`ChannelActor`] handler runs under `catch_unwind`; a caught panic aborts the turn in
+//! `ChannelActor` handler runs under `catch_unwind`; a caught panic aborts the turn in
 //! flight (its caller gets [`SandboxActorError::ChannelRestarted`], its container is
 //! removed) and stops the actor, which actix's [`actix::Supervisor`] then restarts with
 //! its queue and the channel's reset generation intact. A turn's own work runs in a
@@ -80,6 +80,7 @@
 //! ```
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod channel;
 mod error;
@@ -89,13 +90,17 @@ mod reset;
 mod supervisor;
 mod turn;
 
-pub use channel::ChannelActor;
 pub use error::SandboxActorError;
+#[cfg(feature = "testing")]
+pub use messages::InjectPanic;
 pub use messages::{
-    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressEvent, Shutdown,
-    ShutdownReport, StartFresh, Status, StatusReport, Stop, Totals, TurnProgress,
+    ChannelState, ChannelStatus, GuestMessage, ProgressEvent, Shutdown, ShutdownReport, StartFresh,
+    Status, StatusReport, Stop, Totals, TurnProgress,
 };
 pub use options::{ProgressCallback, SupervisorOptions};
-pub use roundtable_sandbox::{Config, Reply, Speaker, TurnFailure, TurnOutcome, TurnPhase};
+/// What an embedder needs of the core to configure the runtime and read a turn's answer.
+pub use roundtable_sandbox::{
+    ApiKey, Config, HostTool, Limits, Reply, Speaker, ToolCallContext, TurnFailure, TurnOutcome,
+    TurnPhase,
+};
 pub use supervisor::SandboxSupervisor;
-pub use turn::TurnActor;

@@ -18,6 +18,7 @@ pub struct GuestMessage {
     pub channel: String,
     /// Who wrote it, as the bot admitted them; the turn and its tool calls carry it.
     pub speaker: Speaker,
+    /// The message's text.
     pub text: String,
     /// Receives this message's progress (queued, waiting for a slot, each turn phase).
     pub progress: Option<Recipient<TurnProgress>>,
@@ -47,6 +48,7 @@ impl GuestMessage {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct StartFresh {
+    /// The channel to reset.
     pub channel: String,
 }
 
@@ -55,6 +57,7 @@ pub struct StartFresh {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "bool")]
 pub struct Stop {
+    /// The channel whose turn stops.
     pub channel: String,
 }
 
@@ -103,7 +106,9 @@ impl ChannelState {
 /// One channel in a [`StatusReport`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChannelStatus {
+    /// The channel's key.
     pub channel: String,
+    /// What it is doing.
     pub state: ChannelState,
     /// Messages waiting behind the active turn.
     pub queued: usize,
@@ -126,6 +131,7 @@ pub struct ChannelStatus {
 pub struct StatusReport {
     /// Channels with a live actor or a pending reset, sorted by key.
     pub channels: Vec<ChannelStatus>,
+    /// Counters since start.
     pub totals: Totals,
 }
 
@@ -142,6 +148,7 @@ pub struct Totals {
     pub pending_resets: usize,
     /// Container slots in use (at most `max_containers`).
     pub containers_in_use: usize,
+    /// The global container cap.
     pub max_containers: usize,
     /// Admitted turns waiting for a container slot.
     pub waiting_for_slot: usize,
@@ -149,6 +156,7 @@ pub struct Totals {
     pub restarts: u64,
     /// Channel actors retired for idleness, since start.
     pub retired: u64,
+    /// Whether a `Shutdown` was received.
     pub shutting_down: bool,
 }
 
@@ -156,9 +164,11 @@ pub struct Totals {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct TurnProgress {
+    /// The channel of the turn.
     pub channel: String,
     /// The turn's id (unique in this supervisor); 0 while the message is only queued.
     pub turn: u64,
+    /// What happened.
     pub event: ProgressEvent,
 }
 
@@ -167,7 +177,10 @@ pub struct TurnProgress {
 #[non_exhaustive]
 pub enum ProgressEvent {
     /// Queued behind `ahead` turns of the channel (the running one included).
-    Queued { ahead: usize },
+    Queued {
+        /// Turns before it.
+        ahead: usize,
+    },
     /// Admitted; all container slots are taken, waiting for one.
     WaitingForSlot,
     /// A phase of the core's turn runner (preparing, broker listening, container running,
@@ -175,11 +188,12 @@ pub enum ProgressEvent {
     Phase(TurnPhase),
 }
 
-/// Test hook: makes the channel's actor panic inside a handler, to exercise the restart.
-/// Answered with whether the channel had a live actor to receive it.
-#[doc(hidden)]
+/// Test hook (the `testing` feature): makes the channel's actor panic inside a handler, to
+/// exercise the restart. Answered with whether the channel had a live actor to receive it.
+#[cfg(feature = "testing")]
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "bool")]
 pub struct InjectPanic {
+    /// The channel whose actor panics.
     pub channel: String,
 }

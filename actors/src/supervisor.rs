@@ -13,8 +13,8 @@ use tokio::sync::{watch, Semaphore};
 use crate::channel::{ChannelActor, Enqueue, QueryStatus, Retire, ShutdownChannel};
 use crate::reset::ResetGeneration;
 use crate::{
-    ChannelState, ChannelStatus, GuestMessage, InjectPanic, ProgressCallback, SandboxActorError,
-    Shutdown, ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
+    ChannelState, ChannelStatus, GuestMessage, ProgressCallback, SandboxActorError, Shutdown,
+    ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
 };
 
 /// What every actor of one supervisor shares.
@@ -244,10 +244,11 @@ impl Handler<Stop> for SandboxSupervisor {
     }
 }
 
-impl Handler<InjectPanic> for SandboxSupervisor {
+#[cfg(feature = "testing")]
+impl Handler<crate::messages::InjectPanic> for SandboxSupervisor {
     type Result = ResponseFuture<bool>;
 
-    fn handle(&mut self, msg: InjectPanic, _: &mut Self::Context) -> Self::Result {
+    fn handle(&mut self, msg: crate::messages::InjectPanic, _: &mut Self::Context) -> Self::Result {
         match self.channels.get(&msg.channel) {
             Some(entry) => {
                 let answer = entry.addr.send(msg);

@@ -151,7 +151,7 @@ pub(crate) struct TurnJob {
 /// that it replied to its [`ChannelActor`]; after teardown reports that it is done and stops.
 /// If the actor is dropped early it cancels the turn (the core's guards tear it down) and
 /// still reports `TurnDone`, so its channel never waits forever.
-pub struct TurnActor {
+pub(crate) struct TurnActor {
     id: u64,
     job: Option<TurnJob>,
     control: TurnControl,

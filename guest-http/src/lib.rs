@@ -12,6 +12,7 @@
 //! defensively: a malformed response is an error, never a panic or an unbounded read.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -46,7 +47,9 @@ pub enum HttpError {
 /// A response: its status and its (de-chunked) body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
+    /// The HTTP status code.
     pub status: u16,
+    /// The body, de-chunked.
     pub body: Vec<u8>,
 }
 

@@ -122,6 +122,7 @@ pub enum CompactSource {
 pub struct CompactReply {
     /// The new summary, finished and capped.
     pub summary: String,
+    /// Who wrote the summary: the summarizer, the main model, or the plain fallback.
     pub source: CompactSource,
     /// The model calls the compaction made, and the tokens they reported.
     pub usage: Usage,

@@ -14,6 +14,7 @@
 //! Every type denies unknown fields, because the other side of this boundary is hostile.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 use serde::{Deserialize, Serialize};
 
@@ -34,7 +35,9 @@ pub const DEFAULT_MAX_STEPS: u32 = 16;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Speaker {
+    /// The chat platform's id of the person.
     pub id: String,
+    /// Their display name.
     pub name: String,
 }
 
@@ -42,8 +45,11 @@ pub struct Speaker {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolSpec {
+    /// The tool's name (unique among the turn's tools).
     pub name: String,
+    /// What it does, for the model.
     pub description: String,
+    /// Its parameters as a JSON schema.
     pub parameters: serde_json::Value,
 }
 
@@ -51,7 +57,9 @@ pub struct ToolSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct McpServerSpec {
+    /// The server's name, as the operator configured it.
     pub server: String,
+    /// Its allow-listed tools.
     pub tools: Vec<ToolSpec>,
 }
 
@@ -59,14 +67,23 @@ pub struct McpServerSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Turn {
+    /// The guest's message.
     pub text: String,
+    /// Who wrote it.
     pub speaker: Speaker,
+    /// The model's name (the broker holds its url and key).
     pub model: String,
+    /// The system prompt.
     pub prompt: String,
+    /// The time zone the guest shows times in (an IANA name).
     pub time_zone: String,
+    /// Start a fresh session (the channel's history is dropped).
     pub reset: bool,
+    /// The host tools the guest may call through the broker.
     pub tools: Vec<ToolSpec>,
+    /// The MCP servers' allow-listed tools.
     pub mcp: Vec<McpServerSpec>,
+    /// Model steps in this turn; `None`: [`DEFAULT_MAX_STEPS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u32>,
     /// The session's compaction budget in estimated tokens; `None` lets the guest choose.
@@ -78,12 +95,16 @@ pub struct Turn {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Usage {
+    /// Model calls made.
     #[serde(default)]
     pub model_calls: u32,
+    /// Tool calls made.
     #[serde(default)]
     pub tool_calls: u32,
+    /// Prompt tokens, as the model reported them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<u64>,
+    /// Completion tokens, as the model reported them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_tokens: Option<u64>,
 }
@@ -94,11 +115,15 @@ pub struct Usage {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Reply {
+    /// Whether the turn succeeded.
     pub ok: bool,
+    /// The answer (when `ok`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
+    /// Why it failed (when not `ok`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What the turn used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
 }
@@ -173,9 +198,12 @@ pub mod builtin_tools {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ToolCallResult {
+    /// Whether the tool succeeded.
     pub ok: bool,
+    /// Its output (when `ok`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Why it failed (when not `ok`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -184,6 +212,7 @@ pub struct ToolCallResult {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorBody {
+    /// What was refused, readable by the guest.
     pub error: String,
 }
 

@@ -78,16 +78,22 @@ pub use futures_util::future::BoxFuture;
 /// Errors of the broker layer.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
+    /// `model_url` is `http://` without `allow_http`.
     #[error("model_url must use https (set allow_http only for offline tests): {0}")]
     InsecureModelUrl(String),
+    /// `model_url` is `http://` to a host that is not loopback.
     #[error("model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {0}")]
     HttpNotLoopback(String),
+    /// `[model_request]` breaks a rule.
     #[error("invalid model_request: {0}")]
     InvalidModelRequest(String),
+    /// `model_url` is not a URL.
     #[error("invalid model_url: {0}")]
     InvalidModelUrl(String),
+    /// A host tool's name is not a valid tool name.
     #[error("invalid tool name {0:?}: use 1 to 64 of a-z, 0-9, _ and -")]
     InvalidToolName(String),
+    /// Two tools have the same name.
     #[error("duplicate tool name: {0}")]
     DuplicateToolName(String),
     #[error(
@@ -95,34 +101,69 @@ pub enum BrokerError {
         .0,
         builtin_tools::ALL.join(", ")
     )]
+    /// A host tool has the name of a built-in guest tool.
     BuiltinToolName(String),
     #[error("invalid JSON schema for tool {tool}: {error}")]
-    InvalidToolSchema { tool: String, error: String },
+    /// A tool's parameters are not a valid JSON schema.
+    InvalidToolSchema {
+        /// The tool.
+        tool: String,
+        /// What the schema compiler said.
+        error: String,
+    },
+    /// `[broker]` breaks a rule.
     #[error("invalid broker limits: {0}")]
     InvalidLimits(String),
     #[error("MCP server {server}: {reason}")]
-    InvalidMcpServer { server: String, reason: String },
+    /// An `[[mcp]]` entry breaks a rule.
+    InvalidMcpServer {
+        /// The server.
+        server: String,
+        /// The rule.
+        reason: String,
+    },
     #[error("MCP server {server} could not be started: {error}")]
-    McpStart { server: String, error: String },
+    /// An MCP server could not be started or listed its tools.
+    McpStart {
+        /// The server.
+        server: String,
+        /// What failed.
+        error: String,
+    },
     #[error("MCP server {server} has no tool {tool} (named in its allow-list)")]
-    McpUnknownTool { server: String, tool: String },
+    /// An MCP server's allow-list names a tool it does not have.
+    McpUnknownTool {
+        /// The server.
+        server: String,
+        /// The tool.
+        tool: String,
+    },
+    /// The HTTP client for the model could not be built.
     #[error("build the upstream HTTP client: {0}")]
     HttpClient(String),
+    /// A turn's broker socket could not be bound.
     #[error("bind broker socket {path}")]
     Bind {
+        /// The socket's path.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// The [`ApiKeyProvider`] failed to give the key.
     #[error("api key provider failed: {0}")]
     ApiKey(String),
+    /// `compaction.url` is not a URL.
     #[error("invalid compaction.url: {0}")]
     InvalidCompactionUrl(String),
     #[error(
         "compaction.url must use https (allow_http permits http to a loopback address only): {0}"
     )]
+    /// `compaction.url` is `http://` without `allow_http`, or not to loopback.
     InsecureCompactionUrl(String),
+    /// `compaction.model` is empty.
     #[error("compaction.model is required")]
     CompactionModelMissing,
+    /// `compaction.timeout` is outside 1 s to 600 s.
     #[error("compaction.timeout must be 1 s to 600 s, got {0:?}")]
     CompactionTimeout(Duration),
 }
@@ -238,8 +279,11 @@ impl fmt::Debug for ApiKey {
 /// What a host tool's handler is told about the call.
 #[derive(Debug, Clone)]
 pub struct ToolCallContext {
+    /// The channel the turn runs in.
     pub channel: String,
+    /// Who wrote the turn's message.
     pub speaker: Speaker,
+    /// Fired when the turn ends: a long call should stop.
     pub cancel: CancellationToken,
 }
 
@@ -273,15 +317,21 @@ pub enum McpTransport {
     /// not inherit the runtime's environment beyond `PATH`, `HOME`, `LANG`, `LC_ALL`,
     /// `TZ` and `TMPDIR` (so a key held in the runtime's env does not reach it).
     Stdio {
+        /// The program.
         command: String,
+        /// Its arguments (`{channel}` is replaced for a channel-scoped server).
         #[serde(default)]
         args: Vec<String>,
+        /// Its environment (values stay on the host; `{channel}` is replaced in them too).
         #[serde(default)]
         env: std::collections::BTreeMap<String, String>,
     },
     /// A streamable-HTTP MCP endpoint; `headers` (e.g. its credentials) stay on the host.
     Http {
+        /// The endpoint (`{channel}` is replaced for a channel-scoped server).
         url: String,
+        /// Headers sent with each request (values stay on the host; `{channel}` is replaced
+        /// in them too).
         #[serde(default)]
         headers: std::collections::BTreeMap<String, String>,
     },
@@ -337,9 +387,12 @@ impl fmt::Display for McpScope {
 /// this struct does not take goes to the transport, whose variants deny unknown fields).
 #[derive(Debug, Clone, Deserialize)]
 pub struct McpServer {
+    /// The server's name (tool calls name it).
     pub name: String,
+    /// How it is reached.
     #[serde(flatten)]
     pub transport: McpTransport,
+    /// The allow-listed tools; others are never shown to the guest.
     pub tools: Vec<String>,
     /// `channel` or `shared`; `None` takes the transport's default (see [`McpServer::scope`]).
     #[serde(default)]
@@ -557,6 +610,7 @@ impl ModelRequestPolicy {
 pub struct CompactionModel {
     /// The API base, e.g. `https://summarizer.example.com/v1` (`/chat/completions` is added).
     pub url: String,
+    /// The summarizer's model name.
     pub model: String,
     /// The summarizer's key. [`ApiKey::None`] means it was configured without a key (its
     /// variable unset, its file missing or empty): that is logged once when the broker
@@ -591,12 +645,19 @@ impl fmt::Debug for CompactionModel {
 /// Everything the broker enforces.
 #[derive(Clone)]
 pub struct BrokerPolicy {
+    /// The model's name.
     pub model: String,
+    /// The model's API base.
     pub model_url: String,
+    /// The model's key (only the broker holds it).
     pub api_key: ApiKey,
+    /// The host tools.
     pub tools: Vec<Arc<dyn HostTool>>,
+    /// The MCP servers.
     pub mcp: Vec<McpServer>,
+    /// Allow `http://` to loopback endpoints.
     pub allow_http: bool,
+    /// The caps on what the guest may ask.
     pub limits: BrokerLimits,
     /// The uid a connecting peer must have (SO_PEERCRED).
     pub worker_uid: u32,
@@ -700,8 +761,11 @@ impl fmt::Debug for BrokerPolicy {
 /// One turn's view: who speaks in which channel, and the turn's cancellation.
 #[derive(Clone)]
 pub struct TurnContext {
+    /// The turn's channel.
     pub channel: String,
+    /// Who wrote the turn's message.
     pub speaker: Speaker,
+    /// Fired when the turn ends.
     pub cancel: CancellationToken,
     /// Told of each call the broker starts (for progress displays); never of its content.
     pub events: Option<BrokerEvents>,

@@ -758,6 +758,7 @@ fn cgroup_procs_file(text: &str, id: &str) -> Option<std::path::PathBuf> {
 /// transient ones: past the host limit the Sentry itself cannot make a thread and dies.
 /// See docs/security.md#gvisor.
 pub const GVISOR_HOST_TASKS_BASE: i64 = 96;
+/// What each guest task adds to the host pids limit under gVisor (see above).
 pub const GVISOR_HOST_TASKS_PER_GUEST_TASK: i64 = 12;
 
 /// Under gVisor the container's pids cgroup counts the sandbox's own host tasks, not the

@@ -9,7 +9,10 @@
 //! - [`DriverError`]: each way a driver call can fail, backend-neutral;
 //! - [`docker`]: the Docker Engine driver on bollard.
 
+#[cfg(feature = "testing")]
 pub mod docker;
+#[cfg(not(feature = "testing"))]
+mod docker;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -34,17 +37,25 @@ pub const KEEP_CONTAINERS_ENV: &str = "ROUNDTABLE_SANDBOX_KEEP_CONTAINERS";
 /// The shape of one turn's container.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContainerSpec {
+    /// The container's name.
     pub name: String,
+    /// The guest image.
     pub image: String,
     /// Host dir holding only `broker.sock`; mounted read-only at `/run/roundtable`.
     pub run_dir: PathBuf,
     /// Host dir of this channel's workspace; mounted read-write at `/workspace`.
     pub workspace_dir: PathBuf,
+    /// The worker's uid (never 0).
     pub uid: u32,
+    /// The worker's gid (never 0).
     pub gid: u32,
+    /// Memory in MiB (swap is the same: none).
     pub memory_mb: u64,
+    /// CPUs.
     pub cpus: f64,
+    /// Processes and threads.
     pub pids: i64,
+    /// The `/tmp` tmpfs in MiB.
     pub tmpfs_mb: u64,
     /// Largest file the guest may write, in MiB (`RLIMIT_FSIZE`; the workspace quota).
     pub file_size_mb: u64,
@@ -52,6 +63,7 @@ pub struct ContainerSpec {
     pub output_cap: usize,
     /// Cap on stderr bytes kept for the debug log.
     pub stderr_cap: usize,
+    /// The labels that name the container's runtime, channel and turn.
     pub labels: BTreeMap<String, String>,
     /// Replaces the image's entrypoint (tests and benchmarks).
     pub command: Option<Vec<String>>,
@@ -69,33 +81,50 @@ pub enum DriverError {
     /// The run's cancellation token fired; the container was killed.
     #[error("turn cancelled")]
     Cancelled,
+    /// The engine does not have the spec's image.
     #[error("sandbox image not found: {image} (build it with scripts/build-image.sh)")]
-    ImageMissing { image: String },
+    ImageMissing {
+        /// The image.
+        image: String,
+    },
     /// The engine does not know the spec's runtime (`runsc` not registered).
     #[error("container runtime {runtime} is not known to the engine (register it: scripts/setup.sh --gvisor, as root, for runsc)")]
-    RuntimeMissing { runtime: String },
+    RuntimeMissing {
+        /// The runtime.
+        runtime: String,
+    },
     /// The engine cannot be reached (transport failure, no answer, too old).
     #[error("{engine} daemon unreachable: {reason}")]
     DaemonUnreachable {
+        /// The engine (`docker`).
         engine: &'static str,
+        /// What failed.
         reason: String,
     },
     /// One engine call passed its deadline.
     #[error("{engine} {op} of {container} timed out after {after:?}")]
     CallTimeout {
+        /// The engine.
         engine: &'static str,
+        /// The call (`create`, `start`, `wait`, …).
         op: &'static str,
+        /// The container.
         container: String,
+        /// The deadline.
         after: Duration,
     },
     /// The engine answered a call with a failure.
     #[error("{engine} {op} of {container} failed: {}", status_and(*status, message))]
     Call {
+        /// The engine.
         engine: &'static str,
+        /// The call.
         op: &'static str,
+        /// The container.
         container: String,
         /// The HTTP-like status of the engine's answer (`None`: not an answer with a status).
         status: Option<u16>,
+        /// The engine's message.
         message: String,
     },
 }
@@ -166,6 +195,7 @@ pub struct OutputCollector {
 }
 
 impl OutputCollector {
+    /// A collector with the spec's caps.
     pub fn new(spec: &ContainerSpec) -> Self {
         Self {
             outcome: RunOutcome::default(),
