@@ -72,7 +72,7 @@ impl std::error::Error for AgentError {}
 
 /// The loop's limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AgentConfig {
+pub struct AgentLimits {
     /// The most model calls of the conversation in one turn (compaction not counted).
     pub max_steps: u32,
     /// The session's compaction budget in estimated tokens.
@@ -81,7 +81,7 @@ pub struct AgentConfig {
     pub tool_result_cap: usize,
 }
 
-impl AgentConfig {
+impl AgentLimits {
     /// Limits for a turn: `max_steps` (clamped to 1..=100) and a budget (at least 256).
     pub fn new(max_steps: u32, budget: u64) -> Self {
         let budget = budget.max(256);
@@ -170,7 +170,7 @@ pub fn build_request(system: &str, session: &Session, tools: &[ToolDef]) -> Chat
 pub fn run_turn<M: Model, T: Tools>(
     model: &mut M,
     tools: &mut T,
-    config: &AgentConfig,
+    config: &AgentLimits,
     session: &Session,
     system: &str,
     user: String,
@@ -430,8 +430,8 @@ pub(crate) mod tests {
         })
     }
 
-    fn config() -> AgentConfig {
-        AgentConfig::new(16, 1_000_000)
+    fn config() -> AgentLimits {
+        AgentLimits::new(16, 1_000_000)
     }
 
     #[test]
@@ -499,7 +499,7 @@ pub(crate) mod tests {
         let out = run_turn(
             &mut model,
             &mut tools,
-            &AgentConfig::new(3, 1_000_000),
+            &AgentLimits::new(3, 1_000_000),
             &Session::default(),
             "sys",
             "ann: loop".into(),

@@ -126,7 +126,7 @@ fn split_point(messages: &[Message], keep: u64) -> usize {
 mod tests {
     use super::*;
     use crate::agent::tests::{calls, text, EchoTools, ScriptedModel};
-    use crate::agent::{run_turn, AgentConfig, ModelError, Tools};
+    use crate::agent::{run_turn, AgentLimits, ModelError, Tools};
 
     fn history() -> Session {
         let mut messages = Vec::new();
@@ -186,7 +186,7 @@ mod tests {
         let out = run_turn(
             &mut model,
             &mut tools,
-            &AgentConfig::new(16, budget),
+            &AgentLimits::new(16, budget),
             &session,
             "sys",
             "ann: and now?".into(),
@@ -242,7 +242,7 @@ mod tests {
         let out = run_turn(
             &mut model,
             &mut tools,
-            &AgentConfig::new(16, budget),
+            &AgentLimits::new(16, budget),
             &session,
             "sys",
             "ann: hi".into(),
@@ -290,7 +290,7 @@ mod tests {
         let out = run_turn(
             &mut model,
             &mut EchoTools::default(),
-            &AgentConfig::new(16, budget),
+            &AgentLimits::new(16, budget),
             &session,
             "sys",
             "ann: hi".into(),
@@ -358,7 +358,7 @@ mod tests {
         let out = run_turn(
             &mut model,
             &mut tools,
-            &AgentConfig::new(16, budget),
+            &AgentLimits::new(16, budget),
             &session,
             "s",
             "ann: go".into(),

@@ -49,7 +49,7 @@ fn main() {
         exec_confined();
     }
     let reply = match std::panic::catch_unwind(|| {
-        read_turn().map(|turn| runner::run(&turn, &runner::Config::container()))
+        read_turn().map(|turn| runner::run(&turn, &runner::RunnerOptions::container()))
     }) {
         Ok(Ok(reply)) => reply,
         Ok(Err(error)) => Reply::error(error),

@@ -13,38 +13,38 @@ use chrono::{DateTime, Utc};
 
 use roundtable_sandbox_protocol::{Reply, Turn, BROKER_SOCKET, DEFAULT_MAX_STEPS, WORKSPACE_MOUNT};
 
-use crate::agent::{run_turn, AgentConfig, Model};
+use crate::agent::{run_turn, AgentLimits, Model};
 use crate::broker::Broker;
 use crate::confine::Root;
 use crate::http::UnixHttpClient;
 use crate::prompt;
 use crate::session::{Session, SessionStore};
 use crate::toolbox::{Remote, Toolbox};
-use crate::tools::{Builtins, ShellConfig};
+use crate::tools::{Builtins, ShellOptions};
 
 /// The compaction budget when the turn sets none, in estimated tokens.
 pub const DEFAULT_BUDGET: u64 = 32_000;
 
-/// Where the guest finds its world. [`Config::container`] is the real one; tests point
+/// Where the guest finds its world. [`RunnerOptions::container`] is the real one; tests point
 /// it at temporary directories.
 #[derive(Debug, Clone)]
-pub struct Config {
+pub struct RunnerOptions {
     pub workspace: PathBuf,
     pub socket: PathBuf,
-    pub shell: ShellConfig,
+    pub shell: ShellOptions,
     pub model_timeout: Duration,
     pub tool_timeout: Duration,
     /// The largest broker response read.
     pub max_response: usize,
 }
 
-impl Config {
+impl RunnerOptions {
     /// The paths and limits inside the container.
     pub fn container() -> Self {
         Self {
             workspace: PathBuf::from(WORKSPACE_MOUNT),
             socket: PathBuf::from(BROKER_SOCKET),
-            shell: ShellConfig::default(),
+            shell: ShellOptions::default(),
             model_timeout: Duration::from_secs(300),
             tool_timeout: Duration::from_secs(300),
             max_response: 4 * 1024 * 1024,
@@ -53,7 +53,7 @@ impl Config {
 }
 
 /// Runs a turn against the broker.
-pub fn run(turn: &Turn, config: &Config) -> Reply {
+pub fn run(turn: &Turn, config: &RunnerOptions) -> Reply {
     let client = UnixHttpClient::new(&config.socket, config.max_response);
     let broker = Broker::new(
         client,
@@ -67,7 +67,7 @@ pub fn run(turn: &Turn, config: &Config) -> Reply {
 /// Runs a turn with the given model and remote tools (the seam the tests use).
 pub fn run_with<M: Model, R: Remote>(
     turn: &Turn,
-    config: &Config,
+    config: &RunnerOptions,
     mut model: M,
     remote: R,
     now: DateTime<Utc>,
@@ -91,7 +91,7 @@ pub fn run_with<M: Model, R: Remote>(
     }
     let system = prompt::system_prompt(&turn.prompt, now, &turn.time_zone, &turn.speaker);
     let user = prompt::user_message(&turn.speaker, &turn.text);
-    let agent = AgentConfig::new(
+    let agent = AgentLimits::new(
         turn.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
         turn.session_budget.unwrap_or(DEFAULT_BUDGET),
     );
@@ -173,15 +173,15 @@ mod tests {
         }
     }
 
-    fn config(ws: &TempDir) -> Config {
-        Config {
+    fn config(ws: &TempDir) -> RunnerOptions {
+        RunnerOptions {
             workspace: ws.path().to_path_buf(),
             socket: ws.path().join("none.sock"),
-            shell: ShellConfig {
+            shell: ShellOptions {
                 path_env: "/bin:/usr/bin".into(),
-                ..ShellConfig::default()
+                ..ShellOptions::default()
             },
-            ..Config::container()
+            ..RunnerOptions::container()
         }
     }
 
@@ -191,7 +191,7 @@ mod tests {
 
     fn run_scripted(
         t: &Turn,
-        cfg: &Config,
+        cfg: &RunnerOptions,
         script: Vec<Result<ModelReply, ModelError>>,
     ) -> (Reply, Vec<ChatRequest>) {
         let model = Shared::default();

@@ -193,7 +193,7 @@ mod tests {
     use super::*;
     use crate::confine::Root;
     use crate::testutil::TempDir;
-    use crate::tools::ShellConfig;
+    use crate::tools::ShellOptions;
     use serde_json::json;
 
     #[derive(Debug, Default)]
@@ -217,7 +217,7 @@ mod tests {
     #[test]
     fn names_and_routes() {
         let dir = TempDir::new();
-        let builtins = Builtins::new(Root::new(dir.path()).unwrap(), ShellConfig::default());
+        let builtins = Builtins::new(Root::new(dir.path()).unwrap(), ShellOptions::default());
         let host = vec![
             spec("weather"),
             spec("read"),

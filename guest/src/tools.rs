@@ -68,7 +68,7 @@ impl From<PathError> for ToolError {
 
 /// How `sh` runs commands.
 #[derive(Debug, Clone)]
-pub struct ShellConfig {
+pub struct ShellOptions {
     /// The shell, run as `<shell> -c <command>` (in the image: `/bin/sh`, busybox).
     pub shell: PathBuf,
     /// `PATH` in the command's otherwise empty environment.
@@ -79,7 +79,7 @@ pub struct ShellConfig {
     pub max_timeout: Duration,
 }
 
-impl Default for ShellConfig {
+impl Default for ShellOptions {
     fn default() -> Self {
         Self {
             shell: PathBuf::from("/bin/sh"),
@@ -94,7 +94,7 @@ impl Default for ShellConfig {
 #[derive(Debug, Clone)]
 pub struct Builtins {
     root: Root,
-    shell: ShellConfig,
+    shell: ShellOptions,
 }
 
 /// The names of the built-in tools (defined once, in the protocol crate).
@@ -102,7 +102,7 @@ pub use roundtable_sandbox_protocol::builtin_tools::ALL as BUILTIN_NAMES;
 
 impl Builtins {
     /// Built-ins over `root`, running commands as `shell` says.
-    pub fn new(root: Root, shell: ShellConfig) -> Self {
+    pub fn new(root: Root, shell: ShellOptions) -> Self {
         Self { root, shell }
     }
 
@@ -437,7 +437,7 @@ fn read_window(
 /// group, killing the whole group at the timeout (and afterwards, so no background job
 /// outlives the call). Output is capped.
 pub fn run_shell(
-    config: &ShellConfig,
+    config: &ShellOptions,
     cwd: &Path,
     command: &str,
     timeout: Duration,
@@ -580,9 +580,9 @@ mod tests {
     use crate::testutil::TempDir;
 
     fn builtins(dir: &TempDir) -> Builtins {
-        let shell = ShellConfig {
+        let shell = ShellOptions {
             path_env: "/bin:/usr/bin".into(),
-            ..ShellConfig::default()
+            ..ShellOptions::default()
         };
         Builtins::new(Root::new(dir.path()).unwrap(), shell)
     }

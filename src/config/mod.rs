@@ -19,7 +19,9 @@
 //!   summarizer ([`CompactionModel`](crate::broker::CompactionModel), `[compaction]`).
 //! - **options** — one component's own knobs around the config, each with defaults: the
 //!   actor layer's `SupervisorOptions` (in `roundtable-sandbox-actors`), the Docker
-//!   driver's [`DockerOptions`](crate::driver::DockerOptions).
+//!   driver's [`DockerOptions`](crate::driver::DockerOptions), and inside the guest
+//!   program its `RunnerOptions` and `ShellOptions` (the agent loop's caps are its
+//!   `AgentLimits`).
 //! - **settings** — what a program's flags and environment say (`settings::Settings` of
 //!   the CLI and the bots, with the `clap` feature), turned into a `Config`.
 //!
