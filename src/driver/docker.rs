@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError, OutputCollector,
-    RunOutcome, SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
+    RunOutcome, StartedContainer, SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
 };
 
 /// How the driver reaches the engine.
@@ -227,12 +227,12 @@ impl DockerDriver {
         }
     }
 
-    async fn run_inner(
+    /// Creates, attaches and starts the container; its guest then waits on stdin.
+    async fn start_inner(
         &self,
         spec: &ContainerSpec,
-        stdin: &[u8],
         cancel: CancellationToken,
-    ) -> Result<RunOutcome, DriverError> {
+    ) -> Result<DockerStarted, DriverError> {
         if cancel.is_cancelled() {
             return Err(DriverError::Cancelled);
         }
@@ -280,18 +280,86 @@ impl DockerDriver {
         let io = self
             .call("attach", name, docker.attach_container(name, Some(attach)))
             .await?;
-        let mut wait = docker.wait_container(name, None::<WaitContainerOptions>);
         self.call("start", name, docker.start_container(name, None))
             .await?;
+        // The exit is watched from now on: a prepared container that dies while it waits
+        // for its turn is known before the turn is written to it.
+        let (exit_tx, exit) = tokio::sync::oneshot::channel();
+        let wait = docker.wait_container(name, None::<WaitContainerOptions>);
+        let (waited, container) = (self.clone(), name.to_owned());
+        let watcher = tokio::spawn(async move {
+            tokio::pin!(wait);
+            let status = match wait.next().await {
+                Some(Ok(r)) => Ok(r.status_code),
+                Some(Err(BollardError::DockerContainerWaitError { code, .. })) => Ok(code),
+                Some(Err(e)) => Err(classify("wait", &container, e)),
+                None => Err(DriverError::Call {
+                    engine: ENGINE,
+                    op: "wait",
+                    container: container.clone(),
+                    status: None,
+                    message: "wait stream ended".into(),
+                }),
+            };
+            drop(waited);
+            let _ = exit_tx.send(status);
+        });
+        let bollard::container::AttachContainerResults { output, input } = io;
+        Ok(DockerStarted {
+            driver: self.clone(),
+            docker: docker.clone(),
+            name: name.to_owned(),
+            output,
+            input,
+            exit,
+            watcher,
+            collector: OutputCollector::new(spec),
+        })
+    }
+}
 
-        // Write the turn and close stdin while reading: a guest that floods stdout without
-        // reading stdin cannot deadlock the exchange.
-        let bollard::container::AttachContainerResults {
-            mut output,
-            mut input,
-        } = io;
+/// A started container of the [`DockerDriver`]: attached, its exit watched, its guest
+/// waiting on stdin.
+pub struct DockerStarted {
+    driver: DockerDriver,
+    docker: Docker,
+    name: String,
+    output:
+        std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<LogOutput, BollardError>> + Send>>,
+    input: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
+    exit: tokio::sync::oneshot::Receiver<Result<i64, DriverError>>,
+    watcher: tokio::task::JoinHandle<()>,
+    collector: OutputCollector,
+}
+
+impl std::fmt::Debug for DockerStarted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DockerStarted")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for DockerStarted {
+    fn drop(&mut self) {
+        self.watcher.abort();
+    }
+}
+
+impl DockerStarted {
+    /// Writes the turn and closes stdin while reading the output (a guest that floods
+    /// stdout without reading stdin cannot deadlock the exchange), until the exit.
+    async fn run_inner(
+        mut self,
+        stdin: Vec<u8>,
+        cancel: CancellationToken,
+    ) -> Result<RunOutcome, DriverError> {
+        let (driver, docker) = (self.driver.clone(), self.docker.clone());
+        let name = self.name.clone();
+        let name = name.as_str();
+        let mut input = std::mem::replace(&mut self.input, Box::pin(tokio::io::sink()));
         let write = async {
-            input.write_all(stdin).await?;
+            input.write_all(&stdin).await?;
             input.flush().await?;
             input.shutdown().await
         };
@@ -300,7 +368,14 @@ impl DockerDriver {
 
         // Keep reading while a kill is under way: a daemon whose attach copier is blocked
         // on a full pipe does not answer the kill.
-        let mut out = OutputCollector::new(spec);
+        let mut out = std::mem::replace(
+            &mut self.collector,
+            OutputCollector {
+                outcome: RunOutcome::default(),
+                stdout_cap: 0,
+                stderr_cap: 0,
+            },
+        );
         let mut output_done = false;
         let mut exit: Option<Result<i64, DriverError>> = None;
         let mut killing = false;
@@ -311,10 +386,10 @@ impl DockerDriver {
             tokio::select! {
                 _ = cancel.cancelled(), if !cancelled => {
                     cancelled = true;
-                    give_up = Some(tokio::time::Instant::now() + self.options.call_timeout);
+                    give_up = Some(tokio::time::Instant::now() + driver.options.call_timeout);
                     if !killing {
                         killing = true;
-                        self.spawn_kill(docker, name);
+                        driver.spawn_kill(&docker, name);
                     }
                 }
                 r = &mut write, if !written => {
@@ -324,11 +399,11 @@ impl DockerDriver {
                         tracing::debug!(container = name, error = %e, "write turn to stdin");
                     }
                 }
-                item = output.next(), if !output_done => match item {
+                item = self.output.next(), if !output_done => match item {
                     Some(Ok(o)) => {
                         if push(&mut out, o) && !killing {
                             killing = true;
-                            self.spawn_kill(docker, name);
+                            driver.spawn_kill(&docker, name);
                         }
                     }
                     Some(Err(e)) => {
@@ -337,13 +412,14 @@ impl DockerDriver {
                     }
                     None => output_done = true,
                 },
-                status = wait.next(), if exit.is_none() => {
-                    exit = Some(match status {
-                        Some(Ok(r)) => Ok(r.status_code),
-                        Some(Err(BollardError::DockerContainerWaitError { code, .. })) => Ok(code),
-                        Some(Err(e)) => Err(classify("wait", name, e)),
-                        None => Err(DriverError::Call { engine: ENGINE, op: "wait", container: name.to_owned(), status: None, message: "wait stream ended".into() }),
-                    });
+                status = &mut self.exit, if exit.is_none() => {
+                    exit = Some(status.unwrap_or_else(|_| Err(DriverError::Call {
+                        engine: ENGINE,
+                        op: "wait",
+                        container: name.to_owned(),
+                        status: None,
+                        message: "exit watcher ended".into(),
+                    })));
                     // The attach stream ends at exit; give it a moment to drain.
                     let drain = tokio::time::Instant::now() + Duration::from_secs(2);
                     give_up = Some(give_up.map_or(drain, |g| g.min(drain)));
@@ -355,12 +431,56 @@ impl DockerDriver {
             return Err(DriverError::Cancelled);
         }
         let code = exit.unwrap_or(Ok(-1))?;
-        let state = self
+        let state = driver
             .call("inspect", name, docker.inspect_container(name, None))
             .await?
             .state
             .unwrap_or_default();
         Ok(out.finish(code, state.oom_killed == Some(true)))
+    }
+
+    async fn check_inner(&mut self) -> Result<(), DriverError> {
+        let exited = |code| DriverError::Exited {
+            container: self.name.clone(),
+            code,
+        };
+        match self.exit.try_recv() {
+            Ok(status) => return Err(exited(status.unwrap_or(-1))),
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => return Err(exited(-1)),
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+        }
+        let state = self
+            .driver
+            .call(
+                "inspect",
+                &self.name,
+                self.docker.inspect_container(&self.name, None),
+            )
+            .await?
+            .state
+            .unwrap_or_default();
+        if state.running != Some(true) {
+            return Err(exited(state.exit_code.unwrap_or(-1)));
+        }
+        Ok(())
+    }
+}
+
+impl StartedContainer for DockerStarted {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn check(&mut self) -> BoxFuture<'_, Result<(), DriverError>> {
+        Box::pin(self.check_inner())
+    }
+
+    fn run(
+        self: Box<Self>,
+        stdin: Vec<u8>,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<RunOutcome, DriverError>> {
+        Box::pin(self.run_inner(stdin, cancel))
     }
 }
 
@@ -485,7 +605,11 @@ impl ContainerDriver for DockerDriver {
                 name: &spec.name,
                 armed: true,
             };
-            let result = self.run_inner(spec, stdin, cancel).await;
+            // The cold path: prepare and run at once.
+            let result = match self.start_inner(spec, cancel.clone()).await {
+                Ok(started) => started.run_inner(stdin.to_vec(), cancel).await,
+                Err(e) => Err(e),
+            };
             // Finished: removal is now the caller's teardown.
             guard.armed = false;
             result
@@ -494,6 +618,28 @@ impl ContainerDriver for DockerDriver {
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         Box::pin(self.remove_inner(name))
+    }
+
+    fn prepares(&self) -> bool {
+        true
+    }
+
+    fn start<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Box<dyn StartedContainer>, DriverError>> {
+        Box::pin(async move {
+            let mut guard = RemoveGuard {
+                driver: self,
+                name: &spec.name,
+                armed: true,
+            };
+            let result = self.start_inner(spec, cancel).await;
+            // Started or failed: removal is now the caller's.
+            guard.armed = false;
+            result.map(|s| Box::new(s) as Box<dyn StartedContainer>)
+        })
     }
 
     fn processes<'a>(

@@ -127,6 +127,12 @@ pub enum DriverError {
         /// The engine's message.
         message: String,
     },
+    /// A started container stopped before its turn was written to it.
+    #[error("container {container} exited before its turn (code {code})")]
+    Exited { container: String, code: i64 },
+    /// The driver cannot do this (a backend without prepared containers).
+    #[error("the container driver cannot {op}")]
+    Unsupported { op: &'static str },
 }
 
 impl DriverError {
@@ -189,9 +195,9 @@ impl RunOutcome {
 /// Collects a run's output under the spec's caps; a backend feeds it the streams it reads.
 #[derive(Debug)]
 pub struct OutputCollector {
-    outcome: RunOutcome,
-    stdout_cap: usize,
-    stderr_cap: usize,
+    pub(crate) outcome: RunOutcome,
+    pub(crate) stdout_cap: usize,
+    pub(crate) stderr_cap: usize,
 }
 
 impl OutputCollector {
@@ -250,6 +256,25 @@ pub struct ContainerProcesses {
     pub cgroup_marker: Option<String>,
 }
 
+/// A container created and started by [`ContainerDriver::start`], its guest waiting on stdin
+/// for its turn (a prepared container). Removal stays with [`ContainerDriver::remove`].
+pub trait StartedContainer: Send + std::fmt::Debug {
+    /// The container's name.
+    fn name(&self) -> &str;
+
+    /// Checks that the container still waits for its turn: an error says why it cannot
+    /// take one (it exited or was removed, or the engine does not answer).
+    fn check(&mut self) -> BoxFuture<'_, Result<(), DriverError>>;
+
+    /// Writes `stdin` (the turn JSON) and collects the output under the spec's caps, until
+    /// the container exits; as [`ContainerDriver::run`] after its start.
+    fn run(
+        self: Box<Self>,
+        stdin: Vec<u8>,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<RunOutcome, DriverError>>;
+}
+
 /// Runs turns in containers. Implementations must be cancellation-safe: when `cancel`
 /// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
 pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
@@ -262,6 +287,25 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         stdin: &'a [u8],
         cancel: CancellationToken,
     ) -> BoxFuture<'a, Result<RunOutcome, DriverError>>;
+
+    /// Whether [`ContainerDriver::start`] can prepare a container before its turn (warm
+    /// turns); default false.
+    fn prepares(&self) -> bool {
+        false
+    }
+
+    /// Creates and starts the container without writing its turn (its guest waits on
+    /// stdin), for a turn that comes later; what [`ContainerDriver::run`] does before it
+    /// writes the turn. The container is left for [`ContainerDriver::remove`]. The default
+    /// refuses ([`DriverError::Unsupported`]).
+    fn start<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Box<dyn StartedContainer>, DriverError>> {
+        let _ = (spec, cancel);
+        Box::pin(async { Err(DriverError::Unsupported { op: "start" }) })
+    }
 
     /// Removes the named container (killing it); absent is not an error.
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
@@ -287,8 +331,8 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     }
 
     /// How the guest of the container `spec` describes reaches its broker; asked by the
-    /// turn before it binds the broker. The default, and the Docker driver's, is
-    /// [`BrokerTransport::UnixSocket`].
+    /// turn before it binds the broker (so, with a prepared container, at adoption). The
+    /// default, and the Docker driver's, is [`BrokerTransport::UnixSocket`].
     fn broker_transport<'a>(
         &'a self,
         spec: &'a ContainerSpec,
