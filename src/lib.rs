@@ -10,6 +10,7 @@
 //! - [`turn`]: one turn's lifecycle and teardown;
 //! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
 //! - [`sweep`]: removal of what a crashed runtime left behind;
+//! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
 //! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
 //! - `offline` (feature `cli`): an embedded offline model for first runs and demos
@@ -36,6 +37,7 @@ pub mod quota;
 pub mod settings;
 pub mod sweep;
 pub mod turn;
+pub mod warm;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -47,8 +49,10 @@ pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
 pub use roundtable_sandbox_protocol::{Reply, Speaker, Usage};
 pub use turn::{
-    run_turn, run_turn_outcome, PhaseObserver, TurnFailure, TurnOutcome, TurnPhase, TurnRequest,
+    run_turn, run_turn_outcome, run_turn_prepared, PhaseObserver, TurnFailure, TurnOutcome,
+    TurnPhase, TurnRequest,
 };
+pub use warm::{PreparedTurn, WarmSettings};
 
 /// A configured runtime: the resolved configuration, the broker and the driver.
 /// Cheap to clone; share one per process.
@@ -64,6 +68,8 @@ struct Inner {
     driver: Arc<dyn ContainerDriver>,
     /// The turns in flight: the sweep never touches them.
     live: Arc<Mutex<LiveTurns>>,
+    /// The prepared containers' permits (`warm.max`).
+    warm: warm::WarmPool,
     /// The run root's and the workspace root's locks, held for the runtime's life.
     _locks: [lock::RootLock; 2],
 }
@@ -111,12 +117,14 @@ impl Sandbox {
                 Arc::new(DockerDriver::new(options))
             }
         };
+        let warm = resolved.warm;
         Ok(Self {
             inner: Arc::new(Inner {
                 config: resolved,
                 broker: Arc::new(broker),
                 driver,
                 live: Default::default(),
+                warm: warm::WarmPool::new(&warm),
                 _locks: locks,
             }),
         })

@@ -28,6 +28,7 @@ use crate::driver::{
     BrokerTransport, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME,
     LABEL_TURN,
 };
+use crate::warm::{Prepared, PreparedTurn};
 use crate::Sandbox;
 
 /// What the caller asks of one turn.
@@ -362,17 +363,70 @@ pub async fn run_turn_outcome(
     on_reply: impl FnOnce(&TurnOutcome),
     observer: Option<PhaseObserver>,
 ) -> TurnOutcome {
-    let turn_id = uuid::Uuid::new_v4().simple().to_string();
+    run_turn_prepared(sandbox, request, None, on_reply, observer).await
+}
+
+/// [`run_turn_outcome`] in the container `prepared` for this channel's turn, if given (see
+/// [`crate::warm`]): the same checks, broker and teardown as a cold turn, without the
+/// container's create and start. A prepared container that cannot serve (exited, removed,
+/// the engine does not answer) is removed and the turn starts cold, the reason logged.
+pub async fn run_turn_prepared(
+    sandbox: &Sandbox,
+    request: TurnRequest,
+    prepared: Option<PreparedTurn>,
+    on_reply: impl FnOnce(&TurnOutcome),
+    observer: Option<PhaseObserver>,
+) -> TurnOutcome {
+    let mut prepared = prepared.and_then(PreparedTurn::take);
+    if let Some(p) = prepared.take_if(|p| p.channel != request.channel) {
+        tracing::warn!(container = %p.spec.name, "a container prepared for another channel is not adopted");
+        crate::warm::remove(p).await;
+    }
+    let turn_id = prepared
+        .as_ref()
+        .map_or_else(new_turn_id, |p| p.turn_id.clone());
     let segment = channel_segment(&request.channel);
     let span = tracing::info_span!(
         "turn",
         channel = &segment[..16],
         turn = &turn_id[..8],
-        reset = request.reset
+        reset = request.reset,
+        warm = prepared.is_some()
     );
-    run_turn_inner(sandbox, request, on_reply, observer, turn_id, segment)
-        .instrument(span)
-        .await
+    run_turn_inner(
+        sandbox, request, prepared, on_reply, observer, turn_id, segment,
+    )
+    .instrument(span)
+    .await
+}
+
+fn new_turn_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+/// A turn's container name: `roundtable-sandbox-<segment[..16]>-<turn[..8]>`.
+pub(crate) fn container_name(segment: &str, turn_id: &str) -> String {
+    format!("roundtable-sandbox-{}-{}", &segment[..16], &turn_id[..8])
+}
+
+/// Makes a fresh run dir (`mkdtemp run_root/turn-XXXXXX`, 0700), created and registered
+/// under the live-turns lock, which the sweep holds while it removes stale run dirs: a
+/// sweep never sees it unregistered.
+pub(crate) fn make_run_dir(sandbox: &Sandbox) -> Result<PathBuf, TurnError> {
+    let config = sandbox.config();
+    let mut live = sandbox.live_turns();
+    let dir = tempfile::Builder::new()
+        .prefix("turn-")
+        .rand_bytes(6)
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .tempdir_in(&config.run_root)
+        .map_err(|source| TurnError::CreateRunDir {
+            path: config.run_root.clone(),
+            source,
+        })?
+        .keep();
+    live.run_dirs.insert(dir.clone());
+    Ok(dir)
 }
 
 /// The turn's run dir, registered as live (the sweep skips it) until removed.
@@ -400,12 +454,27 @@ impl RunDir<'_> {
 /// The turn's container name, registered as live (the sweep skips it) for the turn's life.
 struct LiveContainer<'a> {
     sandbox: &'a Sandbox,
-    name: &'a str,
+    name: String,
+}
+
+impl LiveContainer<'_> {
+    fn register(&mut self, name: String) {
+        self.sandbox.live_turns().containers.insert(name.clone());
+        self.unregister();
+        self.name = name;
+    }
+
+    fn unregister(&mut self) {
+        let name = std::mem::take(&mut self.name);
+        if !name.is_empty() {
+            self.sandbox.live_turns().containers.remove(&name);
+        }
+    }
 }
 
 impl Drop for LiveContainer<'_> {
     fn drop(&mut self) {
-        self.sandbox.live_turns().containers.remove(self.name);
+        self.unregister();
     }
 }
 
@@ -419,9 +488,10 @@ impl Drop for RunDir<'_> {
 async fn run_turn_inner(
     sandbox: &Sandbox,
     request: TurnRequest,
+    mut prepared: Option<Prepared>,
     on_reply: impl FnOnce(&TurnOutcome),
     observer: Option<PhaseObserver>,
-    turn_id: String,
+    mut turn_id: String,
     segment: String,
 ) -> TurnOutcome {
     let phase = |p: TurnPhase| {
@@ -434,21 +504,27 @@ async fn run_turn_inner(
     phase(TurnPhase::Preparing);
 
     let workspace_dir = config.workspace_root.join(&segment);
-    let container_name = format!("roundtable-sandbox-{}-{}", &segment[..16], &turn_id[..8]);
+    let mut container_name = container_name(&segment, &turn_id);
     let mut run_dir = RunDir {
         sandbox,
         path: None,
     };
-    sandbox
-        .live_turns()
-        .containers
-        .insert(container_name.clone());
-    let _live_container = LiveContainer {
+    let mut live_container = LiveContainer {
         sandbox,
-        name: &container_name,
+        name: String::new(),
     };
     let mut listener = None;
+    // Whether a container exists that teardown must remove: a prepared one from the start.
     let mut container_started = false;
+    if let Some(p) = &prepared {
+        // From here on the prepared container and its run dir are this turn's: its
+        // teardown removes them on every path.
+        live_container.register(p.spec.name.clone());
+        run_dir.path = Some(p.spec.run_dir.clone());
+        container_started = true;
+    } else {
+        live_container.register(container_name.clone());
+    }
     // The turn's own cancellation: stop, timeout and teardown all end broker calls with it.
     let cancel = request.stop.child_token();
 
@@ -500,32 +576,48 @@ async fn run_turn_inner(
             })
             .await
             .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
-            // Created and registered under the live-turns lock, which the sweep holds while
-            // it removes stale run dirs: a sweep never sees this dir unregistered.
-            let dir = {
-                let mut live = sandbox.live_turns();
-                let dir = tempfile::Builder::new()
-                    .prefix("turn-")
-                    .rand_bytes(6)
-                    .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                    .tempdir_in(&config.run_root)
-                    .map_err(|source| TurnError::CreateRunDir {
-                        path: config.run_root.clone(),
-                        source,
-                    })?
-                    .keep();
-                live.run_dirs.insert(dir.clone());
-                dir
+            // A prepared container must still wait for its turn; otherwise it is removed and
+            // this turn starts cold.
+            if let Some(p) = &mut prepared {
+                let checked = tokio::select! {
+                    r = p.started.check() => r,
+                    _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+                };
+                if let Err(e) = checked {
+                    tracing::warn!(
+                        container = %p.spec.name,
+                        reason = %e,
+                        "the prepared container cannot serve this turn; starting cold"
+                    );
+                    sandbox.count_warm(false);
+                    let p = prepared.take().expect("checked above");
+                    // The turn lets go of it first: removal is the fallback's, awaited.
+                    run_dir.path = None;
+                    container_started = false;
+                    crate::warm::remove(p).await;
+                    turn_id = new_turn_id();
+                    container_name = self::container_name(&segment, &turn_id);
+                    live_container.register(container_name.clone());
+                }
+            }
+            let spec = match &prepared {
+                Some(p) => {
+                    container_name = p.spec.name.clone();
+                    p.spec.clone()
+                }
+                None => {
+                    let dir = make_run_dir(sandbox)?;
+                    run_dir.path = Some(dir.clone());
+                    container_spec(
+                        sandbox,
+                        &container_name,
+                        &segment,
+                        &turn_id,
+                        &dir,
+                        &workspace_dir,
+                    )
+                }
             };
-            run_dir.path = Some(dir.clone());
-            let spec = container_spec(
-                sandbox,
-                &container_name,
-                &segment,
-                &turn_id,
-                &dir,
-                &workspace_dir,
-            );
             let ctx = turn_context(&request, &cancel, &observer);
             let l = tokio::select! {
                 l = bind_broker(sandbox, &spec, ctx) => l?,
@@ -543,6 +635,7 @@ async fn run_turn_inner(
         phase(TurnPhase::BrokerListening);
         tracing::debug!(
             elapsed_ms = started.elapsed().as_millis() as u64,
+            warm = prepared.is_some(),
             "broker listening"
         );
 
@@ -563,7 +656,13 @@ async fn run_turn_inner(
 
         phase(TurnPhase::ContainerRunning);
         container_started = true;
-        let run = sandbox.driver().run(&spec, &stdin, cancel.clone());
+        let run = match prepared.take() {
+            Some(p) => {
+                sandbox.count_warm(true);
+                p.started.run(stdin, cancel.clone())
+            }
+            None => sandbox.driver().run(&spec, &stdin, cancel.clone()),
+        };
         tokio::pin!(run);
         let over_quota = crate::quota::watch(crate::quota::Watch {
             workspace: workspace.clone(),
@@ -609,6 +708,9 @@ async fn run_turn_inner(
         }
     }
     .await;
+    // A prepared container not yet handed its turn (an early refusal) is this turn's to
+    // remove: its handle goes now, its removal is the teardown's below.
+    drop(prepared);
 
     let reply = match result {
         Ok(reply) => TurnOutcome::from_guest(reply),
@@ -648,6 +750,7 @@ async fn run_turn_inner(
     if let Err(e) = run_dir.remove() {
         cleanup_errors.push(format!("remove run dir: {e}"));
     }
+    drop(live_container);
     for e in &cleanup_errors {
         tracing::warn!(error = %e, "turn cleanup");
     }
@@ -688,7 +791,7 @@ fn turn_context(
 pub const SOCKET_FILE: &str = "broker.sock";
 
 /// Binds the broker to the turn, over the transport the backend asks for: a unix socket in
-/// the turn's run dir (its peer checked), or the byte streams the backend carries.
+/// the turn's run dir (checked peer), or the byte streams the backend carries.
 async fn bind_broker(
     sandbox: &Sandbox,
     spec: &ContainerSpec,
@@ -706,7 +809,7 @@ async fn bind_broker(
     }
 }
 
-fn make_workspace(dir: &Path) -> Result<(), TurnError> {
+pub(crate) fn make_workspace(dir: &Path) -> Result<(), TurnError> {
     let err = |source| TurnError::CreateWorkspace {
         path: dir.to_owned(),
         source,
@@ -726,7 +829,7 @@ fn make_workspace(dir: &Path) -> Result<(), TurnError> {
     }
 }
 
-fn container_spec(
+pub(crate) fn container_spec(
     sandbox: &Sandbox,
     name: &str,
     segment: &str,

@@ -13,11 +13,15 @@ mod hostile;
 #[path = "support/model.rs"]
 mod model_support;
 
+#[path = "support/warm_switch.rs"]
+mod warm_switch;
+
 use std::time::{Duration, Instant};
 
 use model_support::{ScriptedModel, Step};
-use roundtable_sandbox::{ApiKey, Sandbox};
+use roundtable_sandbox::ApiKey;
 use sandbox_support::*;
+use warm_switch::Sandbox;
 
 const KEY: &str = "sk-sec-otter-9191-never-inside";
 

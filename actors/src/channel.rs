@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
+use roundtable_sandbox::PreparedTurn;
 use roundtable_sandbox::TurnOutcome;
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::error::AbortReason;
 use crate::reset::{ResetGeneration, Stamp};
@@ -40,7 +43,28 @@ pub(crate) struct ChannelActor {
     shutting_down: bool,
     drained: Vec<oneshot::Sender<()>>,
     idle_timer: Option<SpawnHandle>,
+    /// The container prepared for the channel's next turn (see [`roundtable_sandbox::warm`]).
+    warm: Option<WarmSlot>,
+    /// A preparation in flight: its number and its cancellation.
+    preparing: Option<(u64, CancellationToken)>,
+    warm_seq: u64,
     span: tracing::Span,
+}
+
+/// A prepared container waiting for the channel's next turn.
+struct WarmSlot {
+    seq: u64,
+    turn: PreparedTurn,
+    /// The channel's resets when it was prepared: after another reset it is not adopted
+    /// (the turn that resets may wipe the workspace it was started on).
+    stamp: Stamp,
+    ttl: SpawnHandle,
+}
+
+/// Removes a prepared container in the background (its permit is held until it is gone,
+/// so the supervisor's shutdown waits for it).
+fn discard(turn: PreparedTurn, why: &'static str) {
+    actix_rt::spawn(turn.discard(why));
 }
 
 impl std::fmt::Debug for ChannelActor {
@@ -146,7 +170,117 @@ impl ChannelActor {
             shutting_down: false,
             drained: Vec::new(),
             idle_timer: None,
+            warm: None,
+            preparing: None,
+            warm_seq: 0,
             span,
+        }
+    }
+
+    /// Prepares the container of the channel's next turn in the background, unless one is
+    /// prepared or being prepared, the channel is shutting down, or warm turns are off.
+    fn prepare_next(&mut self, ctx: &mut Context<Self>) {
+        if self.shutting_down
+            || self.warm.is_some()
+            || self.preparing.is_some()
+            || !self.shared.sandbox.warm_enabled()
+        {
+            return;
+        }
+        self.warm_seq += 1;
+        let seq = self.warm_seq;
+        let cancel = CancellationToken::new();
+        self.preparing = Some((seq, cancel.clone()));
+        let stamp = self.reset.stamp();
+        let (sandbox, key) = (self.shared.sandbox.clone(), self.key.clone());
+        let task = actix_rt::spawn(
+            async move { sandbox.prepare_turn(&key, cancel).await }.instrument(self.span.clone()),
+        );
+        ctx.spawn(
+            actix::fut::wrap_future::<_, Self>(task).map(move |result, act, ctx| {
+                act.guarded(ctx, "prepared", |act, ctx| {
+                    act.prepared(seq, stamp, result, ctx)
+                });
+            }),
+        );
+    }
+
+    /// A preparation ended: keep its container for the next turn, or remove it.
+    fn prepared(
+        &mut self,
+        seq: u64,
+        stamp: Stamp,
+        result: Result<
+            Result<Option<PreparedTurn>, roundtable_sandbox::turn::TurnError>,
+            tokio::task::JoinError,
+        >,
+        ctx: &mut Context<Self>,
+    ) {
+        if self.preparing.as_ref().is_some_and(|(s, _)| *s == seq) {
+            self.preparing = None;
+        }
+        let turn = match result {
+            Ok(Ok(Some(turn))) => turn,
+            Ok(Ok(None)) => {
+                tracing::debug!("no container prepared (warm.max reached)");
+                return;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "preparing the next turn's container failed; it starts cold");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the preparation task failed; the next turn starts cold");
+                return;
+            }
+        };
+        if self.shutting_down || self.warm.is_some() {
+            return discard(turn, "not needed");
+        }
+        tracing::debug!(
+            container = turn.container(),
+            "next turn's container prepared"
+        );
+        let ttl = ctx.run_later(self.shared.warm_ttl, move |act, _| {
+            if let Some(slot) = act.warm.take_if(|slot| slot.seq == seq) {
+                tracing::debug!(
+                    container = slot.turn.container(),
+                    "prepared container expired (warm TTL)"
+                );
+                discard(slot.turn, "expired");
+            }
+        });
+        self.warm = Some(WarmSlot {
+            seq,
+            turn,
+            stamp,
+            ttl,
+        });
+    }
+
+    /// Takes the prepared container for a turn being admitted, if it may serve it.
+    fn take_prepared(&mut self, ctx: &mut Context<Self>) -> Option<PreparedTurn> {
+        let slot = self.warm.take()?;
+        ctx.cancel_future(slot.ttl);
+        if slot.stamp != self.reset.stamp() {
+            tracing::debug!(
+                container = slot.turn.container(),
+                "a reset came after the container was prepared; the turn starts cold"
+            );
+            discard(slot.turn, "reset since prepared");
+            return None;
+        }
+        Some(slot.turn)
+    }
+
+    /// Removes the prepared container and abandons a preparation in flight.
+    fn drop_prepared(&mut self, ctx: &mut Context<Self>, why: &'static str) {
+        if let Some((_, cancel)) = self.preparing.take() {
+            cancel.cancel();
+        }
+        if let Some(slot) = self.warm.take() {
+            ctx.cancel_future(slot.ttl);
+            discard(slot.turn, why);
         }
     }
 
@@ -250,7 +384,9 @@ impl ChannelActor {
             recipient: message.progress,
             callback: self.shared.progress.clone(),
         };
+        let prepared = self.take_prepared(ctx);
         let job = TurnJob {
+            prepared,
             shared: self.shared.clone(),
             speaker: message.speaker,
             text: message.text,
@@ -269,6 +405,10 @@ impl ChannelActor {
             control,
             admitted,
         });
+        // At the channel's first turn, its next turn's container is prepared meanwhile.
+        if self.turns_done == 0 {
+            self.prepare_next(ctx);
+        }
     }
 
     fn arm_idle_timer(&mut self, ctx: &mut Context<Self>) {
@@ -330,7 +470,10 @@ impl Actor for ChannelActor {
 }
 
 impl actix::Supervised for ChannelActor {
-    fn restarting(&mut self, _ctx: &mut Self::Context) {
+    fn restarting(&mut self, ctx: &mut Self::Context) {
+        // The actor's timers and futures are gone: the prepared container (its TTL timer)
+        // and a preparation in flight (its result) with them.
+        self.drop_prepared(ctx, "channel actor restarted");
         // The queue, the counters and the reset cell are kept; the aborted turn (if any)
         // stays active until its TurnActor reports it torn down, so turns never overlap.
         self.restarts += 1;
@@ -397,6 +540,7 @@ impl Handler<TurnDone> for ChannelActor {
                     let _ = waiter.send(());
                 }
             } else {
+                act.prepare_next(ctx);
                 act.admit_next(ctx);
             }
         });
@@ -421,6 +565,7 @@ impl Handler<ShutdownChannel> for ChannelActor {
             if let Some(timer) = act.idle_timer.take() {
                 ctx.cancel_future(timer);
             }
+            act.drop_prepared(ctx, "shutting down");
             let mut report = ChannelShutdown::default();
             for pending in act.queue.drain(..) {
                 if pending
@@ -463,6 +608,7 @@ impl Handler<Retire> for ChannelActor {
         self.guarded(ctx, "retire", |act, ctx| {
             if act.is_idle() {
                 tracing::debug!("idle channel actor retired");
+                act.drop_prepared(ctx, "channel retired");
                 ctx.stop();
             }
         });

@@ -152,6 +152,9 @@ pub struct Totals {
     pub max_containers: usize,
     /// Admitted turns waiting for a container slot.
     pub waiting_for_slot: usize,
+    /// Prepared containers (waiting for their channel's next turn, or being prepared or
+    /// removed; at most `warm.max`).
+    pub prepared: usize,
     /// Channel actor restarts after panics, since start.
     pub restarts: u64,
     /// Channel actors retired for idleness, since start.

@@ -25,6 +25,9 @@ pub(crate) struct Shared {
     pub(crate) max_containers: usize,
     pub(crate) queue_limit: usize,
     pub(crate) idle_timeout: Duration,
+    /// How long a prepared container waits for its channel's next turn (`warm.ttl_secs`,
+    /// default the idle timeout).
+    pub(crate) warm_ttl: Duration,
     pub(crate) progress: Option<ProgressCallback>,
     waiting_for_slot: AtomicUsize,
     next_turn: AtomicU64,
@@ -133,12 +136,14 @@ impl SandboxSupervisor {
             queue_limit = config.queue_limit,
             "sandbox supervisor starting"
         );
+        let warm_ttl = sandbox.config().warm.ttl().unwrap_or(config.idle_timeout);
         let shared = Arc::new(Shared {
             sandbox,
             limiter: Arc::new(Semaphore::new(config.max_containers)),
             max_containers: config.max_containers,
             queue_limit: config.queue_limit,
             idle_timeout: config.idle_timeout,
+            warm_ttl,
             progress: config.progress.clone(),
             waiting_for_slot: AtomicUsize::new(0),
             next_turn: AtomicU64::new(0),
@@ -357,6 +362,7 @@ impl Handler<Status> for SandboxSupervisor {
                 containers_in_use: shared.max_containers - shared.limiter.available_permits(),
                 max_containers: shared.max_containers,
                 waiting_for_slot: shared.waiting_for_slot.load(Ordering::SeqCst),
+                prepared: shared.sandbox.prepared_containers(),
                 restarts,
                 retired: retired_count,
                 shutting_down,
@@ -389,6 +395,14 @@ impl Handler<Shutdown> for SandboxSupervisor {
                             report.stopped_turns += usize::from(c.stopped);
                             report.refused_queued += c.refused;
                         }
+                    }
+                    // Every prepared container is removed before the report (the channels
+                    // discarded theirs; one still being prepared is removed when it is ready).
+                    if !sandbox.prepared_drained(Duration::from_secs(120)).await {
+                        tracing::warn!(
+                            left = sandbox.prepared_containers(),
+                            "prepared containers not removed in time; the next startup sweep removes them"
+                        );
                     }
                     sandbox.shutdown().await;
                     tracing::info!(

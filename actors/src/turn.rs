@@ -8,8 +8,8 @@ use std::time::Instant;
 use actix::prelude::*;
 use roundtable_sandbox::turn::TurnError;
 use roundtable_sandbox::{
-    run_turn_outcome, PhaseObserver, Reply, Speaker, TurnFailure, TurnOutcome, TurnPhase,
-    TurnRequest,
+    run_turn_prepared, PhaseObserver, PreparedTurn, Reply, Speaker, TurnFailure, TurnOutcome,
+    TurnPhase, TurnRequest,
 };
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -138,6 +138,9 @@ pub(crate) struct TurnJob {
     pub(crate) admitted: Instant,
     pub(crate) responder: Responder,
     pub(crate) progress: ProgressSink,
+    /// The container prepared for this turn, if the channel had one (see
+    /// [`roundtable_sandbox::warm`]).
+    pub(crate) prepared: Option<PreparedTurn>,
 }
 
 /// One turn. Owns the turn's future (run dir, broker listener, container: all through
@@ -215,6 +218,7 @@ impl Actor for TurnActor {
         let work = run_job(
             job.shared,
             request,
+            job.prepared,
             job.progress,
             self.control.clone(),
             delivery,
@@ -302,6 +306,7 @@ impl Delivery {
 async fn run_job(
     shared: Arc<Shared>,
     request: TurnRequest,
+    prepared: Option<PreparedTurn>,
     progress: ProgressSink,
     control: TurnControl,
     delivery: Delivery,
@@ -362,9 +367,10 @@ async fn run_job(
             progress.emit(ProgressEvent::Phase(phase));
         })
     };
-    run_turn_outcome(
+    run_turn_prepared(
         &shared.sandbox,
         request,
+        prepared,
         |reply| delivery.deliver(reply),
         Some(observer),
     )

@@ -166,4 +166,7 @@ pub enum ConfigError {
         /// The refused value.
         value: f64,
     },
+    /// A `[warm]` setting is out of its range.
+    #[error("invalid [warm] setting: {0}")]
+    Warm(String),
 }

@@ -83,6 +83,9 @@ pub struct ConfigFile {
     /// `[compaction]`: see [`CompactionFile`].
     #[serde(default)]
     pub compaction: Option<CompactionFile>,
+    /// `[warm]`: prepared containers (`enabled`, `max`, `ttl_secs`).
+    #[serde(default)]
+    pub warm: crate::warm::WarmSettings,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment
@@ -224,7 +227,7 @@ impl TryFrom<ConfigFile> for Config {
         if let Some(compaction) = file.compaction {
             builder = builder.compaction(compaction.try_into()?);
         }
-        let mut config = builder.build();
+        let mut config = builder.warm(file.warm).build();
         // Either may be set alone (the rule refuses what is not the process's own).
         (config.uid, config.gid) = (file.uid, file.gid);
         Ok(config)

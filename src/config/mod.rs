@@ -126,6 +126,8 @@ pub struct Config {
     /// A separate summarizer for compaction (`[compaction]`); `None` compacts through the
     /// main model.
     pub compaction: Option<CompactionModel>,
+    /// Prepared containers for the channels' next turns (`[warm]`, see [`crate::warm`]).
+    pub warm: crate::warm::WarmSettings,
 }
 
 impl std::fmt::Debug for Config {
@@ -142,6 +144,7 @@ impl std::fmt::Debug for Config {
             .field("allow_http", &self.allow_http)
             .field("runtime", &self.runtime)
             .field("compaction", &self.compaction)
+            .field("warm", &self.warm)
             .finish_non_exhaustive()
     }
 }
@@ -194,6 +197,7 @@ impl Config {
                 model_request: ModelRequestPolicy::default(),
                 runtime: None,
                 compaction: None,
+                warm: crate::warm::WarmSettings::default(),
             },
         }
     }
@@ -281,6 +285,8 @@ impl ConfigBuilder {
         broker_limits: BrokerLimits;
         /// Whether the broker refuses peers whose uid is not the worker's.
         peer_uid_check: bool;
+        /// Prepared containers (`[warm]`).
+        warm: crate::warm::WarmSettings;
         /// The chat-completions fields forwarded to the model and the output token cap.
         model_request: ModelRequestPolicy;
     }
@@ -351,4 +357,6 @@ pub struct ResolvedConfig {
     pub command: Option<Vec<String>>,
     /// The engine's container runtime (`None`: its default).
     pub runtime: Option<String>,
+    /// Prepared containers (`[warm]`, validated).
+    pub warm: crate::warm::WarmSettings,
 }

@@ -21,6 +21,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     if config.model.trim().is_empty() {
         return Err(ConfigError::ModelMissing);
     }
+    config.warm.validate().map_err(ConfigError::Warm)?;
     let time_zone = resolve_time_zone(config.time_zone.as_deref().unwrap_or("UTC"))?.to_owned();
     let turn_timeout = config.turn_timeout.unwrap_or(DEFAULT_TURN_TIMEOUT);
     if turn_timeout < Duration::from_secs(1) || turn_timeout > Duration::from_secs(600) {
@@ -104,6 +105,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         session_budget: config.session_budget,
         command: config.command.clone(),
         runtime: config.runtime.clone(),
+        warm: config.warm,
     })
 }
 

@@ -129,10 +129,18 @@ pub enum DriverError {
     },
     /// A started container stopped before its turn was written to it.
     #[error("container {container} exited before its turn (code {code})")]
-    Exited { container: String, code: i64 },
+    Exited {
+        /// The container.
+        container: String,
+        /// Its exit status (`-1`: none reported).
+        code: i64,
+    },
     /// The driver cannot do this (a backend without prepared containers).
     #[error("the container driver cannot {op}")]
-    Unsupported { op: &'static str },
+    Unsupported {
+        /// What was asked (`start`).
+        op: &'static str,
+    },
 }
 
 impl DriverError {

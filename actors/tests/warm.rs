@@ -1,0 +1,362 @@
+//! Warm turns (issue 16) against the real Docker engine: a channel's next turn runs in a
+//! container prepared after its last one. The guest is replaced by a busybox script that
+//! reads the whole turn, then answers with its container's hostname (the first 12 hex
+//! digits of the container's id), so each test knows which container served the turn.
+//! Every test ends with a shutdown that must leave no container, run dir or socket.
+
+#[path = "support/fake.rs"]
+mod fake;
+
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use bollard::query_parameters::{
+    InspectContainerOptions, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
+};
+use fake::*;
+use roundtable_sandbox::driver::{LABEL_CHANNEL, LABEL_RUNTIME};
+use roundtable_sandbox::warm::LABEL_PREPARED;
+use roundtable_sandbox::DockerDriver;
+use roundtable_sandbox_actors::*;
+
+type Answer = Result<TurnOutcome, SandboxActorError>;
+
+const SCRIPT: &str = r#"t=$(cat); printf '{"ok":true,"text":"%s"}' "$(cat /etc/hostname)""#;
+
+fn config(env: &Env, max: usize) -> SupervisorOptions {
+    let mut c = env.config();
+    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    c.warm.enabled = true;
+    c.warm.max = max;
+    let mut s = SupervisorOptions::new(c);
+    s.max_containers = 4;
+    s
+}
+
+async fn instance_of(env: &Env) -> String {
+    let sandbox = roundtable_sandbox::Sandbox::new(env.config())
+        .await
+        .unwrap();
+    sandbox.config().instance.clone()
+}
+
+/// A prepared container as the engine lists it.
+#[derive(Debug, Clone)]
+struct Listed {
+    id: String,
+    name: String,
+    channel: String,
+    running: bool,
+}
+
+/// The prepared containers of `instance` that are not serving a turn: they carry the
+/// prepared label, and (not yet adopted) their guest waits.
+async fn prepared(instance: &str) -> Vec<Listed> {
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let filters = std::collections::HashMap::from([(
+        "label",
+        vec![
+            format!("{LABEL_RUNTIME}={instance}"),
+            format!("{LABEL_PREPARED}=1"),
+        ],
+    )]);
+    let opts = ListContainersOptionsBuilder::new()
+        .all(true)
+        .filters(&filters)
+        .build();
+    docker
+        .list_containers(Some(opts))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| Listed {
+            id: c.id.unwrap_or_default(),
+            name: c
+                .names
+                .and_then(|n| n.into_iter().next())
+                .unwrap_or_default()
+                .trim_start_matches('/')
+                .to_owned(),
+            channel: c
+                .labels
+                .and_then(|l| l.get(LABEL_CHANNEL).cloned())
+                .unwrap_or_default(),
+            running: c.state.is_some_and(|s| s.to_string() == "running"),
+        })
+        .collect()
+}
+
+fn segment16(channel: &str) -> String {
+    roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
+}
+
+/// Waits until `channel` has a running prepared container, and returns it.
+async fn until_prepared(instance: &str, channel: &str) -> Listed {
+    let started = Instant::now();
+    loop {
+        if let Some(found) = prepared(instance)
+            .await
+            .into_iter()
+            .find(|c| c.running && c.channel == segment16(channel))
+        {
+            return found;
+        }
+        assert!(
+            started.elapsed() < PROMPTLY,
+            "no container was prepared for {channel}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str) -> TurnOutcome {
+    let answer: Answer = addr
+        .send(GuestMessage::new(channel, speaker("ann"), "hello"))
+        .await
+        .unwrap();
+    let outcome = answer.unwrap();
+    assert!(outcome.reply.ok, "{outcome:?}");
+    outcome
+}
+
+/// The hostname the guest answered with: its container's short id.
+fn served_by(outcome: &TurnOutcome) -> String {
+    outcome.reply.text.clone().unwrap()
+}
+
+async fn shutdown_leaves_nothing(addr: Addr<SandboxSupervisor>, env: &Env, instance: &str) {
+    addr.send(Shutdown).await.unwrap();
+    let containers = labelled_containers_of(instance).await;
+    assert!(containers.is_empty(), "leaked containers: {containers:?}");
+    assert!(
+        env.turn_dirs().is_empty(),
+        "leaked run dirs: {:?}",
+        env.turn_dirs()
+    );
+}
+
+#[actix_rt::test]
+async fn the_next_turn_is_served_by_the_prepared_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let first = ask(&addr, "#warm").await;
+    let ready = until_prepared(&instance, "#warm").await;
+    assert_ne!(
+        served_by(&first),
+        ready.id[..12],
+        "prepared for the next turn"
+    );
+    let second = ask(&addr, "#warm").await;
+    assert_eq!(
+        served_by(&second),
+        ready.id[..12],
+        "the second turn ran in the prepared container {}",
+        ready.name
+    );
+    // One container per turn: the adopted one is gone, a new one waits for the third.
+    let next = until_prepared(&instance, "#warm").await;
+    assert_ne!(next.id, ready.id);
+    let third = ask(&addr, "#warm").await;
+    assert_eq!(served_by(&third), next.id[..12]);
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn before_its_turn_a_prepared_container_reaches_no_broker() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    ask(&addr, "#late").await;
+    let ready = until_prepared(&instance, "#late").await;
+    // The first turn's teardown is done.
+    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    // Its run dir (the only turn dir now) holds no socket: a connection is refused.
+    let dirs = env.turn_dirs();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    let dir = env.run_root.join(&dirs[0]);
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "nothing bound yet"
+    );
+    let refused = tokio::net::UnixStream::connect(dir.join("broker.sock")).await;
+    assert_eq!(
+        refused.unwrap_err().kind(),
+        std::io::ErrorKind::NotFound,
+        "no broker before the turn binds one"
+    );
+    // The turn binds it and is served by that container.
+    let served = ask(&addr, "#late").await;
+    assert_eq!(served_by(&served), ready.id[..12]);
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    ask(&addr, "#killed").await;
+    let ready = until_prepared(&instance, "#killed").await;
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    docker
+        .kill_container(
+            &ready.id,
+            Some(KillContainerOptionsBuilder::new().signal("SIGKILL").build()),
+        )
+        .await
+        .unwrap();
+    let started = Instant::now();
+    loop {
+        let state = docker
+            .inspect_container(&ready.id, None::<InspectContainerOptions>)
+            .await
+            .unwrap()
+            .state
+            .unwrap_or_default();
+        if state.running != Some(true) {
+            break;
+        }
+        assert!(started.elapsed() < PROMPTLY, "the kill never took");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let served = ask(&addr, "#killed").await;
+    assert_ne!(served_by(&served), ready.id[..12], "not the dead one");
+    assert!(
+        !prepared(&instance).await.iter().any(|c| c.id == ready.id),
+        "the dead prepared container was removed"
+    );
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_start() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    ask(&addr, "#removed").await;
+    let ready = until_prepared(&instance, "#removed").await;
+    DockerDriver::default()
+        .client()
+        .await
+        .unwrap()
+        .remove_container(
+            &ready.id,
+            Some(
+                bollard::query_parameters::RemoveContainerOptionsBuilder::new()
+                    .force(true)
+                    .build(),
+            ),
+        )
+        .await
+        .unwrap();
+    let served = ask(&addr, "#removed").await;
+    assert_ne!(served_by(&served), ready.id[..12]);
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn a_reset_discards_the_prepared_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    ask(&addr, "#reset").await;
+    let ready = until_prepared(&instance, "#reset").await;
+    addr.send(StartFresh {
+        channel: "#reset".into(),
+    })
+    .await
+    .unwrap();
+    let served = ask(&addr, "#reset").await;
+    assert_ne!(
+        served_by(&served),
+        ready.id[..12],
+        "a container prepared before the reset never serves a turn after it"
+    );
+    let started = Instant::now();
+    while prepared(&instance).await.iter().any(|c| c.id == ready.id) {
+        assert!(started.elapsed() < PROMPTLY, "the stale container was kept");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn a_prepared_container_expires_after_its_ttl() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut settings = config(&env, 8);
+    settings.config.warm.ttl_secs = Some(1);
+    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    ask(&addr, "#ttl").await;
+    until_prepared(&instance, "#ttl").await;
+    let started = Instant::now();
+    while !prepared(&instance).await.is_empty() || !env.turn_dirs().is_empty() {
+        assert!(
+            started.elapsed() < PROMPTLY,
+            "the prepared container outlived its TTL"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The next turn starts cold and works.
+    ask(&addr, "#ttl").await;
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn warm_max_bounds_the_prepared_containers_across_channels() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 2)).await.unwrap();
+    let channels = ["#m1", "#m2", "#m3", "#m4"];
+    for round in 0..2 {
+        let asks: Vec<_> = channels
+            .iter()
+            .map(|c| {
+                let request = addr.send(GuestMessage::new(*c, speaker("ann"), "hello"));
+                actix_rt::spawn(async move { request.await.unwrap() })
+            })
+            .collect();
+        for a in asks {
+            let outcome = a.await.unwrap().unwrap();
+            assert!(outcome.reply.ok, "round {round}: {outcome:?}");
+        }
+    }
+    status_until(&addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
+    // Each channel wanted one; the bound gives two.
+    let started = Instant::now();
+    loop {
+        let now = prepared(&instance).await;
+        assert!(now.len() <= 2, "warm.max exceeded: {now:?}");
+        let report = addr.send(Status).await.unwrap();
+        assert!(report.totals.prepared <= 2, "{:?}", report.totals);
+        if now.iter().filter(|c| c.running).count() == 2 && report.totals.prepared == 2 {
+            break;
+        }
+        assert!(
+            started.elapsed() < PROMPTLY,
+            "never prepared up to the bound: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn warm_off_prepares_nothing() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut settings = config(&env, 8);
+    settings.config.warm.enabled = false;
+    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    ask(&addr, "#cold").await;
+    ask(&addr, "#cold").await;
+    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    assert!(prepared(&instance).await.is_empty());
+    assert_eq!(addr.send(Status).await.unwrap().totals.prepared, 0);
+    assert!(labelled_containers_of(&instance).await.is_empty());
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
