@@ -83,6 +83,9 @@ pub struct Roots {
     /// The roots of the actor layer's runtime.
     pub actors_run_root: PathBuf,
     pub actors_workspace_root: PathBuf,
+    /// The roots of the runtime with prepared containers (`runtime_warm`).
+    pub warm_run_root: PathBuf,
+    pub warm_workspace_root: PathBuf,
     /// A fixed run dir and workspace for the driver-only path.
     pub fixed_run: PathBuf,
     pub fixed_ws: PathBuf,
@@ -98,6 +101,8 @@ impl Roots {
         let workspace_root = dir.path().join("ws");
         let actors_run_root = dir.path().join("arun");
         let actors_workspace_root = dir.path().join("aws");
+        let warm_run_root = dir.path().join("wrun");
+        let warm_workspace_root = dir.path().join("wws");
         let fixed_run = dir.path().join("fixed-run");
         let fixed_ws = dir.path().join("fixed-ws");
         for d in [&fixed_run, &fixed_ws] {
@@ -109,6 +114,8 @@ impl Roots {
             workspace_root,
             actors_run_root,
             actors_workspace_root,
+            warm_run_root,
+            warm_workspace_root,
             fixed_run,
             fixed_ws,
         })
@@ -127,6 +134,81 @@ pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sand
         .instance(format!("bench-{}", std::process::id()))
         .build();
     Sandbox::new(c).await.context("start the runtime")
+}
+
+/// The runtime with prepared containers on (`[warm]`), on its own roots.
+pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
+    let c = Config::builder(&roots.warm_run_root, &roots.warm_workspace_root)
+        .image(image)
+        .model(model_url, "bench-model")
+        .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
+        .allow_http(true)
+        .turn_timeout(Duration::from_secs(120))
+        .command(command())
+        .instance(format!("bench-warm-{}", std::process::id()))
+        .warm(roundtable_sandbox::WarmSettings {
+            enabled: true,
+            max: 64,
+            ttl_secs: None,
+        })
+        .build();
+    Sandbox::new(c).await.context("start the warm runtime")
+}
+
+/// Prepares the channel's next container (what a channel does after its turn, in the
+/// background; untimed here).
+pub async fn prepare(sandbox: &Sandbox, channel: &str) -> Result<roundtable_sandbox::PreparedTurn> {
+    sandbox
+        .prepare_turn(channel, CancellationToken::new())
+        .await?
+        .context("no container prepared (warm off or warm.max reached)")
+}
+
+/// A trivial turn through the whole runtime in a container prepared before the message
+/// (`run_turn_prepared`): quota check, broker bound, turn written, reply, teardown.
+pub async fn warm_turn(
+    sandbox: &Sandbox,
+    channel: &str,
+) -> Result<(Timing, Vec<(String, Duration)>)> {
+    let prepared = prepare(sandbox, channel).await?;
+    let request = roundtable_sandbox::TurnRequest {
+        channel: channel.into(),
+        speaker: speaker(),
+        text: "hello".into(),
+        reset: false,
+        stop: CancellationToken::new(),
+        admitted: None,
+    };
+    let t0 = Instant::now();
+    let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));
+    let seen = phases.clone();
+    let observer: PhaseObserver = Arc::new(move |p: TurnPhase| {
+        seen.lock()
+            .expect("not poisoned")
+            .push((format!("{p:?}"), t0.elapsed()));
+    });
+    let mut reply_at = None;
+    let outcome = roundtable_sandbox::run_turn_prepared(
+        sandbox,
+        request,
+        Some(prepared),
+        |_| reply_at = Some(t0.elapsed()),
+        Some(observer),
+    )
+    .await;
+    let total = t0.elapsed();
+    if !outcome.reply.ok {
+        bail!("warm turn failed: {:?}", outcome.reply.error);
+    }
+    let phases = std::mem::take(&mut *phases.lock().expect("not poisoned"));
+    Ok((
+        Timing {
+            reply: reply_at.unwrap_or(total),
+            total,
+            steps: None,
+        },
+        phases,
+    ))
 }
 
 /// A trivial turn through the whole runtime (`run_turn`: dirs, broker, container,
@@ -398,6 +480,13 @@ pub async fn require_image(docker: &Docker, image: &str) -> Result<()> {
 }
 
 /// Entries left under a directory (the runtime's run root must be empty between turns).
+/// Turn dirs (and sockets) left in a run root; the runtime's lock file is not one.
 pub fn entries(dir: &Path) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("turn-"))
+                .count()
+        })
+        .unwrap_or(0)
 }

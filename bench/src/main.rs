@@ -207,7 +207,16 @@ async fn run(o: &Options) -> Result<Value> {
     let stdin = lifecycle::turn_stdin();
 
     if o.wants("turn") {
-        results["turn"] = turn_overhead(o, &sandbox, &driver, &docker, &roots, &stdin).await?;
+        let warm = lifecycle::warm_sandbox(&o.image, &roots, &model.url()).await?;
+        results["turn"] =
+            turn_overhead(o, &sandbox, &warm, &driver, &docker, &roots, &stdin).await?;
+        let (adopted, cold) = warm.warm_counts();
+        println!("runtime_warm: {adopted} turns in prepared containers, {cold} fell back to cold");
+        if cold > 0 {
+            anyhow::bail!("{cold} warm turns fell back to a cold start: the figures are not warm");
+        }
+        results["warm_memory"] = memory::prepared(&warm, 8).await?;
+        drop(warm);
     }
     if o.wants("gvisor") {
         if let Some(r) =
@@ -228,7 +237,7 @@ async fn run(o: &Options) -> Result<Value> {
     if left > 0 {
         eprintln!("warning: {left} bench containers were left and are now removed");
     }
-    if lifecycle::entries(&roots.run_root) != 0 {
+    if lifecycle::entries(&roots.run_root) + lifecycle::entries(&roots.warm_run_root) != 0 {
         bail!("the runtime left entries in its run root");
     }
     sandbox.shutdown().await;
@@ -293,8 +302,9 @@ impl PathSamples {
     }
 }
 
-const PATHS: [&str; 5] = [
+const PATHS: [&str; 6] = [
     "runtime",
+    "runtime_warm",
     "driver",
     "bare_api",
     "bare_api_default",
@@ -307,6 +317,7 @@ async fn one_turn(
     profile: &mut Vec<(String, Samples)>,
     i: usize,
     sandbox: &roundtable_sandbox::Sandbox,
+    warm: &roundtable_sandbox::Sandbox,
     driver: &DockerDriver,
     docker: &bollard::Docker,
     roots: &lifecycle::Roots,
@@ -314,18 +325,26 @@ async fn one_turn(
     stdin: &[u8],
 ) -> Result<Timing> {
     match path {
-        "runtime" => {
-            let (t, phases) =
-                lifecycle::runtime_turn_profiled(sandbox, &format!("#bench-{}", i % 8)).await?;
+        "runtime" | "runtime_warm" => {
+            let channel = format!("#bench-{}", i % 8);
+            let (t, phases) = if path == "runtime" {
+                lifecycle::runtime_turn_profiled(sandbox, &channel).await?
+            } else {
+                lifecycle::warm_turn(warm, &channel).await?
+            };
             // Each phase's span: from its start to the next phase's start.
             for w in phases.windows(2) {
                 let span = w[1].1.saturating_sub(w[0].1);
-                match profile.iter_mut().find(|(n, _)| *n == w[0].0) {
+                let name = match path {
+                    "runtime" => w[0].0.clone(),
+                    _ => format!("warm:{}", w[0].0),
+                };
+                match profile.iter_mut().find(|(n, _)| *n == name) {
                     Some((_, s)) => s.push(span),
                     None => {
                         let mut s = Samples::default();
                         s.push(span);
-                        profile.push((w[0].0.clone(), s));
+                        profile.push((name, s));
                     }
                 }
             }
@@ -342,6 +361,7 @@ async fn one_turn(
 async fn turn_overhead(
     o: &Options,
     sandbox: &roundtable_sandbox::Sandbox,
+    warm: &roundtable_sandbox::Sandbox,
     driver: &DockerDriver,
     docker: &bollard::Docker,
     roots: &lifecycle::Roots,
@@ -358,6 +378,7 @@ async fn turn_overhead(
                 &mut Vec::new(),
                 i,
                 sandbox,
+                warm,
                 driver,
                 docker,
                 roots,
@@ -379,6 +400,7 @@ async fn turn_overhead(
                 &mut profile,
                 i,
                 sandbox,
+                warm,
                 driver,
                 docker,
                 roots,
@@ -418,8 +440,11 @@ async fn turn_overhead(
         );
         out[*p] = s.json();
     }
-    let (rt, bare, cli) = (&samples[0], &samples[2], &samples[4]);
+    let (rt, rw, bare, cli) = (&samples[0], &samples[1], &samples[3], &samples[5]);
     let ratios = json!({
+        "runtime_warm_reply_vs_bare_reply_p50": ratio(rw.reply.p50(), bare.reply.p50()),
+        "runtime_warm_reply_vs_bare_total_p50": ratio(rw.reply.p50(), bare.total.p50()),
+        "runtime_warm_reply_vs_runtime_reply_p50": ratio(rw.reply.p50(), rt.reply.p50()),
         "runtime_reply_vs_bare_reply_p50": ratio(rt.reply.p50(), bare.reply.p50()),
         "runtime_reply_vs_bare_reply_p95": ratio(rt.reply.p95(), bare.reply.p95()),
         "runtime_total_vs_bare_total_p50": ratio(rt.total.p50(), bare.total.p50()),
@@ -427,8 +452,14 @@ async fn turn_overhead(
         "runtime_reply_vs_cli_p50": ratio(rt.reply.p50(), cli.total.p50()),
         "runtime_reply_vs_cli_p95": ratio(rt.reply.p95(), cli.total.p95()),
         "runtime_total_vs_cli_p50": ratio(rt.total.p50(), cli.total.p50()),
-        "driver_total_vs_bare_total_p50": ratio(samples[1].total.p50(), bare.total.p50()),
+        "driver_total_vs_bare_total_p50": ratio(samples[2].total.p50(), bare.total.p50()),
     });
+    println!(
+        "ratios (p50): runtime_warm reply / bare reply {:.3}, / bare total {:.3}, / runtime (cold) reply {:.3}",
+        ratios["runtime_warm_reply_vs_bare_reply_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["runtime_warm_reply_vs_bare_total_p50"].as_f64().unwrap_or(f64::NAN),
+        ratios["runtime_warm_reply_vs_runtime_reply_p50"].as_f64().unwrap_or(f64::NAN),
+    );
     println!(
         "ratios (p50): runtime/bare reply {:.3}, total {:.3}; runtime/cli reply {:.3}, total {:.3}; driver/bare total {:.3}",
         ratios["runtime_reply_vs_bare_reply_p50"].as_f64().unwrap_or(f64::NAN),

@@ -150,3 +150,95 @@ pub fn idle_channels(channels: usize) -> Result<Value> {
     let line = text.lines().last().unwrap_or_default();
     serde_json::from_str(line).with_context(|| format!("memory child said {text:?}"))
 }
+
+/// RSS (KiB) of the engine's host processes: `dockerd`, `containerd` and every
+/// `containerd-shim*` (one per container), from `/proc`.
+fn engine_rss_kib() -> (u64, usize) {
+    let mut total = 0;
+    let mut shims = 0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let path = entry.path();
+        let Ok(comm) = std::fs::read_to_string(path.join("comm")) else {
+            continue;
+        };
+        let comm = comm.trim();
+        let engine =
+            comm == "dockerd" || comm == "containerd" || comm.starts_with("containerd-shim");
+        if !engine {
+            continue;
+        }
+        shims += usize::from(comm.starts_with("containerd-shim"));
+        total += std::fs::read_to_string(path.join("status"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    (total, shims)
+}
+
+/// Memory charged to a container's cgroup (KiB; v1 or v2), found from its init's pid.
+async fn container_kib(docker: &bollard::Docker, name: &str) -> Option<u64> {
+    let inspected = docker.inspect_container(name, None).await.ok()?;
+    let id = inspected.id?;
+    let candidates = [
+        format!("/sys/fs/cgroup/memory/docker/{id}/memory.usage_in_bytes"),
+        format!("/sys/fs/cgroup/system.slice/docker-{id}.scope/memory.current"),
+        format!("/sys/fs/cgroup/docker/{id}/memory.current"),
+    ];
+    candidates
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.trim().parse::<u64>().ok())
+        .map(|b| b / 1024)
+}
+
+/// The extra memory of `n` prepared containers (waiting for their turn): the engine's
+/// host processes (dockerd, containerd, one shim each), the containers' own cgroups, and
+/// this process (the attach streams and exit watchers it holds), each per container.
+pub async fn prepared(warm: &roundtable_sandbox::Sandbox, n: usize) -> Result<Value> {
+    println!("\n== 1c. memory of prepared containers: {n} prepared at once, waiting");
+    let docker = roundtable_sandbox::DockerDriver::default();
+    let client = docker.client().await?.clone();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (engine_before, shims_before) = engine_rss_kib();
+    let host_before = crate::rss_kib();
+    let mut prepared = Vec::new();
+    for i in 0..n {
+        prepared.push(crate::lifecycle::prepare(warm, &format!("#mem-{i}")).await?);
+    }
+    // Let the guests settle (blocked on stdin).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (engine_after, shims_after) = engine_rss_kib();
+    let host_after = crate::rss_kib();
+    let mut cgroup = Vec::new();
+    for p in &prepared {
+        if let Some(kib) = container_kib(&client, p.container()).await {
+            cgroup.push(kib);
+        }
+    }
+    for p in prepared {
+        p.discard("bench").await;
+    }
+    let per = |before: u64, after: u64| after.saturating_sub(before) as f64 / n as f64;
+    let engine = per(engine_before, engine_after);
+    let host = per(host_before, host_after);
+    let cgroup_mean = if cgroup.is_empty() {
+        f64::NAN
+    } else {
+        cgroup.iter().sum::<u64>() as f64 / cgroup.len() as f64
+    };
+    println!(
+        "per prepared container (KiB): engine host processes +{engine:.0} ({} shims more), container cgroup {cgroup_mean:.0}, this process +{host:.0}",
+        shims_after.saturating_sub(shims_before)
+    );
+    Ok(json!({
+        "n": n,
+        "engine_rss_kib_per_container": engine,
+        "shims_added": shims_after.saturating_sub(shims_before),
+        "container_cgroup_kib_mean": cgroup_mean,
+        "host_process_rss_kib_per_container": host,
+    }))
+}
