@@ -59,19 +59,26 @@ impl Fifo {
         Self(std::fs::OpenOptions::new().write(true).open(path).unwrap())
     }
 
+    /// Writes `line` and its newline in one `write` (atomic below PIPE_BUF): ii reads its
+    /// FIFO non-blocking, byte by byte, and takes a read that comes up short before the
+    /// newline for the writer's end, dropping the part it read. `writeln!` on a `File` may
+    /// issue two writes (the text, then the newline), and on a busy machine ii runs between
+    /// them: the line was lost.
     fn say(&mut self, line: &str) {
-        writeln!(self.0, "{line}").unwrap();
-        self.0.flush().unwrap();
+        let bytes = format!("{line}\n");
+        assert!(bytes.len() <= 512, "a FIFO line must fit one atomic write");
+        assert_eq!(self.0.write(bytes.as_bytes()).unwrap(), bytes.len());
     }
 }
 
 /// Says `line` in the channel and waits until ii logs it as sent; says it again if ii did
-/// not pick it up (ii occasionally misses a FIFO line while it handles server traffic).
+/// not pick it up within 20 s (it should not happen now that a line is one write; a repeat
+/// would reach the bot twice).
 fn say_seen(chan: &mut Fifo, out: &Path, skip: usize, line: &str) {
     let echo = format!("<tester> {line}");
-    for _ in 0..5 {
+    for _ in 0..3 {
         chan.say(line);
-        let deadline = Instant::now() + Duration::from_secs(3);
+        let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             let text = std::fs::read_to_string(out).unwrap_or_default();
             if text.lines().skip(skip).any(|l| l.ends_with(&echo)) {
@@ -80,7 +87,10 @@ fn say_seen(chan: &mut Fifo, out: &Path, skip: usize, line: &str) {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    panic!("ii never sent {line:?}");
+    panic!(
+        "ii never sent {line:?}; the channel log: {:?}",
+        std::fs::read_to_string(out).unwrap_or_default()
+    );
 }
 
 /// Waits for a line of the channel log containing `needle` after the first `skip` lines.
