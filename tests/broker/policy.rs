@@ -1,0 +1,108 @@
+//! The policy checked at setup.
+
+use super::*;
+
+#[tokio::test]
+async fn the_policy_is_checked_at_setup() {
+    let err = |p: BrokerPolicy| validate_policy(&p).unwrap_err().to_string();
+    let mut p = policy("http://api.example.com/v1");
+    p.allow_http = false;
+    assert_eq!(
+        err(p),
+        "model_url must use https (set allow_http only for offline tests): http://api.example.com/v1"
+    );
+    assert_eq!(
+        err(policy("ftp://api.example.com/v1")),
+        "invalid model_url: ftp://api.example.com/v1"
+    );
+    assert!(validate_policy(&policy("https://api.example.com/v1")).is_ok());
+
+    use sandbox_support::NamedTool as Named;
+    let mut p = policy("https://api.example.com/v1");
+    p.tools = vec![Arc::new(Named("Bad Name"))];
+    assert_eq!(
+        err(p.clone()),
+        r#"invalid tool name "Bad Name": use 1 to 64 of a-z, 0-9, _ and -"#
+    );
+    p.tools = vec![Arc::new(Named("a")), Arc::new(Named("a"))];
+    assert_eq!(err(p.clone()), "duplicate tool name: a");
+    p.tools = vec![Arc::new(Named("sh"))];
+    assert_eq!(
+        err(p.clone()),
+        r#"host tool "sh" has the name of a built-in guest tool (built-ins: read, write, edit, list, sh)"#
+    );
+    p.tools = vec![Arc::new(Named("bad-schema"))];
+    assert!(err(p.clone()).starts_with("invalid JSON schema for tool bad-schema: "));
+
+    let mut p = policy("https://api.example.com/v1");
+    p.mcp = vec![McpServer {
+        name: "time".into(),
+        transport: McpTransport::Stdio {
+            command: "mcp-server-time".into(),
+            args: vec![],
+            env: Default::default(),
+        },
+        scope: None,
+        max_sessions: None,
+        tools: vec![],
+    }];
+    assert_eq!(
+        err(p.clone()),
+        "MCP server time: the tool allow-list is empty"
+    );
+    p.mcp[0].tools = vec!["get time".into()];
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: invalid tool name "get time" in the allow-list: use 1 to 64 of A-Z, a-z, 0-9, _ and -"#
+    );
+    p.mcp[0].tools = vec!["get_current_time".into()];
+    p.mcp.push(p.mcp[0].clone());
+    assert_eq!(err(p.clone()), "MCP server time: configured twice");
+    p.mcp.pop();
+    p.mcp[0].transport = McpTransport::Http {
+        url: "http://mcp.example.com/mcp".into(),
+        headers: Default::default(),
+    };
+    p.allow_http = false;
+    assert_eq!(
+        err(p.clone()),
+        "MCP server time: url must use https (set allow_http only for offline tests): http://mcp.example.com/mcp"
+    );
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_model_calls = 0;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_model_calls must be 1 to 10000"
+    );
+    // The TOML form of the limits refuses a negative deadline instead of panicking.
+    let parsed: Result<BrokerLimits, _> = toml::from_str("call_timeout = -1.0");
+    assert!(parsed.is_err());
+    let parsed: BrokerLimits = toml::from_str("call_timeout = 2.5\nmax_tool_calls = 3").unwrap();
+    assert_eq!(parsed.call_timeout, Duration::from_millis(2500));
+    assert_eq!(parsed.max_tool_calls, 3);
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_calls_in_flight = 0;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_calls_in_flight must be 1 to 256"
+    );
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_connections = 2000;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_connections must be 1 to 1024"
+    );
+    let mut p = policy("https://api.example.com/v1");
+    p.limits.max_connections = 2;
+    assert_eq!(
+        err(p),
+        "invalid broker limits: max_connections must be at least max_calls_in_flight"
+    );
+    assert!(matches!(
+        Broker::new(policy("http://127.0.0.1:9/v1"))
+            .await
+            .map(|_| ()),
+        Ok(())
+    ));
+    let _ = BrokerError::ApiKey(String::new());
+}
