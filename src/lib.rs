@@ -36,6 +36,8 @@ pub mod quota;
 #[cfg(feature = "cli")]
 pub mod settings;
 pub mod sweep;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod turn;
 pub mod warm;
 

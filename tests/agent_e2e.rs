@@ -2,16 +2,11 @@
 //! scripted OpenAI-compatible model on loopback only through the real broker on the turn's
 //! unix socket. Runs as the non-root service user (scripts/test.sh).
 
-#[path = "support/model.rs"]
-mod model_support;
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
 use std::time::Duration;
 
-use model_support::{ScriptedModel, Step};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{ApiKey, Config, Sandbox};
-use sandbox_support::*;
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::{json, Value};
 
 const KEY: &str = "sk-e2e-zebra-4242-do-not-leak";

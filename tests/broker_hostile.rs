@@ -5,24 +5,18 @@
 //! error snippet's cut, on the timeout and stream-failure paths; in host-tool and MCP
 //! results), and plain HTTP only to loopback.
 
-#[path = "support/broker_client.rs"]
-mod client;
-#[path = "support/mcp_stub.rs"]
-mod mcp_stub;
-#[path = "support/model.rs"]
-mod model_support;
-
+use roundtable_sandbox_test_support::{broker_client as client, mcp_stub};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use client::{next_chunk, post, post_json};
-use model_support::{ScriptedModel, Step};
 use roundtable_sandbox::broker::{
     ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerListener, BrokerPolicy,
     HostTool, ModelRequestPolicy, ToolCallContext, TurnContext,
 };
 use roundtable_sandbox::Speaker;
+use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use secrecy::SecretString;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

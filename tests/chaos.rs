@@ -4,23 +4,15 @@
 //! SIGKILLed mid-turn and started again. No turn may hang, every turn must end with a
 //! clear reply, and nothing may leak (after the restart's sweep, for the host kill).
 
-#[path = "support/docker_proxy.rs"]
-mod docker_proxy;
-#[path = "support/hostile.rs"]
-mod hostile;
-#[path = "support/mcp_stub.rs"]
-mod mcp_stub;
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
+use roundtable_sandbox_test_support::{hostile, mcp_stub};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use docker_proxy::{DockerProxy, Mode};
 use roundtable_sandbox::driver::{DockerOptions, LABEL_RUNTIME};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{run_turn, ApiKey, Config, DockerDriver, Sandbox, TurnPhase};
-use sandbox_support::*;
+use roundtable_sandbox_test_support::docker_proxy::{DockerProxy, Mode};
 
 const SLEEPER: &str = "cat >/dev/null; sleep 300";
 

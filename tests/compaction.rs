@@ -5,27 +5,20 @@
 //! logs with its own subscriber in a current-thread runtime, so every broker task logs into
 //! it. Runs as the non-root service user (scripts/test.sh).
 
-#[path = "support/captured_logs.rs"]
-mod captured_logs;
-#[path = "support/broker_client.rs"]
-mod client;
-use captured_logs::Captured;
-#[path = "support/model.rs"]
-mod model_support;
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
+use roundtable_sandbox_test_support::broker_client as client;
+use roundtable_sandbox_test_support::captured_logs::Captured;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use model_support::{ScriptedModel, Step};
 use roundtable_sandbox::broker::{
     ApiKey, Broker, BrokerLimits, BrokerPolicy, CompactionModel, TurnContext,
 };
 use roundtable_sandbox::protocol::chat::Message;
 use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{Config, Sandbox, Speaker};
-use sandbox_support::*;
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 

@@ -1,16 +1,13 @@
 //! Every configuration rule, each rejected with its exact message, before any side effect
 //! that matters (no container, no broker). Runs as the non-root service user.
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{ApiKey, Config};
-use sandbox_support::*;
 
 fn err(config: &Config) -> String {
     config.resolve().unwrap_err().to_string()

@@ -5,69 +5,15 @@
 //! keys that look like paths, are huge or are unusual unicode (pure properties, then real
 //! turns).
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
-use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
 use proptest::prelude::*;
-use roundtable_sandbox::driver::{
-    BoxFuture, ContainerDriver, ContainerSpec, DriverError, RunOutcome,
-};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::turn::channel_segment;
-use roundtable_sandbox::{Reply, Sandbox, Speaker, Usage};
+use roundtable_sandbox::{Sandbox, Speaker};
+use roundtable_sandbox_actors::testing::InjectPanic;
 use roundtable_sandbox_actors::*;
-use sandbox_support::*;
-use tokio::sync::{mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
-
-/// A driver that hands each run to the test: the turn's text, the `reset` flag it carried,
-/// and a sender for the outcome (true: a successful reply; false: a failed run).
-#[derive(Debug)]
-struct Gated {
-    runs: mpsc::UnboundedSender<(String, bool, oneshot::Sender<bool>)>,
-}
-
-impl ContainerDriver for Gated {
-    fn run<'a>(
-        &'a self,
-        _spec: &'a ContainerSpec,
-        stdin: &'a [u8],
-        cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
-        Box::pin(async move {
-            let turn: serde_json::Value = serde_json::from_slice(stdin).unwrap();
-            let (tx, rx) = oneshot::channel();
-            self.runs
-                .send((
-                    turn["text"].as_str().unwrap().to_owned(),
-                    turn["reset"].as_bool().unwrap(),
-                    tx,
-                ))
-                .unwrap();
-            tokio::select! {
-                ok = rx => match ok {
-                    Ok(true) => Ok(RunOutcome::replied(&Reply::text("done", Usage::default()))),
-                    _ => Ok(RunOutcome::exited(3)),
-                },
-                _ = cancel.cancelled() => Err(DriverError::Cancelled),
-            }
-        })
-    }
-
-    fn remove<'a>(&'a self, _name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn sweep<'a>(
-        &'a self,
-        _scope: roundtable_sandbox::driver::SweepScope<'a>,
-    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -159,9 +105,11 @@ async fn pending(addr: &Addr<SandboxSupervisor>, channel: &str) -> u64 {
 /// checks every step against the [`Model`].
 async fn check_reset_model(ops: Vec<Op>) {
     let env = Env::new();
-    let (tx, mut runs) = mpsc::unbounded_channel();
+    // The fake driver hands each run to the test: its text, its reset flag, and the sender
+    // of its verdict (true: a successful reply; false: a failed run).
+    let (driver, mut runs) = FakeDriver::handing_runs();
     let mut config = env.config();
-    config.driver = Some(Arc::new(Gated { runs: tx }));
+    config.driver = Some(driver);
     let addr = SandboxSupervisor::start(SupervisorOptions::new(config))
         .await
         .unwrap();
@@ -190,11 +138,14 @@ async fn check_reset_model(ops: Vec<Op>) {
                 let at = model.message();
                 let answer = addr.send(GuestMessage::new(ch, speaker.clone(), text.clone()));
                 let answer = actix_rt::spawn(answer);
-                let (ran, reset, outcome) =
-                    tokio::time::timeout(Duration::from_secs(10), runs.recv())
-                        .await
-                        .expect("the turn reached the driver")
-                        .unwrap();
+                let HandedRun {
+                    text: ran,
+                    reset,
+                    verdict: outcome,
+                } = tokio::time::timeout(Duration::from_secs(10), runs.recv())
+                    .await
+                    .expect("the turn reached the driver")
+                    .unwrap();
                 assert_eq!(ran, text);
                 assert_eq!(reset, model.resets(at), "reset flag of {text}: {model:?}");
                 for _ in 0..fresh_during {
@@ -246,7 +197,11 @@ async fn check_reset_model(ops: Vec<Op>) {
                     }
                 }
                 for (text, at, ok, answer) in sent {
-                    let (ran, reset, outcome) = match first_run.take() {
+                    let HandedRun {
+                        text: ran,
+                        reset,
+                        verdict: outcome,
+                    } = match first_run.take() {
                         Some(run) => run,
                         None => tokio::time::timeout(Duration::from_secs(10), runs.recv())
                             .await
@@ -291,7 +246,11 @@ async fn check_reset_model(ops: Vec<Op>) {
     // The model's last word: a pending reset reaches the next turn.
     let at = model.message();
     let answer = actix_rt::spawn(addr.send(GuestMessage::new(ch, speaker.clone(), "last")));
-    let (_, reset, outcome) = runs.recv().await.unwrap();
+    let HandedRun {
+        reset,
+        verdict: outcome,
+        ..
+    } = runs.recv().await.unwrap();
     assert_eq!(reset, model.resets(at));
     outcome.send(true).unwrap();
     assert!(answer.await.unwrap().unwrap().unwrap().ok);

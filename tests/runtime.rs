@@ -2,16 +2,11 @@
 //! gVisor), against the real engine. scripts/test.sh runs this file, like the sealed,
 //! end-to-end and hostile suites, once per runtime (`ROUNDTABLE_RUNTIME`).
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
-#[path = "support/hostile.rs"]
-mod hostile;
-
+use roundtable_sandbox_test_support::hostile;
 use std::time::Duration;
 
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::Sandbox;
-use sandbox_support::*;
 
 /// What the guest's kernel says about itself, from inside a real turn.
 #[tokio::test(flavor = "multi_thread")]

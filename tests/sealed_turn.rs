@@ -4,14 +4,11 @@
 //! so each test controls exactly what the "guest" does: probe its sandbox, sleep, flood,
 //! bomb memory or pids. Every test ends by checking that nothing leaked.
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{run_turn, Sandbox};
-use sandbox_support::*;
 
 /// Reads the turn, then prints `{"ok":true,"text":<what the script echoes>}`.
 fn reply_with(body: &str) -> String {

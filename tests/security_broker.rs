@@ -4,20 +4,12 @@
 //! not allow-listed. The upstream is a scripted model on loopback that records what
 //! reached it; a host tool records who it was called for.
 
-#[path = "support/hostile.rs"]
-mod hostile;
-#[path = "support/mcp_stub.rs"]
-mod mcp_stub;
-#[path = "support/model.rs"]
-mod model_support;
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
+use roundtable_sandbox_test_support::{hostile, mcp_stub};
 use std::time::Duration;
 
-use model_support::{ScriptedModel, Step};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{ApiKey, Sandbox};
-use sandbox_support::*;
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 
 const KEY: &str = "sk-sec-heron-5150-host-only";
 

@@ -4,24 +4,13 @@
 //! clear reply, and nothing may be left behind (no container, run dir or socket).
 //! docs/security.md maps each control to its test here.
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
-#[path = "support/hostile.rs"]
-mod hostile;
-
-#[path = "support/model.rs"]
-mod model_support;
-
-#[path = "support/warm_switch.rs"]
-mod warm_switch;
-
 use std::time::{Duration, Instant};
 
-use model_support::{ScriptedModel, Step};
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::ApiKey;
-use sandbox_support::*;
-use warm_switch::Sandbox;
+use roundtable_sandbox_test_support::hostile;
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
+use roundtable_sandbox_test_support::warm_switch::Sandbox;
 
 const KEY: &str = "sk-sec-otter-9191-never-inside";
 

@@ -7,20 +7,15 @@
 //! The host never follows, opens by name, reads or changes a workspace entry: the symlink
 //! swap test proves it against a sentinel tree outside the workspace.
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
-#[path = "support/hostile.rs"]
-mod hostile;
-
+use roundtable_sandbox_test_support::hostile;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::quota;
+use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{Config, ContainerDriver, DriverError, Sandbox};
-use sandbox_support::*;
 
 const QUOTA_MB: u64 = 16;
 const OVER: &str = "this channel's workspace is over its quota (";

@@ -7,17 +7,15 @@
 //! 2-core machine; docs/security.md has the figures).
 //! `ROUNDTABLE_SOAK_SEED` sets the random seed (default: fixed).
 
-#[path = "support/sandbox.rs"]
-mod sandbox_support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use roundtable_sandbox::testing::*;
+use roundtable_sandbox_actors::testing::InjectPanic;
 use roundtable_sandbox_actors::*;
-use sandbox_support::*;
 
 /// The guest: `slow…` sleeps (to be stopped), anything else answers at once with whether
 /// the turn asked for a fresh session.

@@ -4,15 +4,13 @@
 //! same turn context, and binds no socket. The Docker path (a unix socket in the run dir,
 //! peer-checked) is covered by the container suites.
 
-#[path = "support/sandbox.rs"]
-mod support;
-
 use std::sync::{Arc, Mutex};
 
 use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::driver::{
     BrokerTransport, ContainerSpec, DriverError, GuestStream, SweepScope,
 };
+use roundtable_sandbox::testing as support;
 use roundtable_sandbox::{
     ContainerDriver, HostTool, Reply, RunOutcome, Sandbox, ToolCallContext, TurnFailure,
 };

@@ -88,6 +88,8 @@ mod messages;
 mod options;
 mod reset;
 mod supervisor;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod turn;
 
 pub use error::SandboxActorError;

@@ -2,17 +2,14 @@
 //! shutdown, supervision, retirement and the global cap. Each test ends by checking that
 //! no run dir is left.
 
-#[path = "support/fake.rs"]
-mod fake;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use fake::*;
 use futures_util::future::join_all;
 use roundtable_sandbox::TurnPhase;
+use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
 type Answer = Result<TurnOutcome, SandboxActorError>;
@@ -82,7 +79,7 @@ async fn invalid_configuration_starts_nothing() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
 
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 0;
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     assert_eq!(
@@ -94,7 +91,7 @@ async fn invalid_configuration_starts_nothing() {
         "actor settings are checked before anything is created"
     );
 
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.config.model = " ".into();
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     // Each layer says what failed; the rule is the last cause.
@@ -107,7 +104,7 @@ async fn invalid_configuration_starts_nothing() {
         ]
     );
 
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.config.turn_timeout = Some(Duration::from_millis(10));
     let err = SandboxSupervisor::start(config).await.unwrap_err();
     assert_eq!(
@@ -121,7 +118,7 @@ async fn invalid_configuration_starts_nothing() {
 async fn failure_cleanup_and_the_channel_goes_on() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     assert_eq!(
         error_text(ask(&addr, "#f", "ann", "please fail").await),
@@ -157,7 +154,7 @@ async fn failure_cleanup_and_the_channel_goes_on() {
 async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     // Requests a fresh start the moment the first turn's broker is listening.
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let armed = Arc::new(AtomicBool::new(true));
@@ -214,7 +211,7 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
 async fn a_successful_turn_consumes_only_the_generation_it_started_with() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     let fresh = || StartFresh {
         channel: "#g".into(),
     };
@@ -244,7 +241,7 @@ async fn a_successful_turn_consumes_only_the_generation_it_started_with() {
 async fn a_failed_or_stopped_turn_consumes_no_reset() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     addr.send(StartFresh {
         channel: "#x".into(),
     })
@@ -281,7 +278,7 @@ async fn a_failed_or_stopped_turn_consumes_no_reset() {
 async fn channels_are_independent() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let slow = send(&addr, "#slow", "ann", "block");
     eventually("#slow running", SECS5, || driver.running() == 1).await;
@@ -310,7 +307,7 @@ async fn channels_are_independent() {
 async fn the_turn_and_its_tool_calls_carry_the_admitted_speaker() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let first = send(&addr, "#who", "alice", "block whoami 1");
     eventually("alice's turn running", SECS5, || driver.running() == 1).await;
@@ -349,7 +346,7 @@ async fn the_turn_and_its_tool_calls_carry_the_admitted_speaker() {
 async fn twenty_messages_to_one_channel_run_in_order_one_at_a_time() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let answers: Vec<_> = (0..20)
         .map(|i| send(&addr, "#seq", &format!("u{i}"), &format!("m{i}")))
@@ -372,7 +369,7 @@ async fn twenty_messages_to_one_channel_run_in_order_one_at_a_time() {
 async fn ten_channels_run_at_once() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let answers: Vec<_> = (0..10)
         .map(|i| send(&addr, &format!("#c{i}"), "ann", &format!("block {i}")))
@@ -392,7 +389,7 @@ async fn ten_channels_run_at_once() {
 async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.queue_limit = 2;
     let addr = start(config).await;
 
@@ -428,7 +425,7 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
 async fn stop_with_nothing_running_answers_false() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     assert!(!addr
         .send(Stop {
             channel: "#none".into()
@@ -453,7 +450,7 @@ async fn stop_with_nothing_running_answers_false() {
 async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let turn = send(&addr, "#s", "ann", "block");
     let queued = send(&addr, "#s", "bob", "after");
@@ -467,7 +464,7 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
         .unwrap());
     assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
     assert!(started.elapsed() < Duration::from_secs(1));
-    assert_eq!(driver.runs()[0].outcome, Some("cancelled"));
+    assert_eq!(driver.runs()[0].outcome, Some(RunEnd::Cancelled));
     // The queued message is not stopped: it runs next.
     assert!(ok_text(queued.await.unwrap()).starts_with("bob|after|"));
     let runs = driver.runs();
@@ -484,7 +481,7 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
 async fn stop_during_startup_ends_the_turn_before_its_container() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     // Stops the turn the moment its broker listens (the container is not started yet).
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let sup = supervisor.clone();
@@ -505,7 +502,10 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
         "turn stopped"
     );
     assert!(
-        driver.runs().iter().all(|r| r.outcome == Some("cancelled")),
+        driver
+            .runs()
+            .iter()
+            .all(|r| r.outcome == Some(RunEnd::Cancelled)),
         "{:?}",
         driver.runs()
     );
@@ -537,7 +537,7 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
 async fn shutdown_answers_every_caller_and_waits_for_teardown() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 2;
     let addr = start(config).await;
 
@@ -587,7 +587,7 @@ async fn shutdown_answers_every_caller_and_waits_for_teardown() {
 async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     addr.send(StartFresh {
         channel: "#p".into(),
@@ -616,7 +616,7 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     );
     assert!(err.to_string().contains("restarted"));
     let first = driver.runs()[0].clone();
-    assert_eq!(first.outcome, Some("cancelled"));
+    assert_eq!(first.outcome, Some(RunEnd::Cancelled));
     assert!(first.turn.reset);
     eventually("container removed", SECS5, || {
         driver.removed().contains(&first.name)
@@ -661,7 +661,7 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
 async fn idle_retirement_keeps_a_pending_reset() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.idle_timeout = Duration::from_millis(100);
     let addr = start(config).await;
 
@@ -700,7 +700,7 @@ async fn idle_retirement_keeps_a_pending_reset() {
 async fn the_global_cap_serves_waiting_channels_in_turn() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 1;
     let addr = start(config).await;
 
@@ -745,7 +745,7 @@ async fn the_global_cap_serves_waiting_channels_in_turn() {
 async fn progress_reaches_the_message_recipient() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let collector = Collector { seen: seen.clone() }.start();
 
@@ -795,7 +795,7 @@ async fn idle_channel_actors_cost_little() {
     }
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 64;
     let addr = start(config).await;
     // Warm up allocator and code paths.
@@ -820,7 +820,7 @@ async fn idle_channel_actors_cost_little() {
 async fn a_reset_applies_to_the_messages_sent_after_it() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     let fresh = || StartFresh {
         channel: "#o".into(),
     };
@@ -860,7 +860,7 @@ async fn a_reset_applies_to_the_messages_sent_after_it() {
 async fn a_reset_between_queued_messages_applies_in_message_order() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let running = send(&addr, "#q", "ann", "block zero");
     eventually("first turn running", SECS5, || driver.running() == 1).await;
@@ -896,8 +896,8 @@ async fn a_reset_between_queued_messages_applies_in_message_order() {
 async fn a_successful_reset_turn_consumes_its_reset_even_when_cleanup_fails() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
-    driver.fail_remove.store(true, Ordering::SeqCst);
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
+    driver.fail_removes(true);
 
     addr.send(StartFresh {
         channel: "#c".into(),
@@ -933,7 +933,7 @@ async fn a_successful_reset_turn_consumes_its_reset_even_when_cleanup_fails() {
 async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 1;
     config.config.turn_timeout = Some(Duration::from_secs(1));
     let addr = start(config).await;
@@ -982,7 +982,7 @@ async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
 async fn the_turn_timeout_counts_from_admission() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let mut config = env.fake(&driver, &tool);
+    let mut config = fake_supervisor(&env, &driver, &tool);
     config.max_containers = 1;
     let timeout = Duration::from_secs(3);
     config.config.turn_timeout = Some(timeout);
@@ -1034,7 +1034,7 @@ async fn the_turn_timeout_counts_from_admission() {
 async fn containers_are_named_by_channel_hash_and_turn_and_get_the_default_prompt() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
     ok_text(ask(&addr, "#general", "ann", "one").await);
     ok_text(ask(&addr, "#general", "ann", "two").await);
     let runs = driver.runs();
@@ -1071,7 +1071,7 @@ async fn containers_are_named_by_channel_hash_and_turn_and_get_the_default_promp
 async fn a_reset_after_a_burst_of_messages_keeps_its_place() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(env.fake(&driver, &tool)).await;
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     // More messages than an actix mailbox holds by default (16), then a reset and one more
     // message, all without yielding: the reset must still land after the thirtieth.

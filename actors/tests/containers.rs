@@ -3,17 +3,14 @@
 //! turn's text: `sleep…` sleeps 300 s, `fail…` exits 3, anything else answers "hi".
 //! Every test ends by checking that no labelled container and no run dir is left.
 
-#[path = "support/fake.rs"]
-mod fake;
-
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use bollard::query_parameters::ListContainersOptionsBuilder;
-use fake::*;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox::{DockerDriver, TurnPhase};
+use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
 type Answer = Result<TurnOutcome, SandboxActorError>;
@@ -238,56 +235,17 @@ async fn a_channel_actor_panic_ends_the_running_container() {
     assert_no_leftovers(&env, &instance).await;
 }
 
-/// The Docker driver, except that a run still going after 1 s panics (inside the turn's
-/// task, with the real container running).
-#[derive(Debug, Default)]
-struct PanicsMidRun(DockerDriver);
-
-impl roundtable_sandbox::ContainerDriver for PanicsMidRun {
-    fn run<'a>(
-        &'a self,
-        spec: &'a roundtable_sandbox::driver::ContainerSpec,
-        stdin: &'a [u8],
-        cancel: tokio_util::sync::CancellationToken,
-    ) -> roundtable_sandbox::driver::BoxFuture<
-        'a,
-        Result<roundtable_sandbox::RunOutcome, roundtable_sandbox::DriverError>,
-    > {
-        Box::pin(async move {
-            let run = self.0.run(spec, stdin, cancel);
-            tokio::pin!(run);
-            tokio::select! {
-                r = &mut run => r,
-                _ = tokio::time::sleep(Duration::from_secs(1)) => panic!("driver panic mid-run (test)"),
-            }
-        })
-    }
-
-    fn remove<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> roundtable_sandbox::driver::BoxFuture<'a, Result<(), roundtable_sandbox::DriverError>>
-    {
-        self.0.remove(name)
-    }
-
-    fn sweep<'a>(
-        &'a self,
-        scope: roundtable_sandbox::driver::SweepScope<'a>,
-    ) -> roundtable_sandbox::driver::BoxFuture<
-        'a,
-        Result<Vec<String>, roundtable_sandbox::DriverError>,
-    > {
-        self.0.sweep(scope)
-    }
-}
-
 #[actix_rt::test]
 async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     let env = Env::new();
     let instance = instance_of(&env).await;
     let mut config = config(&env);
-    config.config.driver = Some(Arc::new(PanicsMidRun::default()));
+    // The Docker driver, except that a run still going after 1 s panics (inside the turn's
+    // task, with the real container running).
+    config.config.driver = Some(FakeDriver::panicking_after(
+        Arc::new(DockerDriver::default()),
+        Duration::from_secs(1),
+    ));
     let addr = SandboxSupervisor::start(config).await.unwrap();
     let turn = send(&addr, "#tp", "sleep long");
     until_running(&addr, &instance, 1).await;

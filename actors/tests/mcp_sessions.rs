@@ -3,19 +3,14 @@
 //! venv `scripts/mcp-venv.sh` makes). A channel's session starts on its first call, keeps
 //! its data in the channel's own file, and its process is gone once the channel retires.
 
-#[path = "support/fake.rs"]
-mod fake;
-#[path = "../../tests/support/model.rs"]
-mod model_support;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fake::*;
-use model_support::{ScriptedModel, Step};
 use roundtable_sandbox::broker::{McpServer, McpTransport, PROBE_SEGMENT};
 use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
 
 fn sqlite_bin() -> PathBuf {

@@ -3,14 +3,11 @@
 //! turn's text. Each kind of failure reaches the embedder as its [`TurnFailure`], beside the
 //! unchanged reply text; every test ends with nothing left behind.
 
-#[path = "support/fake.rs"]
-mod fake;
-
 use std::time::Duration;
 
 use actix::prelude::*;
-use fake::*;
 use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
 type Answer = Result<TurnOutcome, SandboxActorError>;

@@ -4,19 +4,16 @@
 //! digits of the container's id), so each test knows which container served the turn.
 //! Every test ends with a shutdown that must leave no container, run dir or socket.
 
-#[path = "support/fake.rs"]
-mod fake;
-
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use bollard::query_parameters::{
     InspectContainerOptions, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
 };
-use fake::*;
 use roundtable_sandbox::driver::{LABEL_CHANNEL, LABEL_RUNTIME};
 use roundtable_sandbox::warm::LABEL_PREPARED;
 use roundtable_sandbox::DockerDriver;
+use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
 type Answer = Result<TurnOutcome, SandboxActorError>;

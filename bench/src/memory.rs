@@ -1,50 +1,22 @@
 //! Memory of the actor layer: RSS growth per idle `ChannelActor`.
 //!
 //! Runs in a child process of its own (`roundtable-bench --memory-child N`), so nothing of
-//! the other measurements is in its heap. Turns use an instant driver (it answers at once
-//! without a container: this measures the actors, not Docker), through the real supervisor,
-//! channel actors, turn actors and `run_turn` (dirs, broker listener, teardown).
+//! the other measurements is in its heap. Turns use the fake driver's instant replies
+//! (`FakeDriver::instant`: it answers at once without a container and records nothing: this
+//! measures the actors, not Docker), through the real supervisor, channel actors, turn
+//! actors and `run_turn` (dirs, broker listener, teardown).
 //!
 //! Baseline in the same run: the same number of turns on channels that already exist
 //! (growth from turn traffic alone: allocator high-water marks), then the same number of
 //! turns each on a new channel, left idle. Per channel = (growth with new channels −
 //! growth from turns alone) / N.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use roundtable_sandbox::driver::{BoxFuture, ContainerSpec};
-use roundtable_sandbox::{ContainerDriver, DriverError, Reply, RunOutcome, Usage};
+use roundtable_sandbox::testing::FakeDriver;
 use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorOptions};
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
-
-/// A driver that answers every turn at once and runs nothing.
-#[derive(Debug)]
-struct InstantDriver;
-
-impl ContainerDriver for InstantDriver {
-    fn run<'a>(
-        &'a self,
-        _spec: &'a ContainerSpec,
-        _stdin: &'a [u8],
-        _cancel: CancellationToken,
-    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
-        Box::pin(async { Ok(RunOutcome::replied(&Reply::text("hi", Usage::default()))) })
-    }
-
-    fn remove<'a>(&'a self, _name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
-        Box::pin(async { Ok(()) })
-    }
-
-    fn sweep<'a>(
-        &'a self,
-        _scope: roundtable_sandbox::driver::SweepScope<'a>,
-    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-}
 
 /// Concurrent turns in flight while channels are made.
 const BATCH: usize = 64;
@@ -63,7 +35,8 @@ async fn measure(channels: usize) -> Result<Value> {
         .model("http://127.0.0.1:9/v1", "bench-model")
         .api_key(roundtable_sandbox::ApiKey::from_static("sk-bench"))
         .allow_http(true)
-        .driver(Arc::new(InstantDriver))
+        // The fake driver answers every turn at once, runs nothing and records nothing.
+        .driver(FakeDriver::instant("hi"))
         .build();
     let mut config = SupervisorOptions::new(core);
     config.max_containers = BATCH;

@@ -7,26 +7,14 @@
 //! `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
 //! the fixtures they share.
 
-#[path = "../support/captured_logs.rs"]
-mod captured_logs;
-#[path = "../support/broker_client.rs"]
-mod client;
-use captured_logs::Captured;
-#[path = "../support/mcp_stub.rs"]
-mod mcp_stub;
-#[path = "../support/model.rs"]
-mod model_support;
-#[path = "../support/sandbox.rs"]
-mod sandbox_support;
+use roundtable_sandbox_test_support::broker_client as client;
+use roundtable_sandbox_test_support::captured_logs::Captured;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use client::{next_chunk, post, post_json};
-use mcp_stub::{stub_server, stub_server_with};
-use model_support::{sse_text_events, ScriptedModel, Step};
 use roundtable_sandbox::broker::{
     validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerListener,
     BrokerPolicy, HostTool, McpScope, McpServer, McpTransport, ToolCallContext, TurnContext,
@@ -34,6 +22,9 @@ use roundtable_sandbox::broker::{
 };
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox::Speaker;
+use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
+use roundtable_sandbox_test_support::mcp_stub::{stub_server, stub_server_with};
+use roundtable_sandbox_test_support::model::{sse_text_events, ScriptedModel, Step};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;

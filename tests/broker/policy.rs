@@ -17,7 +17,7 @@ async fn the_policy_is_checked_at_setup() {
     );
     assert!(validate_policy(&policy("https://api.example.com/v1")).is_ok());
 
-    use sandbox_support::NamedTool as Named;
+    use roundtable_sandbox::testing::NamedTool as Named;
     let mut p = policy("https://api.example.com/v1");
     p.tools = vec![Arc::new(Named("Bad Name"))];
     assert_eq!(

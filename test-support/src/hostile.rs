@@ -1,15 +1,12 @@
 //! Support for the security suite: the hostile image (scripts/build-hostile-image.sh, its
-//! program in `hostile_guest.rs`), configs that run it, and the parsing of its findings.
+//! program in `tests/support/hostile_guest.rs`), configs that run it, and the parsing of
+//! its findings.
 //!
 //! ```ignore
-//! #[path = "support/sandbox.rs"]
-//! mod sandbox_support;
-//! #[path = "support/hostile.rs"]
-//! mod hostile;
+//! use roundtable_sandbox_test_support::hostile;
 //! let config = hostile::config(&env, &["identity"]);
 //! let findings = hostile::findings(&reply); // name -> result
 //! ```
-#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 
@@ -18,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::{Config, HostTool, Reply, Speaker, ToolCallContext};
 
-use super::sandbox_support::Env;
+use roundtable_sandbox::testing::Env;
 
 /// The hostile image the test script builds.
 pub fn image() -> String {
@@ -73,7 +70,7 @@ pub fn findings(reply: &Reply) -> BTreeMap<String, String> {
 
 /// A host tool that answers with the channel and speaker it was called for, and records
 /// every call (its arguments included).
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Whoami {
     pub calls: Mutex<Vec<(String, Speaker, serde_json::Value)>>,
 }

@@ -1,5 +1,4 @@
 //! The stub MCP server of `tests/support/mcp_stub.py` as a broker configuration.
-#![allow(dead_code)]
 
 use std::path::Path;
 
@@ -15,7 +14,7 @@ pub fn stub_server(dir: &Path, tools: &[&str]) -> McpServer {
 /// `pid-<channel>` and read `description-<channel>` first).
 pub fn stub_server_with(dir: &Path, tools: &[&str], extra: &[&str]) -> McpServer {
     let mut args = vec![Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/support/mcp_stub.py")
+        .join("../tests/support/mcp_stub.py")
         .display()
         .to_string()];
     args.extend(extra.iter().map(|s| s.to_string()));

@@ -1,9 +1,7 @@
 //! A scripted OpenAI-compatible model server on loopback, for tests.
 //!
 //! ```ignore
-//! #[path = "support/model.rs"]
-//! mod model_support;
-//! use model_support::{ScriptedModel, Step};
+//! use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 //!
 //! let model = ScriptedModel::start(vec![Step::text("hello")]).await;
 //! // configure model_url = model.url()  (e.g. "http://127.0.0.1:PORT/v1", allow_http = true)
@@ -16,7 +14,6 @@
 //! the script; once the script is used up every request gets `500 script exhausted`.
 //! Parts: [`Step`] (what to answer, with helpers for completions, tool calls and SSE
 //! streams), [`Recorded`] (a request as received), [`ScriptedModel`] (the server).
-#![allow(dead_code)]
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -32,7 +29,7 @@ use hyper_util::rt::TokioIo;
 use tokio::sync::{mpsc, Notify};
 
 /// One scripted answer.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub enum Step {
     /// `200` with this JSON body.
     Json(serde_json::Value),
@@ -146,12 +143,14 @@ impl Recorded {
     }
 }
 
+#[derive(Debug)]
 struct Shared {
     steps: Mutex<VecDeque<Step>>,
     requests: Mutex<Vec<Recorded>>,
 }
 
 /// The scripted server; stops when dropped.
+#[derive(Debug)]
 pub struct ScriptedModel {
     addr: SocketAddr,
     shared: Arc<Shared>,

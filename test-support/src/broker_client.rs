@@ -3,7 +3,6 @@
 //! [`post`] sends one request and reads the whole answer; [`post_stream`] returns the
 //! answer's body to be read frame by frame; [`ErrorBody`]-style bodies are parsed by
 //! [`post_json`].
-#![allow(dead_code)]
 
 use std::path::Path;
 

@@ -1,16 +1,16 @@
-//! Test support for runtimes against the real Docker engine: private roots, a config for
-//! the project's guest image, and the leftover check run after every turn.
-#![allow(dead_code)]
+//! The test environment for runtimes against the real Docker engine: private roots, a
+//! config for the project's guest image, the leftover check run after every turn, and
+//! polling helpers.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use bollard::query_parameters::ListContainersOptionsBuilder;
-use roundtable_sandbox::broker::BoxFuture;
-use roundtable_sandbox::driver::LABEL_RUNTIME;
-use roundtable_sandbox::{
+use crate::broker::BoxFuture;
+use crate::driver::LABEL_RUNTIME;
+use crate::{
     ApiKey, Config, DockerDriver, HostTool, Sandbox, Speaker, ToolCallContext, TurnRequest,
 };
+use bollard::query_parameters::ListContainersOptionsBuilder;
 use tokio_util::sync::CancellationToken;
 
 /// How long a kill, a stop or a teardown may take before a test calls it a hang. Tests run
@@ -38,7 +38,7 @@ pub fn runtime() -> Option<String> {
 /// Whether this run's guests run under gVisor (where some things read differently from
 /// inside; each test that adapts says why).
 pub fn under_gvisor() -> bool {
-    runtime().as_deref() == Some(roundtable_sandbox::config::GVISOR_RUNTIME)
+    runtime().as_deref() == Some(crate::config::GVISOR_RUNTIME)
 }
 
 /// The runtime refuses root: the tests must run as the service user (scripts/test.sh).
@@ -51,14 +51,26 @@ pub fn require_non_root() {
     );
 }
 
-/// A private scratch area with the two roots.
+/// A private scratch area with the two roots (removed when dropped).
+#[derive(Debug)]
 pub struct Env {
+    /// The scratch directory under `/tmp`.
     pub dir: tempfile::TempDir,
+    /// The run root (`<dir>/run`), created by the runtime.
     pub run_root: PathBuf,
+    /// The workspace root (`<dir>/ws`), created by the runtime.
     pub workspace_root: PathBuf,
 }
 
+impl Default for Env {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Env {
+    /// A new scratch area; panics when run as root (see [`require_non_root`]). Installs a
+    /// test-writer log subscriber (filtered by `RUST_LOG`) once per process.
     pub fn new() -> Self {
         require_non_root();
         let _ = tracing_subscriber::fmt()
@@ -109,12 +121,19 @@ impl Env {
         c
     }
 
+    /// The workspace directory of `channel` under the workspace root.
     pub fn workspace_of(&self, channel: &str) -> PathBuf {
         self.workspace_root
-            .join(roundtable_sandbox::turn::channel_segment(channel))
+            .join(crate::turn::channel_segment(channel))
+    }
+
+    /// `turn-` dirs and sockets left under the run root.
+    pub fn turn_dirs(&self) -> Vec<String> {
+        run_root_entries(&self.run_root)
     }
 }
 
+/// A turn request of speaker `u1` ("ann") in `channel`, not a reset, never stopped.
 pub fn request(channel: &str, text: &str) -> TurnRequest {
     TurnRequest {
         channel: channel.into(),
@@ -159,7 +178,7 @@ pub fn run_root_entries(root: &Path) -> Vec<String> {
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n != roundtable_sandbox::lock::LOCK_FILE)
+                .filter(|n| n != crate::lock::LOCK_FILE)
                 .collect()
         })
         .unwrap_or_default()
@@ -181,7 +200,10 @@ pub async fn assert_no_leftovers_in(instance: &str, run_root: &Path) {
 /// A host tool of a given name, for the policy rules; it answers nothing. The name
 /// `bad-schema` gets an invalid parameter schema.
 #[derive(Debug)]
-pub struct NamedTool(pub &'static str);
+pub struct NamedTool(
+    /// The tool's name.
+    pub &'static str,
+);
 
 impl HostTool for NamedTool {
     fn name(&self) -> &str {
@@ -203,5 +225,22 @@ impl HostTool for NamedTool {
         _: ToolCallContext,
     ) -> BoxFuture<'_, Result<String, String>> {
         Box::pin(async { Ok(String::new()) })
+    }
+}
+
+/// A speaker with id `id` and name `<id> (name)`.
+pub fn speaker(id: &str) -> Speaker {
+    Speaker {
+        id: id.into(),
+        name: format!("{id} (name)"),
+    }
+}
+
+/// Polls `cond` every 5 ms until it holds; panics with `what` after `within`.
+pub async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !cond() {
+        assert!(started.elapsed() < within, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

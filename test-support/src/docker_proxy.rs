@@ -6,7 +6,6 @@
 //! [`Mode::Silent`] (connections stay open, nothing more passes either way: a hung
 //! daemon), [`Mode::Closed`] (every connection is cut and new ones are closed at once: a
 //! dead daemon). Switching back to `Forward` brings the "daemon" back for new connections.
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -25,6 +24,7 @@ pub enum Mode {
     Closed = 2,
 }
 
+#[derive(Debug)]
 pub struct DockerProxy {
     path: PathBuf,
     mode: Arc<AtomicU8>,

@@ -2,7 +2,6 @@
 //! a test that uses this [`Sandbox`] runs in a container prepared before its message (see
 //! `roundtable_sandbox::warm`), and the test fails if the turn did not adopt it; unset, it
 //! is the plain runtime. scripts/test.sh runs the hostile suite both ways.
-#![allow(dead_code)]
 
 use roundtable_sandbox::{Config, Reply, SandboxError, TurnRequest};
 use tokio_util::sync::CancellationToken;

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 /// Collects every byte the subscriber it is given to writes.
-#[derive(Clone, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Captured(Arc<Mutex<Vec<u8>>>);
 
 impl std::io::Write for Captured {
@@ -25,13 +25,11 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
 
 impl Captured {
     /// Everything captured so far.
-    #[allow(dead_code)]
     pub fn text(&self) -> String {
         String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
     }
 
     /// The lines holding every one of `needles`.
-    #[allow(dead_code)]
     pub fn lines(&self, needles: &[&str]) -> Vec<String> {
         self.text()
             .lines()

@@ -1,0 +1,490 @@
+//! The one recording fake container driver, and a host tool that records its speaker.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::BoxFuture;
+use crate::driver::{ContainerSpec, SweepScope, LABEL_CHANNEL};
+use crate::protocol::Turn;
+use crate::{ContainerDriver, DriverError, HostTool, Reply, RunOutcome, ToolCallContext, Usage};
+
+/// One recorded `run`.
+#[derive(Debug, Clone)]
+pub struct Run {
+    /// The container's name.
+    pub name: String,
+    /// The channel label (first 16 hex digits of the channel's hash).
+    pub channel: String,
+    /// The turn the runner wrote to the container's stdin.
+    pub turn: Turn,
+    /// How it ended; `None` while it runs.
+    pub outcome: Option<RunEnd>,
+}
+
+/// How a recorded run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunEnd {
+    /// It replied (or the wrapped driver returned).
+    Ok,
+    /// Its cancellation token ended it.
+    Cancelled,
+    /// It exited with code 3 (`fail`), or the test's verdict was a failure.
+    Failed,
+    /// It panicked.
+    Panicked,
+}
+
+/// What the fake recorded.
+#[derive(Debug, Default)]
+pub struct Record {
+    /// Every run, in the order they started.
+    pub runs: Vec<Run>,
+    /// The names passed to `remove`, in order.
+    pub removed: Vec<String>,
+    /// `start <text>` and `end <text>` in the order they happened.
+    pub events: Vec<String>,
+    running_by_channel: HashMap<String, usize>,
+    /// Two runs of one channel at once (must never happen).
+    pub channel_overlap: bool,
+}
+
+/// A run handed to the test by [`FakeDriver::handing_runs`]: the test decides its end.
+#[derive(Debug)]
+pub struct HandedRun {
+    /// The turn's text.
+    pub text: String,
+    /// The turn's `reset` flag.
+    pub reset: bool,
+    /// `true`: the run replies `done`; `false` (or dropped): it exits with code 3.
+    pub verdict: oneshot::Sender<bool>,
+}
+
+/// What a run does, chosen at construction.
+enum Mode {
+    /// Scripted by the turn's text (see [`FakeDriver::new`]).
+    Scripted,
+    /// Replies at once with this text, recording nothing.
+    Instant(String),
+    /// Hands each run to the test and waits for its verdict (or the cancellation).
+    HandOver(mpsc::UnboundedSender<HandedRun>),
+    /// Runs through a real driver; panics when the run goes on past `panic_after`.
+    Around {
+        inner: Arc<dyn ContainerDriver>,
+        panic_after: Option<Duration>,
+    },
+}
+
+impl fmt::Debug for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Scripted => f.write_str("Scripted"),
+            Self::Instant(text) => f.debug_tuple("Instant").field(text).finish(),
+            Self::HandOver(_) => f.write_str("HandOver"),
+            Self::Around { panic_after, .. } => f
+                .debug_struct("Around")
+                .field("panic_after", panic_after)
+                .finish_non_exhaustive(),
+        }
+    }
+}
+
+/// The one fake container driver: runs no container of its own, records every run (its
+/// turn, channel label and end), every removal and the start/end order, counts the runs at
+/// once (and the most ever), and flags two runs of one channel at once.
+///
+/// What a run does is chosen at construction:
+/// - [`FakeDriver::new`]: scripted by the turn's text;
+/// - [`FakeDriver::instant`]: replies at once, records nothing (memory measurements);
+/// - [`FakeDriver::handing_runs`]: each run is handed to the test, which decides its end;
+/// - [`FakeDriver::around`]: the run goes to a real driver (with the real container), and
+///   [`FakeDriver::panicking_after`] makes it panic mid-run.
+///
+/// Knobs at any time: [`FakeDriver::release`] lets blocked runs go on,
+/// [`FakeDriver::fail_removes`] makes every `remove` fail.
+#[derive(Debug)]
+pub struct FakeDriver {
+    record: Mutex<Record>,
+    gate: Semaphore,
+    running: AtomicUsize,
+    max_running: AtomicUsize,
+    fail_remove: AtomicBool,
+    mode: Mode,
+}
+
+impl FakeDriver {
+    fn with_mode(mode: Mode) -> Self {
+        Self {
+            record: Mutex::default(),
+            gate: Semaphore::new(0),
+            running: AtomicUsize::new(0),
+            max_running: AtomicUsize::new(0),
+            fail_remove: AtomicBool::new(false),
+            mode,
+        }
+    }
+
+    /// A fake scripted by the turn's text:
+    /// - contains `block`: waits for [`FakeDriver::release`] (or the cancellation);
+    /// - contains `stubborn`: waits for [`FakeDriver::release`], ignoring the cancellation
+    ///   (a container that takes its time to die);
+    /// - contains `whoami`: calls the `whoami` host tool through the turn's broker socket;
+    /// - contains `fail`: fails with exit code 3;  contains `panic`: panics;
+    /// - otherwise (or then) replies `<speaker id>|<text>|reset=<reset>|<tool answer>`.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::with_mode(Mode::Scripted))
+    }
+
+    /// A fake that replies `text` to every turn at once and records nothing (so it holds
+    /// no memory per turn).
+    pub fn instant(text: impl Into<String>) -> Arc<Self> {
+        Arc::new(Self::with_mode(Mode::Instant(text.into())))
+    }
+
+    /// A fake that hands each run to the test (through the receiver) and waits for the
+    /// test's verdict, or for the run's cancellation.
+    pub fn handing_runs() -> (Arc<Self>, mpsc::UnboundedReceiver<HandedRun>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Arc::new(Self::with_mode(Mode::HandOver(tx))), rx)
+    }
+
+    /// A fake that runs every turn through `inner` (a real driver: the container is real),
+    /// recording as usual; `remove` and `sweep` go to `inner` too.
+    pub fn around(inner: Arc<dyn ContainerDriver>) -> Arc<Self> {
+        Arc::new(Self::with_mode(Mode::Around {
+            inner,
+            panic_after: None,
+        }))
+    }
+
+    /// [`FakeDriver::around`], except that a run still going after `after` panics (inside
+    /// the turn's task, with the real container running): `driver panic mid-run (test)`.
+    pub fn panicking_after(inner: Arc<dyn ContainerDriver>, after: Duration) -> Arc<Self> {
+        Arc::new(Self::with_mode(Mode::Around {
+            inner,
+            panic_after: Some(after),
+        }))
+    }
+
+    /// Lets `n` blocked runs go on.
+    pub fn release(&self, n: usize) {
+        self.gate.add_permits(n);
+    }
+
+    /// Makes every later `remove` fail (a teardown that goes wrong), or succeed again.
+    pub fn fail_removes(&self, fail: bool) {
+        self.fail_remove.store(fail, Ordering::SeqCst);
+    }
+
+    /// Runs going on now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// The most runs that ever went on at once.
+    pub fn max_running(&self) -> usize {
+        self.max_running.load(Ordering::SeqCst)
+    }
+
+    /// Every run so far.
+    pub fn runs(&self) -> Vec<Run> {
+        self.lock().runs.clone()
+    }
+
+    /// How many runs started.
+    pub fn started(&self) -> usize {
+        self.lock().runs.len()
+    }
+
+    /// The texts of every run, in the order they started.
+    pub fn texts(&self) -> Vec<String> {
+        self.runs().into_iter().map(|r| r.turn.text).collect()
+    }
+
+    /// The names passed to `remove`.
+    pub fn removed(&self) -> Vec<String> {
+        self.lock().removed.clone()
+    }
+
+    /// `start <text>` and `end <text>` in the order they happened.
+    pub fn events(&self) -> Vec<String> {
+        self.lock().events.clone()
+    }
+
+    /// Whether two runs of one channel ever went on at once.
+    pub fn overlap(&self) -> bool {
+        self.lock().channel_overlap
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Record> {
+        self.record.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn finish(&self, index: usize, end: RunEnd) {
+        self.lock().runs[index].outcome = Some(end);
+    }
+
+    /// Records the start of a run; the guard records its end however the run ends.
+    fn start(&self, spec: &ContainerSpec, turn: &Turn) -> (usize, Running<'_>) {
+        let channel = spec.labels.get(LABEL_CHANNEL).cloned().unwrap_or_default();
+        let index = {
+            let mut r = self.lock();
+            let n = r.running_by_channel.entry(channel.clone()).or_default();
+            *n += 1;
+            if *n > 1 {
+                r.channel_overlap = true;
+            }
+            r.events.push(format!("start {}", turn.text));
+            r.runs.push(Run {
+                name: spec.name.clone(),
+                channel: channel.clone(),
+                turn: turn.clone(),
+                outcome: None,
+            });
+            r.runs.len() - 1
+        };
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_running.fetch_max(now, Ordering::SeqCst);
+        let running = Running {
+            driver: self,
+            channel,
+            text: turn.text.clone(),
+        };
+        (index, running)
+    }
+
+    async fn scripted(
+        &self,
+        index: usize,
+        spec: &ContainerSpec,
+        turn: &Turn,
+        cancel: CancellationToken,
+    ) -> Result<RunOutcome, DriverError> {
+        if turn.text.contains("stubborn") {
+            self.gate.acquire().await.unwrap().forget();
+        }
+        if turn.text.contains("block") {
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    self.finish(index, RunEnd::Cancelled);
+                    return Err(DriverError::Cancelled);
+                }
+                permit = self.gate.acquire() => permit.unwrap().forget(),
+            }
+        }
+        let mut tool = String::new();
+        if turn.text.contains("whoami") {
+            tool = call_tool(&spec.run_dir.join("broker.sock"), "whoami").await;
+        }
+        if turn.text.contains("fail") {
+            self.finish(index, RunEnd::Failed);
+            return Ok(RunOutcome::exited(3));
+        }
+        if turn.text.contains("panic") {
+            self.finish(index, RunEnd::Panicked);
+            panic!("fake driver panic (test)");
+        }
+        self.finish(index, RunEnd::Ok);
+        Ok(RunOutcome::replied(&Reply::text(
+            format!(
+                "{}|{}|reset={}|{}",
+                turn.speaker.id, turn.text, turn.reset, tool
+            ),
+            Usage::default(),
+        )))
+    }
+
+    async fn handed(
+        &self,
+        index: usize,
+        runs: &mpsc::UnboundedSender<HandedRun>,
+        turn: &Turn,
+        cancel: CancellationToken,
+    ) -> Result<RunOutcome, DriverError> {
+        let (verdict, rx) = oneshot::channel();
+        runs.send(HandedRun {
+            text: turn.text.clone(),
+            reset: turn.reset,
+            verdict,
+        })
+        .expect("the test keeps the receiver of the handed runs");
+        tokio::select! {
+            ok = rx => if ok == Ok(true) {
+                self.finish(index, RunEnd::Ok);
+                Ok(RunOutcome::replied(&Reply::text("done", Usage::default())))
+            } else {
+                self.finish(index, RunEnd::Failed);
+                Ok(RunOutcome::exited(3))
+            },
+            _ = cancel.cancelled() => {
+                self.finish(index, RunEnd::Cancelled);
+                Err(DriverError::Cancelled)
+            }
+        }
+    }
+
+    async fn wrapped(
+        &self,
+        index: usize,
+        inner: &Arc<dyn ContainerDriver>,
+        panic_after: Option<Duration>,
+        run: (&ContainerSpec, &[u8], CancellationToken),
+    ) -> Result<RunOutcome, DriverError> {
+        let (spec, stdin, cancel) = run;
+        let run = inner.run(spec, stdin, cancel);
+        let outcome = match panic_after {
+            None => run.await,
+            Some(after) => {
+                tokio::pin!(run);
+                tokio::select! {
+                    r = &mut run => r,
+                    _ = tokio::time::sleep(after) => {
+                        self.finish(index, RunEnd::Panicked);
+                        panic!("driver panic mid-run (test)")
+                    }
+                }
+            }
+        };
+        let end = match &outcome {
+            Err(DriverError::Cancelled) => RunEnd::Cancelled,
+            Err(_) => RunEnd::Failed,
+            Ok(_) => RunEnd::Ok,
+        };
+        self.finish(index, end);
+        outcome
+    }
+}
+
+/// Ends a run's bookkeeping however the run ends (returned, cancelled, dropped, panicked).
+struct Running<'a> {
+    driver: &'a FakeDriver,
+    channel: String,
+    text: String,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.driver.running.fetch_sub(1, Ordering::SeqCst);
+        let mut r = self.driver.lock();
+        *r.running_by_channel
+            .entry(self.channel.clone())
+            .or_default() -= 1;
+        r.events.push(format!("end {}", self.text));
+    }
+}
+
+impl ContainerDriver for FakeDriver {
+    fn run<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        stdin: &'a [u8],
+        cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
+        Box::pin(async move {
+            if let Mode::Instant(text) = &self.mode {
+                return Ok(RunOutcome::replied(&Reply::text(
+                    text.clone(),
+                    Usage::default(),
+                )));
+            }
+            let turn: Turn = serde_json::from_slice(stdin).expect("the runner writes a Turn");
+            let (index, _running) = self.start(spec, &turn);
+            if cancel.is_cancelled() {
+                self.finish(index, RunEnd::Cancelled);
+                return Err(DriverError::Cancelled);
+            }
+            match &self.mode {
+                Mode::Instant(_) => unreachable!("answered above"),
+                Mode::Scripted => self.scripted(index, spec, &turn, cancel).await,
+                Mode::HandOver(runs) => self.handed(index, runs, &turn, cancel).await,
+                Mode::Around { inner, panic_after } => {
+                    self.wrapped(index, inner, *panic_after, (spec, stdin, cancel))
+                        .await
+                }
+            }
+        })
+    }
+
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        Box::pin(async move {
+            self.lock().removed.push(name.to_owned());
+            if self.fail_remove.load(Ordering::SeqCst) {
+                return Err(DriverError::Call {
+                    engine: "docker",
+                    op: "remove",
+                    container: name.to_owned(),
+                    status: None,
+                    message: "injected failure (test)".into(),
+                });
+            }
+            match &self.mode {
+                Mode::Around { inner, .. } => inner.remove(name).await,
+                _ => Ok(()),
+            }
+        })
+    }
+
+    fn sweep<'a>(
+        &'a self,
+        scope: SweepScope<'a>,
+    ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.sweep(scope),
+            _ => Box::pin(async { Ok(Vec::new()) }),
+        }
+    }
+}
+
+/// A bare HTTP/1.1 POST to the broker's tool path; returns the response body.
+async fn call_tool(socket: &Path, name: &str) -> String {
+    let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let request = format!(
+        "POST /v1/tools/{name} HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
+         Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or(response)
+}
+
+/// A host tool answering with the speaker the broker bound to the call
+/// (`speaker=<id>`); it records each call's channel and speaker id.
+#[derive(Debug, Default)]
+pub struct WhoAmI {
+    /// `(channel, speaker id)` of every call.
+    pub seen: Mutex<Vec<(String, String)>>,
+}
+
+impl HostTool for WhoAmI {
+    fn name(&self) -> &str {
+        "whoami"
+    }
+    fn description(&self) -> &str {
+        "Says who is speaking"
+    }
+    fn parameters(&self) -> serde_json::Value {
+        serde_json::json!({"type": "object", "properties": {}, "additionalProperties": false})
+    }
+    fn call(
+        &self,
+        _args: serde_json::Value,
+        ctx: ToolCallContext,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        self.seen
+            .lock()
+            .unwrap()
+            .push((ctx.channel.clone(), ctx.speaker.id.clone()));
+        Box::pin(async move { Ok(format!("speaker={}", ctx.speaker.id)) })
+    }
+}

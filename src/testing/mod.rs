@@ -1,0 +1,29 @@
+//! Test support shipped with the library behind the `testing` feature (as youki ships
+//! `TestHelperSyscall`): one recording fake container driver for actor and runtime logic,
+//! and one test environment for tests against the real Docker engine.
+//!
+//! - [`FakeDriver`]: runs no container; records every run and removal, and is scripted by
+//!   the turn's text or configured at construction (instant replies, runs handed to the
+//!   test, a real driver wrapped with a panic mid-run). A fake is fine for actor logic
+//!   only: tests of the sandbox itself run real containers.
+//! - [`Env`]: private roots under `/tmp`, a [`Config`](crate::Config) for the project's
+//!   guest image, the leftover checks run after every turn, and polling helpers.
+//!
+//! ```ignore
+//! // Cargo.toml: [dev-dependencies] roundtable-sandbox = { path = "..", features = ["testing"] }
+//! use roundtable_sandbox::testing::{Env, FakeDriver};
+//! let env = Env::new();
+//! let driver = FakeDriver::new();
+//! let mut config = env.config();
+//! config.driver = Some(driver.clone());
+//! ```
+
+mod env;
+mod fake;
+
+pub use env::{
+    assert_no_leftovers, assert_no_leftovers_in, eventually, image, labelled_containers,
+    labelled_containers_of, request, require_non_root, run_root_entries, runtime, speaker,
+    under_gvisor, Env, NamedTool, PROMPTLY,
+};
+pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};

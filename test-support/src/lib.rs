@@ -1,0 +1,26 @@
+//! Test support for the real parts the test suites share (dev-only, never published):
+//!
+//! - [`model`]: a scripted OpenAI-compatible model server on loopback;
+//! - [`broker_client`]: a guest-side HTTP/1.1 client for a turn's broker socket;
+//! - [`mcp_stub`]: the stub MCP server of `tests/support/mcp_stub.py` as a configuration;
+//! - [`docker_proxy`]: a unix-socket proxy in front of the Docker daemon (chaos tests);
+//! - [`captured_logs`]: a `tracing` writer that keeps what it is given;
+//! - [`hostile`]: the hostile image (`scripts/build-hostile-image.sh`) and its findings;
+//! - [`warm_switch`]: the runtime with its turns through prepared containers when
+//!   `ROUNDTABLE_WARM=1` (the security suite runs both ways).
+//!
+//! The test environment itself (private roots, the guest image's config, the leftover
+//! checks) and the fake driver are the library's, behind its `testing` feature:
+//! [`roundtable_sandbox::testing`], re-exported here as [`sandbox`].
+
+#![forbid(unsafe_code)]
+
+pub mod broker_client;
+pub mod captured_logs;
+pub mod docker_proxy;
+pub mod hostile;
+pub mod mcp_stub;
+pub mod model;
+pub mod warm_switch;
+
+pub use roundtable_sandbox::testing as sandbox;
