@@ -13,8 +13,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::AbortReason;
+use crate::internal::{
+    ChannelIdle, ChannelLink, ChannelRestartedNotice, ChannelShutdown, Enqueue, QueryStatus,
+    Retire, ShutdownChannel, SupervisorLink, TurnDone, TurnReplied,
+};
 use crate::reset::{ResetGeneration, Stamp};
-use crate::supervisor::{ChannelIdle, ChannelRestartedNotice, SandboxSupervisor, Shared};
+use crate::shared::Shared;
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
 use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxActorError, Stop};
 
@@ -22,16 +26,17 @@ use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxAct
 /// turn's reset flag from the stamp its message got on arrival (a reset applies to the
 /// messages that arrived after it), and stops the active turn on [`Stop`].
 ///
-/// Spawned by the [`SandboxSupervisor`] under [`actix::Supervisor`]. Every handler runs
-/// under `catch_unwind`: a panic aborts the turn in flight (its caller is answered
-/// [`SandboxActorError::ChannelRestarted`]) and stops the actor, which actix then restarts
-/// at the same address with its queue; the reset generation lives in a cell the
-/// supervisor keeps. An idle actor asks to be retired after `idle_timeout`.
+/// Spawned by the [`SandboxSupervisor`](crate::SandboxSupervisor) under
+/// [`actix::Supervisor`]. Every handler runs under `catch_unwind`: a panic aborts the turn
+/// in flight (its caller is answered [`SandboxActorError::ChannelRestarted`]) and stops the
+/// actor, which actix then restarts at the same address with its queue; the reset
+/// generation lives in a cell the supervisor keeps. An idle actor asks to be retired after
+/// `idle_timeout`.
 pub(crate) struct ChannelActor {
     key: String,
     shared: Arc<Shared>,
     reset: ResetGeneration,
-    supervisor: Addr<SandboxSupervisor>,
+    supervisor: SupervisorLink,
     actor_id: u64,
     queue: VecDeque<Pending>,
     active: Option<ActiveTurn>,
@@ -101,57 +106,12 @@ impl Drop for ActiveTurn {
     }
 }
 
-/// From the [`TurnActor`], before teardown: the turn answered.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct TurnReplied {
-    pub(crate) turn: u64,
-    pub(crate) ok: bool,
-}
-
-/// From the [`TurnActor`], after teardown (or when it is dropped): the channel is free.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct TurnDone {
-    pub(crate) turn: u64,
-}
-
-/// From the supervisor: a guest message, stamped with its place among the channel's
-/// resets when the supervisor received it.
-#[derive(Debug, Message)]
-#[rtype(result = "Result<TurnOutcome, SandboxActorError>")]
-pub(crate) struct Enqueue {
-    pub(crate) message: GuestMessage,
-    pub(crate) stamp: Stamp,
-}
-
-/// From the supervisor: the channel's status.
-#[derive(Debug, Message)]
-#[rtype(result = "ChannelStatus")]
-pub(crate) struct QueryStatus;
-
-/// From the supervisor: refuse the queue, stop the active turn, answer once torn down.
-#[derive(Debug, Message)]
-#[rtype(result = "ChannelShutdown")]
-pub(crate) struct ShutdownChannel;
-
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct ChannelShutdown {
-    pub(crate) stopped: bool,
-    pub(crate) refused: usize,
-}
-
-/// From the supervisor, which has dropped its address: stop if still idle.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct Retire;
-
 impl ChannelActor {
     pub(crate) fn new(
         key: String,
         shared: Arc<Shared>,
         reset: ResetGeneration,
-        supervisor: Addr<SandboxSupervisor>,
+        supervisor: SupervisorLink,
         actor_id: u64,
     ) -> Self {
         let segment = roundtable_sandbox::turn::channel_segment(&key);
@@ -399,7 +359,11 @@ impl ChannelActor {
         };
         let span = tracing::info_span!(parent: &self.span, "turn_actor", turn = id, reset);
         tracing::debug!(turn = id, reset, "turn admitted");
-        TurnActor::new(id, job, control.clone(), ctx.address(), span).start();
+        let channel = ChannelLink {
+            replied: ctx.address().recipient(),
+            done: ctx.address().recipient(),
+        };
+        TurnActor::new(id, job, control.clone(), channel, span).start();
         self.active = Some(ActiveTurn {
             id,
             control,
@@ -419,7 +383,7 @@ impl ChannelActor {
         self.idle_timer = Some(ctx.run_later(timeout, |act, _ctx| {
             act.idle_timer = None;
             if act.is_idle() && !act.shutting_down {
-                act.supervisor.do_send(ChannelIdle {
+                act.supervisor.idle.do_send(ChannelIdle {
                     channel: act.key.clone(),
                     actor_id: act.actor_id,
                     received: act.received,
@@ -479,7 +443,7 @@ impl actix::Supervised for ChannelActor {
         self.restarts += 1;
         self.idle_timer = None;
         tracing::warn!(parent: &self.span, restarts = self.restarts, "channel actor restarted");
-        self.supervisor.do_send(ChannelRestartedNotice {
+        self.supervisor.restarted.do_send(ChannelRestartedNotice {
             channel: self.key.clone(),
         });
     }

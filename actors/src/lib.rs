@@ -84,9 +84,11 @@
 
 mod channel;
 mod error;
+mod internal;
 mod messages;
 mod options;
 mod reset;
+mod shared;
 mod supervisor;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -1,57 +1,25 @@
 //! The [`SandboxSupervisor`]: the bot's entry point.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
 use roundtable_sandbox::sweep::SweepReport;
 use roundtable_sandbox::{Sandbox, TurnOutcome};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
 
-use crate::channel::{ChannelActor, Enqueue, QueryStatus, Retire, ShutdownChannel};
-use crate::reset::ResetGeneration;
-use crate::{
-    ChannelState, ChannelStatus, GuestMessage, ProgressCallback, SandboxActorError, Shutdown,
-    ShutdownReport, StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
+use crate::channel::ChannelActor;
+use crate::internal::{
+    ChannelIdle, ChannelRestartedNotice, Enqueue, QueryStatus, Retire, ShutdownChannel,
+    SupervisorLink,
 };
-
-/// What every actor of one supervisor shares.
-pub(crate) struct Shared {
-    pub(crate) sandbox: Sandbox,
-    /// The global cap on running containers (FIFO: fair across channels).
-    pub(crate) limiter: Arc<Semaphore>,
-    pub(crate) max_containers: usize,
-    pub(crate) queue_limit: usize,
-    pub(crate) idle_timeout: Duration,
-    /// How long a prepared container waits for its channel's next turn (`warm.ttl_secs`,
-    /// default the idle timeout).
-    pub(crate) warm_ttl: Duration,
-    pub(crate) progress: Option<ProgressCallback>,
-    waiting_for_slot: AtomicUsize,
-    next_turn: AtomicU64,
-}
-
-impl Shared {
-    pub(crate) fn next_turn_id(&self) -> u64 {
-        self.next_turn.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    /// Counts a turn waiting for a slot while the guard lives.
-    pub(crate) fn waiting_guard(self: &Arc<Self>) -> WaitingGuard {
-        self.waiting_for_slot.fetch_add(1, Ordering::SeqCst);
-        WaitingGuard(self.clone())
-    }
-}
-
-pub(crate) struct WaitingGuard(Arc<Shared>);
-
-impl Drop for WaitingGuard {
-    fn drop(&mut self) {
-        self.0.waiting_for_slot.fetch_sub(1, Ordering::SeqCst);
-    }
-}
+use crate::reset::ResetGeneration;
+use crate::shared::Shared;
+use crate::{
+    ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Shutdown, ShutdownReport,
+    StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
+};
 
 /// The sandbox's supervisor: one per process, the address a bot sends its messages to.
 ///
@@ -89,22 +57,6 @@ struct ChannelEntry {
     forwarded: u64,
 }
 
-/// From an idle channel actor: retire me if nothing is on its way to me.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct ChannelIdle {
-    pub(crate) channel: String,
-    pub(crate) actor_id: u64,
-    pub(crate) received: u64,
-}
-
-/// From a channel actor being restarted after a panic (counted for [`Status`]).
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct ChannelRestartedNotice {
-    pub(crate) channel: String,
-}
-
 impl SandboxSupervisor {
     /// Validates the actor options and the core configuration (a bad one is an error and
     /// nothing is started), prepares the broker, runs the orphan sweep (unless disabled; its
@@ -136,18 +88,7 @@ impl SandboxSupervisor {
             queue_limit = config.queue_limit,
             "sandbox supervisor starting"
         );
-        let warm_ttl = sandbox.config().warm.ttl().unwrap_or(config.idle_timeout);
-        let shared = Arc::new(Shared {
-            sandbox,
-            limiter: Arc::new(Semaphore::new(config.max_containers)),
-            max_containers: config.max_containers,
-            queue_limit: config.queue_limit,
-            idle_timeout: config.idle_timeout,
-            warm_ttl,
-            progress: config.progress.clone(),
-            waiting_for_slot: AtomicUsize::new(0),
-            next_turn: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(sandbox, &config));
         let supervisor = Self {
             shared,
             channels: HashMap::new(),
@@ -183,8 +124,12 @@ impl SandboxSupervisor {
             self.next_actor += 1;
             let actor_id = self.next_actor;
             let reset = self.resets.entry(key.to_owned()).or_default().clone();
-            let (shared, supervisor, owned_key) =
-                (self.shared.clone(), ctx.address(), key.to_owned());
+            let addr = ctx.address();
+            let supervisor = SupervisorLink {
+                idle: addr.clone().recipient(),
+                restarted: addr.recipient(),
+            };
+            let (shared, owned_key) = (self.shared.clone(), key.to_owned());
             let addr = actix::Supervisor::start(move |_| {
                 ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
             });
@@ -361,7 +306,7 @@ impl Handler<Status> for SandboxSupervisor {
                 pending_resets: channels.iter().filter(|c| c.pending_reset > 0).count(),
                 containers_in_use: shared.max_containers - shared.limiter.available_permits(),
                 max_containers: shared.max_containers,
-                waiting_for_slot: shared.waiting_for_slot.load(Ordering::SeqCst),
+                waiting_for_slot: shared.waiting_for_slot(),
                 prepared: shared.sandbox.prepared_containers(),
                 restarts,
                 retired: retired_count,

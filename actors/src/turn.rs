@@ -15,10 +15,10 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::channel::{ChannelActor, TurnDone, TurnReplied};
 use crate::error::AbortReason;
+use crate::internal::{ChannelLink, TurnDone, TurnReplied};
 use crate::reset::{ResetGeneration, Stamp};
-use crate::supervisor::Shared;
+use crate::shared::Shared;
 use crate::{ChannelState, ProgressCallback, ProgressEvent, SandboxActorError, TurnProgress};
 
 /// Where a caller's answer goes.
@@ -150,15 +150,15 @@ pub(crate) struct TurnJob {
 /// In order: waits for a container slot (or a stop, or the turn's deadline, which counts
 /// from admission); runs the turn; from the core's reply callback — before any teardown —
 /// consumes the resets that arrived before the turn's message if the reply is ok, answers
-/// the caller and reports
-/// that it replied to its [`ChannelActor`]; after teardown reports that it is done and stops.
+/// the caller and reports that it replied to its channel actor;
+/// after teardown reports that it is done and stops.
 /// If the actor is dropped early it cancels the turn (the core's guards tear it down) and
 /// still reports `TurnDone`, so its channel never waits forever.
 pub(crate) struct TurnActor {
     id: u64,
     job: Option<TurnJob>,
     control: TurnControl,
-    channel: Addr<ChannelActor>,
+    channel: ChannelLink,
     done_reported: bool,
     span: tracing::Span,
 }
@@ -177,7 +177,7 @@ impl TurnActor {
         id: u64,
         job: TurnJob,
         control: TurnControl,
-        channel: Addr<ChannelActor>,
+        channel: ChannelLink,
         span: tracing::Span,
     ) -> Self {
         Self {
@@ -251,7 +251,7 @@ impl TurnActor {
     fn report_done(&mut self) {
         if !self.done_reported {
             self.done_reported = true;
-            self.channel.do_send(TurnDone { turn: self.id });
+            self.channel.done.do_send(TurnDone { turn: self.id });
         }
     }
 }
@@ -279,7 +279,7 @@ struct Delivery {
     control: TurnControl,
     resets: ResetGeneration,
     stamp: Stamp,
-    channel: Addr<ChannelActor>,
+    channel: ChannelLink,
 }
 
 impl Delivery {
@@ -296,7 +296,7 @@ impl Delivery {
         if let Some(tx) = take(&self.responder) {
             let _ = tx.send(answer);
         }
-        self.channel.do_send(TurnReplied {
+        self.channel.replied.do_send(TurnReplied {
             turn: self.turn,
             ok: reply.ok,
         });

@@ -1,0 +1,68 @@
+//! What every actor of one supervisor shares: the runtime, the container cap and the
+//! layer's settings and counters.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use roundtable_sandbox::Sandbox;
+use tokio::sync::Semaphore;
+
+use crate::{ProgressCallback, SupervisorOptions};
+
+/// What every actor of one supervisor shares.
+pub(crate) struct Shared {
+    pub(crate) sandbox: Sandbox,
+    /// The global cap on running containers (FIFO: fair across channels).
+    pub(crate) limiter: Arc<Semaphore>,
+    pub(crate) max_containers: usize,
+    pub(crate) queue_limit: usize,
+    pub(crate) idle_timeout: Duration,
+    /// How long a prepared container waits for its channel's next turn (`warm.ttl_secs`,
+    /// default the idle timeout).
+    pub(crate) warm_ttl: Duration,
+    pub(crate) progress: Option<ProgressCallback>,
+    waiting_for_slot: AtomicUsize,
+    next_turn: AtomicU64,
+}
+
+impl Shared {
+    /// The shared state of a supervisor over `sandbox` with `config`'s settings.
+    pub(crate) fn new(sandbox: Sandbox, config: &SupervisorOptions) -> Self {
+        let warm_ttl = sandbox.config().warm.ttl().unwrap_or(config.idle_timeout);
+        Self {
+            sandbox,
+            limiter: Arc::new(Semaphore::new(config.max_containers)),
+            max_containers: config.max_containers,
+            queue_limit: config.queue_limit,
+            idle_timeout: config.idle_timeout,
+            warm_ttl,
+            progress: config.progress.clone(),
+            waiting_for_slot: AtomicUsize::new(0),
+            next_turn: AtomicU64::new(0),
+        }
+    }
+
+    /// Turns waiting for a container slot now.
+    pub(crate) fn waiting_for_slot(&self) -> usize {
+        self.waiting_for_slot.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn next_turn_id(&self) -> u64 {
+        self.next_turn.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Counts a turn waiting for a slot while the guard lives.
+    pub(crate) fn waiting_guard(self: &Arc<Self>) -> WaitingGuard {
+        self.waiting_for_slot.fetch_add(1, Ordering::SeqCst);
+        WaitingGuard(self.clone())
+    }
+}
+
+pub(crate) struct WaitingGuard(Arc<Shared>);
+
+impl Drop for WaitingGuard {
+    fn drop(&mut self) {
+        self.0.waiting_for_slot.fetch_sub(1, Ordering::SeqCst);
+    }
+}
