@@ -11,11 +11,11 @@ use std::collections::HashSet;
 
 use serde_json::{Map, Value};
 
-use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
 use roundtable_sandbox_protocol::Usage;
 
-use crate::chat::{cap_text, ChatRequest, FunctionCall, Message, ModelReply, ToolCall, ToolDef};
+use crate::chat::{cap_text, ChatRequest, FunctionCall, Message, ToolCall, ToolDef};
 use crate::compact;
+use crate::model::{Meter, Model, ModelError};
 use crate::session::Session;
 
 /// The most tool calls run for one model step; further calls in the same step are dropped.
@@ -25,14 +25,6 @@ pub const NO_ANSWER: &str = "(no answer)";
 /// The longest tool name or call id kept.
 const MAX_ID: usize = 128;
 
-/// A chat-completions model, and the host's compactor behind it.
-pub trait Model {
-    /// Answers one request.
-    fn complete(&mut self, request: &ChatRequest) -> Result<ModelReply, ModelError>;
-    /// Summarises the older part of the conversation (the broker's `POST /v1/compact`).
-    fn compact(&mut self, request: &CompactRequest) -> Result<CompactReply, ModelError>;
-}
-
 /// The tools the model may call.
 pub trait Tools {
     /// The tools on offer, as the model sees them.
@@ -40,18 +32,6 @@ pub trait Tools {
     /// Runs one tool: `Ok(content)` or `Err(error shown to the model)`.
     fn call(&mut self, name: &str, args: &Map<String, Value>) -> Result<String, String>;
 }
-
-/// Why a model call failed (readable, already capped).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelError(pub String);
-
-impl std::fmt::Display for ModelError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ModelError {}
 
 /// Why a turn failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,52 +71,6 @@ impl AgentLimits {
             tool_result_cap: usize::try_from(budget)
                 .unwrap_or(usize::MAX)
                 .clamp(512, 32 * 1024),
-        }
-    }
-}
-
-/// What a turn used.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Meter {
-    model_calls: u32,
-    tool_calls: u32,
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-}
-
-impl Meter {
-    /// Counts one model call and the tokens it reported.
-    pub fn model_call(&mut self, reply: Option<&ModelReply>) {
-        self.model_calls += 1;
-        if let Some(reply) = reply {
-            if let Some(n) = reply.prompt_tokens {
-                self.prompt_tokens = Some(self.prompt_tokens.unwrap_or(0).saturating_add(n));
-            }
-            if let Some(n) = reply.completion_tokens {
-                self.completion_tokens =
-                    Some(self.completion_tokens.unwrap_or(0).saturating_add(n));
-            }
-        }
-    }
-
-    /// Adds what another party (the host's compactor) reports it used.
-    pub fn add(&mut self, usage: &Usage) {
-        self.model_calls = self.model_calls.saturating_add(usage.model_calls);
-        if let Some(n) = usage.prompt_tokens {
-            self.prompt_tokens = Some(self.prompt_tokens.unwrap_or(0).saturating_add(n));
-        }
-        if let Some(n) = usage.completion_tokens {
-            self.completion_tokens = Some(self.completion_tokens.unwrap_or(0).saturating_add(n));
-        }
-    }
-
-    /// The usage for the reply.
-    pub fn usage(&self) -> Usage {
-        Usage {
-            model_calls: self.model_calls,
-            tool_calls: self.tool_calls,
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
         }
     }
 }
@@ -221,7 +155,7 @@ pub fn run_turn<M: Model, T: Tools>(
             tool_calls: calls.clone(),
         });
         for call in calls {
-            meter.tool_calls += 1;
+            meter.tool_call();
             let content = match parse_arguments(&call.function.arguments) {
                 Ok(args) => match tools.call(&call.function.name, &args) {
                     Ok(content) => content,
@@ -308,6 +242,8 @@ fn parse_arguments(raw: &str) -> Result<Map<String, Value>, String> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::chat::ModelReply;
+    use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
     use std::collections::VecDeque;
 
     /// A model that answers from a script and records every request.

@@ -12,9 +12,9 @@ use serde_json::{Map, Value};
 use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
 use roundtable_sandbox_protocol::{paths, ErrorBody, ToolCallResult};
 
-use crate::agent::{Model, ModelError};
 use crate::chat::{cap_text, ChatRequest, FunctionCall, ModelReply, ToolCall};
 use crate::http::{Response, UnixHttpClient};
+use crate::model::{Model, ModelError};
 use crate::toolbox::Remote;
 
 /// The longest error text passed on.

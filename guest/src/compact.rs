@@ -15,8 +15,8 @@ use roundtable_sandbox_protocol::compaction::{
     plain_summary, CompactRequest, CompactSource, SummaryLimits,
 };
 
-use crate::agent::{Meter, Model};
 use crate::chat::{cap_text, Message};
+use crate::model::{Meter, Model};
 use crate::session::Session;
 
 /// The summary as it is placed in a request, just after the system prompt.
@@ -126,7 +126,8 @@ fn split_point(messages: &[Message], keep: u64) -> usize {
 mod tests {
     use super::*;
     use crate::agent::tests::{calls, text, EchoTools, ScriptedModel};
-    use crate::agent::{run_turn, AgentLimits, ModelError, Tools};
+    use crate::agent::{run_turn, AgentLimits, Tools};
+    use crate::model::ModelError;
 
     fn history() -> Session {
         let mut messages = Vec::new();

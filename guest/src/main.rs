@@ -17,6 +17,7 @@ mod broker;
 mod chat;
 mod compact;
 mod confine;
+mod model;
 mod prompt;
 mod runner;
 mod seccomp;

@@ -13,10 +13,11 @@ use chrono::{DateTime, Utc};
 
 use roundtable_sandbox_protocol::{Reply, Turn, BROKER_SOCKET, DEFAULT_MAX_STEPS, WORKSPACE_MOUNT};
 
-use crate::agent::{run_turn, AgentLimits, Model};
+use crate::agent::{run_turn, AgentLimits};
 use crate::broker::Broker;
 use crate::confine::Root;
 use crate::http::UnixHttpClient;
+use crate::model::Model;
 use crate::prompt;
 use crate::session::{Session, SessionStore};
 use crate::toolbox::{Remote, Toolbox};
@@ -123,8 +124,8 @@ fn log(message: &str) {
 mod tests {
     use super::*;
     use crate::agent::tests::{calls, text, ScriptedModel};
-    use crate::agent::ModelError;
     use crate::chat::{ChatRequest, Message, ModelReply};
+    use crate::model::ModelError;
     use crate::testutil::TempDir;
     use chrono::TimeZone;
     use roundtable_sandbox_protocol::compaction::{CompactReply, CompactRequest};
