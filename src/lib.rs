@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod broker;
+mod channel;
 pub mod config;
 pub mod driver;
 pub mod image;

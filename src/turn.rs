@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox_protocol::{Reply, Speaker, Turn};
-use sha2::Digest;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -336,10 +335,7 @@ pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, ReplyError> {
 /// What every failure reported by the guest itself starts with (see [`parse_reply`]).
 pub const GUEST_ERROR_PREFIX: &str = "the guest reported an error: ";
 
-/// `hex(sha256(channel))`: the channel's workspace segment.
-pub fn channel_segment(channel: &str) -> String {
-    hex::encode(sha2::Sha256::digest(channel.as_bytes()))
-}
+pub use crate::channel::channel_segment;
 
 /// Runs one turn. `on_reply` sees the reply before any cleanup; the same reply is returned
 /// after cleanup. Never panics on a failing part; every failure is an `{ok:false}` reply.

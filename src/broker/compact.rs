@@ -35,9 +35,9 @@ use roundtable_sandbox_protocol::compaction::{
 use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 
+use super::http::{error_response, json_response, Response, Turn};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
-use super::server::{error_response, json_response, Response, Turn};
 use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
@@ -104,7 +104,7 @@ impl Compactor {
 
 /// The first 16 hex digits of the channel's sha256.
 fn channel_hash(channel: &str) -> String {
-    crate::turn::channel_segment(channel)[..16].to_owned()
+    crate::channel::channel_segment(channel)[..16].to_owned()
 }
 
 /// Answers one compaction request.

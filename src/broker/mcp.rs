@@ -39,7 +39,7 @@ use roundtable_sandbox_protocol::{McpServerSpec, ToolSpec};
 use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
-use super::server::{error_response, Response};
+use super::http::{error_response, Response};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
     valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServer, McpTransport, TurnContext,
@@ -393,7 +393,7 @@ impl McpPool {
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
         };
-        let segment = crate::turn::channel_segment(&ctx.channel);
+        let segment = crate::channel::channel_segment(&ctx.channel);
         let mut meta = serde_json::Map::new();
         meta.insert(META_CHANNEL.into(), segment.clone().into());
         meta.insert(

@@ -52,6 +52,7 @@
 //!   `{"error": "..."}`.
 
 mod compact;
+mod http;
 mod mcp;
 mod model;
 pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
@@ -939,7 +940,7 @@ impl Broker {
     /// The actor layer calls it when it retires an idle channel. Without it a channel's
     /// sessions live until `max_sessions` makes room for others, or until shutdown.
     pub fn release_channel(&self, channel: &str) -> BoxFuture<'static, ()> {
-        let sessions = self.mcp.release(&crate::turn::channel_segment(channel));
+        let sessions = self.mcp.release(&crate::channel::channel_segment(channel));
         if !sessions.is_empty() {
             tracing::debug!(
                 sessions = sessions.len(),

@@ -26,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 use serde::de::{DeserializeSeed, Error as _, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
+use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
-use super::server::{error_response, Response};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
 
 /// How much of an upstream error body is shown to the guest (characters).
@@ -343,7 +343,7 @@ impl Upstream {
                 hyper::Response::builder()
                     .status(StatusCode::OK)
                     .header(CONTENT_TYPE, "application/json")
-                    .body(super::server::full(out))
+                    .body(super::http::full(out))
                     .expect("a valid response")
             }
             Whole::Body(status, bytes, truncated) => {

@@ -11,7 +11,7 @@
 //!   rewritten by [`super::model::prepare`], the guest's bytes dropped before the upstream
 //!   is called), a host tool or an MCP tool (arguments whose size in JSON values could
 //!   inflate in memory are refused before they are parsed);
-//! - [`error_response`] / [`json_response`]: every refusal is `{"error": "..."}`.
+//! - the answers ([`super::http`]): every refusal is `{"error": "..."}`.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -19,26 +19,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, ACCEPT, CONTENT_LENGTH};
 use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use roundtable_sandbox_protocol::{paths, ErrorBody};
-use serde::Serialize;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::http::{error_response, Body, Response, Turn};
 use super::{Broker, TurnContext};
 use crate::driver::GuestStream;
-
-/// The response body type of the broker.
-pub(crate) type Body = UnsyncBoxBody<Bytes, std::io::Error>;
-/// A broker response.
-pub(crate) type Response = hyper::Response<Body>;
 
 /// How long a client may take to send a request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -47,17 +41,6 @@ const MAX_HEAD_BYTES: usize = 64 * 1024;
 /// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
 /// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
 pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
-
-/// One turn's state shared by its connections.
-pub(super) struct Turn {
-    pub(super) broker: Arc<Broker>,
-    pub(super) ctx: TurnContext,
-    pub(super) stop: CancellationToken,
-    pub(super) model_calls: AtomicU32,
-    tool_calls: AtomicU32,
-    /// One permit per call being served.
-    in_flight: Arc<Semaphore>,
-}
 
 /// Where one turn's connections come from.
 pub(crate) enum Acceptor {
@@ -278,32 +261,6 @@ fn json_values_over(raw: &[u8], limit: usize) -> bool {
         }
     }
     false
-}
-
-/// A body of bytes.
-pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into())
-        .map_err(|never: Infallible| match never {})
-        .boxed_unsync()
-}
-
-/// A JSON answer.
-pub(crate) fn json_response(status: StatusCode, value: &impl Serialize) -> Response {
-    hyper::Response::builder()
-        .status(status)
-        .header(CONTENT_TYPE, "application/json")
-        .body(full(serde_json::to_vec(value).expect("serialisable")))
-        .expect("a valid response")
-}
-
-/// A refusal: `{"error": msg}`.
-pub(crate) fn error_response(status: StatusCode, msg: &str) -> Response {
-    json_response(
-        status,
-        &ErrorBody {
-            error: msg.to_owned(),
-        },
-    )
 }
 
 /// A name from the path, shortened for an error message.

@@ -17,8 +17,8 @@ use hyper::StatusCode;
 use roundtable_sandbox_protocol::ToolCallResult;
 use tokio_util::sync::CancellationToken;
 
+use super::http::{error_response, json_response, Response};
 use super::redact::Secrets;
-use super::server::{error_response, json_response, Response};
 use super::{BrokerError, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
 
 /// Compiles a tool's argument schema.
