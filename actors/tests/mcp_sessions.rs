@@ -107,7 +107,9 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     )];
     let instance = c.resolve().unwrap().instance;
     let mut s = SupervisorOptions::new(c);
-    s.idle_timeout = Duration::from_secs(3);
+    // Generous: #alpha must stay live (its session alive) through #beta's whole turn, which
+    // takes seconds on a busy machine (3 s here retired #alpha first under load).
+    s.idle_timeout = Duration::from_secs(20);
     let addr = SandboxSupervisor::start(s).await.unwrap();
     // Only the startup listing ran (and is gone); no channel has a session yet.
     wait_gone(read_pid(&data.join(format!("pid-{PROBE_SEGMENT}")))).await;
