@@ -180,7 +180,23 @@ async fn run(cli: Cli) -> Result<()> {
     );
 
     let mut lines = tokio::io::BufReader::new(read).lines();
-    while let Some(line) = lines.next_line().await? {
+    let stop = roundtable_sandbox_examples::stop_signal();
+    tokio::pin!(stop);
+    loop {
+        let line = tokio::select! {
+            line = lines.next_line() => match line? {
+                Some(line) => line,
+                None => {
+                    eprintln!("irc-bot: the server closed the connection");
+                    break;
+                }
+            },
+            () = &mut stop => {
+                eprintln!("irc-bot: stopping on a signal");
+                let _ = out.send("QUIT :shutting down".to_owned());
+                break;
+            }
+        };
         let Some(msg) = parse_line(&line) else {
             continue;
         };
@@ -247,8 +263,13 @@ async fn run(cli: Cli) -> Result<()> {
             _ => {}
         }
     }
-    eprintln!("irc-bot: the server closed the connection");
-    let _ = sandbox.send(Shutdown).await;
+    let report = sandbox.send(Shutdown).await;
+    if let Ok(report) = report {
+        eprintln!(
+            "irc-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
+            report.stopped_turns, report.refused_queued
+        );
+    }
     writer.abort();
     drop(offline);
     Ok(())

@@ -4,7 +4,8 @@
 //!   `/stop #channel`, `/status`), sends each as an actor message, prints the replies;
 //! - `irc_bot.rs`: each IRC channel is a sandbox channel, each nick the speaker;
 //! - [`RollDice`]: a host tool both bots offer to the guest agent;
-//! - [`print_completions`]: their `--completions SHELL`.
+//! - [`print_completions`]: their `--completions SHELL`;
+//! - [`stop_signal`]: SIGINT or SIGTERM, on which both shut their runtime down cleanly.
 //!
 //! The README's embedding example is compiled here as a doctest.
 
@@ -65,6 +66,24 @@ pub fn print_completions<C: clap::CommandFactory>(
     let name = command.get_name().to_owned();
     clap_complete::generate(shell, &mut command, name, &mut std::io::stdout());
     std::process::ExitCode::SUCCESS
+}
+
+/// Resolves on the first SIGINT or SIGTERM: a bot then leaves its read loop and sends the
+/// supervisor `Shutdown`, which stops the running turns and removes every container, socket
+/// and run dir before the process exits (a SIGKILL leaves them to the next start's sweep).
+pub async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // No signal handler could be installed: never resolve (the default actions remain).
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
 }
 
 /// Prints a bot's fatal error on stderr: its message, then each cause on a line of its own.

@@ -170,7 +170,21 @@ async fn run(settings: Settings) -> Result<()> {
 
     let mut pending = Vec::new();
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
-    while let Some(line) = lines.next_line().await? {
+    let stop = roundtable_sandbox_examples::stop_signal();
+    tokio::pin!(stop);
+    let mut signalled = false;
+    loop {
+        let line = tokio::select! {
+            line = lines.next_line() => match line? {
+                Some(line) => line,
+                None => break,
+            },
+            () = &mut stop => {
+                eprintln!("terminal-bot: stopping on a signal");
+                signalled = true;
+                break;
+            }
+        };
         match parse(&line) {
             Ok(Line::Blank) => {}
             Ok(Line::Message {
@@ -247,10 +261,17 @@ async fn run(settings: Settings) -> Result<()> {
             Err(e) => eprintln!("terminal-bot: {e}"),
         }
     }
+    // At the end of stdin the answers still due are awaited; on a signal the running turns
+    // are stopped first (their waiters then print how they ended).
+    if !signalled {
+        for p in pending.drain(..) {
+            let _ = p.await;
+        }
+    }
+    let report = sandbox.send(Shutdown).await?;
     for p in pending {
         let _ = p.await;
     }
-    let report = sandbox.send(Shutdown).await?;
     eprintln!(
         "terminal-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
         report.stopped_turns, report.refused_queued

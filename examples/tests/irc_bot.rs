@@ -176,7 +176,7 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         .spawn()
         .unwrap();
     let stderr = bot.stderr.take().unwrap();
-    let _bot = Proc(bot);
+    let mut bot = Proc(bot);
     let mut lines = BufReader::new(stderr).lines();
     loop {
         let line = lines.next().expect("bot exited").unwrap();
@@ -184,9 +184,14 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
             break;
         }
     }
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            eprintln!("bot: {line}");
+    let said = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let echo = std::thread::spawn({
+        let said = said.clone();
+        move || {
+            for line in lines.map_while(Result::ok) {
+                eprintln!("bot: {line}");
+                said.lock().unwrap().push(line);
+            }
         }
     });
 
@@ -241,6 +246,63 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     say_seen(&mut chan, &chan_out, at, "sandbox: after the reset");
     let (_, reply) = expect(&chan_out, at, "<sandbox> tester: ");
     assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
+
+    // SIGTERM: the bot shuts its runtime down and exits 0, leaving no container, socket or
+    // run dir (the reply is sent before a turn's teardown, so a bot killed right after
+    // it could leave its last container to the next start's sweep).
+    let pid = nix::unistd::Pid::from_raw(bot.0.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = bot.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the bot did not exit on SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    echo.join().unwrap();
+    let said = said.lock().unwrap().clone();
+    assert!(status.success(), "the bot exited with {status}: {said:?}");
+    assert!(
+        said.iter().any(|l| l.starts_with("irc-bot: shut down")),
+        "{said:?}"
+    );
+    assert_eq!(containers_of(d), Vec::<String>::new(), "containers left");
+    let run = std::fs::read_dir(d.join("run"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("turn-"))
+        .collect::<Vec<_>>();
+    assert_eq!(run, Vec::<String>::new(), "turn dirs left");
+}
+
+/// The project's containers (any state) with a mount from under `dir`.
+fn containers_of(dir: &Path) -> Vec<String> {
+    let ids = Command::new("docker")
+        .args(["ps", "-aq", "--filter", "label=roundtable-sandbox"])
+        .output()
+        .unwrap();
+    assert!(ids.status.success(), "docker ps: {ids:?}");
+    let mut mine = Vec::new();
+    for id in String::from_utf8_lossy(&ids.stdout).split_whitespace() {
+        let out = Command::new("docker")
+            .args([
+                "inspect",
+                "--format",
+                "{{range .Mounts}}{{.Source}} {{end}}",
+                id,
+            ])
+            .output()
+            .unwrap();
+        // A container removed meanwhile (another test's) is not ours.
+        if String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .any(|src| Path::new(src).starts_with(dir))
+        {
+            mine.push(id.to_owned());
+        }
+    }
+    mine
 }
 
 /// A config file that only sets the free-space floor (the flags set the rest): the shared
