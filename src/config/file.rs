@@ -85,7 +85,7 @@ pub struct ConfigFile {
     pub compaction: Option<CompactionFile>,
     /// `[warm]`: prepared containers (`enabled`, `max`, `ttl_secs`).
     #[serde(default)]
-    pub warm: crate::warm::WarmSettings,
+    pub warm: super::WarmSettings,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment

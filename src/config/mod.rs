@@ -42,11 +42,13 @@ mod file;
 mod limits;
 mod time_zones;
 mod validate;
+mod warm;
 
 pub use error::ConfigError;
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
 pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
+pub use warm::WarmSettings;
 
 /// The default system prompt (that of pi-roundtable-sandbox 0.7.18, the TypeScript package
 /// this ports).
@@ -127,7 +129,7 @@ pub struct Config {
     /// main model.
     pub compaction: Option<CompactionModel>,
     /// Prepared containers for the channels' next turns (`[warm]`, see [`crate::warm`]).
-    pub warm: crate::warm::WarmSettings,
+    pub warm: WarmSettings,
 }
 
 impl std::fmt::Debug for Config {
@@ -197,7 +199,7 @@ impl Config {
                 model_request: ModelRequestPolicy::default(),
                 runtime: None,
                 compaction: None,
-                warm: crate::warm::WarmSettings::default(),
+                warm: WarmSettings::default(),
             },
         }
     }
@@ -286,7 +288,7 @@ impl ConfigBuilder {
         /// Whether the broker refuses peers whose uid is not the worker's.
         peer_uid_check: bool;
         /// Prepared containers (`[warm]`).
-        warm: crate::warm::WarmSettings;
+        warm: WarmSettings;
         /// The chat-completions fields forwarded to the model and the output token cap.
         model_request: ModelRequestPolicy;
     }
@@ -358,5 +360,5 @@ pub struct ResolvedConfig {
     /// The engine's container runtime (`None`: its default).
     pub runtime: Option<String>,
     /// Prepared containers (`[warm]`, validated).
-    pub warm: crate::warm::WarmSettings,
+    pub warm: WarmSettings,
 }
