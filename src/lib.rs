@@ -33,6 +33,7 @@ pub mod image;
 pub mod lock;
 #[cfg(feature = "cli")]
 pub mod offline;
+mod prepared;
 pub mod quota;
 #[cfg(feature = "cli")]
 pub mod settings;

@@ -27,7 +27,7 @@ use crate::driver::{
     BrokerTransport, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME,
     LABEL_TURN,
 };
-use crate::warm::{Prepared, PreparedTurn};
+use crate::prepared::{Prepared, PreparedTurn};
 use crate::Sandbox;
 
 /// What the caller asks of one turn.
@@ -376,7 +376,7 @@ pub async fn run_turn_prepared(
     let mut prepared = prepared.and_then(PreparedTurn::take);
     if let Some(p) = prepared.take_if(|p| p.channel != request.channel) {
         tracing::warn!(container = %p.spec.name, "a container prepared for another channel is not adopted");
-        crate::warm::remove(p).await;
+        crate::prepared::remove(p).await;
     }
     let turn_id = prepared
         .as_ref()
@@ -590,7 +590,7 @@ async fn run_turn_inner(
                     // The turn lets go of it first: removal is the fallback's, awaited.
                     run_dir.path = None;
                     container_started = false;
-                    crate::warm::remove(p).await;
+                    crate::prepared::remove(p).await;
                     turn_id = new_turn_id();
                     container_name = self::container_name(&segment, &turn_id);
                     live_container.register(container_name.clone());
