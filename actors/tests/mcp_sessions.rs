@@ -3,47 +3,25 @@
 //! venv `scripts/mcp-venv.sh` makes). A channel's session starts on its first call, keeps
 //! its data in the channel's own file, and its process is gone once the channel retires.
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::Duration;
 
 use roundtable_sandbox::broker::{McpServer, McpTransport, PROBE_SEGMENT};
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
+use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, venv, wait_gone};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
 
 fn sqlite_bin() -> PathBuf {
-    let venv = std::env::var_os("ROUNDTABLE_MCP_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-mcp"));
-    let bin = venv.join("bin/mcp-server-sqlite");
+    let bin = venv().join("bin/mcp-server-sqlite");
     assert!(
         bin.exists(),
         "{} is missing: run scripts/mcp-venv.sh",
         bin.display()
     );
     bin
-}
-
-fn read_pid(file: &Path) -> i32 {
-    std::fs::read_to_string(file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-fn alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
-async fn wait_gone(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while alive(pid) {
-        assert!(Instant::now() < deadline, "process {pid} is still there");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// The tool results of a model request, in order.

@@ -2,6 +2,7 @@
 //!
 //! - [`model`]: a scripted OpenAI-compatible model server on loopback;
 //! - [`broker_client`]: a guest-side HTTP/1.1 client for a turn's broker socket;
+//! - [`mcp_process`]: the MCP servers' venv, and their pids as the tests watch them;
 //! - [`mcp_stub`]: the stub MCP server of `tests/support/mcp_stub.py` as a configuration;
 //! - [`docker_proxy`]: a unix-socket proxy in front of the Docker daemon (chaos tests);
 //! - [`captured_logs`]: a `tracing` writer that keeps what it is given;
@@ -19,6 +20,7 @@ pub mod broker_client;
 pub mod captured_logs;
 pub mod docker_proxy;
 pub mod hostile;
+pub mod mcp_process;
 pub mod mcp_stub;
 pub mod model;
 pub mod warm_switch;

@@ -124,11 +124,7 @@ async fn post_json_result(
 
 // ---------------------------------------------------------------- MCP helpers
 
-fn venv() -> PathBuf {
-    std::env::var_os("ROUNDTABLE_MCP_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv-mcp"))
-}
+use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, venv, wait_gone};
 
 fn mcp_time_bin() -> PathBuf {
     let bin = venv().join("bin/mcp-server-time");
@@ -160,36 +156,12 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
     }
 }
 
-fn read_pid(file: &Path) -> i32 {
-    std::fs::read_to_string(file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
-/// Whether `pid` still exists (a zombie counts: it has not been reaped).
-fn alive(pid: i32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
-}
-
 fn kill9(pid: i32) {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-}
-
-async fn wait_gone(pid: i32) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while alive(pid) {
-        assert!(
-            Instant::now() < deadline,
-            "process {pid} is still there (zombie?)"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 // ---------------------------------------------------------------- host tools shared by the topics

@@ -1,0 +1,38 @@
+//! The MCP servers' venv and their processes as the tests watch them: a server started
+//! behind `sh -c 'echo $$ > FILE; exec SERVER'` leaves its pid in FILE.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The venv `scripts/mcp-venv.sh` makes (`$ROUNDTABLE_MCP_VENV`, else `<repo>/.venv-mcp`).
+pub fn venv() -> PathBuf {
+    std::env::var_os("ROUNDTABLE_MCP_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-mcp"))
+}
+
+/// The pid a server's `sh` wrapper wrote to `file`.
+pub fn read_pid(file: &Path) -> i32 {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Whether `pid` still exists (a zombie counts: it has not been reaped).
+pub fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Waits until `pid` is gone (reaped); panics after 20 s.
+pub async fn wait_gone(pid: i32) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "process {pid} is still there (zombie?)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
