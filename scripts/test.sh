@@ -23,7 +23,9 @@ gvisor_listed() { docker info --format '{{range $n, $_ := .Runtimes}}{{$n}} {{en
 if gvisor_listed; then
   echo "== tests under gVisor (ROUNDTABLE_RUNTIME=runsc)" >&2
   started=$SECONDS
-  ROUNDTABLE_RUNTIME=runsc cargo test -p roundtable-sandbox --no-fail-fast \
+  # --workspace keeps the features of the run above (one package alone would unify fewer
+  # features and rebuild the crate and its dependants: minutes on a busy machine).
+  ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast \
     --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
     --test runtime "$@"
   echo "== gVisor pass: $((SECONDS - started)) s" >&2
