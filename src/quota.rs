@@ -26,13 +26,16 @@
 //! another filesystem.
 //!
 //! Files a turn deleted while holding them open (and `O_TMPFILE` files) are in no directory:
-//! the watcher finds them through the turn's own processes (the driver lists the host pids
-//! of the turn's container; each `/proc/<pid>` is checked to be in that container's cgroup,
-//! then the entries of its `fd` dirs are `stat`ed — never opened — and every regular file
-//! with no link left on the workspace's filesystem counts). A process that hides its
-//! descriptors (not dumpable) or a deleted workspace file held only through a memory mapping
-//! cannot be measured, so it counts as over quota too, once it has stayed so for
-//! [`UNMEASURABLE_FOR`] (the tree alone is held to the quota meanwhile).
+//! the watcher asks the driver how to count them ([`ContainerDriver::held_files`]). Where the
+//! guest's processes are host processes (runc), the driver lists their host pids; each
+//! `/proc/<pid>` is checked to be in that container's cgroup, then the entries of its `fd`
+//! dirs are `stat`ed — never opened — and every regular file with no link left on the
+//! workspace's filesystem counts. Where they are not (gVisor), the driver counts them inside
+//! the sandbox (the guest program's `--held-files` measurer, run by the engine) and reports
+//! every failure to do so. A process that hides its descriptors (not dumpable), a deleted
+//! workspace file held only through a memory mapping, or a count that failed cannot be
+//! measured, so it counts as over quota too, once it has stayed so for [`UNMEASURABLE_FOR`]
+//! (the tree alone is held to the quota meanwhile).
 
 use std::collections::HashSet;
 use std::ffi::CStr;
@@ -45,7 +48,7 @@ use std::time::Duration;
 use rustix::fs::{AtFlags, Dir, FileType, Mode, OFlags, Stat};
 use rustix::io::Errno;
 
-use crate::driver::{ContainerDriver, ContainerProcesses};
+use crate::driver::{ContainerDriver, ContainerProcesses, HeldFiles, Unmeasurable};
 
 /// How often the watcher measures a running turn's workspace (at least; a workspace whose
 /// measure takes long is measured less often, so the watcher stays under ~20 % of a core).
@@ -214,6 +217,9 @@ pub enum MeasureError {
     /// A deleted file is held only by a memory mapping.
     #[error("a deleted workspace file is held only through a memory mapping")]
     MappedDeleted,
+    /// What the turn's processes hold could not be counted inside the sandbox.
+    #[error("{0}")]
+    Sandbox(Unmeasurable),
     /// A system call failed.
     #[error("{op}")]
     Io {
@@ -316,12 +322,13 @@ impl Frame {
     }
 }
 
-/// Measures the workspace, and the files the turn's `processes` hold open after deleting
-/// them (when given), stopping as soon as `quota` is passed.
+/// Measures the workspace, and the files the turn's processes hold open after deleting
+/// them (when given: `held`, as the driver reports them), stopping as soon as `quota` is
+/// passed.
 pub fn measure(
     workspace: &Workspace,
     quota: &Quota,
-    processes: Option<&ContainerProcesses>,
+    held: Option<&HeldFiles>,
 ) -> Result<Usage, MeasureError> {
     let mut usage = Usage::default();
     let mut seen: HashSet<(u64, u64)> = HashSet::new();
@@ -408,8 +415,25 @@ pub fn measure(
         }
         stack.push(frame);
     }
-    if let Some(processes) = processes {
-        held_files(workspace.dev, processes, &mut seen, &mut usage)?;
+    match held {
+        None => {}
+        Some(HeldFiles::HostProcesses(processes)) => {
+            held_files(workspace.dev, processes, &mut seen, &mut usage)?;
+        }
+        // Counted inside the sandbox, on its view of the workspace: no name is left to them,
+        // so none of them is in the tree just walked.
+        Some(HeldFiles::Counted { files, bytes }) => {
+            usage.held_files = usage.held_files.saturating_add(*files);
+            usage.held_bytes = usage.held_bytes.saturating_add(*bytes);
+            usage.bytes = usage.bytes.saturating_add(*bytes);
+        }
+        Some(HeldFiles::Unmeasurable(why)) => {
+            return Err(match why {
+                Unmeasurable::HiddenDescriptors => MeasureError::HiddenDescriptors,
+                Unmeasurable::MappedDeleted => MeasureError::MappedDeleted,
+                other => MeasureError::Sandbox(other.clone()),
+            })
+        }
     }
     Ok(usage)
 }
@@ -611,10 +635,10 @@ pub fn measure_dir(dir: &Path, quota: &Quota) -> Result<Usage, MeasureError> {
 pub fn check(
     workspace: &Workspace,
     quota: &Quota,
-    processes: Option<&ContainerProcesses>,
+    held: Option<&HeldFiles>,
 ) -> Result<Usage, QuotaError> {
-    let usage = measure(workspace, quota, processes)
-        .map_err(|e| QuotaError::Measure(crate::one_line(&e)))?;
+    let usage =
+        measure(workspace, quota, held).map_err(|e| QuotaError::Measure(crate::one_line(&e)))?;
     if quota.exceeded_by(&usage) {
         return Err(QuotaError::exceeded(quota, &usage));
     }
@@ -695,7 +719,8 @@ pub struct Watch {
     pub floor: Floor,
     /// The filesystems the floor guards.
     pub guarded: Vec<Guarded>,
-    /// The driver that lists the container's processes.
+    /// The driver that counts (or lists the processes to count) what the container's
+    /// processes hold open.
     pub driver: Arc<dyn ContainerDriver>,
     /// The turn's container (its processes hold files deleted while open).
     pub container: String,
@@ -712,18 +737,12 @@ pub async fn watch(w: Watch) -> QuotaError {
     loop {
         tokio::time::sleep(pause).await;
         let started = std::time::Instant::now();
-        let processes = match w.driver.processes(&w.container).await {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::debug!(error = %e, "list the turn's processes");
-                ContainerProcesses::default()
-            }
-        };
+        let held = w.driver.held_files(&w.container).await;
         let (ws, quota, floor, guarded) =
             (w.workspace.clone(), w.quota, w.floor, w.guarded.clone());
         let measured = tokio::task::spawn_blocking(move || {
             check_floor(&guarded, &floor)?;
-            let full = measure(&ws, &quota, Some(&processes));
+            let full = measure(&ws, &quota, Some(&held));
             // While the turn's processes cannot be read, the tree alone is still measured.
             let tree = match &full {
                 Err(e) if !e.is_final() => Some(measure(&ws, &quota, None)),

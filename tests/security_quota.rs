@@ -111,6 +111,20 @@ async fn quota_counts_deleted_but_open_files_of_every_process() {
 #[tokio::test(flavor = "multi_thread")]
 async fn quota_counts_o_tmpfile_files() {
     let env = Env::new();
+    if under_gvisor() {
+        // gVisor refuses O_TMPFILE on the workspace (a gofer mount): nothing is stored.
+        let sandbox = Sandbox::new(quota_config(&env, &["tmpfile", "16", "8"]))
+            .await
+            .unwrap();
+        let f = hostile::findings(&sandbox.run_turn(request("#tmpfile", "x")).await);
+        assert_eq!(
+            f["tmpfile"], "error(Operation not supported (os error 95))",
+            "{f:?}"
+        );
+        assert_eq!(progress(&env, "#tmpfile"), 0);
+        assert_no_leftovers(&sandbox).await;
+        return;
+    }
     // 16 files × 8 MiB, in no directory.
     let (_, error, took) = run_trick(&env, "#tmpfile", &["tmpfile", "16", "8"]).await;
     assert!(error.starts_with(OVER), "{error}");
@@ -323,14 +337,61 @@ async fn quota_a_deleted_file_held_only_by_a_mapping_ends_the_turn() {
 async fn quota_a_process_that_hides_its_descriptors_ends_the_turn() {
     let env = Env::new();
     let (_, error, took) = run_trick(&env, "#nondumpable", &["nondumpable", "4", "8"]).await;
-    assert_eq!(
-        error,
-        "this channel's workspace cannot be measured (a process of the turn hides its open files from the host); an operator must fix or clear it before the next turn"
-    );
+    if under_gvisor() {
+        // Inside gVisor the measurer (same uid) reads a non-dumpable process's descriptors:
+        // the files are counted.
+        assert!(error.starts_with(OVER), "{error}");
+        assert!(error.contains("deleted files held open"), "{error}");
+    } else {
+        assert_eq!(
+            error,
+            "this channel's workspace cannot be measured (a process of the turn hides its open files from the host); an operator must fix or clear it before the next turn"
+        );
+    }
     eprintln!(
         "non-dumpable holder: stopped after {} MiB in {took:?}",
         progress(&env, "#nondumpable")
     );
+}
+
+/// Under gVisor the host counts the held files with a measurer it starts inside the
+/// sandbox, beside the guest and with its uid; a guest that kills, stops or starves it gets
+/// no count: the workspace cannot be measured, and the turn ends (fail closed). Under runc
+/// the host counts them itself: over quota.
+async fn attack_the_measurer(channel: &str, args: &[&str]) {
+    let env = Env::new();
+    let (_, error, took) = run_trick(&env, channel, args).await;
+    let cannot = "this channel's workspace cannot be measured (the open files of the turn could not be counted inside the sandbox: ";
+    let children = std::fs::read_to_string(env.workspace_of(channel).join("children"));
+    eprintln!(
+        "{args:?}: stopped after {} MiB in {took:?} (children started, and why no more: {children:?}): {error}",
+        progress(&env, channel)
+    );
+    if under_gvisor() {
+        // A measurer that got a count before it was hit is a stop too (over quota).
+        assert!(
+            error.starts_with(cannot) || error.starts_with(OVER),
+            "{error}"
+        );
+    } else {
+        assert!(error.starts_with(OVER), "{error}");
+    }
+    assert!(took < Duration::from_secs(30), "{took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_guest_that_kills_the_measurer_is_stopped() {
+    attack_the_measurer("#kill", &["killer", "9", "4", "8"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_guest_that_stops_the_measurer_is_stopped() {
+    attack_the_measurer("#stop", &["killer", "19", "4", "8"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_guest_that_starves_the_measurer_of_pids_is_stopped() {
+    attack_the_measurer("#starve", &["starve", "4", "8"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -412,6 +473,12 @@ impl ContainerDriver for DataRootAt {
         name: &'a str,
     ) -> BoxFuture<'a, Result<roundtable_sandbox::driver::ContainerProcesses, DriverError>> {
         self.inner.processes(name)
+    }
+    fn held_files<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, roundtable_sandbox::driver::HeldFiles> {
+        self.inner.held_files(name)
     }
     fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
         let root = self.root.clone();

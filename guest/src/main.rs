@@ -9,6 +9,9 @@
 //! the error and runs nothing. `roundtable-guest --exec PROGRAM [ARGS…]` installs the same
 //! layer, then replaces itself with PROGRAM: the test suite's hostile image runs its
 //! attacks so, under the very code path the real turn runs under.
+//! `roundtable-guest --held-files` runs no turn: it counts the workspace files the turn's
+//! processes hold open after deleting them and prints one line ([`held`]); the host runs it
+//! beside the turn where it cannot see the guest's descriptors itself (gVisor).
 
 #![forbid(unsafe_code)]
 
@@ -17,6 +20,7 @@ mod broker;
 mod chat;
 mod compact;
 mod confine;
+mod held;
 mod model;
 mod prompt;
 mod runner;
@@ -39,6 +43,12 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("--version") {
         println!("roundtable-guest {}", env!("CARGO_PKG_VERSION"));
         return;
+    }
+    // The host's measurer (an engine exec beside the turn, under gVisor): no turn is run,
+    // nothing of the guest is executed, so it needs no layer of its own.
+    if std::env::args().nth(1).as_deref() == Some(roundtable_sandbox_protocol::held::HELD_FILES_ARG)
+    {
+        held::main();
     }
     // First of all: a turn never runs without the layer (fail closed).
     if let Err(error) = seccomp::install() {

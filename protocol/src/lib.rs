@@ -8,7 +8,9 @@
 //! - [`chat`]: the chat messages the guest stores and sends;
 //! - [`compaction`]: the compaction request and reply (`POST /v1/compact`) and the one
 //!   definition of the summary rules, used by the guest and by the host's compactor;
-//! - [`text`]: the text caps and cleaning both sides apply.
+//! - [`text`]: the text caps and cleaning both sides apply;
+//! - [`held`]: the one line the guest prints when the host asks it, inside a sandbox, for
+//!   the files the turn's processes hold open after deleting them (`--held-files`).
 //!
 //! Nothing here holds a secret or a host path: a [`Turn`] is safe to show to the guest.
 //! Every type denies unknown fields, because the other side of this boundary is hostile.
@@ -20,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod chat;
 pub mod compaction;
+pub mod held;
 pub mod text;
 
 /// Where the turn's run dir (holding only `broker.sock`) is mounted, read-only.

@@ -28,8 +28,9 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError, OutputCollector,
-    RunOutcome, StartedContainer, SweepScope, KEEP_CONTAINERS_ENV, LABEL_RUNTIME,
+    BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError, HeldFiles,
+    OutputCollector, RunOutcome, StartedContainer, SweepScope, Unmeasurable, KEEP_CONTAINERS_ENV,
+    LABEL_RUNTIME,
 };
 
 /// How the driver reaches the engine.
@@ -73,6 +74,10 @@ pub struct DockerDriver {
     process_files: Arc<std::sync::Mutex<HashMap<String, ProcessSource>>>,
     /// The engine's data root (`DockerRootDir`), asked once.
     data_root: Arc<OnceCell<Option<std::path::PathBuf>>>,
+    /// Containers created under gVisor, with their `uid:gid`: their guest's processes are
+    /// not host processes, so what they hold open is counted inside (see
+    /// [`ContainerDriver::held_files`]).
+    sandboxed: Arc<std::sync::Mutex<HashMap<String, String>>>,
 }
 
 /// Where a container's process list is read.
@@ -92,6 +97,7 @@ impl DockerDriver {
             pending_removal: Default::default(),
             process_files: Default::default(),
             data_root: Arc::new(OnceCell::new()),
+            sandboxed: Default::default(),
         }
     }
 
@@ -268,6 +274,12 @@ impl DockerDriver {
                 })
             }
             Err(e) => return Err(e),
+        }
+        if spec.runtime.as_deref() == Some(crate::config::GVISOR_RUNTIME) {
+            self.sandboxed
+                .lock()
+                .unwrap()
+                .insert(name.to_owned(), format!("{}:{}", spec.uid, spec.gid));
         }
         let attach = AttachContainerOptions {
             stdin: true,
@@ -553,6 +565,7 @@ impl DockerDriver {
 
     async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {
         self.process_files.lock().unwrap().remove(name);
+        self.sandboxed.lock().unwrap().remove(name);
         let result = self.remove_once(name).await;
         let mut pending = self.pending_removal.lock().unwrap();
         match &result {
@@ -698,6 +711,23 @@ impl ContainerDriver for DockerDriver {
                 pids,
                 cgroup_marker: Some(source.id),
             })
+        })
+    }
+
+    fn held_files<'a>(&'a self, name: &'a str) -> BoxFuture<'a, HeldFiles> {
+        Box::pin(async move {
+            let sandboxed = self.sandboxed.lock().unwrap().get(name).cloned();
+            match sandboxed {
+                Some(user) => self.held_files_inside(name, &user).await,
+                // runc: the guest's processes are host processes; the host stats them.
+                None => match self.processes(name).await {
+                    Ok(p) => HeldFiles::HostProcesses(p),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "list the turn's processes");
+                        HeldFiles::HostProcesses(ContainerProcesses::default())
+                    }
+                },
+            }
         })
     }
 
@@ -869,6 +899,111 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         labels: Some(spec.labels.clone().into_iter().collect()),
         host_config: Some(host_config),
         ..Default::default()
+    }
+}
+
+/// The most time one count inside a sandbox may take (exec create, start, output, inspect):
+/// past it the count failed (the guest may have stopped or starved the measurer).
+pub const HELD_FILES_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl DockerDriver {
+    /// Counts inside the sandbox what the container's processes hold open with no name
+    /// left: an exec of the guest program's measurer (`--held-files`) as the container's
+    /// own user, no tty, no stdin, stdout capped and parsed strictly, under
+    /// [`HELD_FILES_TIMEOUT`]. Any failure is [`HeldFiles::Unmeasurable`].
+    async fn held_files_inside(&self, name: &str, user: &str) -> HeldFiles {
+        let started = std::time::Instant::now();
+        let held =
+            match tokio::time::timeout(HELD_FILES_TIMEOUT, self.exec_measurer(name, user)).await {
+                Ok(Ok(held)) => held,
+                Ok(Err(why)) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(why)),
+                Err(_) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(format!(
+                    "no report within {HELD_FILES_TIMEOUT:?}"
+                ))),
+            };
+        tracing::debug!(container = name, took = ?started.elapsed(), ?held, "held files counted inside");
+        held
+    }
+
+    async fn exec_measurer(&self, name: &str, user: &str) -> Result<HeldFiles, String> {
+        use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
+        use roundtable_sandbox_protocol::held::{
+            HeldReport, GUEST_PROGRAM, HELD_FILES_ARG, MAX_OUTPUT,
+        };
+        let docker = self
+            .client()
+            .await
+            .map_err(|_| "the engine cannot be reached".to_owned())?;
+        let options = CreateExecOptions {
+            attach_stdin: Some(false),
+            attach_stdout: Some(true),
+            attach_stderr: Some(false),
+            tty: Some(false),
+            privileged: Some(false),
+            user: Some(user),
+            working_dir: Some("/"),
+            env: Some(vec!["PATH=/bin"]),
+            cmd: Some(vec![GUEST_PROGRAM, HELD_FILES_ARG]),
+            detach_keys: None,
+        };
+        let exec = match docker.create_exec(name, options).await {
+            Ok(e) => e,
+            Err(e) => {
+                return match classify("exec", name, e).status() {
+                    // Not running (yet, or any more): no process holds anything.
+                    Some(404 | 409) => Ok(HeldFiles::Counted { files: 0, bytes: 0 }),
+                    status => Err(format!("the engine refused the exec ({status:?})")),
+                };
+            }
+        };
+        let start = StartExecOptions {
+            detach: false,
+            tty: false,
+            output_capacity: None,
+        };
+        let mut output = match docker.start_exec(&exec.id, Some(start)).await {
+            Ok(StartExecResults::Attached { output, .. }) => output,
+            Ok(StartExecResults::Detached) => return Err("the exec was detached".into()),
+            Err(e) => {
+                let status = classify("exec start", name, e).status();
+                return Err(format!("the engine could not start the exec ({status:?})"));
+            }
+        };
+        let mut out = Vec::new();
+        while let Some(frame) = output.next().await {
+            match frame {
+                Ok(LogOutput::StdOut { message }) => {
+                    if out.len() + message.len() > MAX_OUTPUT {
+                        return Err("the measurer printed more than a report".into());
+                    }
+                    out.extend_from_slice(&message);
+                }
+                Ok(_) => {}
+                Err(_) => return Err("the measurer's output stream failed".into()),
+            }
+        }
+        // The stream ends with the measurer's stdout; its exit may be recorded a moment later.
+        loop {
+            let inspected = docker
+                .inspect_exec(&exec.id)
+                .await
+                .map_err(|_| "the engine could not inspect the exec".to_owned())?;
+            match (inspected.running, inspected.exit_code) {
+                (Some(true), _) => tokio::time::sleep(Duration::from_millis(5)).await,
+                (Some(false), Some(0)) => break,
+                (_, code) => return Err(format!("the measurer ended with {code:?}")),
+            }
+        }
+        match HeldReport::parse(&out) {
+            Some(HeldReport::Counted { files, bytes }) => Ok(HeldFiles::Counted { files, bytes }),
+            Some(HeldReport::HiddenDescriptors) => {
+                Ok(HeldFiles::Unmeasurable(Unmeasurable::HiddenDescriptors))
+            }
+            Some(HeldReport::MappedDeleted) => {
+                Ok(HeldFiles::Unmeasurable(Unmeasurable::MappedDeleted))
+            }
+            None => Err("the measurer's report is not one".into()),
+        }
     }
 }
 

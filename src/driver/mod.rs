@@ -264,6 +264,42 @@ pub struct ContainerProcesses {
     pub cgroup_marker: Option<String>,
 }
 
+/// How the files a running container's processes hold open with no name left (deleted while
+/// open, `O_TMPFILE`) are counted for the workspace quota (see [`ContainerDriver::held_files`]
+/// and [`crate::quota`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeldFiles {
+    /// The container's processes are host processes: the host `stat`s their descriptors.
+    HostProcesses(ContainerProcesses),
+    /// Counted inside the sandbox, where the host cannot see the guest's descriptors.
+    Counted {
+        /// How many such files (each inode once).
+        files: u64,
+        /// Their allocated bytes.
+        bytes: u64,
+    },
+    /// They could not be counted; the quota counts the workspace as over it (fail closed).
+    Unmeasurable(Unmeasurable),
+}
+
+/// Why the files a container's processes hold could not be counted. The texts are the
+/// driver's own, never the guest's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unmeasurable {
+    /// A live process's descriptors cannot be read.
+    #[error("a process of the turn hides its open files from the host")]
+    HiddenDescriptors,
+    /// A deleted workspace file is held only through a memory mapping.
+    #[error("a deleted workspace file is held only through a memory mapping")]
+    MappedDeleted,
+    /// The measurer inside the sandbox did not give a report (refused, killed, timed out,
+    /// or printed something else).
+    #[error("the open files of the turn could not be counted inside the sandbox: {0}")]
+    Measurer(String),
+}
+
 /// A container created and started by [`ContainerDriver::start`], its guest waiting on stdin
 /// for its turn (a prepared container). Removal stays with [`ContainerDriver::remove`].
 pub trait StartedContainer: Send + std::fmt::Debug {
@@ -336,6 +372,25 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
         let _ = name;
         Box::pin(async { Ok(ContainerProcesses::default()) })
+    }
+
+    /// How the files the named container's processes hold open with no name left are
+    /// counted: the workspace quota's watcher asks once per measure (see [`crate::quota`]).
+    /// A backend whose guest processes are host processes lists them
+    /// ([`HeldFiles::HostProcesses`], what the default does with
+    /// [`ContainerDriver::processes`]); one that hides them from the host counts inside the
+    /// sandbox ([`HeldFiles::Counted`]) and reports every failure to do so as
+    /// [`HeldFiles::Unmeasurable`], never as a count.
+    fn held_files<'a>(&'a self, name: &'a str) -> BoxFuture<'a, HeldFiles> {
+        Box::pin(async move {
+            match self.processes(name).await {
+                Ok(p) => HeldFiles::HostProcesses(p),
+                Err(e) => {
+                    tracing::debug!(error = %e, "list the turn's processes");
+                    HeldFiles::HostProcesses(ContainerProcesses::default())
+                }
+            }
+        })
     }
 
     /// How the guest of the container `spec` describes reaches its broker; asked by the

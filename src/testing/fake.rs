@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::BoxFuture;
-use crate::driver::{ContainerSpec, SweepScope, LABEL_CHANNEL};
+use crate::driver::{ContainerProcesses, ContainerSpec, HeldFiles, SweepScope, LABEL_CHANNEL};
 use crate::protocol::Turn;
 use crate::{ContainerDriver, DriverError, HostTool, Reply, RunOutcome, ToolCallContext, Usage};
 
@@ -438,6 +438,25 @@ impl ContainerDriver for FakeDriver {
         match &self.mode {
             Mode::Around { inner, .. } => inner.sweep(scope),
             _ => Box::pin(async { Ok(Vec::new()) }),
+        }
+    }
+
+    fn processes<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.processes(name),
+            _ => Box::pin(async { Ok(ContainerProcesses::default()) }),
+        }
+    }
+
+    /// Around a real driver, its count (the container is real); otherwise no process holds
+    /// anything.
+    fn held_files<'a>(&'a self, name: &'a str) -> BoxFuture<'a, HeldFiles> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.held_files(name),
+            _ => Box::pin(async { HeldFiles::Counted { files: 0, bytes: 0 } }),
         }
     }
 }

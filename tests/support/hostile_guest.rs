@@ -383,6 +383,7 @@ mod quota {
         fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
         fn signal(signum: i32, handler: usize) -> usize;
         fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
+        fn kill(pid: i32, sig: i32) -> i32;
         fn mmap(addr: *mut u8, len: usize, prot: i32, flags: i32, fd: i32, off: i64) -> *mut u8;
         fn sendmsg(fd: i32, msg: *const MsgHdr, flags: i32) -> isize;
         fn renameat2(
@@ -584,22 +585,81 @@ mod quota {
                 if r != 0 {
                     return vec![format!("nondumpable=error({})", std::io::Error::last_os_error())];
                 }
-                let (files, mib) = (n(args, 1, 4), n(args, 2, 16));
-                let mut kept = Vec::new();
-                for i in 0..files {
-                    let path = format!("/workspace/nd-{i}");
-                    if let Ok(mut f) = std::fs::File::create(&path) {
-                        let _ = std::fs::remove_file(&path);
-                        let _ = fill(&mut f, mib);
-                        kept.push(f);
-                    }
-                }
+                let kept = held_here(n(args, 1, 4), n(args, 2, 16));
                 hold(60);
                 vec![format!("nondumpable=survived({})", kept.len())]
             }
             Some("inflight") => inflight(n(args, 1, 8), n(args, 2, 8)),
+            Some("killer") => killer(n(args, 1, 9) as i32, n(args, 2, 4), n(args, 3, 8)),
+            Some("starve") => starve(n(args, 1, 4), n(args, 2, 8)),
+            Some("starve-child") => {
+                hold(600);
+                vec![]
+            }
             other => vec![format!("unknown quota trick {other:?}")],
         }
+    }
+
+    /// Files deleted while held open, the names gone at once.
+    fn held_here(files: usize, mib: usize) -> Vec<std::fs::File> {
+        let mut kept = Vec::new();
+        for i in 0..files {
+            let path = format!("/workspace/kept-{i}");
+            if let Ok(mut f) = std::fs::File::create(&path) {
+                let _ = std::fs::remove_file(&path);
+                let _ = fill(&mut f, mib);
+                kept.push(f);
+            }
+        }
+        kept
+    }
+
+    /// Holds deleted files past the quota, then sends `sig` to every other process of the
+    /// container but its init, as fast as it can list them: whatever the host starts beside
+    /// it to count them (gVisor) is killed (9) or stopped (19).
+    fn killer(sig: i32, files: usize, mib: usize) -> Vec<String> {
+        let me = std::process::id() as i32;
+        let kept = held_here(files, mib);
+        let (mut signalled, started) = (0u64, Instant::now());
+        while started.elapsed() < Duration::from_secs(60) {
+            let Ok(list) = std::fs::read_dir("/proc") else { continue };
+            for e in list.flatten() {
+                let pid: i32 = match e.file_name().to_str().and_then(|n| n.parse().ok()) {
+                    Some(p) => p,
+                    None => continue,
+                };
+                // SAFETY: kill(2) with plain integers.
+                if pid != me && pid != 1 && unsafe { kill(pid, sig) } == 0 {
+                    signalled += 1;
+                    let _ = std::fs::write("/workspace/signalled", signalled.to_string());
+                }
+            }
+        }
+        vec![format!("killer=survived({};{signalled})", kept.len())]
+    }
+
+    /// Holds deleted files past the quota, then starts processes until the pids limit
+    /// refuses one: nothing is left for a process the host starts beside it (gVisor).
+    fn starve(files: usize, mib: usize) -> Vec<String> {
+        let kept = held_here(files, mib);
+        let mut children = Vec::new();
+        let refused = loop {
+            match std::process::Command::new("/proc/self/exe")
+                .args(["quota", "starve-child"])
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+            {
+                Ok(c) => children.push(c),
+                Err(e) => break e.to_string(),
+            }
+            if children.len() >= 4096 {
+                break "none".into();
+            }
+        };
+        let _ = std::fs::write("/workspace/children", format!("{} {refused}", children.len()));
+        hold(60);
+        vec![format!("starve=survived({};{})", kept.len(), children.len())]
     }
 
     fn io(r: std::io::Result<String>) -> String {
@@ -711,7 +771,14 @@ mod quota {
                         )
                     };
                     if r != 0 {
-                        return Err(std::io::Error::last_os_error());
+                        let e = std::io::Error::last_os_error();
+                        // gVisor has no RENAME_EXCHANGE (EINVAL): three renames swap them.
+                        if e.raw_os_error() != Some(22) {
+                            return Err(e);
+                        }
+                        std::fs::rename("/workspace/a", "/workspace/t")?;
+                        std::fs::rename("/workspace/l", "/workspace/a")?;
+                        std::fs::rename("/workspace/t", "/workspace/l")?;
                     }
                     swaps += 1;
                 }
