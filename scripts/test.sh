@@ -17,6 +17,10 @@ scripts/build-image.sh
 scripts/build-hostile-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
+# The hostile guests again, each turn in a container prepared before its message (warm
+# turns, on by default in the actor layer): the same attacks, the same results.
+echo "== hostile guests through prepared containers (ROUNDTABLE_WARM=1)" >&2
+ROUNDTABLE_WARM=1 cargo test --workspace --no-fail-fast --test security_guest "$@"
 # The same binaries again with every guest container under gVisor (runsc): the sealed turn,
 # the agent end to end, the hostile guests and the runtime's own tests.
 gvisor_listed() { docker info --format '{{range $n, $_ := .Runtimes}}{{$n}} {{end}}' | tr ' ' '\n' | grep -qx runsc; }

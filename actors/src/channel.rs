@@ -405,6 +405,7 @@ impl ChannelActor {
             restarts: self.restarts,
             turns_done: self.turns_done,
             active_for: self.active.as_ref().map(|a| a.admitted.elapsed()),
+            prepared: self.warm.is_some(),
         }
     }
 }

@@ -124,6 +124,9 @@ pub struct ChannelStatus {
     pub turns_done: u64,
     /// How long the active turn has been admitted.
     pub active_for: Option<Duration>,
+    /// Whether a container prepared for the channel's next turn waits in its slot (warm
+    /// turns; a container still being prepared is not counted).
+    pub prepared: bool,
 }
 
 /// Answer to [`Status`].

@@ -276,6 +276,7 @@ impl Handler<Status> for SandboxSupervisor {
                 restarts: 0,
                 turns_done: 0,
                 active_for: None,
+                prepared: false,
             })
             .collect();
         let shared = self.shared.clone();
@@ -295,6 +296,7 @@ impl Handler<Status> for SandboxSupervisor {
                         restarts: 0,
                         turns_done: 0,
                         active_for: None,
+                        prepared: false,
                     }),
                 }
             }

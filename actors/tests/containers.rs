@@ -20,6 +20,9 @@ const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'
 fn config(env: &Env) -> SupervisorOptions {
     let mut c = env.config();
     c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    // The cold path: one container per turn, made at admission (tests/warm.rs runs the
+    // same exits through prepared containers).
+    c.warm.enabled = false;
     let mut s = SupervisorOptions::new(c);
     s.max_containers = 4;
     s

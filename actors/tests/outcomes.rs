@@ -27,6 +27,8 @@ fn settings(env: &Env, timeout: Duration) -> SupervisorOptions {
     c.turn_timeout = Some(timeout);
     c.limits.memory_mb = 32;
     c.limits.workspace_mb = 1;
+    // The cold path (tests/warm.rs: the typed exits of turns in prepared containers).
+    c.warm.enabled = false;
     let mut s = SupervisorOptions::new(c);
     s.max_containers = 4;
     s.queue_limit = 1;

@@ -18,7 +18,10 @@ use roundtable_sandbox_actors::*;
 
 type Answer = Result<TurnOutcome, SandboxActorError>;
 
-const SCRIPT: &str = r#"t=$(cat); printf '{"ok":true,"text":"%s"}' "$(cat /etc/hostname)""#;
+const SCRIPT: &str = r#"t=$(cat); h=$(cat /etc/hostname); case "$t" in
+*'"text":"sleep'*) sleep 300;;
+*'"text":"fail'*) printf '{"ok":false,"error":"%s"}' "$h"; exit 0;;
+esac; printf '{"ok":true,"text":"%s"}' "$h""#;
 
 fn config(env: &Env, max: usize) -> SupervisorOptions {
     let mut c = env.config();
@@ -88,8 +91,15 @@ fn segment16(channel: &str) -> String {
     roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
 }
 
-/// Waits until `channel` has a running prepared container, and returns it.
-async fn until_prepared(instance: &str, channel: &str) -> Listed {
+/// Waits until `channel`'s actor holds a prepared container in its slot (the engine lists
+/// a container as running before its start returns to the channel), and returns it.
+async fn until_prepared(addr: &Addr<SandboxSupervisor>, instance: &str, channel: &str) -> Listed {
+    status_until(addr, "a container prepared for the channel", |s| {
+        s.channels
+            .iter()
+            .any(|c| c.channel == channel && c.prepared)
+    })
+    .await;
     let started = Instant::now();
     loop {
         if let Some(found) = prepared(instance)
@@ -107,12 +117,17 @@ async fn until_prepared(instance: &str, channel: &str) -> Listed {
     }
 }
 
-async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str) -> TurnOutcome {
+/// Sends `text` to `channel` and returns the turn's outcome (a turn that ran, ok or not).
+async fn turn(addr: Addr<SandboxSupervisor>, channel: &str, text: &str) -> TurnOutcome {
     let answer: Answer = addr
-        .send(GuestMessage::new(channel, speaker("ann"), "hello"))
+        .send(GuestMessage::new(channel, speaker("ann"), text))
         .await
         .unwrap();
-    let outcome = answer.unwrap();
+    answer.unwrap()
+}
+
+async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str) -> TurnOutcome {
+    let outcome = turn(addr.clone(), channel, "hello").await;
     assert!(outcome.reply.ok, "{outcome:?}");
     outcome
 }
@@ -139,7 +154,7 @@ async fn the_next_turn_is_served_by_the_prepared_container() {
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     let first = ask(&addr, "#warm").await;
-    let ready = until_prepared(&instance, "#warm").await;
+    let ready = until_prepared(&addr, &instance, "#warm").await;
     assert_ne!(
         served_by(&first),
         ready.id[..12],
@@ -153,11 +168,91 @@ async fn the_next_turn_is_served_by_the_prepared_container() {
         ready.name
     );
     // One container per turn: the adopted one is gone, a new one waits for the third.
-    let next = until_prepared(&instance, "#warm").await;
+    let next = until_prepared(&addr, &instance, "#warm").await;
     assert_ne!(next.id, ready.id);
     let third = ask(&addr, "#warm").await;
     assert_eq!(served_by(&third), next.id[..12]);
     shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+/// A turn served by a prepared container ends as a cold one does: a guest error, a stop
+/// and a timeout each end with the typed failure, and the adopted container (it served
+/// the turn: the guest named it, or it was the only container while the turn ran) is
+/// removed with its run dir; the channel prepares the next one.
+#[actix_rt::test]
+async fn every_exit_of_an_adopted_turn_removes_its_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut settings = config(&env, 8);
+    settings.config.turn_timeout = Some(Duration::from_secs(10));
+    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    let channel = "#exits";
+    ask(&addr, channel).await;
+
+    let ready = until_prepared(&addr, &instance, channel).await;
+    let failed = turn(addr.clone(), channel, "fail").await;
+    assert_eq!(failed.failure, Some(TurnFailure::GuestError), "{failed:?}");
+    assert_eq!(
+        failed.reply.error,
+        Some(format!("the guest reported an error: {}", &ready.id[..12]))
+    );
+    adopted_container_removed(&env, &instance, &ready).await;
+
+    for (how, expected, failure) in [
+        ("stop", "turn stopped", TurnFailure::Stopped),
+        ("timeout", "turn timed out after 10s", TurnFailure::Timeout),
+    ] {
+        let ready = until_prepared(&addr, &instance, channel).await;
+        let running = actix_rt::spawn(turn(addr.clone(), channel, "sleep"));
+        status_until(&addr, "the turn's container runs", |s| {
+            s.channels.iter().any(|c| {
+                c.channel == channel
+                    && c.state == ChannelState::Running(TurnPhase::ContainerRunning)
+            })
+        })
+        .await;
+        assert_eq!(
+            labelled_containers_of(&instance).await,
+            vec![format!("/{}", ready.name)],
+            "{how}: the prepared container runs the turn, alone"
+        );
+        if how == "stop" {
+            let stopped = addr
+                .send(Stop {
+                    channel: channel.into(),
+                })
+                .await
+                .unwrap();
+            assert!(stopped, "a turn was active");
+        }
+        let outcome = running.await.unwrap();
+        assert_eq!(outcome.reply.error.as_deref(), Some(expected), "{how}");
+        assert_eq!(outcome.failure, Some(failure), "{how}");
+        adopted_container_removed(&env, &instance, &ready).await;
+    }
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+/// Waits until the adopted container `served` and its run dir are gone: the only ones left
+/// are the next prepared container's (at most one of each).
+async fn adopted_container_removed(env: &Env, instance: &str, served: &Listed) {
+    let started = Instant::now();
+    loop {
+        let names = labelled_containers_of(instance).await;
+        let dirs = env.turn_dirs();
+        if !names.contains(&format!("/{}", served.name))
+            && names.len() <= 1
+            && dirs.len() <= names.len()
+        {
+            return;
+        }
+        assert!(
+            started.elapsed() < PROMPTLY,
+            "the adopted container {} or its run dir was left: {names:?} {dirs:?}",
+            served.name
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[actix_rt::test]
@@ -166,7 +261,7 @@ async fn before_its_turn_a_prepared_container_reaches_no_broker() {
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#late").await;
-    let ready = until_prepared(&instance, "#late").await;
+    let ready = until_prepared(&addr, &instance, "#late").await;
     // The first turn's teardown is done.
     status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
     // Its run dir (the only turn dir now) holds no socket: a connection is refused.
@@ -196,7 +291,7 @@ async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#killed").await;
-    let ready = until_prepared(&instance, "#killed").await;
+    let ready = until_prepared(&addr, &instance, "#killed").await;
     let driver = DockerDriver::default();
     let docker = driver.client().await.unwrap();
     docker
@@ -235,7 +330,7 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#removed").await;
-    let ready = until_prepared(&instance, "#removed").await;
+    let ready = until_prepared(&addr, &instance, "#removed").await;
     DockerDriver::default()
         .client()
         .await
@@ -261,7 +356,7 @@ async fn a_reset_discards_the_prepared_container() {
     let instance = instance_of(&env).await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#reset").await;
-    let ready = until_prepared(&instance, "#reset").await;
+    let ready = until_prepared(&addr, &instance, "#reset").await;
     addr.send(StartFresh {
         channel: "#reset".into(),
     })
@@ -289,7 +384,7 @@ async fn a_prepared_container_expires_after_its_ttl() {
     settings.config.warm.ttl_secs = Some(1);
     let addr = SandboxSupervisor::start(settings).await.unwrap();
     ask(&addr, "#ttl").await;
-    until_prepared(&instance, "#ttl").await;
+    until_prepared(&addr, &instance, "#ttl").await;
     let started = Instant::now();
     while !prepared(&instance).await.is_empty() || !env.turn_dirs().is_empty() {
         assert!(

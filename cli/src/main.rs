@@ -467,6 +467,16 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         "              {}/<sha256(channel)> -> /workspace (read-write; the root itself is never mounted)",
         show(&config.workspace_root)
     );
+    let w = &config.warm;
+    match (w.on(), w.ttl()) {
+        (false, _) => println!("warm turns    off (every turn creates and starts its container)"),
+        (true, ttl) => println!(
+            "warm turns    on: each channel's next container is started after its turn, up to {} in all, \
+             removed after {} unused; it reaches no broker before its turn",
+            w.max,
+            ttl.map_or("the channel's idle timeout".to_owned(), |t| format!("{} s", t.as_secs()))
+        ),
+    }
     println!(
         "turn timeout  {} s",
         config

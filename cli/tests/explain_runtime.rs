@@ -1,5 +1,5 @@
-//! `explain` shows the runtime every guest container runs under, and what replaces the
-//! broker's peer-uid check when a runtime needs it off.
+//! `explain` shows the runtime every guest container runs under, what replaces the
+//! broker's peer-uid check when a runtime needs it off, and whether turns are warm.
 
 use std::process::Command;
 
@@ -15,14 +15,38 @@ fn explain(config: Option<&str>, run: &str, ws: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-#[test]
-fn explain_shows_the_runtime() {
+/// A config file in `dir` with its roots under `dir`, plus `extra` lines; returns its path.
+fn config_file(dir: &std::path::Path, extra: &str) -> String {
+    let (run, ws) = (dir.join("run"), dir.join("ws"));
+    let path = dir.join("config.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\n\
+             workspace_root = \"{}\"\nmodel = \"m\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
+             allow_http = true\n{extra}",
+            run.display(),
+            ws.display()
+        ),
+    )
+    .unwrap();
+    path.display().to_string()
+}
+
+/// A temp dir, and the run and workspace roots under it.
+fn roots(prefix: &str) -> (tempfile::TempDir, String, String) {
     let dir = tempfile::Builder::new()
-        .prefix("rte-")
+        .prefix(prefix)
         .tempdir_in("/tmp")
         .unwrap();
     let run = dir.path().join("run").display().to_string();
     let ws = dir.path().join("ws").display().to_string();
+    (dir, run, ws)
+}
+
+#[test]
+fn explain_shows_the_runtime() {
+    let (dir, run, ws) = roots("rte-");
     let out = explain(None, &run, &ws);
     assert!(
         out.contains("runtime       the engine's default (runc: the guest shares the host kernel)"),
@@ -32,17 +56,8 @@ fn explain_shows_the_runtime() {
         out.contains("broker peer   only the worker uid may connect (SO_PEERCRED)"),
         "{out}"
     );
-    let path = dir.path().join("gvisor.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\n\
-             workspace_root = \"{ws}\"\nmodel = \"m\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-             allow_http = true\nruntime = \"runsc\"\npeer_uid_check = false\n"
-        ),
-    )
-    .unwrap();
-    let out = explain(Some(&path.display().to_string()), &run, &ws);
+    let path = config_file(dir.path(), "runtime = \"runsc\"\npeer_uid_check = false\n");
+    let out = explain(Some(&path), &run, &ws);
     assert!(
         out.contains(
             "runtime       runsc (gVisor: a user-space kernel between the guest and the host)"
@@ -56,4 +71,33 @@ fn explain_shows_the_runtime() {
         ),
         "{out}"
     );
+}
+
+#[test]
+fn explain_shows_whether_turns_are_warm() {
+    let (dir, run, ws) = roots("rtw-");
+    // On by default, removed after the channel's idle timeout.
+    let out = explain(None, &run, &ws);
+    assert!(
+        out.contains(
+            "warm turns    on: each channel's next container is started after its turn, up to 8 \
+             in all, removed after the channel's idle timeout unused; it reaches no broker \
+             before its turn"
+        ),
+        "{out}"
+    );
+    let ttl = config_file(dir.path(), "[warm]\nmax = 3\nttl_secs = 30\n");
+    let out = explain(Some(&ttl), &run, &ws);
+    assert!(
+        out.contains("up to 3 in all, removed after 30 s unused"),
+        "{out}"
+    );
+    for off in ["[warm]\nenabled = false\n", "[warm]\nmax = 0\n"] {
+        let path = config_file(dir.path(), off);
+        let out = explain(Some(&path), &run, &ws);
+        assert!(
+            out.contains("warm turns    off (every turn creates and starts its container)"),
+            "{off}: {out}"
+        );
+    }
 }

@@ -9,7 +9,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WarmSettings {
-    /// Prepare each channel's next container in the background (default false).
+    /// Prepare each channel's next container in the background (default true; `false` is
+    /// the one setting that turns warm turns off).
     pub enabled: bool,
     /// Prepared containers at most, across channels (0 to 256; 0 turns them off; default 8).
     /// They count against memory, not against running turns.
@@ -22,7 +23,7 @@ pub struct WarmSettings {
 impl Default for WarmSettings {
     fn default() -> Self {
         Self {
-            enabled: false,
+            enabled: true,
             max: 8,
             ttl_secs: None,
         }
