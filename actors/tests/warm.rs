@@ -385,16 +385,79 @@ async fn a_prepared_container_expires_after_its_ttl() {
     let addr = SandboxSupervisor::start(settings).await.unwrap();
     ask(&addr, "#ttl").await;
     until_prepared(&addr, &instance, "#ttl").await;
+    until_none_prepared(&env, &instance, "the prepared container outlived its TTL").await;
+    // The next turn starts cold and works.
+    ask(&addr, "#ttl").await;
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+/// Waits until no prepared container and no run dir is left.
+async fn until_none_prepared(env: &Env, instance: &str, why: &str) {
     let started = Instant::now();
-    while !prepared(&instance).await.is_empty() || !env.turn_dirs().is_empty() {
+    while !prepared(instance).await.is_empty() || !env.turn_dirs().is_empty() {
         assert!(
             started.elapsed() < PROMPTLY,
-            "the prepared container outlived its TTL"
+            "{why}: {:?} {:?}",
+            prepared(instance).await,
+            env.turn_dirs()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // The next turn starts cold and works.
-    ask(&addr, "#ttl").await;
+}
+
+#[actix_rt::test]
+async fn a_retiring_channel_removes_its_prepared_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let mut settings = config(&env, 8);
+    // The TTL alone would keep it for an hour: the retirement removes it.
+    settings.config.warm.ttl_secs = Some(3600);
+    settings.idle_timeout = Duration::from_secs(1);
+    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    ask(&addr, "#retire").await;
+    until_prepared(&addr, &instance, "#retire").await;
+    status_until(&addr, "the channel retired", |s| {
+        s.channels.iter().all(|c| !c.live) && s.totals.retired == 1
+    })
+    .await;
+    until_none_prepared(
+        &env,
+        &instance,
+        "a retired channel kept its prepared container",
+    )
+    .await;
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+#[actix_rt::test]
+async fn a_restarted_channel_actor_removes_its_prepared_container() {
+    let env = Env::new();
+    let instance = instance_of(&env).await;
+    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    ask(&addr, "#restart").await;
+    let ready = until_prepared(&addr, &instance, "#restart").await;
+    // The first turn is done (a turn ending after the restart would prepare anew).
+    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    assert!(addr
+        .send(InjectPanic {
+            channel: "#restart".into()
+        })
+        .await
+        .unwrap());
+    status_until(&addr, "the channel actor restarted", |s| {
+        s.totals.restarts == 1
+    })
+    .await;
+    until_none_prepared(
+        &env,
+        &instance,
+        "a restarted actor kept its prepared container",
+    )
+    .await;
+    // The next turn starts cold and works; its successor is prepared again.
+    let served = ask(&addr, "#restart").await;
+    assert_ne!(served_by(&served), ready.id[..12]);
+    until_prepared(&addr, &instance, "#restart").await;
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
 
