@@ -23,7 +23,7 @@ use futures_util::StreamExt;
 use roundtable_sandbox::driver::ContainerSpec;
 use roundtable_sandbox::protocol::{Speaker, Turn};
 use roundtable_sandbox::{
-    run_turn, ApiKey, Config, ContainerDriver, DockerDriver, PhaseObserver, Sandbox, TurnPhase,
+    ApiKey, Config, ContainerDriver, DockerDriver, PhaseObserver, Sandbox, TurnPhase,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
@@ -124,12 +124,7 @@ impl Roots {
 
 /// The runtime for trivial turns; `model_url` is where a guest's model calls would go.
 pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
-    let c = Config::builder(&roots.run_root, &roots.workspace_root)
-        .image(image)
-        .model(model_url, "bench-model")
-        .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
-        .allow_http(true)
-        .turn_timeout(Duration::from_secs(120))
+    let c = bench_config(&roots.run_root, &roots.workspace_root, image, model_url)
         .command(command())
         .instance(format!("bench-{}", std::process::id()))
         .build();
@@ -138,21 +133,37 @@ pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sand
 
 /// The runtime with prepared containers on (`[warm]`), on its own roots.
 pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
-    let c = Config::builder(&roots.warm_run_root, &roots.warm_workspace_root)
+    let c = bench_config(
+        &roots.warm_run_root,
+        &roots.warm_workspace_root,
+        image,
+        model_url,
+    )
+    .command(command())
+    .instance(format!("bench-warm-{}", std::process::id()))
+    .warm(roundtable_sandbox::WarmSettings {
+        enabled: true,
+        max: 64,
+        ttl_secs: None,
+    })
+    .build();
+    Sandbox::new(c).await.context("start the warm runtime")
+}
+
+/// The settings every runtime of the bench shares: the image, a model endpoint (plain HTTP
+/// allowed), a key that never reaches the container, a 120 s turn timeout.
+pub fn bench_config(
+    run_root: &Path,
+    workspace_root: &Path,
+    image: &str,
+    model_url: &str,
+) -> roundtable_sandbox::config::ConfigBuilder {
+    Config::builder(run_root, workspace_root)
         .image(image)
         .model(model_url, "bench-model")
         .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
         .allow_http(true)
         .turn_timeout(Duration::from_secs(120))
-        .command(command())
-        .instance(format!("bench-warm-{}", std::process::id()))
-        .warm(roundtable_sandbox::WarmSettings {
-            enabled: true,
-            max: 64,
-            ttl_secs: None,
-        })
-        .build();
-    Sandbox::new(c).await.context("start the warm runtime")
 }
 
 /// Prepares the channel's next container (what a channel does after its turn, in the
@@ -171,6 +182,32 @@ pub async fn warm_turn(
     channel: &str,
 ) -> Result<(Timing, Vec<(String, Duration)>)> {
     let prepared = prepare(sandbox, channel).await?;
+    timed_turn(sandbox, channel, Some(prepared), "warm").await
+}
+
+/// A trivial turn through the whole runtime (`run_turn`: dirs, broker, container,
+/// reply, teardown). `reply` is when the turn's reply callback fires.
+pub async fn runtime_turn(sandbox: &Sandbox, channel: &str) -> Result<Timing> {
+    Ok(runtime_turn_profiled(sandbox, channel).await?.0)
+}
+
+/// [`runtime_turn`], with the time at which each phase began (the turn's observer).
+pub async fn runtime_turn_profiled(
+    sandbox: &Sandbox,
+    channel: &str,
+) -> Result<(Timing, Vec<(String, Duration)>)> {
+    timed_turn(sandbox, channel, None, "runtime").await
+}
+
+/// One trivial turn through the runtime (cold when `prepared` is `None`, which is what
+/// `run_turn` does), timed from just before the call, with the time at which each phase
+/// began. `what` names the path in the error of a failed turn.
+async fn timed_turn(
+    sandbox: &Sandbox,
+    channel: &str,
+    prepared: Option<roundtable_sandbox::PreparedTurn>,
+    what: &str,
+) -> Result<(Timing, Vec<(String, Duration)>)> {
     let request = roundtable_sandbox::TurnRequest {
         channel: channel.into(),
         speaker: speaker(),
@@ -191,64 +228,14 @@ pub async fn warm_turn(
     let outcome = roundtable_sandbox::run_turn_prepared(
         sandbox,
         request,
-        Some(prepared),
+        prepared,
         |_| reply_at = Some(t0.elapsed()),
         Some(observer),
     )
     .await;
     let total = t0.elapsed();
     if !outcome.reply.ok {
-        bail!("warm turn failed: {:?}", outcome.reply.error);
-    }
-    let phases = std::mem::take(&mut *phases.lock().expect("not poisoned"));
-    Ok((
-        Timing {
-            reply: reply_at.unwrap_or(total),
-            total,
-            steps: None,
-        },
-        phases,
-    ))
-}
-
-/// A trivial turn through the whole runtime (`run_turn`: dirs, broker, container,
-/// reply, teardown). `reply` is when the turn's reply callback fires.
-pub async fn runtime_turn(sandbox: &Sandbox, channel: &str) -> Result<Timing> {
-    Ok(runtime_turn_profiled(sandbox, channel).await?.0)
-}
-
-/// [`runtime_turn`], with the time at which each phase began (the turn's observer).
-pub async fn runtime_turn_profiled(
-    sandbox: &Sandbox,
-    channel: &str,
-) -> Result<(Timing, Vec<(String, Duration)>)> {
-    let request = roundtable_sandbox::TurnRequest {
-        channel: channel.into(),
-        speaker: speaker(),
-        text: "hello".into(),
-        reset: false,
-        stop: CancellationToken::new(),
-        admitted: None,
-    };
-    let t0 = Instant::now();
-    let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));
-    let seen = phases.clone();
-    let observer: PhaseObserver = Arc::new(move |p: TurnPhase| {
-        seen.lock()
-            .expect("not poisoned")
-            .push((format!("{p:?}"), t0.elapsed()));
-    });
-    let mut reply_at = None;
-    let reply = run_turn(
-        sandbox,
-        request,
-        |_| reply_at = Some(t0.elapsed()),
-        Some(observer),
-    )
-    .await;
-    let total = t0.elapsed();
-    if !reply.ok {
-        bail!("runtime turn failed: {:?}", reply.error);
+        bail!("{what} turn failed: {:?}", outcome.reply.error);
     }
     let phases = std::mem::take(&mut *phases.lock().expect("not poisoned"));
     Ok((

@@ -11,14 +11,12 @@
 //! Every turn is cold (a new container); `reply` is when the reply is known, `total` when
 //! the container and the run dir are gone.
 
-use std::time::Duration;
-
 use anyhow::{Context, Result};
 use roundtable_sandbox::config::GVISOR_RUNTIME;
-use roundtable_sandbox::{ApiKey, Config, Sandbox};
+use roundtable_sandbox::Sandbox;
 use serde_json::{json, Value};
 
-use crate::lifecycle::{command, runtime_turn};
+use crate::lifecycle::{bench_config, command, runtime_turn};
 use crate::stats::{ratio, Samples};
 
 /// The paths, in their interleaving order: (name, guest program, runtime).
@@ -37,15 +35,12 @@ async fn sandbox(
     real_guest: bool,
     runtime: Option<&str>,
 ) -> Result<Sandbox> {
-    let mut c = Config::builder(
-        dir.join(format!("{name}-run")),
-        dir.join(format!("{name}-ws")),
+    let mut c = bench_config(
+        &dir.join(format!("{name}-run")),
+        &dir.join(format!("{name}-ws")),
+        image,
+        model_url,
     )
-    .image(image)
-    .model(model_url, "bench-model")
-    .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
-    .allow_http(true)
-    .turn_timeout(Duration::from_secs(120))
     .build();
     if !real_guest {
         c.command = Some(command());
