@@ -9,7 +9,10 @@ use actix::prelude::*;
 pub use roundtable_sandbox::testing::*;
 
 pub use crate::messages::InjectPanic;
-use crate::{SandboxSupervisor, Status, StatusReport, SupervisorOptions, TurnProgress};
+use crate::{
+    GuestMessage, SandboxActorError, SandboxSupervisor, Status, StatusReport, Stop,
+    SupervisorOptions, TurnOutcome, TurnProgress,
+};
 
 /// Actor settings around `env`'s config, running turns with `driver` and offering `tool`:
 /// room for 16 containers at once and 32 queued turns per channel.
@@ -25,6 +28,42 @@ pub fn fake_supervisor(
     s.max_containers = 16;
     s.queue_limit = 32;
     s
+}
+
+/// Sends `text` from `ann` to `channel` on a task of its own (so a test can hold several
+/// turns in flight); the task gives the supervisor's answer.
+pub fn send(
+    addr: &Addr<SandboxSupervisor>,
+    channel: &str,
+    text: &str,
+) -> tokio::task::JoinHandle<Result<TurnOutcome, SandboxActorError>> {
+    send_as(addr, channel, "ann", text)
+}
+
+/// [`send`] from the speaker `who` (see [`speaker`]).
+pub fn send_as(
+    addr: &Addr<SandboxSupervisor>,
+    channel: &str,
+    who: &str,
+    text: &str,
+) -> tokio::task::JoinHandle<Result<TurnOutcome, SandboxActorError>> {
+    let request = addr.send(GuestMessage::new(channel, speaker(who), text));
+    actix_rt::spawn(async move { request.await.expect("supervisor alive") })
+}
+
+/// Stops `channel`'s turn (see [`Stop`]); whether a turn was active.
+pub async fn stop(addr: &Addr<SandboxSupervisor>, channel: &str) -> bool {
+    addr.send(Stop {
+        channel: channel.into(),
+    })
+    .await
+    .expect("supervisor alive")
+}
+
+/// Waits until no channel is busy: every turn answered and torn down (a reply comes before
+/// its teardown).
+pub async fn until_idle(addr: &Addr<SandboxSupervisor>) {
+    status_until(addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
 }
 
 /// Polls the supervisor's status every 5 ms until `cond` holds; panics with `what` and the

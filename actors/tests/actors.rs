@@ -16,18 +16,8 @@ type Answer = Result<TurnOutcome, SandboxActorError>;
 
 const SECS5: Duration = Duration::from_secs(5);
 
-fn send(
-    addr: &Addr<SandboxSupervisor>,
-    channel: &str,
-    who: &str,
-    text: &str,
-) -> tokio::task::JoinHandle<Answer> {
-    let request = addr.send(GuestMessage::new(channel, speaker(who), text));
-    actix_rt::spawn(async move { request.await.expect("supervisor alive") })
-}
-
 async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str, who: &str, text: &str) -> Answer {
-    send(addr, channel, who, text).await.unwrap()
+    send_as(addr, channel, who, text).await.unwrap()
 }
 
 fn ok_text(answer: Answer) -> String {
@@ -51,14 +41,6 @@ fn channel_status<'a>(status: &'a StatusReport, channel: &str) -> Option<&'a Cha
 
 fn pending(status: &StatusReport, channel: &str) -> u64 {
     channel_status(status, channel).map_or(0, |c| c.pending_reset)
-}
-
-/// Waits until every turn has torn down (replies come before teardown).
-async fn settle(addr: &Addr<SandboxSupervisor>) {
-    status_until(addr, "every turn torn down", |s| {
-        s.totals.busy_channels == 0
-    })
-    .await;
 }
 
 async fn start(config: SupervisorOptions) -> Addr<SandboxSupervisor> {
@@ -135,7 +117,7 @@ async fn failure_cleanup_and_the_channel_goes_on() {
         channel_status(s, "#f").is_some_and(|c| c.state == ChannelState::Idle)
     })
     .await;
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 
     // A panicking turn (here: in the driver) is answered, cleaned up, and the channel goes on.
@@ -146,7 +128,7 @@ async fn failure_cleanup_and_the_channel_goes_on() {
         "{err}"
     );
     assert!(ok_text(ask(&addr, "#f", "ann", "next").await).starts_with("ann|next|"));
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
@@ -171,7 +153,7 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
     let addr = start(config).await;
     supervisor.set(addr.clone()).unwrap();
 
-    let first = send(&addr, "#r", "ann", "block one");
+    let first = send_as(&addr, "#r", "ann", "block one");
     status_until(&addr, "reset requested during start-up", |s| {
         pending(s, "#r") == 1
     })
@@ -203,7 +185,7 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
         ok_text(ask(&addr, "#r", "ann", "three").await),
         "ann|three|reset=false|"
     );
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
 
@@ -217,7 +199,7 @@ async fn a_successful_turn_consumes_only_the_generation_it_started_with() {
     };
 
     addr.send(fresh()).await.unwrap();
-    let first = send(&addr, "#g", "ann", "block one");
+    let first = send_as(&addr, "#g", "ann", "block one");
     eventually("first turn running", SECS5, || driver.running() == 1).await;
     // A reset requested during the active turn.
     addr.send(fresh()).await.unwrap();
@@ -254,14 +236,9 @@ async fn a_failed_or_stopped_turn_consumes_no_reset() {
     );
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
 
-    let stopped = send(&addr, "#x", "ann", "block");
+    let stopped = send_as(&addr, "#x", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
-    assert!(addr
-        .send(Stop {
-            channel: "#x".into()
-        })
-        .await
-        .unwrap());
+    assert!(stop(&addr, "#x").await);
     assert_eq!(error_text(stopped.await.unwrap()), "turn stopped");
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#x"), 1);
 
@@ -280,7 +257,7 @@ async fn channels_are_independent() {
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
-    let slow = send(&addr, "#slow", "ann", "block");
+    let slow = send_as(&addr, "#slow", "ann", "block");
     eventually("#slow running", SECS5, || driver.running() == 1).await;
     // Another channel answers at once, and a failure there does not touch #slow.
     let started = Instant::now();
@@ -309,10 +286,10 @@ async fn the_turn_and_its_tool_calls_carry_the_admitted_speaker() {
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
-    let first = send(&addr, "#who", "alice", "block whoami 1");
+    let first = send_as(&addr, "#who", "alice", "block whoami 1");
     eventually("alice's turn running", SECS5, || driver.running() == 1).await;
-    let second = send(&addr, "#who", "bob", "whoami 2");
-    let third = send(&addr, "#who", "carol", "whoami 3");
+    let second = send_as(&addr, "#who", "bob", "whoami 2");
+    let third = send_as(&addr, "#who", "carol", "whoami 3");
     status_until(&addr, "two queued", |s| {
         channel_status(s, "#who").is_some_and(|c| c.queued == 2)
     })
@@ -349,7 +326,7 @@ async fn twenty_messages_to_one_channel_run_in_order_one_at_a_time() {
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let answers: Vec<_> = (0..20)
-        .map(|i| send(&addr, "#seq", &format!("u{i}"), &format!("m{i}")))
+        .map(|i| send_as(&addr, "#seq", &format!("u{i}"), &format!("m{i}")))
         .collect();
     let answers = join_all(answers).await;
     for (i, a) in answers.into_iter().enumerate() {
@@ -361,7 +338,7 @@ async fn twenty_messages_to_one_channel_run_in_order_one_at_a_time() {
     assert_eq!(driver.events(), expected, "in order, never two at once");
     assert_eq!(driver.max_running(), 1);
     assert!(!driver.overlap());
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
 
@@ -372,7 +349,7 @@ async fn ten_channels_run_at_once() {
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
     let answers: Vec<_> = (0..10)
-        .map(|i| send(&addr, &format!("#c{i}"), "ann", &format!("block {i}")))
+        .map(|i| send_as(&addr, &format!("#c{i}"), "ann", &format!("block {i}")))
         .collect();
     eventually("ten containers at once", SECS5, || driver.running() == 10).await;
     let s = addr.send(Status).await.unwrap();
@@ -393,11 +370,11 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
     config.queue_limit = 2;
     let addr = start(config).await;
 
-    let running = send(&addr, "#b", "ann", "block");
+    let running = send_as(&addr, "#b", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
     let queued = [
-        send(&addr, "#b", "bob", "q1"),
-        send(&addr, "#b", "cy", "q2"),
+        send_as(&addr, "#b", "bob", "q1"),
+        send_as(&addr, "#b", "cy", "q2"),
     ];
     let started = Instant::now();
     let err = ask(&addr, "#b", "dan", "too many").await.unwrap_err();
@@ -426,19 +403,9 @@ async fn stop_with_nothing_running_answers_false() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
-    assert!(!addr
-        .send(Stop {
-            channel: "#none".into()
-        })
-        .await
-        .unwrap());
+    assert!(!stop(&addr, "#none").await);
     ok_text(ask(&addr, "#idle", "ann", "hi").await);
-    assert!(!addr
-        .send(Stop {
-            channel: "#idle".into()
-        })
-        .await
-        .unwrap());
+    assert!(!stop(&addr, "#idle").await);
     let s = addr.send(Status).await.unwrap();
     assert!(
         channel_status(&s, "#none").is_none(),
@@ -452,16 +419,11 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
-    let turn = send(&addr, "#s", "ann", "block");
-    let queued = send(&addr, "#s", "bob", "after");
+    let turn = send_as(&addr, "#s", "ann", "block");
+    let queued = send_as(&addr, "#s", "bob", "after");
     eventually("running", SECS5, || driver.running() == 1).await;
     let started = Instant::now();
-    assert!(addr
-        .send(Stop {
-            channel: "#s".into()
-        })
-        .await
-        .unwrap());
+    assert!(stop(&addr, "#s").await);
     assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(driver.runs()[0].outcome, Some(RunEnd::Cancelled));
@@ -473,7 +435,7 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
     })
     .await;
     assert_eq!(driver.removed()[0], runs[0].name);
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
 
@@ -511,25 +473,20 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
     );
 
     // 2. Stopped while admitted and waiting for a container slot: no container at all.
-    let holder = send(&addr, "#holder", "ann", "block");
+    let holder = send_as(&addr, "#holder", "ann", "block");
     eventually("holder running", SECS5, || driver.running() == 1).await;
-    let waiting = send(&addr, "#w", "bob", "block never");
+    let waiting = send_as(&addr, "#w", "bob", "block never");
     status_until(&addr, "waiting for a slot", |s| {
         channel_status(s, "#w").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
     })
     .await;
-    assert!(addr
-        .send(Stop {
-            channel: "#w".into()
-        })
-        .await
-        .unwrap());
+    assert!(stop(&addr, "#w").await);
     assert_eq!(error_text(waiting.await.unwrap()), "turn stopped");
     assert!(!driver.texts().contains(&"block never".to_string()));
     driver.release(1);
     ok_text(holder.await.unwrap());
-    status_until(&addr, "all idle", |s| s.totals.busy_channels == 0).await;
-    settle(&addr).await;
+    until_idle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
@@ -541,13 +498,13 @@ async fn shutdown_answers_every_caller_and_waits_for_teardown() {
     config.max_containers = 2;
     let addr = start(config).await;
 
-    let mut callers = vec![send(&addr, "#a", "ann", "block a1")];
+    let mut callers = vec![send_as(&addr, "#a", "ann", "block a1")];
     eventually("a1", SECS5, || driver.running() == 1).await;
-    callers.push(send(&addr, "#b", "bob", "block b1"));
+    callers.push(send_as(&addr, "#b", "bob", "block b1"));
     eventually("b1", SECS5, || driver.running() == 2).await;
-    callers.push(send(&addr, "#c", "cy", "block c1")); // waits for a slot
-    callers.push(send(&addr, "#a", "ann", "a2")); // queued
-    callers.push(send(&addr, "#a", "ann", "a3")); // queued
+    callers.push(send_as(&addr, "#c", "cy", "block c1")); // waits for a slot
+    callers.push(send_as(&addr, "#a", "ann", "a2")); // queued
+    callers.push(send_as(&addr, "#a", "ann", "a3")); // queued
     status_until(&addr, "c waiting, a2 a3 queued", |s| {
         s.totals.waiting_for_slot == 1 && s.totals.queued == 2
     })
@@ -594,8 +551,8 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
     })
     .await
     .unwrap();
-    let in_flight = send(&addr, "#p", "ann", "block");
-    let queued = send(&addr, "#p", "bob", "queued");
+    let in_flight = send_as(&addr, "#p", "ann", "block");
+    let queued = send_as(&addr, "#p", "bob", "queued");
     eventually("running", SECS5, || driver.running() == 1).await;
     assert!(addr
         .send(InjectPanic {
@@ -653,7 +610,7 @@ async fn a_panicking_channel_actor_is_restarted_and_keeps_its_pending_reset() {
         ok_text(ask(&addr, "#p", "ann", "fresh").await),
         "ann|fresh|reset=true|"
     );
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
 
@@ -706,14 +663,14 @@ async fn the_global_cap_serves_waiting_channels_in_turn() {
 
     // #a sends three, then #b and #c three each.
     let mut answers = Vec::new();
-    answers.push(send(&addr, "#a", "ann", "block a1"));
+    answers.push(send_as(&addr, "#a", "ann", "block a1"));
     eventually("a1 running", SECS5, || driver.running() == 1).await;
     for ch in ["a", "b", "c"] {
         for n in 1..=3 {
             if ch == "a" && n == 1 {
                 continue;
             }
-            answers.push(send(
+            answers.push(send_as(
                 &addr,
                 &format!("#{ch}"),
                 "ann",
@@ -749,7 +706,7 @@ async fn progress_reaches_the_message_recipient() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let collector = Collector { seen: seen.clone() }.start();
 
-    let first = send(&addr, "#pr", "ann", "block");
+    let first = send_as(&addr, "#pr", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
     let second = addr
         .send(GuestMessage::new("#pr", speaker("bob"), "hi").with_progress(collector.recipient()));
@@ -799,11 +756,11 @@ async fn idle_channel_actors_cost_little() {
     config.max_containers = 64;
     let addr = start(config).await;
     // Warm up allocator and code paths.
-    join_all((0..200).map(|i| send(&addr, &format!("#warm{i}"), "ann", "hi"))).await;
+    join_all((0..200).map(|i| send_as(&addr, &format!("#warm{i}"), "ann", "hi"))).await;
     let n = 2000;
     let before = rss_kib();
     for batch in 0..(n / 200) {
-        join_all((0..200).map(|i| send(&addr, &format!("#idle{batch}-{i}"), "ann", "hi"))).await;
+        join_all((0..200).map(|i| send_as(&addr, &format!("#idle{batch}-{i}"), "ann", "hi"))).await;
     }
     let s = addr.send(Status).await.unwrap();
     assert_eq!(s.totals.live_channels, n + 200);
@@ -826,9 +783,9 @@ async fn a_reset_applies_to_the_messages_sent_after_it() {
     };
 
     // Message, reset, message: nothing awaited in between.
-    let one = send(&addr, "#o", "ann", "one");
+    let one = send_as(&addr, "#o", "ann", "one");
     addr.do_send(fresh());
-    let two = send(&addr, "#o", "ann", "two");
+    let two = send_as(&addr, "#o", "ann", "two");
     assert_eq!(
         ok_text(one.await.unwrap()),
         "ann|one|reset=false|",
@@ -840,19 +797,19 @@ async fn a_reset_applies_to_the_messages_sent_after_it() {
     // Reset, message, message: the first consumes it, the second arrived after the same
     // reset but finds it consumed (as the seed's serial `runTurn`s do).
     addr.do_send(fresh());
-    let three = send(&addr, "#o", "ann", "three");
-    let four = send(&addr, "#o", "ann", "four");
+    let three = send_as(&addr, "#o", "ann", "three");
+    let four = send_as(&addr, "#o", "ann", "four");
     assert_eq!(ok_text(three.await.unwrap()), "ann|three|reset=true|");
     assert_eq!(ok_text(four.await.unwrap()), "ann|four|reset=false|");
 
     // A failed turn consumes nothing: the next message still starts fresh.
     addr.do_send(fresh());
-    let failing = send(&addr, "#o", "ann", "five fail");
-    let six = send(&addr, "#o", "ann", "six");
+    let failing = send_as(&addr, "#o", "ann", "five fail");
+    let six = send_as(&addr, "#o", "ann", "six");
     error_text(failing.await.unwrap());
     assert_eq!(ok_text(six.await.unwrap()), "ann|six|reset=true|");
     assert_eq!(pending(&addr.send(Status).await.unwrap(), "#o"), 0);
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty());
 }
 
@@ -862,14 +819,14 @@ async fn a_reset_between_queued_messages_applies_in_message_order() {
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
     let addr = start(fake_supervisor(&env, &driver, &tool)).await;
 
-    let running = send(&addr, "#q", "ann", "block zero");
+    let running = send_as(&addr, "#q", "ann", "block zero");
     eventually("first turn running", SECS5, || driver.running() == 1).await;
     // Queued behind the running turn: message, reset, message, without awaiting.
-    let one = send(&addr, "#q", "bob", "one");
+    let one = send_as(&addr, "#q", "bob", "one");
     addr.do_send(StartFresh {
         channel: "#q".into(),
     });
-    let two = send(&addr, "#q", "cy", "two");
+    let two = send_as(&addr, "#q", "cy", "two");
     let s = status_until(&addr, "two queued", |s| {
         channel_status(s, "#q").is_some_and(|c| c.queued == 2)
     })
@@ -908,7 +865,7 @@ async fn a_successful_reset_turn_consumes_its_reset_even_when_cleanup_fails() {
         ok_text(ask(&addr, "#c", "ann", "hi").await),
         "ann|hi|reset=true|"
     );
-    settle(&addr).await;
+    until_idle(&addr).await;
     let name = driver.runs()[0].name.clone();
     assert_eq!(
         driver.removed(),
@@ -925,7 +882,7 @@ async fn a_successful_reset_turn_consumes_its_reset_even_when_cleanup_fails() {
         "ann|again|reset=false|"
     );
     // The run dir is still removed (cleanup goes on past the failing step).
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
@@ -939,10 +896,10 @@ async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
     let addr = start(config).await;
 
     // The holder's container ignores its own timeout until released: the slot stays taken.
-    let holder = send(&addr, "#holder", "ann", "stubborn");
+    let holder = send_as(&addr, "#holder", "ann", "stubborn");
     eventually("holder running", SECS5, || driver.running() == 1).await;
     let sent = Instant::now();
-    let waiting = send(&addr, "#w", "bob", "hi");
+    let waiting = send_as(&addr, "#w", "bob", "hi");
     status_until(&addr, "waiting for a slot", |s| {
         channel_status(s, "#w").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
     })
@@ -974,7 +931,7 @@ async fn a_turn_that_waits_for_a_slot_past_its_timeout_says_so() {
 
     driver.release(1);
     assert_eq!(error_text(holder.await.unwrap()), "turn timed out after 1s");
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
@@ -996,10 +953,10 @@ async fn the_turn_timeout_counts_from_admission() {
     }));
     let addr = start(config).await;
 
-    let holder = send(&addr, "#holder", "ann", "block");
+    let holder = send_as(&addr, "#holder", "ann", "block");
     eventually("holder running", SECS5, || driver.running() == 1).await;
     let admitted = Instant::now();
-    let late = send(&addr, "#late", "bob", "block late");
+    let late = send_as(&addr, "#late", "bob", "block late");
     status_until(&addr, "#late waiting for a slot", |s| {
         channel_status(s, "#late").is_some_and(|c| c.state == ChannelState::WaitingForSlot)
     })
@@ -1026,7 +983,7 @@ async fn the_turn_timeout_counts_from_admission() {
         replied < got_slot + timeout,
         "replied after {replied:?}, the slot came after {got_slot:?}"
     );
-    settle(&addr).await;
+    until_idle(&addr).await;
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
@@ -1076,12 +1033,12 @@ async fn a_reset_after_a_burst_of_messages_keeps_its_place() {
     // More messages than an actix mailbox holds by default (16), then a reset and one more
     // message, all without yielding: the reset must still land after the thirtieth.
     let before: Vec<_> = (0..30)
-        .map(|i| send(&addr, "#burst", "ann", &format!("m{i}")))
+        .map(|i| send_as(&addr, "#burst", "ann", &format!("m{i}")))
         .collect();
     addr.do_send(StartFresh {
         channel: "#burst".into(),
     });
-    let after = send(&addr, "#burst", "ann", "last");
+    let after = send_as(&addr, "#burst", "ann", "last");
     for (i, answer) in join_all(before).await.into_iter().enumerate() {
         assert_eq!(ok_text(answer.unwrap()), format!("ann|m{i}|reset=false|"));
     }

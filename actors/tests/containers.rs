@@ -7,19 +7,15 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use bollard::query_parameters::ListContainersOptionsBuilder;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox::{DockerDriver, TurnPhase};
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
-type Answer = Result<TurnOutcome, SandboxActorError>;
-
 const SCRIPT: &str = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; *'"text":"fail'*) exit 3;; esac; printf '{"ok":true,"text":"hi"}'"#;
 
 fn config(env: &Env) -> SupervisorOptions {
-    let mut c = env.config();
-    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    let mut c = env.sh_config(SCRIPT);
     // The cold path: one container per turn, made at admission (tests/warm.rs runs the
     // same exits through prepared containers).
     c.warm.enabled = false;
@@ -28,44 +24,16 @@ fn config(env: &Env) -> SupervisorOptions {
     s
 }
 
-/// The runtime instance's label value, as the core derives it from the run root.
-async fn instance_of(env: &Env) -> String {
-    let sandbox = roundtable_sandbox::Sandbox::new(env.config())
-        .await
-        .unwrap();
-    sandbox.config().instance.clone()
-}
-
 async fn running_containers(instance: &str) -> usize {
-    let driver = DockerDriver::default();
-    let docker = driver.client().await.unwrap();
-    let filters = std::collections::HashMap::from([
-        ("label", vec![format!("{LABEL_RUNTIME}={instance}")]),
-        ("status", vec!["running".to_string()]),
-    ]);
-    let opts = ListContainersOptionsBuilder::new()
-        .filters(&filters)
-        .build();
-    docker.list_containers(Some(opts)).await.unwrap().len()
+    containers_labelled(&[format!("{LABEL_RUNTIME}={instance}")])
+        .await
+        .iter()
+        .filter(|c| c.state.is_some_and(|s| s.to_string() == "running"))
+        .count()
 }
 
 async fn assert_no_leftovers(env: &Env, instance: &str) {
-    let containers = labelled_containers_of(instance).await;
-    assert!(containers.is_empty(), "leaked containers: {containers:?}");
-    assert!(
-        env.turn_dirs().is_empty(),
-        "leaked run dirs: {:?}",
-        env.turn_dirs()
-    );
-}
-
-fn send(
-    addr: &Addr<SandboxSupervisor>,
-    channel: &str,
-    text: &str,
-) -> tokio::task::JoinHandle<Answer> {
-    let request = addr.send(GuestMessage::new(channel, speaker("ann"), text));
-    actix_rt::spawn(async move { request.await.unwrap() })
+    assert_no_leftovers_in(instance, &env.run_root).await;
 }
 
 async fn until_running(addr: &Addr<SandboxSupervisor>, instance: &str, n: usize) {
@@ -84,14 +52,10 @@ async fn until_running(addr: &Addr<SandboxSupervisor>, instance: &str, n: usize)
     }
 }
 
-async fn until_idle(addr: &Addr<SandboxSupervisor>) {
-    status_until(addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
-}
-
 #[actix_rt::test]
 async fn replies_and_failures_leave_nothing_behind() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
     let ok = send(&addr, "#c", "hello").await.unwrap().unwrap();
     assert_eq!(ok.text.as_deref(), Some("hi"), "{ok:?}");
@@ -104,18 +68,13 @@ async fn replies_and_failures_leave_nothing_behind() {
 #[actix_rt::test]
 async fn stop_kills_the_running_container_promptly() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
     let turn = send(&addr, "#stop", "sleep long");
     until_running(&addr, &instance, 1).await;
 
     let started = Instant::now();
-    assert!(addr
-        .send(Stop {
-            channel: "#stop".into()
-        })
-        .await
-        .unwrap());
+    assert!(stop(&addr, "#stop").await);
     let reply = turn.await.unwrap().unwrap();
     let replied = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
@@ -133,7 +92,7 @@ async fn stop_kills_the_running_container_promptly() {
 #[actix_rt::test]
 async fn stop_during_broker_startup_leaves_nothing_behind() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut config = config(&env);
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let sup = supervisor.clone();
@@ -157,7 +116,7 @@ async fn stop_during_broker_startup_leaves_nothing_behind() {
 #[actix_rt::test]
 async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothing() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut config = config(&env);
     config.max_containers = 2;
     let addr = SandboxSupervisor::start(config).await.unwrap();
@@ -200,7 +159,7 @@ async fn shutdown_with_running_and_queued_turns_answers_everyone_and_leaks_nothi
 #[actix_rt::test]
 async fn a_channel_actor_panic_ends_the_running_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env)).await.unwrap();
     addr.send(StartFresh {
         channel: "#p".into(),
@@ -241,7 +200,7 @@ async fn a_channel_actor_panic_ends_the_running_container() {
 #[actix_rt::test]
 async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut config = config(&env);
     // The Docker driver, except that a run still going after 1 s panics (inside the turn's
     // task, with the real container running).
@@ -280,7 +239,7 @@ async fn a_panic_in_the_turn_with_a_running_container_still_tears_it_down() {
 #[actix_rt::test]
 async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut config = config(&env);
     config.max_containers = 1;
     // The slot wait is the margin between "from admission" and "from the slot": long, so
@@ -326,11 +285,7 @@ async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
     .await;
     // #late waits 20 s of its 40 s for the slot, then runs a container that never ends.
     tokio::time::sleep(slot_wait).await;
-    addr.send(Stop {
-        channel: "#holder".into(),
-    })
-    .await
-    .unwrap();
+    stop(&addr, "#holder").await;
     let _ = holder.await.unwrap();
     let reply = tokio::time::timeout(timeout + PROMPTLY, late)
         .await

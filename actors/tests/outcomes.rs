@@ -10,8 +10,6 @@ use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
-type Answer = Result<TurnOutcome, SandboxActorError>;
-
 const SCRIPT: &str = r#"t=$(cat); case "$t" in
 *'"text":"sleep'*) sleep 300;;
 *'"text":"oom'*) x=$(head -c 400000000 /dev/zero | tr '\0' a); echo ${#x};;
@@ -22,8 +20,7 @@ const SCRIPT: &str = r#"t=$(cat); case "$t" in
 esac; printf '{"ok":true,"text":"hi"}'"#;
 
 fn settings(env: &Env, timeout: Duration) -> SupervisorOptions {
-    let mut c = env.config();
-    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    let mut c = env.sh_config(SCRIPT);
     c.turn_timeout = Some(timeout);
     c.limits.memory_mb = 32;
     c.limits.workspace_mb = 1;
@@ -33,15 +30,6 @@ fn settings(env: &Env, timeout: Duration) -> SupervisorOptions {
     s.max_containers = 4;
     s.queue_limit = 1;
     s
-}
-
-fn send(
-    addr: &Addr<SandboxSupervisor>,
-    channel: &str,
-    text: &str,
-) -> tokio::task::JoinHandle<Answer> {
-    let request = addr.send(GuestMessage::new(channel, speaker("ann"), text));
-    actix_rt::spawn(async move { request.await.unwrap() })
 }
 
 /// The outcome's kind and error text (a turn that ran, ok or not).
@@ -65,10 +53,6 @@ async fn until_container_running(addr: &Addr<SandboxSupervisor>, channel: &str) 
         })
     })
     .await;
-}
-
-async fn until_idle(addr: &Addr<SandboxSupervisor>) {
-    status_until(addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
 }
 
 fn assert_nothing_left(env: &Env) {
@@ -145,12 +129,7 @@ async fn timeout_stop_and_busy_are_typed() {
     status_until(&addr, "one queued", |s| s.totals.queued >= 1).await;
     let busy = send(&addr, "#stop", "hello").await.unwrap().unwrap_err();
     assert_eq!(busy.failure(), TurnFailure::Busy, "{busy}");
-    assert!(addr
-        .send(Stop {
-            channel: "#stop".into()
-        })
-        .await
-        .unwrap());
+    assert!(stop(&addr, "#stop").await);
     let stopped = stopped.await.unwrap().unwrap();
     assert_eq!(stopped.failure, Some(TurnFailure::Stopped));
     assert_eq!(stopped.reply.error.as_deref(), Some("turn stopped"));

@@ -7,16 +7,12 @@
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use bollard::query_parameters::{
-    InspectContainerOptions, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
-};
+use bollard::query_parameters::{InspectContainerOptions, KillContainerOptionsBuilder};
 use roundtable_sandbox::driver::{LABEL_CHANNEL, LABEL_RUNTIME};
 use roundtable_sandbox::warm::LABEL_PREPARED;
 use roundtable_sandbox::DockerDriver;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
-
-type Answer = Result<TurnOutcome, SandboxActorError>;
 
 const SCRIPT: &str = r#"t=$(cat); h=$(cat /etc/hostname); case "$t" in
 *'"text":"sleep'*) sleep 300;;
@@ -24,20 +20,12 @@ const SCRIPT: &str = r#"t=$(cat); h=$(cat /etc/hostname); case "$t" in
 esac; printf '{"ok":true,"text":"%s"}' "$h""#;
 
 fn config(env: &Env, max: usize) -> SupervisorOptions {
-    let mut c = env.config();
-    c.command = Some(vec!["/bin/sh".into(), "-c".into(), SCRIPT.into()]);
+    let mut c = env.sh_config(SCRIPT);
     c.warm.enabled = true;
     c.warm.max = max;
     let mut s = SupervisorOptions::new(c);
     s.max_containers = 4;
     s
-}
-
-async fn instance_of(env: &Env) -> String {
-    let sandbox = roundtable_sandbox::Sandbox::new(env.config())
-        .await
-        .unwrap();
-    sandbox.config().instance.clone()
 }
 
 /// A prepared container as the engine lists it.
@@ -52,39 +40,27 @@ struct Listed {
 /// The prepared containers of `instance` that are not serving a turn: they carry the
 /// prepared label, and (not yet adopted) their guest waits.
 async fn prepared(instance: &str) -> Vec<Listed> {
-    let driver = DockerDriver::default();
-    let docker = driver.client().await.unwrap();
-    let filters = std::collections::HashMap::from([(
-        "label",
-        vec![
-            format!("{LABEL_RUNTIME}={instance}"),
-            format!("{LABEL_PREPARED}=1"),
-        ],
-    )]);
-    let opts = ListContainersOptionsBuilder::new()
-        .all(true)
-        .filters(&filters)
-        .build();
-    docker
-        .list_containers(Some(opts))
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|c| Listed {
-            id: c.id.unwrap_or_default(),
-            name: c
-                .names
-                .and_then(|n| n.into_iter().next())
-                .unwrap_or_default()
-                .trim_start_matches('/')
-                .to_owned(),
-            channel: c
-                .labels
-                .and_then(|l| l.get(LABEL_CHANNEL).cloned())
-                .unwrap_or_default(),
-            running: c.state.is_some_and(|s| s.to_string() == "running"),
-        })
-        .collect()
+    containers_labelled(&[
+        format!("{LABEL_RUNTIME}={instance}"),
+        format!("{LABEL_PREPARED}=1"),
+    ])
+    .await
+    .into_iter()
+    .map(|c| Listed {
+        id: c.id.unwrap_or_default(),
+        name: c
+            .names
+            .and_then(|n| n.into_iter().next())
+            .unwrap_or_default()
+            .trim_start_matches('/')
+            .to_owned(),
+        channel: c
+            .labels
+            .and_then(|l| l.get(LABEL_CHANNEL).cloned())
+            .unwrap_or_default(),
+        running: c.state.is_some_and(|s| s.to_string() == "running"),
+    })
+    .collect()
 }
 
 fn segment16(channel: &str) -> String {
@@ -119,11 +95,7 @@ async fn until_prepared(addr: &Addr<SandboxSupervisor>, instance: &str, channel:
 
 /// Sends `text` to `channel` and returns the turn's outcome (a turn that ran, ok or not).
 async fn turn(addr: Addr<SandboxSupervisor>, channel: &str, text: &str) -> TurnOutcome {
-    let answer: Answer = addr
-        .send(GuestMessage::new(channel, speaker("ann"), text))
-        .await
-        .unwrap();
-    answer.unwrap()
+    send(&addr, channel, text).await.unwrap().unwrap()
 }
 
 async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str) -> TurnOutcome {
@@ -139,19 +111,13 @@ fn served_by(outcome: &TurnOutcome) -> String {
 
 async fn shutdown_leaves_nothing(addr: Addr<SandboxSupervisor>, env: &Env, instance: &str) {
     addr.send(Shutdown).await.unwrap();
-    let containers = labelled_containers_of(instance).await;
-    assert!(containers.is_empty(), "leaked containers: {containers:?}");
-    assert!(
-        env.turn_dirs().is_empty(),
-        "leaked run dirs: {:?}",
-        env.turn_dirs()
-    );
+    assert_no_leftovers_in(instance, &env.run_root).await;
 }
 
 #[actix_rt::test]
 async fn the_next_turn_is_served_by_the_prepared_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     let first = ask(&addr, "#warm").await;
     let ready = until_prepared(&addr, &instance, "#warm").await;
@@ -182,7 +148,7 @@ async fn the_next_turn_is_served_by_the_prepared_container() {
 #[actix_rt::test]
 async fn every_exit_of_an_adopted_turn_removes_its_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut settings = config(&env, 8);
     settings.config.turn_timeout = Some(Duration::from_secs(10));
     let addr = SandboxSupervisor::start(settings).await.unwrap();
@@ -217,12 +183,7 @@ async fn every_exit_of_an_adopted_turn_removes_its_container() {
             "{how}: the prepared container runs the turn, alone"
         );
         if how == "stop" {
-            let stopped = addr
-                .send(Stop {
-                    channel: channel.into(),
-                })
-                .await
-                .unwrap();
+            let stopped = stop(&addr, channel).await;
             assert!(stopped, "a turn was active");
         }
         let outcome = running.await.unwrap();
@@ -258,12 +219,12 @@ async fn adopted_container_removed(env: &Env, instance: &str, served: &Listed) {
 #[actix_rt::test]
 async fn before_its_turn_a_prepared_container_reaches_no_broker() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#late").await;
     let ready = until_prepared(&addr, &instance, "#late").await;
     // The first turn's teardown is done.
-    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    until_idle(&addr).await;
     // Its run dir (the only turn dir now) holds no socket: a connection is refused.
     let dirs = env.turn_dirs();
     assert_eq!(dirs.len(), 1, "{dirs:?}");
@@ -288,7 +249,7 @@ async fn before_its_turn_a_prepared_container_reaches_no_broker() {
 #[actix_rt::test]
 async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#killed").await;
     let ready = until_prepared(&addr, &instance, "#killed").await;
@@ -327,7 +288,7 @@ async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
 #[actix_rt::test]
 async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_start() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#removed").await;
     let ready = until_prepared(&addr, &instance, "#removed").await;
@@ -353,7 +314,7 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
 #[actix_rt::test]
 async fn a_reset_discards_the_prepared_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#reset").await;
     let ready = until_prepared(&addr, &instance, "#reset").await;
@@ -379,7 +340,7 @@ async fn a_reset_discards_the_prepared_container() {
 #[actix_rt::test]
 async fn a_prepared_container_expires_after_its_ttl() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut settings = config(&env, 8);
     settings.config.warm.ttl_secs = Some(1);
     let addr = SandboxSupervisor::start(settings).await.unwrap();
@@ -464,23 +425,17 @@ async fn a_restarted_channel_actor_removes_its_prepared_container() {
 #[actix_rt::test]
 async fn warm_max_bounds_the_prepared_containers_across_channels() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 2)).await.unwrap();
     let channels = ["#m1", "#m2", "#m3", "#m4"];
     for round in 0..2 {
-        let asks: Vec<_> = channels
-            .iter()
-            .map(|c| {
-                let request = addr.send(GuestMessage::new(*c, speaker("ann"), "hello"));
-                actix_rt::spawn(async move { request.await.unwrap() })
-            })
-            .collect();
+        let asks: Vec<_> = channels.iter().map(|c| send(&addr, c, "hello")).collect();
         for a in asks {
             let outcome = a.await.unwrap().unwrap();
             assert!(outcome.reply.ok, "round {round}: {outcome:?}");
         }
     }
-    status_until(&addr, "every channel idle", |s| s.totals.busy_channels == 0).await;
+    until_idle(&addr).await;
     // Each channel wanted one; the bound gives two.
     let started = Instant::now();
     loop {
@@ -503,13 +458,13 @@ async fn warm_max_bounds_the_prepared_containers_across_channels() {
 #[actix_rt::test]
 async fn warm_off_prepares_nothing() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut settings = config(&env, 8);
     settings.config.warm.enabled = false;
     let addr = SandboxSupervisor::start(settings).await.unwrap();
     ask(&addr, "#cold").await;
     ask(&addr, "#cold").await;
-    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    until_idle(&addr).await;
     assert!(prepared(&instance).await.is_empty());
     assert_eq!(addr.send(Status).await.unwrap().totals.prepared, 0);
     assert!(labelled_containers_of(&instance).await.is_empty());

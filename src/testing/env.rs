@@ -10,6 +10,7 @@ use crate::driver::LABEL_RUNTIME;
 use crate::{
     ApiKey, Config, DockerDriver, HostTool, Sandbox, Speaker, ToolCallContext, TurnRequest,
 };
+use bollard::models::ContainerSummary;
 use bollard::query_parameters::ListContainersOptionsBuilder;
 use tokio_util::sync::CancellationToken;
 
@@ -127,6 +128,13 @@ impl Env {
             .join(crate::turn::channel_segment(channel))
     }
 
+    /// The runtime instance's label value, as the core derives it from the run root (a
+    /// runtime of [`Env::config`] is started to read it, then dropped).
+    pub async fn instance(&self) -> String {
+        let sandbox = Sandbox::new(self.config()).await.unwrap();
+        sandbox.config().instance.clone()
+    }
+
     /// `turn-` dirs and sockets left under the run root.
     pub fn turn_dirs(&self) -> Vec<String> {
         run_root_entries(&self.run_root)
@@ -155,21 +163,24 @@ pub async fn labelled_containers(sandbox: &Sandbox) -> Vec<String> {
 
 /// Containers labelled with the runtime instance `instance`.
 pub async fn labelled_containers_of(instance: &str) -> Vec<String> {
+    containers_labelled(&[format!("{LABEL_RUNTIME}={instance}")])
+        .await
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .collect()
+}
+
+/// The containers, running or not, that carry every one of `labels` (each `key=value`),
+/// as the engine lists them.
+pub async fn containers_labelled(labels: &[String]) -> Vec<ContainerSummary> {
     let driver = DockerDriver::default();
     let docker = driver.client().await.unwrap();
-    let filters =
-        std::collections::HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
+    let filters = std::collections::HashMap::from([("label", labels.to_vec())]);
     let opts = ListContainersOptionsBuilder::new()
         .all(true)
         .filters(&filters)
         .build();
-    docker
-        .list_containers(Some(opts))
-        .await
-        .unwrap()
-        .into_iter()
-        .flat_map(|c| c.names.unwrap_or_default())
-        .collect()
+    docker.list_containers(Some(opts)).await.unwrap()
 }
 
 /// Entries of the run root (turn dirs, sockets), the runtime's lock file aside.

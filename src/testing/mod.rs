@@ -22,8 +22,8 @@ mod env;
 mod fake;
 
 pub use env::{
-    assert_no_leftovers, assert_no_leftovers_in, eventually, image, labelled_containers,
-    labelled_containers_of, request, require_non_root, run_root_entries, runtime, speaker,
-    under_gvisor, Env, NamedTool, PROMPTLY,
+    assert_no_leftovers, assert_no_leftovers_in, containers_labelled, eventually, image,
+    labelled_containers, labelled_containers_of, request, require_non_root, run_root_entries,
+    runtime, speaker, under_gvisor, Env, NamedTool, PROMPTLY,
 };
 pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};
