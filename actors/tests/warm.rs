@@ -369,7 +369,7 @@ async fn until_none_prepared(env: &Env, instance: &str, why: &str) {
 #[actix_rt::test]
 async fn a_retiring_channel_removes_its_prepared_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let mut settings = config(&env, 8);
     // The TTL alone would keep it for an hour: the retirement removes it.
     settings.config.warm.ttl_secs = Some(3600);
@@ -393,12 +393,12 @@ async fn a_retiring_channel_removes_its_prepared_container() {
 #[actix_rt::test]
 async fn a_restarted_channel_actor_removes_its_prepared_container() {
     let env = Env::new();
-    let instance = instance_of(&env).await;
+    let instance = env.instance().await;
     let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
     ask(&addr, "#restart").await;
     let ready = until_prepared(&addr, &instance, "#restart").await;
     // The first turn is done (a turn ending after the restart would prepare anew).
-    status_until(&addr, "idle", |s| s.totals.busy_channels == 0).await;
+    until_idle(&addr).await;
     assert!(addr
         .send(InjectPanic {
             channel: "#restart".into()
