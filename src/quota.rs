@@ -647,7 +647,7 @@ pub fn check(
 
 /// A filesystem the floor guards: what it holds (for the error) and a path on it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Guarded {
+pub(crate) struct Guarded {
     /// What it holds (`the workspaces`, `the engine's data root`).
     pub what: &'static str,
     /// A path on it.
@@ -685,7 +685,7 @@ pub fn filesystem_type(path: &Path) -> std::io::Result<String> {
 }
 
 /// Refuses when a guarded filesystem is below its floor, or its free space cannot be read.
-pub fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError> {
+pub(crate) fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError> {
     if !floor.is_on() {
         return Ok(());
     }
@@ -710,7 +710,7 @@ pub fn check_floor(guarded: &[Guarded], floor: &Floor) -> Result<(), QuotaError>
 
 /// What the watcher of a running turn guards.
 #[derive(Debug, Clone)]
-pub struct Watch {
+pub(crate) struct Watch {
     /// The turn's workspace.
     pub workspace: Arc<Workspace>,
     /// Its quota.
@@ -730,7 +730,7 @@ pub struct Watch {
 /// filesystems' free space every [`WATCH_INTERVAL`] or more (off the async threads); returns
 /// the error as soon as one is past its limit. Never returns otherwise: race it against the
 /// turn.
-pub async fn watch(w: Watch) -> QuotaError {
+pub(crate) async fn watch(w: Watch) -> QuotaError {
     let mut pause = WATCH_INTERVAL;
     // Since when every measure in a row failed in a way a race explains.
     let mut failing_since: Option<std::time::Instant> = None;
