@@ -28,6 +28,14 @@ fn config(env: &Env, max: usize) -> SupervisorOptions {
     s
 }
 
+/// A fresh environment, its runtime instance, and a supervisor with `warm.max = max`.
+async fn start(max: usize) -> (Env, String, Addr<SandboxSupervisor>) {
+    let env = Env::new();
+    let instance = env.instance().await;
+    let addr = SandboxSupervisor::start(config(&env, max)).await.unwrap();
+    (env, instance, addr)
+}
+
 /// A prepared container as the engine lists it.
 #[derive(Debug, Clone)]
 struct Listed {
@@ -116,9 +124,7 @@ async fn shutdown_leaves_nothing(addr: Addr<SandboxSupervisor>, env: &Env, insta
 
 #[actix_rt::test]
 async fn the_next_turn_is_served_by_the_prepared_container() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     let first = ask(&addr, "#warm").await;
     let ready = until_prepared(&addr, &instance, "#warm").await;
     assert_ne!(
@@ -218,9 +224,7 @@ async fn adopted_container_removed(env: &Env, instance: &str, served: &Listed) {
 
 #[actix_rt::test]
 async fn before_its_turn_a_prepared_container_reaches_no_broker() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     ask(&addr, "#late").await;
     let ready = until_prepared(&addr, &instance, "#late").await;
     // The first turn's teardown is done.
@@ -248,9 +252,7 @@ async fn before_its_turn_a_prepared_container_reaches_no_broker() {
 
 #[actix_rt::test]
 async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     ask(&addr, "#killed").await;
     let ready = until_prepared(&addr, &instance, "#killed").await;
     let driver = DockerDriver::default();
@@ -287,9 +289,7 @@ async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
 
 #[actix_rt::test]
 async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_start() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     ask(&addr, "#removed").await;
     let ready = until_prepared(&addr, &instance, "#removed").await;
     DockerDriver::default()
@@ -313,9 +313,7 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
 
 #[actix_rt::test]
 async fn a_reset_discards_the_prepared_container() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     ask(&addr, "#reset").await;
     let ready = until_prepared(&addr, &instance, "#reset").await;
     addr.send(StartFresh {
@@ -392,9 +390,7 @@ async fn a_retiring_channel_removes_its_prepared_container() {
 
 #[actix_rt::test]
 async fn a_restarted_channel_actor_removes_its_prepared_container() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 8)).await.unwrap();
+    let (env, instance, addr) = start(8).await;
     ask(&addr, "#restart").await;
     let ready = until_prepared(&addr, &instance, "#restart").await;
     // The first turn is done (a turn ending after the restart would prepare anew).
@@ -424,9 +420,7 @@ async fn a_restarted_channel_actor_removes_its_prepared_container() {
 
 #[actix_rt::test]
 async fn warm_max_bounds_the_prepared_containers_across_channels() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, 2)).await.unwrap();
+    let (env, instance, addr) = start(2).await;
     let channels = ["#m1", "#m2", "#m3", "#m4"];
     for round in 0..2 {
         let asks: Vec<_> = channels.iter().map(|c| send(&addr, c, "hello")).collect();
