@@ -614,52 +614,66 @@ mod quota {
         kept
     }
 
-    /// Holds deleted files past the quota, then sends `sig` to every other process of the
-    /// container but its init, as fast as it can list them: whatever the host starts beside
-    /// it to count them (gVisor) is killed (9) or stopped (19).
+    /// Sends `sig` to every other process of the container but its init, as fast as it can
+    /// list them, from before it holds deleted files past the quota: whatever the host
+    /// starts beside it to count them (gVisor) is killed (9) or stopped (19).
     fn killer(sig: i32, files: usize, mib: usize) -> Vec<String> {
         let me = std::process::id() as i32;
-        let kept = held_here(files, mib);
-        let (mut signalled, started) = (0u64, Instant::now());
-        while started.elapsed() < Duration::from_secs(60) {
-            let Ok(list) = std::fs::read_dir("/proc") else { continue };
-            for e in list.flatten() {
-                let pid: i32 = match e.file_name().to_str().and_then(|n| n.parse().ok()) {
-                    Some(p) => p,
-                    None => continue,
-                };
-                // SAFETY: kill(2) with plain integers.
-                if pid != me && pid != 1 && unsafe { kill(pid, sig) } == 0 {
-                    signalled += 1;
-                    let _ = std::fs::write("/workspace/signalled", signalled.to_string());
+        std::thread::spawn(move || {
+            let mut signalled = 0u64;
+            loop {
+                let Ok(list) = std::fs::read_dir("/proc") else { continue };
+                for e in list.flatten() {
+                    let pid: i32 = match e.file_name().to_str().and_then(|n| n.parse().ok()) {
+                        Some(p) => p,
+                        None => continue,
+                    };
+                    // SAFETY: kill(2) with plain integers.
+                    if pid != me && pid != 1 && unsafe { kill(pid, sig) } == 0 {
+                        signalled += 1;
+                        let _ = std::fs::write("/workspace/signalled", signalled.to_string());
+                    }
                 }
             }
-        }
-        vec![format!("killer=survived({};{signalled})", kept.len())]
+        });
+        let kept = held_here(files, mib);
+        hold(60);
+        vec![format!("killer=survived({})", kept.len())]
     }
 
-    /// Holds deleted files past the quota, then starts processes until the pids limit
-    /// refuses one: nothing is left for a process the host starts beside it (gVisor).
+    /// Starts processes until the pids limit refuses one, and takes every slot that frees
+    /// up from then on, then holds deleted files past the quota: no process is left for one
+    /// the host starts beside it to count them (gVisor). The forking thread is made first:
+    /// threads count against the limit too.
     fn starve(files: usize, mib: usize) -> Vec<String> {
+        let (full, filled) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let (mut children, mut told) = (Vec::new(), false);
+            loop {
+                let spawned = std::process::Command::new("/proc/self/exe")
+                    .args(["quota", "starve-child"])
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .spawn();
+                match spawned {
+                    Ok(c) if children.len() < 4096 => children.push(c),
+                    Ok(_) => {}
+                    Err(e) => {
+                        if !told {
+                            told = true;
+                            let why = format!("{} {e}", children.len());
+                            let _ = std::fs::write("/workspace/children", &why);
+                            let _ = full.send(why);
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+            }
+        });
+        let started = filled.recv().unwrap_or_default();
         let kept = held_here(files, mib);
-        let mut children = Vec::new();
-        let refused = loop {
-            match std::process::Command::new("/proc/self/exe")
-                .args(["quota", "starve-child"])
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-            {
-                Ok(c) => children.push(c),
-                Err(e) => break e.to_string(),
-            }
-            if children.len() >= 4096 {
-                break "none".into();
-            }
-        };
-        let _ = std::fs::write("/workspace/children", format!("{} {refused}", children.len()));
         hold(60);
-        vec![format!("starve=survived({};{})", kept.len(), children.len())]
+        vec![format!("starve=survived({};{started})", kept.len())]
     }
 
     fn io(r: std::io::Result<String>) -> String {
