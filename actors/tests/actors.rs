@@ -1044,3 +1044,86 @@ async fn a_reset_after_a_burst_of_messages_keeps_its_place() {
     }
     assert_eq!(ok_text(after.await.unwrap()), "ann|last|reset=true|");
 }
+
+/// The names of the containers the fake prepared, in order.
+fn prepared_names(driver: &FakeDriver) -> Vec<String> {
+    driver
+        .events()
+        .iter()
+        .filter_map(|e| e.strip_prefix("prepare ").map(str::to_owned))
+        .collect()
+}
+
+/// A supervisor around a fake driver that prepares containers (warm turns).
+async fn preparing() -> (Env, Arc<FakeDriver>, Addr<SandboxSupervisor>) {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    driver.set_prepares(true);
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
+    (env, driver, addr)
+}
+
+async fn until_prepared(addr: &Addr<SandboxSupervisor>, channel: &str) {
+    status_until(addr, "a container prepared for the channel", |s| {
+        channel_status(s, channel).is_some_and(|c| c.prepared)
+    })
+    .await;
+}
+
+/// Warm turns with a driver that prepares: each turn after the first runs in the container
+/// prepared for it (its run has that container's name), one container per turn, and every
+/// prepared container is removed: adopted ones after their turn, the last at shutdown.
+#[actix_rt::test]
+async fn each_later_turn_runs_in_the_container_prepared_for_it() {
+    let (env, driver, addr) = preparing().await;
+    for text in ["one", "two", "three"] {
+        assert_eq!(
+            ok_text(ask(&addr, "#w", "ann", text).await),
+            format!("ann|{text}|reset=false|")
+        );
+        until_prepared(&addr, "#w").await;
+    }
+    let runs: Vec<String> = driver.runs().into_iter().map(|r| r.name).collect();
+    let prepared = prepared_names(&driver);
+    assert_eq!(prepared.len(), 3, "{prepared:?}");
+    assert!(!prepared.contains(&runs[0]), "the first turn starts cold");
+    assert_eq!(runs[1..], prepared[..2], "turns two and three adopted them");
+    addr.send(Shutdown).await.unwrap();
+    let removed = driver.removed();
+    for name in runs.iter().chain(&prepared) {
+        assert!(
+            removed.contains(name),
+            "{name} was not removed: {removed:?}"
+        );
+    }
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}
+
+/// A reset after the container was prepared: the turn runs with the reset in a new
+/// container, and the one prepared before the reset is removed unused.
+#[actix_rt::test]
+async fn a_reset_after_preparation_runs_the_turn_in_a_new_container() {
+    let (env, driver, addr) = preparing().await;
+    ok_text(ask(&addr, "#r", "ann", "one").await);
+    until_prepared(&addr, "#r").await;
+    let stale = prepared_names(&driver)[0].clone();
+    let fresh = StartFresh {
+        channel: "#r".into(),
+    };
+    addr.send(fresh).await.unwrap();
+    assert_eq!(
+        ok_text(ask(&addr, "#r", "ann", "two").await),
+        "ann|two|reset=true|"
+    );
+    let second = driver.runs()[1].name.clone();
+    assert_ne!(
+        second, stale,
+        "a container prepared before the reset served after it"
+    );
+    eventually("the stale container removed", SECS5, || {
+        driver.removed().contains(&stale)
+    })
+    .await;
+    addr.send(Shutdown).await.unwrap();
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -12,7 +12,9 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::BoxFuture;
-use crate::driver::{ContainerProcesses, ContainerSpec, HeldFiles, SweepScope, LABEL_CHANNEL};
+use crate::driver::{
+    ContainerProcesses, ContainerSpec, HeldFiles, StartedContainer, SweepScope, LABEL_CHANNEL,
+};
 use crate::protocol::Turn;
 use crate::{ContainerDriver, DriverError, HostTool, Reply, RunOutcome, ToolCallContext, Usage};
 
@@ -49,7 +51,9 @@ pub struct Record {
     pub runs: Vec<Run>,
     /// The names passed to `remove`, in order.
     pub removed: Vec<String>,
-    /// `start <text>` and `end <text>` in the order they happened.
+    /// `prepare <container>` (a prepared container started, see
+    /// [`FakeDriver::set_prepares`]), `start <text>` and `end <text>`, in the order they
+    /// happened.
     pub events: Vec<String>,
     running_by_channel: HashMap<String, usize>,
     /// Two runs of one channel at once (must never happen).
@@ -108,7 +112,9 @@ impl fmt::Debug for Mode {
 ///   [`FakeDriver::panicking_after`] makes it panic mid-run.
 ///
 /// Knobs at any time: [`FakeDriver::release`] lets blocked runs go on,
-/// [`FakeDriver::fail_removes`] makes every `remove` fail.
+/// [`FakeDriver::fail_removes`] makes every `remove` fail, [`FakeDriver::set_prepares`]
+/// makes it prepare containers for warm turns (its prepared container runs the turn as
+/// `run` would, under the prepared container's name; removed, it no longer passes its check).
 #[derive(Debug)]
 pub struct FakeDriver {
     record: Mutex<Record>,
@@ -116,19 +122,24 @@ pub struct FakeDriver {
     running: AtomicUsize,
     max_running: AtomicUsize,
     fail_remove: AtomicBool,
+    prepares: AtomicBool,
     mode: Mode,
+    /// This fake, for the prepared containers it hands out (they outlive a borrow of it).
+    this: Weak<FakeDriver>,
 }
 
 impl FakeDriver {
-    fn with_mode(mode: Mode) -> Self {
-        Self {
+    fn with_mode(mode: Mode) -> Arc<Self> {
+        Arc::new_cyclic(|this| Self {
             record: Mutex::default(),
             gate: Semaphore::new(0),
             running: AtomicUsize::new(0),
             max_running: AtomicUsize::new(0),
             fail_remove: AtomicBool::new(false),
+            prepares: AtomicBool::new(false),
             mode,
-        }
+            this: this.clone(),
+        })
     }
 
     /// A fake scripted by the turn's text:
@@ -139,38 +150,38 @@ impl FakeDriver {
     /// - contains `fail`: fails with exit code 3;  contains `panic`: panics;
     /// - otherwise (or then) replies `<speaker id>|<text>|reset=<reset>|<tool answer>`.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::with_mode(Mode::Scripted))
+        Self::with_mode(Mode::Scripted)
     }
 
     /// A fake that replies `text` to every turn at once and records nothing (so it holds
     /// no memory per turn).
     pub fn instant(text: impl Into<String>) -> Arc<Self> {
-        Arc::new(Self::with_mode(Mode::Instant(text.into())))
+        Self::with_mode(Mode::Instant(text.into()))
     }
 
     /// A fake that hands each run to the test (through the receiver) and waits for the
     /// test's verdict, or for the run's cancellation.
     pub fn handing_runs() -> (Arc<Self>, mpsc::UnboundedReceiver<HandedRun>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (Arc::new(Self::with_mode(Mode::HandOver(tx))), rx)
+        (Self::with_mode(Mode::HandOver(tx)), rx)
     }
 
     /// A fake that runs every turn through `inner` (a real driver: the container is real),
     /// recording as usual; `remove` and `sweep` go to `inner` too.
     pub fn around(inner: Arc<dyn ContainerDriver>) -> Arc<Self> {
-        Arc::new(Self::with_mode(Mode::Around {
+        Self::with_mode(Mode::Around {
             inner,
             panic_after: None,
-        }))
+        })
     }
 
     /// [`FakeDriver::around`], except that a run still going after `after` panics (inside
     /// the turn's task, with the real container running): `driver panic mid-run (test)`.
     pub fn panicking_after(inner: Arc<dyn ContainerDriver>, after: Duration) -> Arc<Self> {
-        Arc::new(Self::with_mode(Mode::Around {
+        Self::with_mode(Mode::Around {
             inner,
             panic_after: Some(after),
-        }))
+        })
     }
 
     /// Lets `n` blocked runs go on.
@@ -181,6 +192,12 @@ impl FakeDriver {
     /// Makes every later `remove` fail (a teardown that goes wrong), or succeed again.
     pub fn fail_removes(&self, fail: bool) {
         self.fail_remove.store(fail, Ordering::SeqCst);
+    }
+
+    /// Makes `start` prepare containers (the runtime's warm turns use them), or refuse as
+    /// a driver without prepared containers does (the default).
+    pub fn set_prepares(&self, on: bool) {
+        self.prepares.store(on, Ordering::SeqCst);
     }
 
     /// Runs going on now.
@@ -412,6 +429,29 @@ impl ContainerDriver for FakeDriver {
         })
     }
 
+    fn prepares(&self) -> bool {
+        self.prepares.load(Ordering::SeqCst)
+    }
+
+    /// Records `prepare <name>` and hands out a container whose turn runs as `run` does.
+    fn start<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+        _cancel: CancellationToken,
+    ) -> BoxFuture<'a, Result<Box<dyn StartedContainer>, DriverError>> {
+        Box::pin(async move {
+            if !self.prepares() {
+                return Err(DriverError::Unsupported { op: "start" });
+            }
+            self.lock().events.push(format!("prepare {}", spec.name));
+            let driver = self.this.upgrade().expect("the fake is alive");
+            Ok(Box::new(Prepared {
+                driver,
+                spec: spec.clone(),
+            }) as Box<dyn StartedContainer>)
+        })
+    }
+
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         Box::pin(async move {
             self.lock().removed.push(name.to_owned());
@@ -458,6 +498,39 @@ impl ContainerDriver for FakeDriver {
             Mode::Around { inner, .. } => inner.held_files(name),
             _ => Box::pin(async { HeldFiles::Counted { files: 0, bytes: 0 } }),
         }
+    }
+}
+
+/// A container the fake prepared: it waits until it is removed.
+#[derive(Debug)]
+struct Prepared {
+    driver: Arc<FakeDriver>,
+    spec: ContainerSpec,
+}
+
+impl StartedContainer for Prepared {
+    fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    fn check(&mut self) -> BoxFuture<'_, Result<(), DriverError>> {
+        Box::pin(async move {
+            if self.driver.lock().removed.contains(&self.spec.name) {
+                return Err(DriverError::Exited {
+                    container: self.spec.name.clone(),
+                    code: -1,
+                });
+            }
+            Ok(())
+        })
+    }
+
+    fn run(
+        self: Box<Self>,
+        stdin: Vec<u8>,
+        cancel: CancellationToken,
+    ) -> BoxFuture<'static, Result<RunOutcome, DriverError>> {
+        Box::pin(async move { self.driver.run(&self.spec, &stdin, cancel).await })
     }
 }
 
