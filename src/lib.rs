@@ -18,12 +18,28 @@
 //! - `settings` (feature `cli`): config file, flags and defaults for the project's programs.
 //!
 //! Features: `cli` (the two modules above, for the CLI and the example bots) and `testing`
-//! (engine-level hooks for this crate's tests: `driver::docker`).
+//! (the fake driver and test environment, and engine- and broker-level hooks for this
+//! workspace's tests, the bench and the fuzz targets: `driver::docker`, a broker built and
+//! listened on alone, `turn::judge`).
 //!
 //! [`Sandbox`] ties them together; the actor layer (`roundtable-sandbox-actors`) drives it.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+/// Declares an item `pub` with the `testing` feature and `pub(crate)` without it: engine-
+/// and broker-level parts that this workspace's tests, the bench and the fuzz targets drive
+/// directly, but that are not the embedding API (an embedder goes through [`Sandbox`]).
+macro_rules! testing_pub {
+    ($(#[$attr:meta])* $first:ident $($rest:tt)*) => {
+        #[cfg(feature = "testing")]
+        $(#[$attr])*
+        pub $first $($rest)*
+        #[cfg(not(feature = "testing"))]
+        $(#[$attr])*
+        pub(crate) $first $($rest)*
+    };
+}
 
 pub mod broker;
 mod channel;

@@ -275,32 +275,34 @@ impl From<TurnOutcome> for Reply {
     }
 }
 
-/// Judges what a container did, the same for every backend: an OOM kill, then the output
-/// cap, then `128+SIGXFSZ` (the file-size limit), then any non-zero exit, and only then the
-/// strict parse of stdout.
-pub fn judge(outcome: &RunOutcome, spec: &ContainerSpec) -> Result<Reply, TurnError> {
-    if outcome.oom_killed {
-        return Err(TurnError::OutOfMemory {
-            limit_mb: spec.memory_mb,
-        });
-    }
-    if outcome.stdout_overflow {
-        return Err(ReplyError::OutputTooLarge {
-            cap: spec.output_cap,
+testing_pub! {
+    /// Judges what a container did, the same for every backend: an OOM kill, then the output
+    /// cap, then `128+SIGXFSZ` (the file-size limit), then any non-zero exit, and only then the
+    /// strict parse of stdout.
+    fn judge(outcome: &RunOutcome, spec: &ContainerSpec) -> Result<Reply, TurnError> {
+        if outcome.oom_killed {
+            return Err(TurnError::OutOfMemory {
+                limit_mb: spec.memory_mb,
+            });
         }
-        .into());
+        if outcome.stdout_overflow {
+            return Err(ReplyError::OutputTooLarge {
+                cap: spec.output_cap,
+            }
+            .into());
+        }
+        if outcome.exit_code == 128 + libc::SIGXFSZ as i64 {
+            return Err(TurnError::FileTooLarge {
+                limit_mb: spec.file_size_mb,
+            });
+        }
+        if outcome.exit_code != 0 {
+            return Err(TurnError::Exit {
+                code: outcome.exit_code,
+            });
+        }
+        Ok(parse_reply(&outcome.stdout, spec.output_cap)?)
     }
-    if outcome.exit_code == 128 + libc::SIGXFSZ as i64 {
-        return Err(TurnError::FileTooLarge {
-            limit_mb: spec.file_size_mb,
-        });
-    }
-    if outcome.exit_code != 0 {
-        return Err(TurnError::Exit {
-            code: outcome.exit_code,
-        });
-    }
-    Ok(parse_reply(&outcome.stdout, spec.output_cap)?)
 }
 
 /// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace

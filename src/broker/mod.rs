@@ -1,8 +1,8 @@
 //! The credential broker: the only door out of a turn's container.
 //!
 //! One [`Broker`] lives as long as the runtime (it owns the upstream HTTP client, the
-//! compiled host-tool schemas and the MCP server pool); each turn gets a [`BrokerListener`]
-//! on `<run_dir>/broker.sock`, bound to that turn's [`TurnContext`] (channel, speaker,
+//! compiled host-tool schemas and the MCP server pool); each turn gets a `BrokerListener`
+//! on `<run_dir>/broker.sock`, bound to that turn's `TurnContext` (channel, speaker,
 //! cancellation). Every request on the socket comes from a hostile guest; upstream model
 //! responses and MCP servers are not trusted either.
 //!
@@ -12,9 +12,14 @@
 //! - [`McpServer`]: an MCP server and the allow-list of its tools;
 //! - [`BrokerLimits`]: per-turn caps on sizes, call counts and call time;
 //! - [`CompactionModel`]: an optional separate summarizer for compaction;
-//! - [`BrokerPolicy`]: all of the above plus the model endpoint, checked by
-//!   [`validate_policy`] without side effects;
-//! - [`Broker`] / [`BrokerListener`]: the runtime-long broker and one turn's listener.
+//! - `BrokerPolicy`: all of the above plus the model endpoint, checked by
+//!   `validate_policy` without side effects;
+//! - [`Broker`] / `BrokerListener`: the runtime-long broker and one turn's listener.
+//!
+//! The runtime ([`crate::Sandbox`]) builds the broker from its config and listens for each
+//! turn; the policy, the turn's context, the listener and the broker's constructor and
+//! `listen` are public only with the `testing` feature (for this workspace's tests, the
+//! bench and the fuzz targets, which drive a broker alone).
 //!
 //! The other files: `server` (HTTP/1.1 on the unix socket: peer check, routing, limits),
 //! `model` (the upstream chat-completions proxy), `compact` (the compactor behind
@@ -643,32 +648,34 @@ impl fmt::Debug for CompactionModel {
     }
 }
 
-/// Everything the broker enforces.
-#[derive(Clone)]
-pub struct BrokerPolicy {
-    /// The model's name.
-    pub model: String,
-    /// The model's API base.
-    pub model_url: String,
-    /// The model's key (only the broker holds it).
-    pub api_key: ApiKey,
-    /// The host tools.
-    pub tools: Vec<Arc<dyn HostTool>>,
-    /// The MCP servers.
-    pub mcp: Vec<McpServer>,
-    /// Allow `http://` to loopback endpoints.
-    pub allow_http: bool,
-    /// The caps on what the guest may ask.
-    pub limits: BrokerLimits,
-    /// The uid a connecting peer must have (SO_PEERCRED).
-    pub worker_uid: u32,
-    /// Whether to check the peer's uid. Off only for runtimes that do not report it
-    /// (gVisor reports uid 0); the per-turn socket in a 0700 run dir still guards it.
-    pub peer_uid_check: bool,
-    /// The chat-completions fields forwarded and the output token cap.
-    pub model_request: ModelRequestPolicy,
-    /// A separate summarizer for compaction; `None` compacts through the main model.
-    pub compaction: Option<CompactionModel>,
+testing_pub! {
+    /// Everything the broker enforces.
+    #[derive(Clone)]
+    struct BrokerPolicy {
+        /// The model's name.
+        pub model: String,
+        /// The model's API base.
+        pub model_url: String,
+        /// The model's key (only the broker holds it).
+        pub api_key: ApiKey,
+        /// The host tools.
+        pub tools: Vec<Arc<dyn HostTool>>,
+        /// The MCP servers.
+        pub mcp: Vec<McpServer>,
+        /// Allow `http://` to loopback endpoints.
+        pub allow_http: bool,
+        /// The caps on what the guest may ask.
+        pub limits: BrokerLimits,
+        /// The uid a connecting peer must have (SO_PEERCRED).
+        pub worker_uid: u32,
+        /// Whether to check the peer's uid. Off only for runtimes that do not report it
+        /// (gVisor reports uid 0); the per-turn socket in a 0700 run dir still guards it.
+        pub peer_uid_check: bool,
+        /// The chat-completions fields forwarded and the output token cap.
+        pub model_request: ModelRequestPolicy,
+        /// A separate summarizer for compaction; `None` compacts through the main model.
+        pub compaction: Option<CompactionModel>,
+    }
 }
 
 /// Words that mark an MCP server's env variable or header as a credential.
@@ -759,17 +766,19 @@ impl fmt::Debug for BrokerPolicy {
     }
 }
 
-/// One turn's view: who speaks in which channel, and the turn's cancellation.
-#[derive(Clone)]
-pub struct TurnContext {
-    /// The turn's channel.
-    pub channel: String,
-    /// Who wrote the turn's message.
-    pub speaker: Speaker,
-    /// Fired when the turn ends.
-    pub cancel: CancellationToken,
-    /// Told of each call the broker starts (for progress displays); never of its content.
-    pub events: Option<BrokerEvents>,
+testing_pub! {
+    /// One turn's view: who speaks in which channel, and the turn's cancellation.
+    #[derive(Clone)]
+    struct TurnContext {
+        /// The turn's channel.
+        pub channel: String,
+        /// Who wrote the turn's message.
+        pub speaker: Speaker,
+        /// Fired when the turn ends.
+        pub cancel: CancellationToken,
+        /// Told of each call the broker starts (for progress displays); never of its content.
+        pub events: Option<BrokerEvents>,
+    }
 }
 
 impl fmt::Debug for TurnContext {
@@ -795,41 +804,43 @@ pub enum BrokerEvent {
 /// Receives [`BrokerEvent`]s; called on the connection's task, so it must return quickly.
 pub type BrokerEvents = Arc<dyn Fn(BrokerEvent) + Send + Sync>;
 
-/// Checks the policy without any side effect (no process started, no connection made):
-/// the model URL, the limits, host tool names and schemas, MCP server names, transports
-/// and allow-lists. That the allow-listed tools exist is checked by [`Broker::new`].
-pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
-    model::chat_url(&policy.model_url, policy.allow_http)?;
-    policy.limits.validate()?;
-    policy.model_request.validate()?;
-    if let Some(summarizer) = &policy.compaction {
-        compact::validate(summarizer)?;
+testing_pub! {
+    /// Checks the policy without any side effect (no process started, no connection made):
+    /// the model URL, the limits, host tool names and schemas, MCP server names, transports
+    /// and allow-lists. That the allow-listed tools exist is checked by [`Broker::new`].
+    fn validate_policy(policy: &BrokerPolicy) -> Result<(), BrokerError> {
+        model::chat_url(&policy.model_url, policy.allow_http)?;
+        policy.limits.validate()?;
+        policy.model_request.validate()?;
+        if let Some(summarizer) = &policy.compaction {
+            compact::validate(summarizer)?;
+        }
+        let mut seen = BTreeSet::new();
+        for tool in &policy.tools {
+            let name = tool.name();
+            if !valid_tool_name(name) {
+                return Err(BrokerError::InvalidToolName(name.to_owned()));
+            }
+            if builtin_tools::ALL.contains(&name) {
+                return Err(BrokerError::BuiltinToolName(name.to_owned()));
+            }
+            if !seen.insert(name.to_owned()) {
+                return Err(BrokerError::DuplicateToolName(name.to_owned()));
+            }
+            tools::compile_schema(name, &tool.parameters())?;
+        }
+        let mut servers = BTreeSet::new();
+        for server in &policy.mcp {
+            mcp::validate_config(server, policy.allow_http)?;
+            if !servers.insert(server.name.as_str()) {
+                return Err(BrokerError::InvalidMcpServer {
+                    server: server.name.clone(),
+                    reason: "configured twice".into(),
+                });
+            }
+        }
+        Ok(())
     }
-    let mut seen = BTreeSet::new();
-    for tool in &policy.tools {
-        let name = tool.name();
-        if !valid_tool_name(name) {
-            return Err(BrokerError::InvalidToolName(name.to_owned()));
-        }
-        if builtin_tools::ALL.contains(&name) {
-            return Err(BrokerError::BuiltinToolName(name.to_owned()));
-        }
-        if !seen.insert(name.to_owned()) {
-            return Err(BrokerError::DuplicateToolName(name.to_owned()));
-        }
-        tools::compile_schema(name, &tool.parameters())?;
-    }
-    let mut servers = BTreeSet::new();
-    for server in &policy.mcp {
-        mcp::validate_config(server, policy.allow_http)?;
-        if !servers.insert(server.name.as_str()) {
-            return Err(BrokerError::InvalidMcpServer {
-                server: server.name.clone(),
-                reason: "configured twice".into(),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// `[a-z0-9_-]{1,64}`.
@@ -858,22 +869,24 @@ impl fmt::Debug for Broker {
 }
 
 impl Broker {
-    /// Validates the policy and prepares the shared parts: the upstream client, the
-    /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
-    /// tools checked and pinned).
-    pub async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
-        validate_policy(&policy)?;
-        let upstream = model::Upstream::new(&policy)?;
-        let compactor = compact::Compactor::new(&policy)?;
-        let tools = tools::HostTools::new(&policy.tools)?;
-        let mcp = mcp::McpPool::start(&policy.mcp, policy.limits.call_timeout).await?;
-        Ok(Self {
-            policy,
-            upstream,
-            compactor,
-            tools,
-            mcp,
-        })
+    testing_pub! {
+            /// Validates the policy and prepares the shared parts: the upstream client, the
+        /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
+        /// tools checked and pinned).
+        async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
+            validate_policy(&policy)?;
+            let upstream = model::Upstream::new(&policy)?;
+            let compactor = compact::Compactor::new(&policy)?;
+            let tools = tools::HostTools::new(&policy.tools)?;
+            let mcp = mcp::McpPool::start(&policy.mcp, policy.limits.call_timeout).await?;
+            Ok(Self {
+                policy,
+                upstream,
+                compactor,
+                tools,
+                mcp,
+            })
+        }
     }
 
     /// The tool specs handed to each turn: host tools, then the allow-listed MCP tools with
@@ -892,31 +905,35 @@ impl Broker {
         (tools, self.mcp.specs())
     }
 
-    /// Listens on `socket` for one turn (the Docker path: a unix socket in the turn's
-    /// run dir, each peer's uid checked). Each connection is its own task; the listener's
-    /// cancellation (a child of the turn's) ends every call in flight.
-    pub async fn listen(
-        self: &Arc<Self>,
-        socket: &Path,
-        ctx: TurnContext,
-    ) -> Result<BrokerListener, BrokerError> {
-        let listener = UnixListener::bind(socket).map_err(|source| BrokerError::Bind {
-            path: socket.to_owned(),
-            source,
-        })?;
-        Ok(self.spawn(server::Acceptor::Unix(listener), socket.to_owned(), ctx))
+    testing_pub! {
+            /// Listens on `socket` for one turn (the Docker path: a unix socket in the turn's
+        /// run dir, each peer's uid checked). Each connection is its own task; the listener's
+        /// cancellation (a child of the turn's) ends every call in flight.
+        async fn listen(
+            self: &Arc<Self>,
+            socket: &Path,
+            ctx: TurnContext,
+        ) -> Result<BrokerListener, BrokerError> {
+            let listener = UnixListener::bind(socket).map_err(|source| BrokerError::Bind {
+                path: socket.to_owned(),
+                source,
+            })?;
+            Ok(self.spawn(server::Acceptor::Unix(listener), socket.to_owned(), ctx))
+        }
     }
 
-    /// Serves one turn over the byte streams a backend carries from its guest (see
-    /// [`crate::driver::BrokerTransport::Streams`]): the same HTTP, limits and policy as on
-    /// the unix socket, without a socket and without a peer check (the backend vouches
-    /// that each stream is this turn's guest). Serving ends when the listener stops.
-    pub fn serve_streams(
-        self: &Arc<Self>,
-        streams: tokio::sync::mpsc::Receiver<Box<dyn crate::driver::GuestStream>>,
-        ctx: TurnContext,
-    ) -> BrokerListener {
-        self.spawn(server::Acceptor::Streams(streams), PathBuf::new(), ctx)
+    testing_pub! {
+            /// Serves one turn over the byte streams a backend carries from its guest (see
+        /// [`crate::driver::BrokerTransport::Streams`]): the same HTTP, limits and policy as on
+        /// the unix socket, without a socket and without a peer check (the backend vouches
+        /// that each stream is this turn's guest). Serving ends when the listener stops.
+        fn serve_streams(
+            self: &Arc<Self>,
+            streams: tokio::sync::mpsc::Receiver<Box<dyn crate::driver::GuestStream>>,
+            ctx: TurnContext,
+        ) -> BrokerListener {
+            self.spawn(server::Acceptor::Streams(streams), PathBuf::new(), ctx)
+        }
     }
 
     fn spawn(
@@ -962,17 +979,20 @@ impl Broker {
     }
 }
 
-/// One turn's listener. Stopping (or dropping) it ends every call in flight.
-#[derive(Debug)]
-pub struct BrokerListener {
-    /// The socket file (empty: streams carried by the backend).
-    path: PathBuf,
-    stop: CancellationToken,
-    task: Option<tokio::task::JoinHandle<()>>,
+testing_pub! {
+    /// One turn's listener. Stopping (or dropping) it ends every call in flight.
+    #[derive(Debug)]
+    struct BrokerListener {
+        /// The socket file (empty: streams carried by the backend).
+        path: PathBuf,
+        stop: CancellationToken,
+        task: Option<tokio::task::JoinHandle<()>>,
+    }
 }
 
 impl BrokerListener {
     /// The socket path (empty when the backend carries the streams).
+    #[cfg(feature = "testing")]
     pub fn path(&self) -> &Path {
         &self.path
     }

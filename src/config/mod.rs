@@ -12,7 +12,7 @@
 //! - **limits** — caps: the container's [`Limits`] (the `[limits]` section), the broker's
 //!   [`BrokerLimits`](crate::broker::BrokerLimits) (`[broker]`).
 //! - **policy** — what the broker enforces, derived from the config
-//!   ([`BrokerPolicy`](crate::broker::BrokerPolicy),
+//!   (`BrokerPolicy`, crate-internal, and
 //!   [`ModelRequestPolicy`](crate::broker::ModelRequestPolicy)).
 //! - **MCP server** and **compaction model** — two entries of the config: an MCP server the
 //!   broker starts ([`McpServer`](crate::broker::McpServer), `[[mcp]]`) and the separate
