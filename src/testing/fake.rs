@@ -13,7 +13,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::broker::BoxFuture;
 use crate::driver::{
-    ContainerProcesses, ContainerSpec, HeldFiles, StartedContainer, SweepScope, LABEL_CHANNEL,
+    BrokerTransport, ContainerProcesses, ContainerSpec, GuestStream, HeldFiles, StartedContainer,
+    SweepScope, LABEL_CHANNEL,
 };
 use crate::protocol::Turn;
 use crate::{ContainerDriver, DriverError, HostTool, Reply, RunOutcome, ToolCallContext, Usage};
@@ -29,6 +30,8 @@ pub struct Run {
     pub turn: Turn,
     /// How it ended; `None` while it runs.
     pub outcome: Option<RunEnd>,
+    /// Whether the broker's socket file was in the run dir when the run started.
+    pub socket_bound: bool,
 }
 
 /// How a recorded run ended.
@@ -84,6 +87,9 @@ enum Mode {
         inner: Arc<dyn ContainerDriver>,
         panic_after: Option<Duration>,
     },
+    /// Carries the broker's HTTP over in-memory streams: the sender of each container's
+    /// relay, from its transport's question to its run.
+    Relay(Mutex<HashMap<String, mpsc::Sender<Box<dyn GuestStream>>>>),
 }
 
 impl fmt::Debug for Mode {
@@ -96,6 +102,7 @@ impl fmt::Debug for Mode {
                 .debug_struct("Around")
                 .field("panic_after", panic_after)
                 .finish_non_exhaustive(),
+            Self::Relay(_) => f.write_str("Relay"),
         }
     }
 }
@@ -109,7 +116,9 @@ impl fmt::Debug for Mode {
 /// - [`FakeDriver::instant`]: replies at once, records nothing (memory measurements);
 /// - [`FakeDriver::handing_runs`]: each run is handed to the test, which decides its end;
 /// - [`FakeDriver::around`]: the run goes to a real driver (with the real container), and
-///   [`FakeDriver::panicking_after`] makes it panic mid-run.
+///   [`FakeDriver::panicking_after`] makes it panic mid-run;
+/// - [`FakeDriver::relaying`]: a backend whose guest reaches the broker only over streams
+///   the backend carries (no socket), the run speaking HTTP on them.
 ///
 /// Knobs at any time: [`FakeDriver::release`] lets blocked runs go on,
 /// [`FakeDriver::fail_removes`] makes every `remove` fail, [`FakeDriver::set_prepares`]
@@ -182,6 +191,14 @@ impl FakeDriver {
             inner,
             panic_after: Some(after),
         })
+    }
+
+    /// A backend whose container is not on this host: the broker is reached only through
+    /// in-memory duplex streams the fake carries ([`BrokerTransport::Streams`]), as a relay
+    /// would. Each run opens one stream, POSTs `{}` on it to the path its turn's text names
+    /// (e.g. `/v1/tools/whoami`), and replies with the broker's whole answer, head and body.
+    pub fn relaying() -> Arc<Self> {
+        Self::with_mode(Mode::Relay(Mutex::default()))
     }
 
     /// Lets `n` blocked runs go on.
@@ -264,6 +281,7 @@ impl FakeDriver {
                 channel: channel.clone(),
                 turn: turn.clone(),
                 outcome: None,
+                socket_bound: spec.run_dir.join("broker.sock").exists(),
             });
             r.runs.len() - 1
         };
@@ -347,6 +365,25 @@ impl FakeDriver {
         }
     }
 
+    async fn relayed(
+        &self,
+        index: usize,
+        relays: &Mutex<HashMap<String, mpsc::Sender<Box<dyn GuestStream>>>>,
+        spec: &ContainerSpec,
+        turn: &Turn,
+    ) -> Result<RunOutcome, DriverError> {
+        let relay = relays
+            .lock()
+            .unwrap()
+            .remove(&spec.name)
+            .expect("the turn asks for the transport before the run");
+        let (guest, host) = tokio::io::duplex(64 * 1024);
+        relay.send(Box::new(host)).await.expect("the broker serves");
+        let answer = http_post(guest, &turn.text, "{}").await;
+        self.finish(index, RunEnd::Ok);
+        Ok(RunOutcome::replied(&Reply::text(answer, Usage::default())))
+    }
+
     async fn wrapped(
         &self,
         index: usize,
@@ -425,6 +462,7 @@ impl ContainerDriver for FakeDriver {
                     self.wrapped(index, inner, *panic_after, (spec, stdin, cancel))
                         .await
                 }
+                Mode::Relay(relays) => self.relayed(index, relays, spec, &turn).await,
             }
         })
     }
@@ -491,6 +529,22 @@ impl ContainerDriver for FakeDriver {
         }
     }
 
+    /// Relaying, the streams of a new relay; otherwise the unix socket in the run dir.
+    fn broker_transport<'a>(
+        &'a self,
+        spec: &'a ContainerSpec,
+    ) -> BoxFuture<'a, Result<BrokerTransport, DriverError>> {
+        let transport = match &self.mode {
+            Mode::Relay(relays) => {
+                let (tx, rx) = mpsc::channel(4);
+                relays.lock().unwrap().insert(spec.name.clone(), tx);
+                BrokerTransport::Streams(rx)
+            }
+            _ => BrokerTransport::UnixSocket,
+        };
+        Box::pin(async { Ok(transport) })
+    }
+
     /// Around a real driver, its count (the container is real); otherwise no process holds
     /// anything.
     fn held_files<'a>(&'a self, name: &'a str) -> BoxFuture<'a, HeldFiles> {
@@ -534,20 +588,29 @@ impl StartedContainer for Prepared {
     }
 }
 
-/// A bare HTTP/1.1 POST to the broker's tool path; returns the response body.
+/// A bare HTTP/1.1 POST to the broker's tool path on its unix socket; returns the
+/// response body.
 async fn call_tool(socket: &Path, name: &str) -> String {
-    let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
-    let request = format!(
-        "POST /v1/tools/{name} HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
-         Content-Length: 2\r\nConnection: close\r\n\r\n{{}}"
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
+    let stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+    let response = http_post(stream, &format!("/v1/tools/{name}"), "{}").await;
     response
         .split_once("\r\n\r\n")
         .map(|(_, body)| body.to_owned())
         .unwrap_or(response)
+}
+
+/// One HTTP/1.1 POST of the JSON `body` to `path` on `stream`; the whole answer (head and
+/// body) as text.
+async fn http_post(mut stream: impl GuestStream, path: &str, body: &str) -> String {
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: broker\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// A host tool answering with the speaker the broker bound to the call
