@@ -675,7 +675,10 @@ async fn attack_fill_the_workspace_disk() {
     };
     let over = "this channel's workspace is over its quota";
 
-    // One file past the quota: the kernel stops it (RLIMIT_FSIZE), the turn says why.
+    // One file past the quota: the kernel stops it (RLIMIT_FSIZE), the turn says why. The
+    // file at its cap and the workspace's directory are over the quota by a block, so on a
+    // busy machine the watcher's tick may end the turn first, saying so: either way the
+    // file stops at the cap (checked below; without the cap it grows until the watcher).
     let mut config = hostile::sh_config(
         &env,
         "cat >/dev/null; exec dd if=/dev/zero of=/workspace/big bs=1M count=100",
@@ -683,9 +686,11 @@ async fn attack_fill_the_workspace_disk() {
     limits(&mut config);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#big", "x")).await;
-    assert_eq!(
-        reply.error.as_deref(),
-        Some("guest killed: a file grew past the workspace quota (8 MiB)")
+    let error = reply.error.unwrap();
+    assert!(
+        error == "guest killed: a file grew past the workspace quota (8 MiB)"
+            || error.starts_with(over),
+        "{error}"
     );
     let size = std::fs::metadata(env.workspace_of("#big").join("big"))
         .unwrap()

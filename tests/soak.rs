@@ -1,6 +1,8 @@
 //! Soak: many turns across 50 channels through the actor layer and real containers, with
-//! random stops, resets and channel-actor panics, then checks that nothing leaked (no
-//! labelled container, no run dir or socket, no file descriptor) and that the host's
+//! random stops, resets and channel-actor panics, warm turns on (the default: channels
+//! prepare their next container, `warm.max` of them at once), then checks that nothing
+//! leaked (idle, only the prepared containers and their run dirs are left; after shutdown
+//! no labelled container, no run dir or socket; no file descriptor) and that the host's
 //! memory stayed flat, and that no pending reset was lost.
 //!
 //! `ROUNDTABLE_SOAK_TURNS` sets the number of turns (default 1,000: about 2.5 minutes on a
@@ -68,6 +70,25 @@ async fn until_idle(addr: &Addr<SandboxSupervisor>) {
     }
 }
 
+/// Waits until no preparation is in flight (every prepared container waits in its
+/// channel's slot), and returns how many wait.
+async fn settled_prepared(addr: &Addr<SandboxSupervisor>) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = addr.send(Status).await.unwrap();
+        let waiting = s.channels.iter().filter(|c| c.prepared).count();
+        if waiting == s.totals.prepared {
+            return waiting;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "preparations never settled: {:?}",
+            s.totals
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[derive(Default, Debug)]
 struct Tally {
     ok: AtomicUsize,
@@ -102,7 +123,8 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
     let mut rng = Rng(seed);
     let tally = Arc::new(Tally::default());
     let started = Instant::now();
-    let mut baseline: Option<(u64, usize)> = None;
+    // RSS, open descriptors, and prepared containers then (each holds two engine streams).
+    let mut baseline: Option<(u64, usize, usize)> = None;
     let mut in_flight: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     let (mut stops, mut resets, mut panics) = (0usize, 0usize, 0usize);
 
@@ -121,7 +143,8 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
             .await
             .unwrap();
             until_idle(&addr).await;
-            baseline = Some((rss_kib(), open_fds()));
+            let prepared = settled_prepared(&addr).await;
+            baseline = Some((rss_kib(), open_fds(), prepared));
         }
         let ch = channel(rng.below(CHANNELS as u64));
         let roll = rng.below(100);
@@ -258,20 +281,38 @@ async fn soak_turns_across_channels_with_stops_resets_and_panics() {
     }
     until_idle(&addr).await;
 
-    // Nothing leaked, memory stayed flat.
-    assert_no_leftovers_in(&resolved.instance, &resolved.run_root).await;
-    let (rss0, fds0) = baseline.unwrap_or((rss_kib(), open_fds()));
+    // Nothing leaked (idle: only the prepared containers wait, each with its run dir),
+    // memory stayed flat.
+    let prepared = settled_prepared(&addr).await;
+    let containers = labelled_containers_of(&resolved.instance).await;
+    assert_eq!(
+        containers.len(),
+        prepared,
+        "leaked containers: {containers:?}"
+    );
+    let entries = run_root_entries(&resolved.run_root);
+    assert_eq!(
+        entries.len(),
+        prepared,
+        "leaked run dir entries: {entries:?}"
+    );
+    let (rss0, fds0, prepared0) = baseline.unwrap_or((rss_kib(), open_fds(), prepared));
     let (rss1, fds1) = (rss_kib(), open_fds());
+    let more_prepared = prepared.saturating_sub(prepared0);
     let report = format!(
         "soak: {turns} turns across {CHANNELS} channels in {:.1}s ({:.0} ms/turn); \
          {resets} resets, {stops} stops, {panics} actor panics; answers {tally:?}; \
-         {checked} pending resets verified; RSS {rss0} -> {rss1} KiB; fds {fds0} -> {fds1}",
+         {checked} pending resets verified; RSS {rss0} -> {rss1} KiB; fds {fds0} -> {fds1}; \
+         prepared containers {prepared0} -> {prepared}",
         elapsed.as_secs_f64(),
         elapsed.as_secs_f64() * 1000.0 / turns as f64
     );
     eprintln!("{report}");
     assert_eq!(tally.other_errors.load(Ordering::SeqCst), 0, "{report}");
-    assert!(fds1 <= fds0 + 4, "file descriptors leaked: {report}");
+    assert!(
+        fds1 <= fds0 + 4 + 2 * more_prepared,
+        "file descriptors leaked: {report}"
+    );
     assert!(rss1 <= rss0 + 32 * 1024, "memory grew: {report}");
     let shutdown = addr.send(Shutdown).await.unwrap();
     assert_eq!(shutdown.stopped_turns, 0);
