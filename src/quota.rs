@@ -888,6 +888,45 @@ mod tests {
     }
 
     #[test]
+    fn what_the_driver_counts_inside_is_added_and_what_it_cannot_fails_the_measure() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = Workspace::open(dir.path()).unwrap();
+        let q = quota(16, 1000);
+        let tree = measure(&ws, &q, None).unwrap();
+        let counted = HeldFiles::Counted {
+            files: 3,
+            bytes: 17 << 20,
+        };
+        let u = measure(&ws, &q, Some(&counted)).unwrap();
+        assert_eq!((u.held_files, u.held_bytes), (3, 17 << 20));
+        assert_eq!(u.bytes, tree.bytes + (17 << 20));
+        assert_eq!(
+            check(&ws, &q, Some(&counted)).unwrap_err().to_string(),
+            "this channel's workspace is over its quota (18 MiB used, 17 MiB of it in 3 deleted files held open; the limit is 16 MiB); an operator must free space in it before the next turn"
+        );
+        // Every way the count can fail is a measure that failed, never a count of 0; none
+        // is final: the watcher's grace applies, as to a hidden process under runc.
+        for (why, text) in [
+            (
+                Unmeasurable::HiddenDescriptors,
+                "a process of the turn hides its open files from the host",
+            ),
+            (
+                Unmeasurable::MappedDeleted,
+                "a deleted workspace file is held only through a memory mapping",
+            ),
+            (
+                Unmeasurable::Measurer("the measurer ended with Some(137)".into()),
+                "the open files of the turn could not be counted inside the sandbox: the measurer ended with Some(137)",
+            ),
+        ] {
+            let e = measure(&ws, &q, Some(&HeldFiles::Unmeasurable(why))).unwrap_err();
+            assert_eq!(e.to_string(), text);
+            assert!(!e.is_final(), "{e}");
+        }
+    }
+
+    #[test]
     fn maps_lines_name_deleted_files_on_the_device() {
         let dev = rustix::fs::makedev(0xfe, 0x01);
         let maps = "7f0000000000-7f0000001000 rw-s 00000000 fe:01 4242 /workspace/x (deleted)\n\
