@@ -6,79 +6,37 @@
 //! results), and plain HTTP only to loopback.
 
 use roundtable_sandbox_test_support::{broker_client as client, mcp_stub};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::broker::{
-    ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerListener, BrokerPolicy,
-    HostTool, ModelRequestPolicy, ToolCallContext, TurnContext,
+    ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerPolicy, HostTool,
+    ToolCallContext,
 };
+use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn};
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use secrecy::SecretString;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
 
 /// The model key: no 3-byte piece of it occurs in any text the tests build around it.
 const KEY: &str = "Zq7Xk2Wv9Pm4Rt8Yn3Ls";
 const CHAT: &str = "/v1/chat/completions";
 
 fn policy(model_url: &str) -> BrokerPolicy {
-    BrokerPolicy {
-        model: "configured-model".into(),
-        model_url: model_url.into(),
-        api_key: ApiKey::from_static(KEY),
-        tools: vec![],
-        mcp: vec![],
-        allow_http: true,
-        limits: BrokerLimits::default(),
-        worker_uid: nix::unistd::getuid().as_raw(),
-        peer_uid_check: true,
-        model_request: ModelRequestPolicy::default(),
-        compaction: None,
-    }
+    broker_policy(model_url, KEY)
 }
 
-struct TestTurn {
-    _dir: tempfile::TempDir,
-    socket: PathBuf,
-    _listener: BrokerListener,
-}
-
-impl TestTurn {
-    async fn start(broker: &Arc<Broker>) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("rtb-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let socket = dir.path().join("broker.sock");
-        let ctx = TurnContext {
-            channel: "chan-h".into(),
-            speaker: Speaker {
-                id: "u-1".into(),
-                name: "Mallory".into(),
-            },
-            cancel: CancellationToken::new(),
-            events: None,
-        };
-        let listener = broker.listen(&socket, ctx).await.unwrap();
-        Self {
-            _dir: dir,
-            socket,
-            _listener: listener,
-        }
-    }
-
-    fn socket(&self) -> &Path {
-        &self.socket
-    }
-}
-
-async fn broker(policy: BrokerPolicy) -> Arc<Broker> {
-    Arc::new(Broker::new(policy).await.unwrap())
+/// A turn of Mallory in `chan-h`.
+async fn start_turn(broker: &Arc<Broker>) -> BrokerTurn {
+    let mallory = Speaker {
+        id: "u-1".into(),
+        name: "Mallory".into(),
+    };
+    BrokerTurn::start(broker, "chan-h", mallory).await
 }
 
 /// Every 3-byte piece of the key found in `text`.
@@ -123,8 +81,8 @@ fn error_event(message: &str) -> String {
 #[tokio::test]
 async fn fields_outside_the_allow_list_are_refused_naming_the_field() {
     let model = ScriptedModel::start(vec![]).await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let fields = [
         ("models", json!(["openai/gpt-4o", "anthropic/claude-opus"])),
         ("route", json!("fallback")),
@@ -166,8 +124,8 @@ async fn fields_outside_the_allow_list_are_refused_naming_the_field() {
 #[tokio::test]
 async fn allowed_fields_pass_unchanged_and_the_model_is_forced() {
     let model = ScriptedModel::start(vec![Step::text("ok")]).await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let body = json!({
         "model": "guest-picked",
         "messages": [{"role": "user", "content": "hi \u{e9} \"q\""}],
@@ -197,8 +155,8 @@ async fn token_caps_are_clamped_and_set_when_absent() {
     let model = ScriptedModel::start((0..5).map(|_| Step::text("ok")).collect()).await;
     let mut p = policy(&model.url());
     p.model_request.max_tokens = 1000;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases = [
         (
@@ -260,8 +218,8 @@ async fn the_operator_can_extend_the_allow_list() {
     let model = ScriptedModel::start(vec![Step::text("ok")]).await;
     let mut p = policy(&model.url());
     p.model_request.extra_fields = vec!["reasoning_effort".into()];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let body = json!({"messages": [], "reasoning_effort": "low"});
     let a = post_json(turn.socket(), CHAT, &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
@@ -278,8 +236,8 @@ async fn the_operator_can_extend_the_allow_list() {
 #[tokio::test]
 async fn duplicate_fields_reach_the_upstream_once() {
     let model = ScriptedModel::start(vec![Step::text("ok")]).await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let raw = r#"{"model":"a","messages":[],"model":"b","temperature":1,"temperature":0.5}"#;
     let a = post(turn.socket(), CHAT, &[], raw).await.unwrap();
     assert_eq!(a.status, 200, "{}", a.text());
@@ -319,8 +277,8 @@ async fn calls_in_flight_past_the_cap_are_refused_with_429() {
     let mut p = policy(&model.url());
     p.tools = vec![Arc::new(Waits)];
     assert_eq!(p.limits.max_calls_in_flight, 4, "the default");
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let body = json!({"messages": []}).to_string();
     // Three model calls and one tool call hang: four in flight.
     let mut held = Vec::new();
@@ -404,9 +362,9 @@ async fn read_all(s: &mut tokio::net::UnixStream, limit: Duration) -> String {
 
 #[tokio::test]
 async fn connections_past_the_cap_are_refused_with_503() {
-    let broker = broker(policy("http://127.0.0.1:9/v1")).await;
+    let broker = start_broker(policy("http://127.0.0.1:9/v1")).await;
     assert_eq!(BrokerLimits::default().max_connections, 16, "the default");
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     // Sixteen idle connections (each sends half a request head and waits).
     let mut idle = Vec::new();
     for _ in 0..16 {
@@ -483,8 +441,8 @@ impl HostTool for Echo {
 async fn tool_arguments_that_would_inflate_are_refused_before_parsing() {
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![Arc::new(Echo)];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     // 1 MiB of empty arrays: ~350,000 values, ~16 MiB as a serde_json::Value.
     let mut body = String::from(r#"{"a":["#);
     while body.len() < (1 << 20) - 10 {
@@ -542,8 +500,8 @@ async fn the_key_at_every_offset_across_chunk_boundaries_is_redacted() {
     let model = ScriptedModel::start(steps).await;
     let mut p = policy(&model.url());
     p.limits.max_model_calls = 1000;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     for k in offsets {
         let (status, text) = read_stream(turn.socket(), &streamed()).await;
         assert_eq!(status, 200);
@@ -572,8 +530,8 @@ async fn a_stream_cut_at_the_byte_cap_sends_no_piece_of_the_key() {
     let mut p = policy(&model.url());
     p.limits.max_response_bytes = cap;
     p.limits.max_model_calls = 1000;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     for j in 1..KEY.len() {
         let (status, text) = read_stream(turn.socket(), &streamed()).await;
         assert_eq!(status, 200);
@@ -606,12 +564,12 @@ async fn a_stream_that_times_out_or_fails_sends_no_piece_of_the_key() {
     // Generous for a busy machine: the head must arrive within it, the stall outlasts it.
     p.limits.call_timeout = Duration::from_secs(3);
     p.limits.max_model_calls = 1000;
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     // One turn per call, all at once: the stalls overlap.
     let mut set = tokio::task::JoinSet::new();
     let mut turns = Vec::new();
     for _ in 0..n {
-        let turn = TestTurn::start(&broker).await;
+        let turn = start_turn(&broker).await;
         let socket = turn.socket().to_owned();
         turns.push(turn);
         set.spawn(async move { read_stream(&socket, &streamed()).await });
@@ -624,7 +582,7 @@ async fn a_stream_that_times_out_or_fails_sends_no_piece_of_the_key() {
     }
     let failed = error_event("model stream failed");
     for _ in 1..=n {
-        let turn = TestTurn::start(&broker).await;
+        let turn = start_turn(&broker).await;
         let (status, text) = read_stream(turn.socket(), &streamed()).await;
         assert_eq!(status, 200);
         assert_eq!(text, format!("data: .{failed}"));
@@ -637,8 +595,8 @@ async fn a_whole_answer_ending_in_part_of_the_key_sends_no_piece_of_it() {
         .map(|j| Step::Status(200, format!("{{\"a\":1}} {}", &KEY[..j])))
         .collect();
     let model = ScriptedModel::start(steps).await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     for j in 1..KEY.len() {
         let a = post_json(turn.socket(), CHAT, &json!({"messages": []})).await;
         assert_eq!(a.status, 200);
@@ -658,8 +616,8 @@ async fn the_error_snippet_cut_sends_no_piece_of_the_key() {
     let model = ScriptedModel::start(steps).await;
     let mut p = policy(&model.url());
     p.limits.max_model_calls = 1000;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     for j in 1..KEY.len() {
         let a = post_json(turn.socket(), CHAT, &json!({"messages": []})).await;
         assert_eq!(a.status, 502);
@@ -694,8 +652,8 @@ async fn declared_secrets_are_redacted_from_host_tool_and_mcp_results() {
     p.tools = vec![Arc::new(Echo)];
     p.mcp = vec![stub];
     p.api_key = ApiKey::from_provider(Provider);
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let secrets = ["provided-Kk8Jj7Ii6", "tool-secret-Hh6Gg5Ff4", mcp_token];
     for secret in secrets {
         let say = format!("<{secret}>");

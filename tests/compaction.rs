@@ -8,19 +8,15 @@
 use roundtable_sandbox_test_support::broker_client as client;
 use roundtable_sandbox_test_support::captured_logs::Captured;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use roundtable_sandbox::broker::{
-    ApiKey, Broker, BrokerLimits, BrokerPolicy, CompactionModel, TurnContext,
-};
+use roundtable_sandbox::broker::{ApiKey, BrokerPolicy, CompactionModel};
 use roundtable_sandbox::protocol::chat::Message;
 use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
 use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{Config, Sandbox, Speaker};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::{json, Value};
-use tokio_util::sync::CancellationToken;
 
 const KEY: &str = "sk-main-cobra-1111-do-not-leak";
 const SUM_KEY: &str = "sk-sum-otter-2222-do-not-leak";
@@ -441,17 +437,8 @@ fn without_a_summarizer_a_failed_summary_is_a_plain_summary_logged_at_warn() {
 
 fn policy(model: &ScriptedModel, compaction: Option<CompactionModel>) -> BrokerPolicy {
     BrokerPolicy {
-        model: "configured-model".into(),
-        model_url: model.url(),
-        api_key: ApiKey::from_static(KEY),
-        tools: vec![],
-        mcp: vec![],
-        allow_http: true,
-        limits: BrokerLimits::default(),
-        worker_uid: nix::unistd::getuid().as_raw(),
-        peer_uid_check: true,
-        model_request: Default::default(),
         compaction,
+        ..broker_policy(&model.url(), KEY)
     }
 }
 
@@ -480,19 +467,9 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
             Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
         );
         p.limits.max_model_calls = 3;
-        let broker = Arc::new(Broker::new(p).await.unwrap());
-        let dir = tempfile::Builder::new()
-            .prefix("rtc-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let socket = dir.path().join("broker.sock");
-        let ctx = TurnContext {
-            channel: "chan-budget".into(),
-            speaker: Speaker::default(),
-            cancel: CancellationToken::new(),
-            events: None,
-        };
-        let listener = broker.listen(&socket, ctx).await.unwrap();
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-budget", Speaker::default()).await;
+        let socket = turn.socket.clone();
         let body = serde_json::to_value(compact_request(4321)).unwrap();
 
         // 1: the summarizer echoes its key: redacted.
@@ -541,7 +518,7 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
         ]);
         assert_eq!(budget.len(), 2, "{}", logs.text());
         assert!(!logs.text().contains("GUEST-WORDS-41"));
-        listener.stop().await.unwrap();
+        turn.listener.take().unwrap().stop().await.unwrap();
     });
 }
 
@@ -553,19 +530,9 @@ fn bad_compaction_requests_are_refused_and_logged() {
         let model = ScriptedModel::start(vec![]).await;
         let mut p = policy(&model, None);
         p.limits.max_request_bytes = 64 * 1024;
-        let broker = Arc::new(Broker::new(p).await.unwrap());
-        let dir = tempfile::Builder::new()
-            .prefix("rtc-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let socket = dir.path().join("broker.sock");
-        let ctx = TurnContext {
-            channel: "chan-bad".into(),
-            speaker: Speaker::default(),
-            cancel: CancellationToken::new(),
-            events: None,
-        };
-        let listener = broker.listen(&socket, ctx).await.unwrap();
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-bad", Speaker::default()).await;
+        let socket = turn.socket.clone();
         let a = client::post_json(
             &socket,
             "/v1/compact",
@@ -609,6 +576,6 @@ fn bad_compaction_requests_are_refused_and_logged() {
         assert_eq!(refused.len(), 4, "{}", logs.text());
         assert!(!logs.text().contains("GUEST-WORDS-41"));
         assert!(model.requests().is_empty());
-        listener.stop().await.unwrap();
+        turn.listener.take().unwrap().stop().await.unwrap();
     });
 }

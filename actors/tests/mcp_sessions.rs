@@ -3,26 +3,15 @@
 //! venv `scripts/mcp-venv.sh` makes). A channel's session starts on its first call, keeps
 //! its data in the channel's own file, and its process is gone once the channel retires.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use roundtable_sandbox::broker::{McpServer, McpTransport, PROBE_SEGMENT};
+use roundtable_sandbox::broker::PROBE_SEGMENT;
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
-use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, venv, wait_gone};
+use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, sqlite_server, wait_gone};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
-
-fn sqlite_bin() -> PathBuf {
-    let bin = venv().join("bin/mcp-server-sqlite");
-    assert!(
-        bin.exists(),
-        "{} is missing: run scripts/mcp-venv.sh",
-        bin.display()
-    );
-    bin
-}
 
 /// The tool results of a model request, in order.
 fn tool_results(request: &serde_json::Value) -> Vec<String> {
@@ -67,20 +56,9 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![McpServer::new(
-        "sqlite",
-        McpTransport::Stdio {
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                r#"echo $$ > "$0"; exec "$@""#.into(),
-                data.join("pid-{channel}").display().to_string(),
-                sqlite_bin().display().to_string(),
-                "--db-path".into(),
-                data.join("{channel}.db").display().to_string(),
-            ],
-            env: Default::default(),
-        },
+    c.mcp = vec![sqlite_server(
+        &data,
+        "{channel}",
         &["create_table", "write_query", "read_query"],
     )];
     let instance = c.resolve().unwrap().instance;
@@ -147,22 +125,7 @@ async fn shutdown_stops_every_channels_mcp_session() {
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![McpServer::new(
-        "sqlite",
-        McpTransport::Stdio {
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                r#"echo $$ > "$0"; exec "$@""#.into(),
-                data.join("pid-{channel}").display().to_string(),
-                sqlite_bin().display().to_string(),
-                "--db-path".into(),
-                data.join("{channel}.db").display().to_string(),
-            ],
-            env: Default::default(),
-        },
-        &["read_query"],
-    )];
+    c.mcp = vec![sqlite_server(&data, "{channel}", &["read_query"])];
     let mut s = SupervisorOptions::new(c);
     s.idle_timeout = Duration::from_secs(3600);
     let addr = SandboxSupervisor::start(s).await.unwrap();

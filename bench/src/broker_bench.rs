@@ -21,7 +21,8 @@ use hyper_util::rt::TokioIo;
 use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
 use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;
-use roundtable_sandbox::{ApiKey, Broker};
+use roundtable_sandbox::testing::broker_policy;
+use roundtable_sandbox::Broker;
 use roundtable_sandbox_guest_http as http;
 use std::io::{Read, Write};
 use tokio_util::sync::CancellationToken;
@@ -123,19 +124,11 @@ impl BrokerUnderTest {
     pub async fn start(model_url: &str) -> Result<Self> {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
-            model_url: model_url.into(),
-            api_key: ApiKey::from_static("sk-bench-never-in-the-container"),
-            tools: Vec::new(),
-            mcp: Vec::new(),
-            allow_http: true,
             limits: BrokerLimits {
                 max_model_calls: 10_000,
                 ..BrokerLimits::default()
             },
-            worker_uid: nix::unistd::getuid().as_raw(),
-            peer_uid_check: true,
-            model_request: Default::default(),
-            compaction: None,
+            ..broker_policy(model_url, "sk-bench-never-in-the-container")
         };
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
         let dir = tempfile::Builder::new()

@@ -35,11 +35,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
-use roundtable_sandbox::broker::{
-    BoxFuture, BrokerLimits, BrokerPolicy, HostTool, ToolCallContext, TurnContext,
-};
+use roundtable_sandbox::broker::{BoxFuture, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
 use roundtable_sandbox::protocol::Speaker;
-use roundtable_sandbox::{ApiKey, Broker};
+use roundtable_sandbox::testing::broker_policy;
+use roundtable_sandbox::Broker;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -73,16 +72,8 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
     rt.block_on(async {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
-            model_url: model_url.into(),
-            api_key: ApiKey::from_static("sk-bench-hostile-never-leaves"),
             tools: vec![Arc::new(Echo)],
-            mcp: Vec::new(),
-            allow_http: true,
-            limits: BrokerLimits::default(),
-            worker_uid: nix::unistd::getuid().as_raw(),
-            peer_uid_check: true,
-            model_request: Default::default(),
-            compaction: None,
+            ..broker_policy(model_url, "sk-bench-hostile-never-leaves")
         };
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
         let ctx = TurnContext {

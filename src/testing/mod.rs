@@ -4,10 +4,13 @@
 //!
 //! - [`FakeDriver`]: runs no container; records every run and removal, and is scripted by
 //!   the turn's text or configured at construction (instant replies, runs handed to the
-//!   test, a real driver wrapped with a panic mid-run). A fake is fine for actor logic
-//!   only: tests of the sandbox itself run real containers.
+//!   test, a real driver wrapped with a panic mid-run, a backend relaying the broker's
+//!   streams). A fake is fine for actor logic only: tests of the sandbox itself run real
+//!   containers.
 //! - [`Env`]: private roots under `/tmp`, a [`Config`](crate::Config) for the project's
 //!   guest image, the leftover checks run after every turn, and polling helpers.
+//! - [`BrokerTurn`]: a broker driven alone ([`broker_policy`], [`start_broker`]) and one
+//!   turn's listener on a socket in a private temp dir.
 //!
 //! ```ignore
 //! // Cargo.toml: [dev-dependencies] roundtable-sandbox = { path = "..", features = ["testing"] }
@@ -20,6 +23,7 @@
 
 mod env;
 mod fake;
+mod lone_broker;
 
 pub use env::{
     assert_no_leftovers, assert_no_leftovers_in, containers_labelled, eventually, image,
@@ -27,3 +31,4 @@ pub use env::{
     runtime, speaker, under_gvisor, Env, NamedTool, PROMPTLY,
 };
 pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};
+pub use lone_broker::{broker_policy, start_broker, BrokerTurn};

@@ -4,11 +4,46 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use roundtable_sandbox::broker::{McpServer, McpTransport};
+
 /// The venv `scripts/mcp-venv.sh` makes (`$ROUNDTABLE_MCP_VENV`, else `<repo>/.venv-mcp`).
 pub fn venv() -> PathBuf {
     std::env::var_os("ROUNDTABLE_MCP_VENV")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-mcp"))
+}
+
+/// The venv's `bin/<name>`; panics, saying how to make the venv, when it is missing.
+pub fn venv_bin(name: &str) -> PathBuf {
+    let bin = venv().join("bin").join(name);
+    assert!(
+        bin.exists(),
+        "{} is missing: run scripts/mcp-venv.sh (or set ROUNDTABLE_MCP_VENV to a venv with {name})",
+        bin.display()
+    );
+    bin
+}
+
+/// `mcp-server-sqlite` (PyPI) as the MCP server `sqlite` with `tools` allowed, behind `sh`,
+/// which writes the server's pid to `dir/pid-<db>` first; its database is `dir/<db>.db`.
+/// `db` may hold `{channel}`.
+pub fn sqlite_server(dir: &Path, db: &str, tools: &[&str]) -> McpServer {
+    McpServer::new(
+        "sqlite",
+        McpTransport::Stdio {
+            command: "sh".into(),
+            args: vec![
+                "-c".into(),
+                r#"echo $$ > "$0"; exec "$@""#.into(),
+                dir.join(format!("pid-{db}")).display().to_string(),
+                venv_bin("mcp-server-sqlite").display().to_string(),
+                "--db-path".into(),
+                dir.join(format!("{db}.db")).display().to_string(),
+            ],
+            env: Default::default(),
+        },
+        tools,
+    )
 }
 
 /// The pid a server's `sh` wrapper wrote to `file`.

@@ -8,8 +8,8 @@ async fn an_oversized_body_gives_413() {
     let mut p = policy(&model.url());
     p.limits.max_request_bytes = 4096;
     p.tools = vec![Arc::new(Weather::default())];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let big = json!({"city": "x".repeat(5000)}).to_string();
     let a = post(turn.socket(), "/v1/tools/weather", &[], big.clone())
         .await
@@ -46,8 +46,8 @@ async fn one_call_too_many_gives_429() {
     p.limits.max_model_calls = 2;
     p.limits.max_tool_calls = 1;
     p.tools = vec![Arc::new(Weather::default())];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     for _ in 0..2 {
         assert_eq!(post_json(s, CHAT, &chat_body(false)).await.status, 200);
@@ -63,7 +63,7 @@ async fn one_call_too_many_gives_429() {
     assert_eq!(a.error(), "too many tool calls in this turn (limit 1)");
     // The counts are per turn: the next turn starts afresh.
     drop(turn);
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     assert_eq!(
         post_json(turn.socket(), "/v1/tools/weather", &args)
             .await
@@ -77,8 +77,8 @@ async fn malformed_json_gives_400() {
     let model = ScriptedModel::start(vec![]).await;
     let mut p = policy(&model.url());
     p.tools = vec![Arc::new(Weather::default())];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let a = post(turn.socket(), CHAT, &[], "{not json").await.unwrap();
     assert_eq!(a.status, 400);
     assert_eq!(
@@ -100,9 +100,9 @@ async fn malformed_json_gives_400() {
 async fn a_slow_client_blocks_neither_its_turn_nor_another() {
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![Arc::new(Weather::default())];
-    let broker = broker(p).await;
-    let a_turn = TestTurn::start(&broker).await;
-    let b_turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let a_turn = start_turn(&broker).await;
+    let b_turn = start_turn(&broker).await;
     // Half a request head, never finished; and a head whose body never comes.
     let mut slow = tokio::net::UnixStream::connect(a_turn.socket())
         .await

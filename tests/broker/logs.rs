@@ -39,8 +39,8 @@ fn logs_never_hold_the_key_nor_guest_text_at_info() {
         let mut p = policy(&model.url());
         p.limits.call_timeout = Duration::from_millis(300);
         p.tools = vec![Arc::new(Weather::default())];
-        let broker = broker(p).await;
-        let turn = TestTurn::start(&broker).await;
+        let broker = start_broker(p).await;
+        let turn = start_turn(&broker).await;
         let s = turn.socket();
         let mut body = chat_body(false);
         body["messages"][0]["content"] = json!(GUEST);

@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::broker::{
-    validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerListener,
-    BrokerPolicy, HostTool, McpScope, McpServer, McpTransport, ToolCallContext, TurnContext,
-    META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
+    validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerPolicy, HostTool,
+    McpScope, McpServer, McpTransport, ToolCallContext, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
 };
+use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn};
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
@@ -27,7 +27,6 @@ use roundtable_sandbox_test_support::mcp_stub::{stub_server, stub_server_with};
 use roundtable_sandbox_test_support::model::{sse_text_events, ScriptedModel, Step};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio_util::sync::CancellationToken;
 use tracing_subscriber::Layer;
 
 const KEY: &str = "sk-test-4f9a1c2b7d3e8a6f";
@@ -39,19 +38,7 @@ fn uid() -> u32 {
 }
 
 fn policy(model_url: &str) -> BrokerPolicy {
-    BrokerPolicy {
-        model: MODEL.into(),
-        model_url: model_url.into(),
-        api_key: ApiKey::from_static(KEY),
-        tools: vec![],
-        mcp: vec![],
-        allow_http: true,
-        limits: BrokerLimits::default(),
-        worker_uid: uid(),
-        peer_uid_check: true,
-        model_request: Default::default(),
-        compaction: None,
-    }
+    broker_policy(model_url, KEY)
 }
 
 fn speaker() -> Speaker {
@@ -61,49 +48,14 @@ fn speaker() -> Speaker {
     }
 }
 
-/// One turn's listener in a private temp dir (never in the repo).
-struct TestTurn {
-    _dir: tempfile::TempDir,
-    socket: PathBuf,
-    cancel: CancellationToken,
-    listener: Option<BrokerListener>,
+/// A turn of `chan-1`.
+async fn start_turn(broker: &Arc<Broker>) -> BrokerTurn {
+    start_turn_in(broker, "chan-1").await
 }
 
-impl TestTurn {
-    async fn start(broker: &Arc<Broker>) -> Self {
-        Self::start_in(broker, "chan-1").await
-    }
-
-    /// A turn of `channel`.
-    async fn start_in(broker: &Arc<Broker>, channel: &str) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("rtb-")
-            .tempdir_in("/tmp")
-            .unwrap();
-        let socket = dir.path().join("broker.sock");
-        let cancel = CancellationToken::new();
-        let ctx = TurnContext {
-            channel: channel.into(),
-            speaker: speaker(),
-            cancel: cancel.clone(),
-            events: None,
-        };
-        let listener = broker.listen(&socket, ctx).await.unwrap();
-        Self {
-            _dir: dir,
-            socket,
-            cancel,
-            listener: Some(listener),
-        }
-    }
-
-    fn socket(&self) -> &Path {
-        &self.socket
-    }
-}
-
-async fn broker(policy: BrokerPolicy) -> Arc<Broker> {
-    Arc::new(Broker::new(policy).await.unwrap())
+/// A turn of `channel`.
+async fn start_turn_in(broker: &Arc<Broker>, channel: &str) -> BrokerTurn {
+    BrokerTurn::start(broker, channel, speaker()).await
 }
 
 fn chat_body(stream: bool) -> serde_json::Value {
@@ -124,16 +76,12 @@ async fn post_json_result(
 
 // ---------------------------------------------------------------- MCP helpers
 
-use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, venv, wait_gone};
+use roundtable_sandbox_test_support::mcp_process::{
+    self, alive, read_pid, venv, venv_bin, wait_gone,
+};
 
 fn mcp_time_bin() -> PathBuf {
-    let bin = venv().join("bin/mcp-server-time");
-    assert!(
-        bin.exists(),
-        "{} is missing: run scripts/mcp-venv.sh (or set ROUNDTABLE_MCP_VENV to a venv with mcp-server-time)",
-        bin.display()
-    );
-    bin
+    venv_bin("mcp-server-time")
 }
 
 /// `mcp-server-time` behind `sh`, which writes the server's pid to `pid_file` first.

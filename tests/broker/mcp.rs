@@ -8,7 +8,7 @@ async fn mcp_time_allow_listed_tool_works_and_others_are_unreachable() {
     let pid_file = dir.path().join("pid");
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![time_server(&pid_file, &["get_current_time"])];
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     let (_, mcp) = broker.turn_tools();
     assert_eq!(mcp.len(), 1);
     assert_eq!(mcp[0].server, "time");
@@ -19,7 +19,7 @@ async fn mcp_time_allow_listed_tool_works_and_others_are_unreachable() {
     );
     assert_eq!(mcp[0].tools[0].name, "get_current_time");
     assert_eq!(mcp[0].tools[0].parameters["required"], json!(["timezone"]));
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(
         s,
@@ -71,8 +71,8 @@ async fn mcp_time_killed_is_restarted_on_next_use() {
     let pid_file = dir.path().join("pid");
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![time_server(&pid_file, &["get_current_time"])];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let args = json!({"timezone": "UTC"});
     let path = "/v1/mcp/time/get_current_time";
     assert_eq!(
@@ -107,8 +107,8 @@ async fn mcp_server_dying_mid_call_gives_a_clear_error_then_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![stub_server(dir.path(), &["echo", "crash", "fail"])];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     // The channel's session starts on its first call.
     let a = post_json(s, "/v1/mcp/stub/echo", &json!({"text": "first"})).await;
@@ -138,10 +138,10 @@ async fn mcp_server_that_changes_a_pinned_tool_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![stub_server(dir.path(), &["echo", "crash"])];
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     let (_, mcp) = broker.turn_tools();
     assert_eq!(mcp[0].tools[0].description, "Echo the text");
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/mcp/stub/echo", &json!({"text": "x"})).await;
     assert_eq!(a.json(), json!({"ok": true, "content": "x"}));
@@ -176,8 +176,8 @@ async fn mcp_call_is_cancelled_with_the_turn() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![stub_server(dir.path(), &["sleep", "echo"])];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let socket = turn.socket().to_owned();
     let call = tokio::spawn(async move {
         post_json_result(&socket, "/v1/mcp/stub/sleep", &json!({"seconds": 30})).await
@@ -213,7 +213,7 @@ async fn mcp_call_is_cancelled_with_the_turn() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The server stays up for the next turn.
-    let next = TestTurn::start(&broker).await;
+    let next = start_turn(&broker).await;
     let a = post_json(next.socket(), "/v1/mcp/stub/echo", &json!({"text": "hi"})).await;
     assert_eq!(a.json(), json!({"ok": true, "content": "hi"}));
     broker.shutdown().await;
@@ -261,8 +261,8 @@ async fn mcp_shutdown_reaps_every_child() {
         time_server(&pid_file, &["get_current_time"]),
         stub_server(stub_dir.path(), &["echo"]),
     ];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(
         turn.socket(),
         "/v1/mcp/time/get_current_time",

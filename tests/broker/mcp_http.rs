@@ -71,12 +71,12 @@ async fn mcp_over_streamable_http_with_host_side_headers() {
     assert!(!format!("{config:?}").contains("host-secret-token"));
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![config];
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     let (_, mcp) = broker.turn_tools();
     assert_eq!(mcp[0].server, "remote");
     assert_eq!(mcp[0].tools.len(), 1);
     assert_eq!(mcp[0].tools[0].description, "Echo the text");
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(
         turn.socket(),
         "/v1/mcp/remote/echo",
@@ -107,7 +107,7 @@ async fn mcp_over_streamable_http_default_shared_or_channel_scoped_with_channel_
     let whoami = |broker: &Arc<Broker>, channel: &'static str| {
         let broker = broker.clone();
         async move {
-            let turn = TestTurn::start_in(&broker, channel).await;
+            let turn = start_turn_in(&broker, channel).await;
             let a = post_json(turn.socket(), "/v1/mcp/remote/whoami", &json!({})).await;
             assert_eq!(a.json()["ok"], true, "{}", a.text());
             serde_json::from_str::<serde_json::Value>(a.json()["content"].as_str().unwrap())
@@ -120,7 +120,7 @@ async fn mcp_over_streamable_http_default_shared_or_channel_scoped_with_channel_
     assert_eq!(config.scope(), McpScope::Shared);
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![config];
-    let shared = broker(p).await;
+    let shared = start_broker(p).await;
     let (a, b) = (
         whoami(&shared, "#alpha").await,
         whoami(&shared, "#beta").await,
@@ -146,7 +146,7 @@ async fn mcp_over_streamable_http_default_shared_or_channel_scoped_with_channel_
     };
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![config];
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     assert_eq!(broker.mcp_sessions(), 0);
     let (a, b) = (
         whoami(&broker, "#alpha").await,

@@ -6,8 +6,8 @@ use super::*;
 #[tokio::test]
 async fn model_key_injected_once_guest_headers_dropped_model_forced() {
     let model = ScriptedModel::start(vec![Step::text("hello there")]).await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let answer = post(
         turn.socket(),
         CHAT,
@@ -72,8 +72,8 @@ async fn streamed_chunks_arrive_in_order_and_unbuffered() {
         rest: events[1..].to_vec(),
     }])
     .await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let (status, headers, mut body) = client::send(
         turn.socket(),
         "POST",
@@ -108,8 +108,8 @@ async fn upstream_500_gives_a_clear_error() {
         Step::Status(503, String::new()),
     ])
     .await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 502);
     assert_eq!(a.error(), "model upstream returned HTTP 500: boom");
@@ -123,8 +123,8 @@ async fn upstream_timeout_gives_504_and_unreachable_gives_502() {
     let model = ScriptedModel::start(vec![Step::Hang]).await;
     let mut p = policy(&model.url());
     p.limits.call_timeout = Duration::from_millis(300);
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 504);
     assert_eq!(a.error(), "model call timed out after 300ms");
@@ -133,8 +133,8 @@ async fn upstream_timeout_gives_504_and_unreachable_gives_502() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/v1", closed.local_addr().unwrap());
     drop(closed);
-    let broker = self::broker(policy(&url)).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&url)).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 502);
     assert_eq!(a.error(), "model upstream unreachable");
@@ -148,8 +148,8 @@ async fn a_key_echoed_by_the_upstream_is_redacted() {
         Step::EchoKeyStream,
     ])
     .await;
-    let broker = broker(policy(&model.url())).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let turn = start_turn(&broker).await;
 
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 200);
@@ -188,8 +188,8 @@ async fn a_key_from_a_provider_is_injected() {
     let mut p = policy(&model.url());
     p.api_key = ApiKey::from_provider(Vault);
     assert!(!format!("{p:?}").contains("sk-"));
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 200);
     assert!(!a.text().contains("sk-from-vault-0001"));
@@ -209,8 +209,8 @@ async fn a_model_response_past_the_cap_is_refused() {
     .await;
     let mut p = policy(&model.url());
     p.limits.max_response_bytes = 2048;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
     assert_eq!(a.status, 502);
     assert_eq!(a.error(), "model response too large (limit 2048 bytes)");

@@ -8,8 +8,8 @@ async fn a_peer_with_another_uid_is_refused() {
     let model = ScriptedModel::start(vec![Step::text("x")]).await;
     let mut p = policy(&model.url());
     p.worker_uid = uid() + 1;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let err = post_json_result(turn.socket(), CHAT, &chat_body(false)).await;
     assert!(err.is_err(), "answered a foreign peer: {err:?}");
     assert!(model.requests().is_empty());
@@ -21,8 +21,8 @@ async fn the_peer_check_can_be_turned_off_for_runtimes_that_hide_the_uid() {
     let mut p = policy(&model.url());
     p.worker_uid = uid() + 1;
     p.peer_uid_check = false;
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let answer = post_json_result(turn.socket(), CHAT, &chat_body(false))
         .await
         .unwrap();
@@ -36,8 +36,8 @@ async fn cancelling_the_turn_ends_calls_in_flight() {
     let waits = Arc::new(Waits::default());
     let mut p = policy(&model.url());
     p.tools = vec![waits.clone()];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let socket = turn.socket().to_owned();
     let model_call = tokio::spawn({
         let socket = socket.clone();
@@ -81,8 +81,8 @@ async fn cancelling_the_turn_ends_calls_in_flight() {
 #[tokio::test]
 async fn stopping_the_listener_ends_calls_and_removes_the_socket() {
     let model = ScriptedModel::start(vec![Step::Hang]).await;
-    let broker = broker(policy(&model.url())).await;
-    let mut turn = TestTurn::start(&broker).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let mut turn = start_turn(&broker).await;
     let socket = turn.socket().to_owned();
     let call = tokio::spawn({
         let socket = socket.clone();

@@ -68,36 +68,37 @@ async fn the_policy_is_checked_at_setup() {
         err(p.clone()),
         "MCP server time: url must use https (set allow_http only for offline tests): http://mcp.example.com/mcp"
     );
-    let mut p = policy("https://api.example.com/v1");
-    p.limits.max_model_calls = 0;
-    assert_eq!(
-        err(p),
-        "invalid broker limits: max_model_calls must be 1 to 10000"
-    );
+    // Each limit out of range, alone.
+    type Set = fn(&mut BrokerLimits);
+    let limits: [(Set, &str); 4] = [
+        (
+            |l| l.max_model_calls = 0,
+            "invalid broker limits: max_model_calls must be 1 to 10000",
+        ),
+        (
+            |l| l.max_calls_in_flight = 0,
+            "invalid broker limits: max_calls_in_flight must be 1 to 256",
+        ),
+        (
+            |l| l.max_connections = 2000,
+            "invalid broker limits: max_connections must be 1 to 1024",
+        ),
+        (
+            |l| l.max_connections = 2,
+            "invalid broker limits: max_connections must be at least max_calls_in_flight",
+        ),
+    ];
+    for (set, expected) in limits {
+        let mut p = policy("https://api.example.com/v1");
+        set(&mut p.limits);
+        assert_eq!(err(p), expected);
+    }
     // The TOML form of the limits refuses a negative deadline instead of panicking.
     let parsed: Result<BrokerLimits, _> = toml::from_str("call_timeout = -1.0");
     assert!(parsed.is_err());
     let parsed: BrokerLimits = toml::from_str("call_timeout = 2.5\nmax_tool_calls = 3").unwrap();
     assert_eq!(parsed.call_timeout, Duration::from_millis(2500));
     assert_eq!(parsed.max_tool_calls, 3);
-    let mut p = policy("https://api.example.com/v1");
-    p.limits.max_calls_in_flight = 0;
-    assert_eq!(
-        err(p),
-        "invalid broker limits: max_calls_in_flight must be 1 to 256"
-    );
-    let mut p = policy("https://api.example.com/v1");
-    p.limits.max_connections = 2000;
-    assert_eq!(
-        err(p),
-        "invalid broker limits: max_connections must be 1 to 1024"
-    );
-    let mut p = policy("https://api.example.com/v1");
-    p.limits.max_connections = 2;
-    assert_eq!(
-        err(p),
-        "invalid broker limits: max_connections must be at least max_calls_in_flight"
-    );
     assert!(matches!(
         Broker::new(policy("http://127.0.0.1:9/v1"))
             .await

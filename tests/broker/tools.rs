@@ -8,12 +8,12 @@ async fn host_tool_runs_with_channel_and_speaker() {
     let weather = Arc::new(Weather::default());
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![weather.clone()];
-    let broker = broker(p).await;
+    let broker = start_broker(p).await;
     let (tools, mcp) = broker.turn_tools();
     assert_eq!(tools.len(), 1);
     assert_eq!(tools[0].name, "weather");
     assert!(mcp.is_empty());
-    let turn = TestTurn::start(&broker).await;
+    let turn = start_turn(&broker).await;
     let a = post_json(
         turn.socket(),
         "/v1/tools/weather",
@@ -53,8 +53,8 @@ async fn host_tool_invalid_arguments_give_400_naming_the_property() {
     let weather = Arc::new(Weather::default());
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![weather.clone()];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/tools/weather", &json!({"city": 42})).await;
     assert_eq!(a.status, 400);
@@ -90,8 +90,8 @@ async fn host_tool_invalid_arguments_give_400_naming_the_property() {
 async fn unknown_tools_and_routes_are_refused() {
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![Arc::new(Weather::default())];
-    let broker = broker(p).await;
-    let turn = TestTurn::start(&broker).await;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/tools/rm-rf", &json!({})).await;
     assert_eq!(a.status, 404);

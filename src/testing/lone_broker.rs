@@ -1,0 +1,78 @@
+//! A broker driven alone, as the broker tests drive it: a policy for a model on loopback,
+//! the broker, and one turn's listener on a socket in a private temp dir.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{Broker, BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
+use crate::{ApiKey, Speaker};
+
+/// What the broker enforces for a test: the model `configured-model` at `model_url` (plain
+/// HTTP to loopback allowed) with the key `key`; no host tool, no MCP server, no separate
+/// summarizer; the default limits and model request policy; the peer must be this
+/// process's user, checked.
+pub fn broker_policy(model_url: &str, key: &str) -> BrokerPolicy {
+    BrokerPolicy {
+        model: "configured-model".into(),
+        model_url: model_url.into(),
+        api_key: ApiKey::from_static(key.to_owned()),
+        tools: vec![],
+        mcp: vec![],
+        allow_http: true,
+        limits: BrokerLimits::default(),
+        worker_uid: nix::unistd::getuid().as_raw(),
+        peer_uid_check: true,
+        model_request: Default::default(),
+        compaction: None,
+    }
+}
+
+/// The broker of `policy`; panics when the policy is refused.
+pub async fn start_broker(policy: BrokerPolicy) -> Arc<Broker> {
+    Arc::new(Broker::new(policy).await.unwrap())
+}
+
+/// One turn's broker listener, on `broker.sock` in a private temp dir under `/tmp` (never
+/// in the repo; removed when dropped).
+#[derive(Debug)]
+pub struct BrokerTurn {
+    _dir: tempfile::TempDir,
+    /// The turn's socket.
+    pub socket: PathBuf,
+    /// The turn's cancellation (ends every call in flight).
+    pub cancel: CancellationToken,
+    /// The listener (taken by a test that stops it itself).
+    pub listener: Option<BrokerListener>,
+}
+
+impl BrokerTurn {
+    /// Listens for a turn of `speaker` in `channel`.
+    pub async fn start(broker: &Arc<Broker>, channel: &str, speaker: Speaker) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("rtb-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let socket = dir.path().join("broker.sock");
+        let cancel = CancellationToken::new();
+        let ctx = TurnContext {
+            channel: channel.into(),
+            speaker,
+            cancel: cancel.clone(),
+            events: None,
+        };
+        let listener = broker.listen(&socket, ctx).await.unwrap();
+        Self {
+            _dir: dir,
+            socket,
+            cancel,
+            listener: Some(listener),
+        }
+    }
+
+    /// The turn's socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+}
