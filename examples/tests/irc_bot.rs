@@ -3,10 +3,14 @@
 //! broker, the embedded offline model and the guest in sealed containers. Runs as the
 //! service user.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{floor_config, scratch};
 
 /// Kills its child when dropped (each a specific pid we started).
 struct Proc(Child);
@@ -120,15 +124,7 @@ fn expect(out: &Path, skip: usize, needle: &str) -> (usize, String) {
 
 #[test]
 fn the_irc_bot_answers_a_real_client_through_a_real_server() {
-    assert_ne!(
-        nix::unistd::getuid().as_raw(),
-        0,
-        "run through scripts/test.sh"
-    );
-    let dir = tempfile::Builder::new()
-        .prefix("rti-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = scratch("rti-");
     let d = dir.path();
     let port = free_port();
     let conf = d.join("ngircd.conf");
@@ -303,18 +299,4 @@ fn containers_of(dir: &Path) -> Vec<String> {
         }
     }
     mine
-}
-
-/// A config file that only sets the free-space floor (the flags set the rest): the shared
-/// test machine's disk is often nearly full, and the default floor (5 %) would refuse turns: no floor.
-fn floor_config(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("floor.toml");
-    std::fs::write(
-        &path,
-        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
-         workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
-    )
-    .unwrap();
-    path
 }

@@ -1,10 +1,14 @@
 //! The terminal bot driven through stdin, for real: the actor layer, the broker, the
 //! embedded offline model and the guest in sealed containers. Runs as the service user.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use common::{floor_config, scratch};
 
 /// How long a reply or a state may take: generous, the machine may be busy (other builds
 /// and container tests beside this one).
@@ -20,15 +24,7 @@ struct Bot {
 
 impl Bot {
     fn start() -> Self {
-        assert_ne!(
-            nix::unistd::getuid().as_raw(),
-            0,
-            "run through scripts/test.sh"
-        );
-        let dir = tempfile::Builder::new()
-            .prefix("rtb-")
-            .tempdir_in("/tmp")
-            .unwrap();
+        let dir = scratch("rtb-");
         let mut child = Command::new(env!("CARGO_BIN_EXE_terminal-bot"))
             .arg("--run-root")
             .arg(dir.path().join("run"))
@@ -168,18 +164,4 @@ fn stop_during_a_turn() {
     bot.send("/stop #s");
     assert_eq!(bot.expect("[#s] stop"), "[#s] stop: nothing was running");
     bot.finish();
-}
-
-/// A config file that only sets the free-space floor (the flags set the rest): the shared
-/// test machine's disk is often nearly full, and the default floor (5 %) would refuse turns: no floor.
-fn floor_config(dir: &std::path::Path) -> std::path::PathBuf {
-    let path = dir.join("floor.toml");
-    std::fs::write(
-        &path,
-        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
-         workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
-    )
-    .unwrap();
-    path
 }
