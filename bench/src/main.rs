@@ -146,12 +146,18 @@ fn main() -> Result<()> {
     }
     results["targets"] = targets(&results);
     print_targets(&results["targets"]);
-    let path = std::path::Path::new(&options.json);
+    println!();
+    write_json(&options.json, &results)
+}
+
+/// Writes `value` as pretty JSON to `path` (its directory made if missing), and says so.
+fn write_json(path: &str, value: &Value) -> Result<()> {
+    let path = std::path::Path::new(path);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")?;
-    println!("\nJSON written to {}", path.display());
+    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")?;
+    println!("JSON written to {}", path.display());
     Ok(())
 }
 
@@ -165,13 +171,7 @@ fn hostile_main(o: &HostileOptions) -> Result<()> {
         .enable_all()
         .build()?;
     let result = rt.block_on(hostile::run(o.seconds))?;
-    let path = std::path::Path::new(&o.json);
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(path, serde_json::to_string_pretty(&result)? + "\n")?;
-    println!("JSON written to {}", path.display());
-    Ok(())
+    write_json(&o.json, &result)
 }
 
 async fn run(o: &Options) -> Result<Value> {
