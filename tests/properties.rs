@@ -124,6 +124,9 @@ async fn check_reset_model(ops: Vec<Op>) {
         texts += 1;
         format!("m{texts}")
     };
+    // Sends `text` to the modelled channel; the task gives the supervisor's answer.
+    let send =
+        |text: &str| actix_rt::spawn(addr.send(GuestMessage::new(ch, speaker.clone(), text)));
     for op in ops {
         match op {
             Op::Fresh => {
@@ -136,8 +139,7 @@ async fn check_reset_model(ops: Vec<Op>) {
             Op::Turn { ok, fresh_during } => {
                 let text = next_text();
                 let at = model.message();
-                let answer = addr.send(GuestMessage::new(ch, speaker.clone(), text.clone()));
-                let answer = actix_rt::spawn(answer);
+                let answer = send(&text);
                 let HandedRun {
                     text: ran,
                     reset,
@@ -165,11 +167,7 @@ async fn check_reset_model(ops: Vec<Op>) {
                 if behind {
                     let text = next_text();
                     let at = model.message();
-                    let answer = actix_rt::spawn(addr.send(GuestMessage::new(
-                        ch,
-                        speaker.clone(),
-                        text.clone(),
-                    )));
+                    let answer = send(&text);
                     let run = tokio::time::timeout(Duration::from_secs(10), runs.recv())
                         .await
                         .expect("the first turn reached the driver")
@@ -187,11 +185,7 @@ async fn check_reset_model(ops: Vec<Op>) {
                         Some(ok) => {
                             let text = next_text();
                             let at = model.message();
-                            let answer = actix_rt::spawn(addr.send(GuestMessage::new(
-                                ch,
-                                speaker.clone(),
-                                text.clone(),
-                            )));
+                            let answer = send(&text);
                             sent.push((text, at, *ok, answer));
                         }
                     }
@@ -245,7 +239,7 @@ async fn check_reset_model(ops: Vec<Op>) {
     }
     // The model's last word: a pending reset reaches the next turn.
     let at = model.message();
-    let answer = actix_rt::spawn(addr.send(GuestMessage::new(ch, speaker.clone(), "last")));
+    let answer = send("last");
     let HandedRun {
         reset,
         verdict: outcome,
