@@ -147,6 +147,26 @@ fn proxied(env: &Env, proxy: &DockerProxy, script: &str) -> (Config, DockerDrive
     (config, driver)
 }
 
+/// The daemon is back: the next turn of `channel` (a new runtime on the same driver, which
+/// remembers what it could not remove) removes the leftover first, and answers.
+async fn the_daemon_comes_back(
+    env: &Env,
+    proxy: &DockerProxy,
+    driver: &DockerDriver,
+    sandbox: Sandbox,
+    channel: &str,
+) {
+    proxy.set(Mode::Forward);
+    let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
+    config.driver = Some(Arc::new(driver.clone()));
+    drop(sandbox);
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request(channel, "x")).await;
+    assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
+    assert!(driver.pending_removals().is_empty());
+    assert_no_leftovers(&sandbox).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn docker_daemon_dies_mid_turn_and_comes_back() {
     let env = Env::new();
@@ -174,15 +194,7 @@ async fn docker_daemon_dies_mid_turn_and_comes_back() {
     assert_eq!(driver.pending_removals().len(), 1);
 
     // The daemon comes back: the next turn removes the leftover first.
-    proxy.set(Mode::Forward);
-    let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
-    config.driver = Some(Arc::new(driver.clone()));
-    drop(sandbox);
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#dies", "x")).await;
-    assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
-    assert!(driver.pending_removals().is_empty());
-    assert_no_leftovers(&sandbox).await;
+    the_daemon_comes_back(&env, &proxy, &driver, sandbox, "#dies").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -213,15 +225,7 @@ async fn docker_daemon_hangs_mid_turn_and_comes_back() {
     assert!(run_root_entries(&sandbox.config().run_root).is_empty());
     assert_eq!(driver.pending_removals().len(), 1);
 
-    proxy.set(Mode::Forward);
-    let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"back\"}'");
-    config.driver = Some(Arc::new(driver.clone()));
-    drop(sandbox);
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#hangs", "x")).await;
-    assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
-    assert!(driver.pending_removals().is_empty());
-    assert_no_leftovers(&sandbox).await;
+    the_daemon_comes_back(&env, &proxy, &driver, sandbox, "#hangs").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
