@@ -485,6 +485,23 @@ async fn sweep_removes_labelled_containers_and_stale_run_dirs() {
 /// A guest that waits until the host creates `go` in its workspace, then answers `done`.
 const WAIT_FOR_GO: &str = "cat >/dev/null; while [ ! -e /workspace/go ]; do sleep 0.2; done; printf '{\"ok\":true,\"text\":\"done\"}'";
 
+/// Starts a turn of `#live` (its guest waits for `go`, see [`WAIT_FOR_GO`]) on a task of
+/// its own; once it runs, returns the task, its container's name and its run dir.
+async fn start_live_turn(
+    sandbox: &Sandbox,
+) -> (
+    tokio::task::JoinHandle<roundtable_sandbox::Reply>,
+    String,
+    String,
+) {
+    let turn = tokio::spawn({
+        let sandbox = sandbox.clone();
+        async move { sandbox.run_turn(request("#live", "x")).await }
+    });
+    let (container, run_dir) = live_turn_of(sandbox).await;
+    (turn, container, run_dir)
+}
+
 /// Waits (generously) until the runtime has a container and a run dir for a live turn.
 async fn live_turn_of(sandbox: &Sandbox) -> (String, String) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -569,11 +586,7 @@ async fn a_second_runtime_on_the_same_roots_fails_at_startup_and_spares_the_firs
     let first = Sandbox::new(env.sh_config(WAIT_FOR_GO)).await.unwrap();
     let run_root = first.config().run_root.clone();
     let workspace_root = first.config().workspace_root.clone();
-    let turn = tokio::spawn({
-        let first = first.clone();
-        async move { first.run_turn(request("#live", "x")).await }
-    });
-    let (container, run_dir) = live_turn_of(&first).await;
+    let (turn, container, run_dir) = start_live_turn(&first).await;
 
     let in_use = |root: &std::path::Path| {
         format!(
@@ -620,11 +633,7 @@ async fn sweep_spares_live_turns_and_other_runtimes_containers() {
     let sandbox = Sandbox::new(env.sh_config(WAIT_FOR_GO)).await.unwrap();
     let instance = sandbox.config().instance.clone();
     let run_root = sandbox.config().run_root.clone();
-    let turn = tokio::spawn({
-        let sandbox = sandbox.clone();
-        async move { sandbox.run_turn(request("#live", "x")).await }
-    });
-    let (live_container, live_dir) = live_turn_of(&sandbox).await;
+    let (turn, live_container, live_dir) = start_live_turn(&sandbox).await;
 
     let pid = std::process::id();
     let ws = env.dir.path().join("other-ws");
