@@ -341,11 +341,7 @@ async fn odd_channel_keys_get_private_workspaces_in_real_turns() {
     }
     // One dir per distinct key, each named by its hash, nothing else in the root but the
     // runtime's lock file.
-    let mut names: Vec<String> = std::fs::read_dir(&sandbox.config().workspace_root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        .filter(|n| n != roundtable_sandbox::lock::LOCK_FILE)
-        .collect();
+    let mut names = run_root_entries(&sandbox.config().workspace_root);
     names.sort();
     let mut expected: Vec<String> = keys.iter().map(|k| channel_segment(k)).collect();
     expected.sort();

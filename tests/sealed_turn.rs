@@ -228,12 +228,8 @@ async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
         let reply = sandbox.run_turn(request(channel, "x")).await;
         assert_eq!(reply.text.as_deref(), Some("ok"), "{reply:?}");
     }
-    let mut names: Vec<String> = std::fs::read_dir(&sandbox.config().workspace_root)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().into_string().unwrap())
-        // The runtime's own lock file (one runtime per root) is not a workspace.
-        .filter(|n| n != roundtable_sandbox::lock::LOCK_FILE)
-        .collect();
+    // The runtime's own lock file (one runtime per root) is not a workspace.
+    let mut names = run_root_entries(&sandbox.config().workspace_root);
     names.sort();
     let mut expected: Vec<String> = vectors.iter().map(|(_, h)| h.to_string()).collect();
     expected.sort();

@@ -183,7 +183,8 @@ pub async fn containers_labelled(labels: &[String]) -> Vec<ContainerSummary> {
     docker.list_containers(Some(opts)).await.unwrap()
 }
 
-/// Entries of the run root (turn dirs, sockets), the runtime's lock file aside.
+/// Entries of a root (the run root's turn dirs and sockets, the workspace root's channel
+/// workspaces), the runtime's lock file aside.
 pub fn run_root_entries(root: &Path) -> Vec<String> {
     std::fs::read_dir(root)
         .map(|d| {
