@@ -24,8 +24,8 @@ use tracing::Instrument;
 
 use crate::broker::{BrokerEvent, BrokerListener, TurnContext};
 use crate::driver::{
-    BrokerTransport, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL, LABEL_RUNTIME,
-    LABEL_TURN,
+    BrokerTransport, ContainerDriver, ContainerSpec, DriverError, RunOutcome, LABEL_CHANNEL,
+    LABEL_RUNTIME, LABEL_TURN,
 };
 use crate::prepared::{Prepared, PreparedTurn};
 use crate::Sandbox;
@@ -302,6 +302,34 @@ testing_pub! {
             });
         }
         Ok(parse_reply(&outcome.stdout, spec.output_cap)?)
+    }
+}
+
+/// Judges a run; when it did not answer (a non-zero exit, the output cap, output that is
+/// not a reply), first asks the driver whether the memory limit killed a process of the
+/// container, which then takes precedence as in [`judge`]. A guest that exits 0 with a reply
+/// has answered, whatever befell its children (a tool's OOM kill is the tool's failure,
+/// which the guest saw): its turn costs no engine call. A failure to ask is logged and
+/// leaves the judgement as it is.
+async fn judge_run(
+    mut run: RunOutcome,
+    spec: &ContainerSpec,
+    driver: &dyn ContainerDriver,
+) -> Result<Reply, TurnError> {
+    let judged = judge(&run, spec);
+    if judged.is_ok() || run.oom_killed {
+        return judged;
+    }
+    match driver.oom_killed(&spec.name).await {
+        Ok(true) => {
+            run.oom_killed = true;
+            judge(&run, spec)
+        }
+        Ok(false) => judged,
+        Err(e) => {
+            tracing::warn!(container = %spec.name, error = %e, "ask whether an OOM kill ended the turn");
+            judged
+        }
     }
 }
 
@@ -699,7 +727,7 @@ async fn run_turn_inner(
             }
         }
         match (outcome, why) {
-            (Ok(run), None) => judge(&run, &spec),
+            (Ok(run), None) => judge_run(run, &spec, sandbox.driver().as_ref()).await,
             (_, Some(reason)) => Err(reason),
             (Err(DriverError::Cancelled), None) => Err(TurnError::Stopped),
             (Err(e), None) => Err(e.into()),
@@ -965,7 +993,7 @@ mod tests {
         assert!(collector.stdout(&[b'a'; 5]), "past the cap: kill");
         assert!(!collector.stdout(b"more"), "reported once");
         collector.stderr(b"0123456789");
-        let o = collector.finish(3, false);
+        let o = collector.finish(3);
         assert!(o.stdout_overflow && o.stdout.is_empty());
         assert_eq!(o.stderr_tail, b"01234567");
         assert_eq!(o.exit_code, 3);

@@ -289,6 +289,43 @@ async fn memory_bomb_gives_the_memory_error() {
     assert_no_leftovers(&sandbox).await;
 }
 
+/// A child the memory limit kills is the guest's business when the guest still answers
+/// (exit 0, a reply): its turn stands. When it does not answer, the OOM kill is the
+/// turn's error, ahead of what the output looks like.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_child_killed_for_memory_fails_the_turn_only_when_the_guest_does_not_answer() {
+    let env = Env::new();
+    // The subshell holds the memory (the largest task: the OOM killer's pick); the shell
+    // that answers holds almost none.
+    let bomb = "cat >/dev/null; (x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x})";
+    let run = |then: &'static str| {
+        let mut config = env.sh_config(&format!("{bomb}; {then}"));
+        config.limits.memory_mb = 32;
+        async move {
+            let sandbox = Sandbox::new(config).await.unwrap();
+            let reply = sandbox.run_turn(request("#child-oom", "x")).await;
+            assert_no_leftovers(&sandbox).await;
+            reply
+        }
+    };
+    let garbage = run("printf 'not a reply'").await;
+    assert_eq!(
+        garbage.error.as_deref(),
+        Some("guest killed: out of memory (limit 32 MiB)")
+    );
+    let failed = run("exit 5").await;
+    assert_eq!(
+        failed.error.as_deref(),
+        Some("guest killed: out of memory (limit 32 MiB)")
+    );
+    // gVisor's memory limit is on the whole sandbox: its OOM kill ends every process.
+    if !under_gvisor() {
+        let answered = run(r#"printf '{"ok":true,"text":"answered"}'"#).await;
+        assert_eq!(answered.error, None, "{answered:?}");
+        assert_eq!(answered.text.as_deref(), Some("answered"));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fork_bomb_is_bounded_by_the_pids_limit() {
     let env = Env::new();

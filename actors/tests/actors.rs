@@ -132,6 +132,43 @@ async fn failure_cleanup_and_the_channel_goes_on() {
     assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
 }
 
+/// The turn asks the driver about an OOM kill only for a run that did not answer, and an
+/// OOM kill then takes precedence over the exit code.
+#[actix_rt::test]
+async fn only_a_run_that_did_not_answer_is_asked_about_an_oom_kill() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
+    assert!(ok_text(ask(&addr, "#m", "ann", "hello").await).starts_with("ann|hello|"));
+    // Exit 0 and a reply: answered, whatever the engine would say.
+    assert!(ok_text(ask(&addr, "#m", "ann", "oom but fine").await).starts_with("ann|oom but"));
+    assert_eq!(
+        error_text(ask(&addr, "#m", "ann", "fail").await),
+        "guest exited with code 3"
+    );
+    let outcome = ask(&addr, "#m", "ann", "fail oom").await.unwrap();
+    assert_eq!(
+        outcome.failure,
+        Some(TurnFailure::OutOfMemory),
+        "{outcome:?}"
+    );
+    let runs = driver.runs();
+    let asked: Vec<String> = driver
+        .events()
+        .into_iter()
+        .filter(|e| e.starts_with("oom "))
+        .collect();
+    assert_eq!(
+        asked,
+        vec![
+            format!("oom {}", runs[2].name),
+            format!("oom {}", runs[3].name)
+        ]
+    );
+    until_idle(&addr).await;
+    assert!(env.turn_dirs().is_empty(), "{:?}", env.turn_dirs());
+}
+
 #[actix_rt::test]
 async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() {
     let env = Env::new();

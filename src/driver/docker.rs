@@ -2,7 +2,8 @@
 //!
 //! One turn: create (sealed [`HostConfig`]), attach before start (`stdin_once`), start, write
 //! the turn and close stdin, then read stdout/stderr (capped) while waiting for the exit;
-//! inspect for an OOM kill. Every API call has a deadline; cancellation kills the container.
+//! an inspect for an OOM kill when the turn asks ([`ContainerDriver::oom_killed`]). Every API
+//! call has a deadline; cancellation kills the container.
 //! The container is removed by [`ContainerDriver::remove`], or by a drop guard when the
 //! run's future is dropped half-way (a panicking or aborted caller).
 
@@ -442,13 +443,8 @@ impl DockerStarted {
         if cancelled {
             return Err(DriverError::Cancelled);
         }
-        let code = exit.unwrap_or(Ok(-1))?;
-        let state = driver
-            .call("inspect", name, docker.inspect_container(name, None))
-            .await?
-            .state
-            .unwrap_or_default();
-        Ok(out.finish(code, state.oom_killed == Some(true)))
+        // The OOM flag is the turn's to ask for, only when the run did not answer.
+        Ok(out.finish(exit.unwrap_or(Ok(-1))?))
     }
 
     async fn check_inner(&mut self) -> Result<(), DriverError> {
@@ -631,6 +627,19 @@ impl ContainerDriver for DockerDriver {
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         Box::pin(self.remove_inner(name))
+    }
+
+    /// One inspect: the engine sets the flag when the container's cgroup saw an OOM kill.
+    fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
+        Box::pin(async move {
+            let docker = self.client().await?;
+            let state = self
+                .call("inspect", name, docker.inspect_container(name, None))
+                .await?
+                .state
+                .unwrap_or_default();
+            Ok(state.oom_killed == Some(true))
+        })
     }
 
     fn prepares(&self) -> bool {

@@ -4,7 +4,7 @@
 //! - [`ContainerSpec`]: everything that shapes the container (name, identity, mounts,
 //!   limits, labels); built by the turn runner, never from guest input;
 //! - [`ContainerDriver`]: the pluggable trait (Docker by default; a recording fake in tests);
-//! - [`RunOutcome`]: what a run did (exit status, OOM flag, capped stdout, stderr tail),
+//! - [`RunOutcome`]: what a run did (exit status, capped stdout, stderr tail),
 //!   collected with an [`OutputCollector`] and judged once, by the turn;
 //! - [`DriverError`]: each way a driver call can fail, backend-neutral;
 //! - [`docker`]: the Docker Engine driver on bollard.
@@ -172,7 +172,9 @@ fn status_and(status: Option<u16>, message: &str) -> String {
 pub struct RunOutcome {
     /// The container's exit status (`-1`: the engine reported none).
     pub exit_code: i64,
-    /// The engine reports that the memory limit killed a process of the container.
+    /// The backend reported with the exit that the memory limit killed a process of the
+    /// container (the Docker driver does not: the turn asks
+    /// [`ContainerDriver::oom_killed`] when the run did not answer).
     pub oom_killed: bool,
     /// The guest's stdout, up to [`ContainerSpec::output_cap`] (empty past it).
     pub stdout: Vec<u8>,
@@ -243,11 +245,10 @@ impl OutputCollector {
             .extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
 
-    /// The outcome, with the exit status and OOM flag the engine reported.
-    pub fn finish(self, exit_code: i64, oom_killed: bool) -> RunOutcome {
+    /// The outcome, with the exit status the engine reported.
+    pub fn finish(self, exit_code: i64) -> RunOutcome {
         RunOutcome {
             exit_code,
-            oom_killed,
             ..self.outcome
         }
     }
@@ -353,6 +354,17 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
 
     /// Removes the named container (killing it); absent is not an error.
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
+
+    /// Whether the memory limit killed a process of the named container, which has exited
+    /// and is not yet removed. The turn asks only when its run did not answer (a non-zero
+    /// exit, the output cap, or output that is not a reply): a guest that exits 0 with a
+    /// reply has answered, whatever befell its children. A backend that learns it with the
+    /// exit sets [`RunOutcome::oom_killed`] instead; the default (such a backend, or a
+    /// fake) says no.
+    fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
+        let _ = name;
+        Box::pin(async { Ok(false) })
+    }
 
     /// Removes the leftover containers of this runtime: labelled with `scope.instance`,
     /// their run dir under `scope.run_root`, and not of a live turn (`scope.live`, asked

@@ -55,8 +55,8 @@ pub struct Record {
     /// The names passed to `remove`, in order.
     pub removed: Vec<String>,
     /// `prepare <container>` (a prepared container started, see
-    /// [`FakeDriver::set_prepares`]), `start <text>` and `end <text>`, in the order they
-    /// happened.
+    /// [`FakeDriver::set_prepares`]), `start <text>`, `end <text>` and `oom <container>` (the
+    /// turn asked whether an OOM kill explains a run), in the order they happened.
     pub events: Vec<String>,
     running_by_channel: HashMap<String, usize>,
     /// Two runs of one channel at once (must never happen).
@@ -157,6 +157,8 @@ impl FakeDriver {
     ///   (a container that takes its time to die);
     /// - contains `whoami`: calls the `whoami` host tool through the turn's broker socket;
     /// - contains `fail`: fails with exit code 3;  contains `panic`: panics;
+    /// - contains `oom`: asked (see [`ContainerDriver::oom_killed`]), the memory limit killed
+    ///   a process of the container;
     /// - otherwise (or then) replies `<speaker id>|<text>|reset=<reset>|<tool answer>`.
     pub fn new() -> Arc<Self> {
         Self::with_mode(Mode::Scripted)
@@ -507,6 +509,22 @@ impl ContainerDriver for FakeDriver {
                 _ => Ok(()),
             }
         })
+    }
+
+    /// Records `oom <name>`. Around a real driver, the engine's flag; otherwise whether the
+    /// text of the run of that container contains `oom`.
+    fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
+        let scripted = {
+            let mut r = self.lock();
+            r.events.push(format!("oom {name}"));
+            r.runs
+                .iter()
+                .any(|run| run.name == name && run.turn.text.contains("oom"))
+        };
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.oom_killed(name),
+            _ => Box::pin(async move { Ok(scripted) }),
+        }
     }
 
     fn sweep<'a>(
