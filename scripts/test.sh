@@ -9,6 +9,8 @@ if [ "$(id -u)" -eq 0 ]; then
   scripts/setup.sh --gvisor
   export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/as-service-user.sh"
 fi
+# Free space where the build goes, for a run that fails for want of it.
+echo "== disk: $(df -h --output=avail "$PWD" | tail -1 | tr -d ' ') free for target/" >&2
 echo "== format and lints" >&2
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
