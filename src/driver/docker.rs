@@ -327,6 +327,7 @@ impl DockerDriver {
             exit,
             watcher,
             collector: OutputCollector::new(spec),
+            procs: None,
         })
     }
 }
@@ -343,6 +344,9 @@ pub struct DockerStarted {
     exit: tokio::sync::oneshot::Receiver<Result<i64, DriverError>>,
     watcher: tokio::task::JoinHandle<()>,
     collector: OutputCollector,
+    /// The host file listing the container's processes (its cgroup's `cgroup.procs`),
+    /// found when it was prepared: the liveness check reads it instead of asking the engine.
+    procs: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for DockerStarted {
@@ -456,6 +460,16 @@ impl DockerStarted {
             Ok(status) => return Err(exited(status.unwrap_or(-1))),
             Err(tokio::sync::oneshot::error::TryRecvError::Closed) => return Err(exited(-1)),
             Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+        }
+        // Processes in its cgroup: it has not exited (the kernel empties the cgroup before the
+        // engine learns of an exit, and a removal deletes it). No engine call on the path of
+        // a turn; anything else (no file found at preparation, empty, unreadable) asks the
+        // engine.
+        if let Some(procs) = &self.procs {
+            if std::fs::read_to_string(procs).is_ok_and(|t| t.lines().any(|l| !l.trim().is_empty()))
+            {
+                return Ok(());
+            }
         }
         let state = self
             .driver
@@ -660,7 +674,16 @@ impl ContainerDriver for DockerDriver {
             let result = self.start_inner(spec, cancel).await;
             // Started or failed: removal is now the caller's.
             guard.armed = false;
-            result.map(|s| Box::new(s) as Box<dyn StartedContainer>)
+            let mut started = result?;
+            // Found now, off the turn's path, for its liveness check (and the quota's watcher).
+            started.procs = match self.process_source(&spec.name).await {
+                Ok(source) => source.and_then(|s| s.procs),
+                Err(e) => {
+                    tracing::debug!(container = %spec.name, error = %e, "find the container's cgroup");
+                    None
+                }
+            };
+            Ok(Box::new(started) as Box<dyn StartedContainer>)
         })
     }
 
