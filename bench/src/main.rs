@@ -761,6 +761,19 @@ fn targets(r: &Value) -> Value {
         1.10,
         "×",
     );
+    // Issue 16 (warm turns): a turn in a prepared container, and the cold path unchanged.
+    add(
+        "warm reply / bare API lifecycle (p50)",
+        f(&ratios["runtime_warm_reply_vs_bare_reply_p50"]),
+        0.25,
+        "×",
+    );
+    add(
+        "cold reply / bare API lifecycle (p50, issue 16)",
+        f(&ratios["runtime_reply_vs_bare_reply_p50"]),
+        1.05,
+        "×",
+    );
     add(
         "runtime reply / docker CLI (p50)",
         f(&ratios["runtime_reply_vs_cli_p50"]),
