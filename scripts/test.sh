@@ -25,7 +25,8 @@ echo "== hostile guests through prepared containers (ROUNDTABLE_WARM=1)" >&2
 ROUNDTABLE_WARM=1 cargo test --workspace --no-fail-fast --test security_guest "$@"
 # The same binaries again with every guest container under gVisor (runsc): the sealed turn,
 # the agent end to end, the hostile guests, the quota's attacks (gVisor counts held files
-# inside the sandbox: a path of its own) and the runtime's own tests.
+# inside the sandbox: a path of its own), the runtime's own tests and warm turns (prepared
+# containers: adoption, faults, bounds).
 gvisor_listed() { docker info --format '{{range $n, $_ := .Runtimes}}{{$n}} {{end}}' | tr ' ' '\n' | grep -qx runsc; }
 if gvisor_listed; then
   echo "== tests under gVisor (ROUNDTABLE_RUNTIME=runsc)" >&2
@@ -34,7 +35,7 @@ if gvisor_listed; then
   # features and rebuild the crate and its dependants: minutes on a busy machine).
   ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast \
     --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
-    --test security_quota --test runtime "$@"
+    --test security_quota --test runtime --test warm "$@"
   echo "== gVisor pass: $((SECONDS - started)) s" >&2
 elif [ "${ROUNDTABLE_SKIP_GVISOR:-0}" = 1 ]; then
   echo "== tests under gVisor SKIPPED (ROUNDTABLE_SKIP_GVISOR=1)" >&2
