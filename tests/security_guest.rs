@@ -983,6 +983,51 @@ async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
     assert_no_leftovers(&sandbox).await;
 }
 
+/// The guest's layer fails closed: where the kernel refuses it (here the engine's own
+/// profile answers `seccomp(2)` with EPERM), the guest replies with the error and runs
+/// nothing. The control: the same container under Docker's default profile runs the
+/// program. Both under runc (the engine's profile is what runc applies).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guest_runs_nothing_when_its_seccomp_layer_cannot_be_installed() {
+    use roundtable_sandbox::driver::docker::create_body;
+    let env = Env::new();
+    let command = [
+        "/roundtable-guest",
+        "--exec",
+        "/bin/sh",
+        "-c",
+        "echo RAN-UNCONFINED",
+    ];
+    let run = |tag: &str, profile: Option<&str>| {
+        let spec = control_spec(&env, tag, &command, None);
+        let mut body = create_body(&spec);
+        if let Some(profile) = profile {
+            body.host_config
+                .as_mut()
+                .unwrap()
+                .security_opt
+                .get_or_insert_with(Vec::new)
+                .push(format!("seccomp={profile}"));
+        }
+        (spec.name, body)
+    };
+    let (name, body) = run("layer-control", None);
+    let control = run_raw_container(&name, body).await;
+    assert_eq!(control.trim(), "RAN-UNCONFINED", "{control}");
+
+    let no_seccomp = r#"{"defaultAction":"SCMP_ACT_ALLOW","syscalls":[{"names":["seccomp"],"action":"SCMP_ACT_ERRNO"}]}"#;
+    let (name, body) = run("layer-refused", Some(no_seccomp));
+    let out = run_raw_container(&name, body).await;
+    assert!(!out.contains("RAN"), "ran without its layer: {out}");
+    let reply = roundtable_sandbox::turn::parse_reply(out.trim().as_bytes(), 4096).unwrap();
+    assert!(!reply.ok, "{reply:?}");
+    let error = reply.error.unwrap_or_default();
+    assert!(
+        error.contains("cannot install the seccomp filter"),
+        "{error}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_print_host_error_wording_in_an_ok_reply() {
     // What the bot sees: an ok reply's text is the agent's answer and is passed as is,
