@@ -477,10 +477,15 @@ impl RunDir<'_> {
     }
 }
 
-/// The turn's container name, registered as live (the sweep skips it) for the turn's life.
+/// The turn's container name, registered as live (the sweep skips it) for the turn's life;
+/// `started` while a container of that name exists that the turn must remove. When the
+/// turn's future is dropped before its teardown (a panicking or aborted caller, a panicking
+/// reply callback), the drop unregisters it and spawns its removal: for a prepared
+/// container, and for a cold one after its run returned, there is no other guard.
 struct LiveContainer<'a> {
     sandbox: &'a Sandbox,
     name: String,
+    started: bool,
 }
 
 impl LiveContainer<'_> {
@@ -500,6 +505,22 @@ impl LiveContainer<'_> {
 
 impl Drop for LiveContainer<'_> {
     fn drop(&mut self) {
+        if std::mem::take(&mut self.started) {
+            let (driver, name) = (self.sandbox.driver().clone(), self.name.clone());
+            match tokio::runtime::Handle::try_current() {
+                Ok(handle) => {
+                    handle.spawn(async move {
+                        if let Err(e) = driver.remove(&name).await {
+                            tracing::warn!(container = %name, error = %e, "remove the container of a dropped turn");
+                        }
+                    });
+                }
+                Err(_) => tracing::warn!(
+                    container = %self.name,
+                    "turn dropped without a runtime; the startup sweep removes its container"
+                ),
+            }
+        }
         self.unregister();
     }
 }
@@ -538,16 +559,15 @@ async fn run_turn_inner(
     let mut live_container = LiveContainer {
         sandbox,
         name: String::new(),
+        started: false,
     };
     let mut listener = None;
-    // Whether a container exists that teardown must remove: a prepared one from the start.
-    let mut container_started = false;
     if let Some(p) = &prepared {
         // From here on the prepared container and its run dir are this turn's: its
         // teardown removes them on every path.
         live_container.register(p.spec.name.clone());
         run_dir.path = Some(p.spec.run_dir.clone());
-        container_started = true;
+        live_container.started = true;
     } else {
         live_container.register(container_name.clone());
     }
@@ -619,7 +639,7 @@ async fn run_turn_inner(
                     let p = prepared.take().expect("checked above");
                     // The turn lets go of it first: removal is the fallback's, awaited.
                     run_dir.path = None;
-                    container_started = false;
+                    live_container.started = false;
                     crate::prepared::remove(p).await;
                     turn_id = new_turn_id();
                     container_name = self::container_name(&segment, &turn_id);
@@ -681,7 +701,7 @@ async fn run_turn_inner(
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
 
         phase(TurnPhase::ContainerRunning);
-        container_started = true;
+        live_container.started = true;
         let run = match prepared.take() {
             Some(p) => {
                 sandbox.count_warm(true);
@@ -761,7 +781,7 @@ async fn run_turn_inner(
         }
     };
     let remove_container = async {
-        if !container_started {
+        if !live_container.started {
             return Ok(());
         }
         sandbox
@@ -771,6 +791,10 @@ async fn run_turn_inner(
             .map_err(|e| format!("remove container {container_name}: {e}"))
     };
     let (stopped, removed) = tokio::join!(stop_listener, remove_container);
+    // Removed, or why not is logged below: the drop guard stands down (until here, a turn
+    // dropped mid-removal is removed once more by it; a removal of an absent container is
+    // not an error).
+    live_container.started = false;
     cleanup_errors.extend(stopped.err());
     cleanup_errors.extend(removed.err());
     if let Err(e) = run_dir.remove() {

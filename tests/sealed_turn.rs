@@ -326,6 +326,63 @@ async fn a_child_killed_for_memory_fails_the_turn_only_when_the_guest_does_not_a
     }
 }
 
+/// A turn whose future is dropped before its teardown still has its container removed: a
+/// prepared container whose turn an embedder's timeout drops mid-run, and a cold one whose
+/// reply callback panics after the run returned (the driver's own guard has stood down).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_dropped_before_its_teardown_still_removes_its_container() {
+    use tokio_util::sync::CancellationToken;
+    let env = Env::new();
+    let script = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; esac; printf '{"ok":true,"text":"hi"}'"#;
+    let sandbox = Sandbox::new(env.sh_config(script)).await.unwrap();
+    let instance = sandbox.config().instance.clone();
+    let until_none_left = |why: &'static str| {
+        let instance = instance.clone();
+        async move {
+            let started = Instant::now();
+            while !labelled_containers_of(&instance).await.is_empty() {
+                assert!(started.elapsed() < PROMPTLY, "container left behind: {why}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+
+    let prepared = sandbox
+        .prepare_turn("#dropped", CancellationToken::new())
+        .await
+        .unwrap()
+        .expect("warm turns are on by default");
+    assert_eq!(labelled_containers_of(&instance).await.len(), 1);
+    let turn = roundtable_sandbox::run_turn_prepared(
+        &sandbox,
+        request("#dropped", "sleep"),
+        Some(prepared),
+        |_| {},
+        None,
+    );
+    tokio::time::timeout(Duration::from_secs(2), turn)
+        .await
+        .expect_err("the guest sleeps");
+    until_none_left("a prepared container's turn dropped").await;
+
+    let cold = sandbox.clone();
+    let panicked = tokio::spawn(async move {
+        roundtable_sandbox::run_turn_prepared(
+            &cold,
+            request("#dropped", "hello"),
+            None,
+            |o| panic!("reply callback (test): {:?}", o.reply.text),
+            None,
+        )
+        .await
+    })
+    .await
+    .expect_err("the callback panics");
+    assert!(panicked.is_panic());
+    until_none_left("a cold turn whose reply callback panicked").await;
+    assert_no_leftovers(&sandbox).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn fork_bomb_is_bounded_by_the_pids_limit() {
     let env = Env::new();
