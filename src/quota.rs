@@ -919,6 +919,10 @@ mod tests {
                 Unmeasurable::Measurer("the measurer ended with Some(137)".into()),
                 "the open files of the turn could not be counted inside the sandbox: the measurer ended with Some(137)",
             ),
+            (
+                Unmeasurable::Processes("the engine did not answer".into()),
+                "the processes of the turn could not be listed: the engine did not answer",
+            ),
         ] {
             let e = measure(&ws, &q, Some(&HeldFiles::Unmeasurable(why))).unwrap_err();
             assert_eq!(e.to_string(), text);
