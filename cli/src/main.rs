@@ -95,6 +95,12 @@ enum ImageCommand {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return ExitCode::FAILURE;
+    }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

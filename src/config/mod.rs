@@ -45,6 +45,8 @@ mod validate;
 mod warm;
 
 pub use error::ConfigError;
+#[cfg(feature = "cli")]
+pub(crate) use file::read_env_secret;
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
 pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
