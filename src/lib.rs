@@ -90,8 +90,9 @@ struct Inner {
     live: Arc<Mutex<LiveTurns>>,
     /// The prepared containers' permits (`warm.max`).
     warm: warm::WarmPool,
-    /// The run root's and the workspace root's locks, held for the runtime's life.
-    _locks: [lock::RootLock; 2],
+    /// The run root's and the workspace root's locks (and directory descriptors), held for
+    /// the runtime's life.
+    locks: [lock::RootLock; 2],
 }
 
 /// The run dirs and containers of this runtime's turns in flight.
@@ -177,7 +178,7 @@ impl Sandbox {
                 driver,
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
-                _locks: locks,
+                locks,
             }),
         })
     }
@@ -195,6 +196,11 @@ impl Sandbox {
     /// The container driver.
     pub fn driver(&self) -> &Arc<dyn ContainerDriver> {
         &self.inner.driver
+    }
+
+    /// The workspace root's lock, with its directory held since startup.
+    pub(crate) fn workspace_root_lock(&self) -> &lock::RootLock {
+        &self.inner.locks[1]
     }
 
     /// The turns in flight (the turn runner registers them, the sweep skips them).

@@ -110,7 +110,11 @@ impl Sandbox {
         let segment = crate::turn::channel_segment(channel);
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
         let workspace_dir = config.workspace_root.join(&segment);
-        crate::turn::make_workspace(&workspace_dir)?;
+        // The directory it is made for, by identity: the adopting turn compares it with the
+        // one it holds (a workspace moved aside or deleted meanwhile is another).
+        let workspace = crate::turn::make_workspace(self, &segment)?;
+        crate::turn::check_mount_path(&workspace_dir, &workspace)?;
+        let workspace = workspace.id();
         let name = crate::turn::container_name(&segment, &turn_id);
         let dir = crate::turn::make_run_dir(self)?;
         self.live_turns().containers.insert(name.clone());
@@ -134,6 +138,7 @@ impl Sandbox {
                     channel: channel.to_owned(),
                     turn_id,
                     spec,
+                    workspace,
                     started,
                     prepared_at: Instant::now(),
                     _permit: permit,

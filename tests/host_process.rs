@@ -103,8 +103,16 @@ fn the_runtime_is_closed_to_its_own_uid_while_a_turn_runs() {
     std::fs::write(ws.join("done"), "").unwrap();
     let rest: Vec<String> = lines.map_while(Result::ok).collect();
     let status = child.wait().unwrap();
-    assert!(status.success(), "runtime child: {status:?}\n{}", rest.join("\n"));
-    assert!(rest.iter().any(|l| l.contains("@@replied ok")), "{}", rest.join("\n"));
+    assert!(
+        status.success(),
+        "runtime child: {status:?}\n{}",
+        rest.join("\n")
+    );
+    assert!(
+        rest.iter().any(|l| l.contains("@@replied ok")),
+        "{}",
+        rest.join("\n")
+    );
 }
 
 /// Writes the turn's go file when dropped.
@@ -186,7 +194,8 @@ fn readable_address(maps: &str) -> Option<u64> {
 /// Every process whose parent chain leads to `pid`.
 fn descendants(pid: i32) -> Vec<i32> {
     let parent = |p: i32| -> Option<i32> {
-        let stat = std::fs::read_to_string(Path::new("/proc").join(p.to_string()).join("stat")).ok()?;
+        let stat =
+            std::fs::read_to_string(Path::new("/proc").join(p.to_string()).join("stat")).ok()?;
         let after = stat.rsplit_once(')')?.1;
         after.split_whitespace().nth(1)?.parse().ok()
     };
