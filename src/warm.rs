@@ -11,6 +11,12 @@
 //! that cannot serve (it exited, was removed, the engine does not answer) is removed and
 //! the turn starts cold, the reason logged. One container still serves exactly one turn.
 //!
+//! A prepared container serves only the workspace directory it was made for: its
+//! `(st_dev, st_ino)` is recorded here, and the adopting turn compares it with the directory
+//! it made and holds. A workspace moved aside (an operator's fix of an over-quota channel)
+//! or deleted since is another directory, while the container's bind still holds the old
+//! one: the container is discarded and the turn runs cold.
+//!
 //! Bounded: at most [`WarmSettings::max`] prepared containers per runtime (a permit each,
 //! held until the container is removed or adopted). A prepared container that is never
 //! adopted is removed by [`PreparedTurn::discard`], or by its drop in the background; the
