@@ -60,9 +60,9 @@ pub fn escape(text: &str) -> Cow<'_, str> {
 pub fn lines(text: &str) -> Vec<Cow<'_, str>> {
     let mut out: Vec<Cow<'_, str>> = text
         .split_inclusive('\n')
-        .map(|l| {
-            let l = l.strip_suffix('\n').unwrap_or(l);
-            escape(l.strip_suffix('\r').unwrap_or(l))
+        .map(|l| match l.strip_suffix('\n') {
+            Some(l) => escape(l.strip_suffix('\r').unwrap_or(l)),
+            None => escape(l),
         })
         .collect();
     if out.is_empty() {
@@ -128,27 +128,44 @@ mod tests {
 
     #[test]
     fn ordinary_text_is_kept_and_borrowed() {
-        for text in ["hello", "é ü 日本語 🎲", "tab-free `code` \\u{1b} as text", ""] {
+        for text in [
+            "hello",
+            "é ü 日本語 🎲",
+            "tab-free `code` \\u{1b} as text",
+            "",
+        ] {
             assert!(matches!(escape(text), Cow::Borrowed(t) if t == text));
         }
         // The characters around the escaped ranges are kept.
-        assert_eq!(escape("\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}"), "\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}");
+        assert_eq!(
+            escape("\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}"),
+            "\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}"
+        );
     }
 
     #[test]
     fn lines_split_at_breaks_and_escape_the_rest() {
         assert_eq!(lines("one\r\ntwo\nthree\n"), ["one", "two", "three"]);
-        assert_eq!(lines("a\rb\u{2028}c"), ["a\\u{d}b\\u{2028}c"]);
+        assert_eq!(lines("a\rb\u{2028}c\r"), ["a\\u{d}b\\u{2028}c\\u{d}"]);
         assert_eq!(lines(""), [""]);
         assert_eq!(lines("\n\nx"), ["", "", "x"]);
     }
 
     #[test]
     fn json_stays_the_same_document() {
-        let value = serde_json::json!({"text": "\u{1b}]0;t\u{7}\u{9b}2J\u{9d}\u{9c}\u{7f}\u{202e}é\n"});
+        let value =
+            serde_json::json!({"text": "\u{1b}]0;t\u{7}\u{9b}2J\u{9d}\u{9c}\u{7f}\u{202e}é\n"});
         let shown = json(&value).unwrap();
-        assert!(!shown.chars().any(|c| is_escaped(c) && c != '\n' && c != ' '), "{shown:?}");
-        assert!(shown.contains(r"\u009b2J\u009d\u009c\u007f\u202eé"), "{shown}");
+        assert!(
+            !shown
+                .chars()
+                .any(|c| is_escaped(c) && c != '\n' && c != ' '),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains(r"\u009b2J\u009d\u009c\u007f\u202eé"),
+            "{shown}"
+        );
         let back: serde_json::Value = serde_json::from_str(&shown).unwrap();
         assert_eq!(back, value);
     }

@@ -201,14 +201,24 @@ fn guest_made_escapes_reach_the_terminal_escaped_and_no_reply_line_passes_for_a_
     all.append(&mut bot.seen);
     bot.finish();
     let text = all.join("\n");
-    assert_eq!(obeyed_controls(text.as_bytes()), Vec::<String>::new(), "{text}");
+    assert_eq!(
+        obeyed_controls(text.as_bytes()),
+        Vec::<String>::new(),
+        "{text}"
+    );
     // The sequences are there, visible.
     assert!(text.contains(r"\u{1b}]52;c;aGk=\u{7}"), "{text}");
-    assert!(text.contains(r"\u{9b}31m\u{9d}0;t\u{9c}\u{7f}\u{202e}end"), "{text}");
+    assert!(
+        text.contains(r"\u{9b}31m\u{9d}0;t\u{9c}\u{7f}\u{202e}end"),
+        "{text}"
+    );
     // The forged line is a continuation of the reply, marked as one: no line but the bot's
     // own starts with a channel and a status word.
     for line in &all {
-        assert!(!line.starts_with("[#ops]"), "a reply line passed for a status line: {line:?}");
+        assert!(
+            !line.starts_with("[#ops]"),
+            "a reply line passed for a status line: {line:?}"
+        );
     }
     assert!(
         reply[1..].iter().all(|l| l.starts_with("[#x] | ")),
