@@ -463,6 +463,17 @@ fn a_flooding_guest_delays_no_other_channel_and_the_bot_survives_a_server_restar
     assert!(!depths.is_empty(), "the bot reported no drop");
     assert!(depths.iter().all(|&n| n <= 16), "{depths:?}");
 
+    // ngIRCd never cut the bot off for flooding: paced, it stayed under the server's rules.
+    assert!(
+        !said
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, l)| l.contains("reconnecting in")),
+        "the server closed the bot's link during the flood: {:?}",
+        said.lock().unwrap()
+    );
+
     // The server goes away and comes back: the bot reconnects (with backoff), rejoins and
     // answers; the sandbox and its channels were never touched.
     drop(flood);
