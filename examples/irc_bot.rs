@@ -292,6 +292,10 @@ struct Posted {
     depth: usize,
 }
 
+/// A line leaving the outbox: its wire text, its channel (none for a protocol line) and, on a
+/// reply's last line, for whom and when the reply was ready.
+type Outgoing = (String, Option<String>, Option<(String, Instant)>);
+
 /// Everything waiting to be sent: protocol lines first, then the channels' lines in turn,
 /// each channel bounded, each guest within its budget.
 #[derive(Debug)]
@@ -420,7 +424,7 @@ impl Outbox {
 
     /// The next line to send, as `(wire text, channel, done)`: a protocol line, else one
     /// line of the next joined channel in turn that has one.
-    fn pop(&mut self) -> Option<(String, Option<String>, Option<(String, Instant)>)> {
+    fn pop(&mut self) -> Option<Outgoing> {
         if let Some(line) = self.control.pop_front() {
             return Some((line, None, None));
         }
