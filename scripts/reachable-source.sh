@@ -51,6 +51,11 @@ echo "reachable-source: the service user $user cannot read $blocked; mirroring $
 umask 022
 # Created readable by all (the service user must enter them); an existing one is left as it is.
 [ -d "$mirror" ] || install -d -m 0755 "$mirror"
+unreachable() {
+  echo "reachable-source: the service user $user cannot reach $(blocked_at "$1") (on the way to the mirror $mirror): let it search that directory, or set ROUNDTABLE_MIRROR_ROOT to a directory it can reach" >&2
+  exit 1
+}
+as_user test -x "$mirror" || unreachable "$mirror"
 find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp -exec rm -rf {} +
 # Modification times are kept: cargo rebuilds only what changed since the last run.
 tar -C "$repo" --exclude=./target --exclude=./.git --exclude=./.venv-mcp -cf - . \
@@ -60,8 +65,5 @@ find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp \
   -exec chmod -R u+rwX,go+rX,go-w {} +
 
 blocked=$(first_unreadable "$mirror")
-if [ -n "$blocked" ]; then
-  echo "reachable-source: the service user $user cannot reach $(blocked_at "$blocked") (on the way to the mirror $mirror): let it search that directory, or set ROUNDTABLE_MIRROR_ROOT to a directory it can reach" >&2
-  exit 1
-fi
+[ -z "$blocked" ] || unreachable "$blocked"
 echo "$mirror"
