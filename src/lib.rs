@@ -13,6 +13,7 @@
 //! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
 //! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
+//! - [`display`]: guest- and model-made text made safe to show a person (controls escaped);
 //! - `offline` (feature `cli`): an embedded offline model for first runs and demos
 //!   (loopback only);
 //! - `settings` (feature `cli`): config file, flags and defaults for the project's programs.
@@ -44,6 +45,7 @@ macro_rules! testing_pub {
 pub mod broker;
 mod channel;
 pub mod config;
+pub mod display;
 pub mod driver;
 pub mod image;
 pub mod lock;

@@ -113,9 +113,13 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("roundtable-sandbox: {e}");
+            // An error may quote what a guest or the engine said: escaped.
+            let shown = |m: &dyn std::fmt::Display| {
+                roundtable_sandbox::display::escape(&m.to_string()).into_owned()
+            };
+            eprintln!("roundtable-sandbox: {}", shown(&e));
             for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                eprintln!("  caused by: {}", shown(cause));
             }
             ExitCode::from(2)
         }
@@ -625,7 +629,9 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
         })
         .await;
     sandbox.shutdown().await;
-    println!("{}", serde_json::to_string_pretty(&reply)?);
+    // The reply is guest- and model-made: JSON escapes its C0 controls, `display::json`
+    // the C1 ones, DEL and the bidi controls too (the same document, safe on a terminal).
+    println!("{}", roundtable_sandbox::display::json(&reply)?);
     Ok(if reply.ok {
         ExitCode::SUCCESS
     } else {
