@@ -8,6 +8,7 @@
 //!   allow-listed host and MCP tools (guest requests are hostile);
 //! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
 //! - [`turn`]: one turn's lifecycle and teardown;
+//! - [`budgets`]: the host's usage accounting and the `[budgets]` limits, durable in SQLite;
 //! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
 //! - [`sweep`]: removal of what a crashed runtime left behind;
 //! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
@@ -43,6 +44,7 @@ macro_rules! testing_pub {
 }
 
 pub mod broker;
+pub mod budgets;
 mod channel;
 pub mod config;
 pub mod display;
@@ -66,6 +68,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
+pub use budgets::{BudgetRefusal, BudgetSettings, HostUsage};
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
@@ -95,6 +98,8 @@ struct Inner {
     /// The run root's and the workspace root's locks (and directory descriptors), held for
     /// the runtime's life.
     locks: [lock::RootLock; 2],
+    /// The budgets' counters and their state file (`[budgets] state_file`).
+    budgets: Option<Arc<budgets::BudgetBook>>,
 }
 
 /// The run dirs and containers of this runtime's turns in flight.
@@ -119,6 +124,10 @@ pub enum SandboxError {
     /// The process could not be made private ([`make_process_private`]).
     #[error("make the runtime's process private (not dumpable)")]
     ProcessPrivate(#[source] std::io::Error),
+    /// The budgets' state file could not be opened: not a database, damaged, or locked by
+    /// another process (never reset: the message names the file).
+    #[error(transparent)]
+    Budgets(#[from] budgets::StoreError),
 }
 
 /// Closes this process to the other processes of its own user: not dumpable
@@ -161,6 +170,16 @@ impl Sandbox {
             lock::RootLock::acquire(&resolved.run_root)?,
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
+        // Before the broker (no MCP server started for a runtime that cannot count).
+        let budgets = match config.budget_store.as_ref() {
+            Some(open) => Some(budgets::BudgetBook::with_store(
+                &resolved.budgets,
+                &resolved.time_zone,
+                open()?,
+                Arc::new(chrono::Utc::now),
+            )?),
+            None => budgets::BudgetBook::open(&resolved.budgets, &resolved.time_zone)?,
+        };
         let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
@@ -181,6 +200,7 @@ impl Sandbox {
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
                 locks,
+                budgets,
             }),
         })
     }
@@ -193,6 +213,11 @@ impl Sandbox {
     /// The broker.
     pub fn broker(&self) -> &Arc<Broker> {
         &self.inner.broker
+    }
+
+    /// The budgets' book (`None`: no state file and no store configured).
+    pub fn budgets(&self) -> Option<&Arc<budgets::BudgetBook>> {
+        self.inner.budgets.as_ref()
     }
 
     /// The container driver.

@@ -158,6 +158,9 @@ pub enum TurnError {
     /// The guest's output is not a reply.
     #[error(transparent)]
     Reply(#[from] ReplyError),
+    /// A budget (`[budgets]`) refused the turn before it started.
+    #[error(transparent)]
+    Budget(#[from] crate::budgets::BudgetRefusal),
 }
 
 /// Why the guest's stdout is not a reply (see [`parse_reply`]).
@@ -218,6 +221,10 @@ pub enum TurnFailure {
     ShuttingDown,
     /// The actor layer: the channel's worker failed and was restarted mid-turn.
     ChannelRestarted,
+    /// A budget (`[budgets]`: the speaker's, the channel's or the bot's tokens per day, the
+    /// speaker's turns per minute) refused the turn before it started, or a model call of
+    /// it (the guest then reported the broker's `429`).
+    BudgetExceeded,
 }
 
 impl TurnError {
@@ -236,6 +243,7 @@ impl TurnError {
             TurnError::Quota(_) => TurnFailure::DiskFloor,
             TurnError::Exit { .. } => TurnFailure::GuestExit,
             TurnError::Reply(_) => TurnFailure::MalformedOutput,
+            TurnError::Budget(_) => TurnFailure::BudgetExceeded,
             TurnError::Driver(DriverError::DaemonUnreachable { .. }) => {
                 TurnFailure::EngineUnavailable
             }
@@ -259,6 +267,10 @@ pub struct TurnOutcome {
     pub reply: Reply,
     /// `None` exactly when `reply.ok`.
     pub failure: Option<TurnFailure>,
+    /// What the turn used, counted by the host from the upstream's answers (see
+    /// [`crate::budgets::HostUsage`]). `reply.usage` is the guest's own claim: budgets
+    /// and accounting never read it.
+    pub usage: crate::budgets::HostUsage,
 }
 
 impl TurnOutcome {
@@ -267,13 +279,18 @@ impl TurnOutcome {
         Self {
             reply: Reply::error(crate::one_line(error)),
             failure: Some(error.failure()),
+            usage: Default::default(),
         }
     }
 
     /// The outcome of a reply the guest wrote (a guest-reported failure is `GuestError`).
     pub fn from_guest(reply: Reply) -> Self {
         let failure = (!reply.ok).then_some(TurnFailure::GuestError);
-        Self { reply, failure }
+        Self {
+            reply,
+            failure,
+            usage: Default::default(),
+        }
     }
 
     /// The wire reply.
@@ -593,6 +610,12 @@ async fn run_turn_inner(
     }
     // The turn's own cancellation: stop, timeout and teardown all end broker calls with it.
     let cancel = request.stop.child_token();
+    // The host's count of what this turn uses, and its view of the budgets.
+    let account = Arc::new(crate::budgets::TurnAccount::new(
+        &request.speaker.id,
+        &segment,
+        sandbox.budgets().cloned(),
+    ));
 
     let timeout = config.turn_timeout;
     let deadline_at = tokio::time::Instant::from_std(request.admitted.unwrap_or(started)) + timeout;
@@ -603,6 +626,10 @@ async fn run_turn_inner(
         // when the time driver next turns, which the preparation could outrun).
         if tokio::time::Instant::now() >= deadline_at {
             return Err(TurnError::Timeout(timeout));
+        }
+        // The budgets, before any workspace, broker or container.
+        if let Some(book) = sandbox.budgets() {
+            book.admit(&request.speaker.id, &segment)?;
         }
         let deadline = tokio::time::sleep_until(deadline_at);
         tokio::pin!(deadline);
@@ -687,7 +714,7 @@ async fn run_turn_inner(
                     )
                 }
             };
-            let ctx = turn_context(&request, &cancel, &observer);
+            let ctx = turn_context(&request, &cancel, &observer, &account);
             let l = tokio::select! {
                 l = bind_broker(sandbox, &spec, ctx) => l?,
                 _ = request.stop.cancelled() => return Err(TurnError::Stopped),
@@ -787,13 +814,18 @@ async fn run_turn_inner(
     // remove: its handle goes now, its removal is the teardown's below.
     drop(prepared);
 
-    let reply = match result {
+    let mut reply = match result {
         Ok(reply) => TurnOutcome::from_guest(reply),
         Err(e) => {
             tracing::info!(error = %e, "turn failed");
             TurnOutcome::failed(&e)
         }
     };
+    reply.usage = account.usage();
+    // A failure after a budget refused a model call is the budget's.
+    if reply.failure.is_some() && account.refusal().is_some() {
+        reply.failure = Some(TurnFailure::BudgetExceeded);
+    }
     phase(TurnPhase::Replied);
     on_reply(&reply);
 
@@ -836,6 +868,10 @@ async fn run_turn_inner(
     tracing::info!(
         ok = reply.ok,
         total_ms = started.elapsed().as_millis() as u64,
+        prompt_tokens = reply.usage.prompt_tokens,
+        completion_tokens = reply.usage.completion_tokens,
+        model_calls = reply.usage.model_calls,
+        tool_calls = reply.usage.tool_calls,
         "turn done"
     );
     phase(TurnPhase::Done);
@@ -848,6 +884,7 @@ fn turn_context(
     request: &TurnRequest,
     cancel: &CancellationToken,
     observer: &Option<PhaseObserver>,
+    account: &Arc<crate::budgets::TurnAccount>,
 ) -> TurnContext {
     let events: Option<crate::broker::BrokerEvents> = observer.clone().map(|o| {
         Arc::new(move |e: BrokerEvent| {
@@ -862,6 +899,7 @@ fn turn_context(
         speaker: request.speaker.clone(),
         cancel: cancel.clone(),
         events,
+        account: Some(account.clone()),
     }
 }
 

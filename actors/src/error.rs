@@ -81,6 +81,7 @@ impl SandboxActorError {
         TurnOutcome {
             reply: self.to_reply(),
             failure: Some(self.failure()),
+            usage: Default::default(),
         }
     }
 }

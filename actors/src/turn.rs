@@ -352,6 +352,7 @@ async fn run_job(
                         delivery.deliver(&TurnOutcome {
                             reply: Reply::error("the container limiter is closed"),
                             failure: Some(TurnFailure::Internal),
+                            usage: Default::default(),
                         });
                         return;
                     }

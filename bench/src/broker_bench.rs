@@ -159,6 +159,7 @@ impl BrokerUnderTest {
             },
             cancel: CancellationToken::new(),
             events: None,
+            account: None,
         };
         self.listener = Some(self.broker.listen(&socket, ctx).await?);
         Ok(())

@@ -84,6 +84,7 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             },
             cancel: CancellationToken::new(),
             events: None,
+            account: None,
         };
         let listener = broker.listen(Path::new(socket), ctx).await?;
         println!("ready");

@@ -302,6 +302,11 @@ async fn call(
             limits.max_model_calls
         ));
     }
+    if let Some(account) = &turn.ctx.account {
+        if let Err(refusal) = account.check_call() {
+            return Err(format!("the {name} call is refused: {refusal}"));
+        }
+    }
     usage.model_calls += 1;
     if let Some(events) = &turn.ctx.events {
         events(BrokerEvent::ModelCall);
@@ -313,6 +318,8 @@ async fn call(
         "stream": false,
         "max_tokens": turn.broker.policy.model_request.max_tokens,
     });
+    let encoded = serde_json::to_vec(&body).expect("a JSON value serialises");
+    let request_bytes = encoded.len();
     let mut http = turn
         .broker
         .upstream
@@ -320,7 +327,7 @@ async fn call(
         .post(url.clone())
         .header(CONTENT_TYPE, "application/json")
         .header(ACCEPT, "application/json")
-        .body(serde_json::to_vec(&body).expect("a JSON value serialises"));
+        .body(encoded);
     if let Some(key) = key {
         let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
         else {
@@ -347,13 +354,28 @@ async fn call(
         Ok(Err(_)) => return Err(format!("the {name} request failed")),
         Ok(Ok(r)) => r,
     };
+    if let Some(account) = &turn.ctx.account {
+        account.count_model_call();
+    }
     if !status.is_success() {
         return Err(format!("the {name} returned HTTP {}", status.as_u16()));
     }
     if truncated {
         return Err(format!("the {name} answer is larger than {cap} bytes"));
     }
-    let Some((content, prompt, completion)) = parse_answer(&bytes) else {
+    let parsed = parse_answer(&bytes);
+    // Host-counted, from the upstream's own usage (or the estimate), answer or not.
+    if let Some(account) = &turn.ctx.account {
+        match parsed.as_ref().map(|(_, p, c)| (*p, *c)) {
+            Some((Some(p), c)) => account.charge(p, c.unwrap_or(0), false),
+            _ => account.charge(
+                crate::budgets::estimate_tokens(request_bytes),
+                crate::budgets::estimate_tokens(bytes.len()),
+                true,
+            ),
+        }
+    }
+    let Some((content, prompt, completion)) = parsed else {
         return Err(format!("the {name} answer is not a chat completion"));
     };
     if let Some(n) = prompt {

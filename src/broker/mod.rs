@@ -778,6 +778,8 @@ testing_pub! {
         pub cancel: CancellationToken,
         /// Told of each call the broker starts (for progress displays); never of its content.
         pub events: Option<BrokerEvents>,
+        /// The turn's usage count and budgets (`None`: nothing counted, nothing refused).
+        pub account: Option<Arc<crate::budgets::TurnAccount>>,
     }
 }
 
@@ -788,6 +790,7 @@ impl fmt::Debug for TurnContext {
             .field("speaker", &self.speaker)
             .field("cancel", &self.cancel)
             .field("events", &self.events.as_ref().map(|_| "callback"))
+            .field("account", &self.account)
             .finish()
     }
 }

@@ -29,6 +29,7 @@ use serde_json::value::RawValue;
 use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
+use crate::budgets::{estimate_tokens, TurnAccount};
 
 /// How much of an upstream error body is shown to the guest (characters).
 const ERROR_SNIPPET: usize = 1000;
@@ -41,6 +42,10 @@ pub(crate) struct Prepared {
     pub(crate) body: Vec<u8>,
     /// Whether the guest asked for a streamed answer.
     pub(crate) stream: bool,
+    /// Whether the guest asked for the stream's usage chunk itself
+    /// (`stream_options.include_usage`); when it did not, the broker asks the upstream for
+    /// it and drops it from the guest's stream.
+    pub(crate) usage_asked: bool,
 }
 
 /// The allowed fields of a body, each a raw value borrowed from the body (`model` skipped).
@@ -120,6 +125,7 @@ pub(crate) fn prepare(
         }
     };
     let mut stream = false;
+    let mut stream_options: Option<&RawValue> = None;
     let mut out = Vec::with_capacity(raw.len() + model.len() + 64);
     out.extend_from_slice(b"{\"model\":");
     serde_json::to_writer(&mut out, model).expect("a string serialises");
@@ -131,6 +137,11 @@ pub(crate) fn prepare(
                 stream = serde_json::from_str::<Option<bool>>(value.get())
                     .map_err(|_| "stream must be true or false".to_owned())?
                     .unwrap_or(false);
+            }
+            "stream_options" => {
+                // Written after the loop, once `stream` is known.
+                stream_options = Some(value);
+                continue;
             }
             "max_tokens" | "max_completion_tokens" => {
                 let asked = serde_json::from_str::<Option<u64>>(value.get())
@@ -152,8 +163,56 @@ pub(crate) fn prepare(
         // No cap asked for: the provider's default may be the model's maximum.
         out.extend_from_slice(format!(",\"max_tokens\":{cap}").as_bytes());
     }
+    let usage_asked = write_stream_options(&mut out, stream, stream_options)?;
     out.push(b'}');
-    Ok(Prepared { body: out, stream })
+    Ok(Prepared {
+        body: out,
+        stream,
+        usage_asked,
+    })
+}
+
+/// Writes `stream_options`: as sent when the answer is not streamed; for a stream, with
+/// `include_usage: true` (the host counts every stream's tokens), its other members as
+/// sent. Returns whether the guest asked for the usage chunk itself.
+fn write_stream_options(
+    out: &mut Vec<u8>,
+    stream: bool,
+    sent: Option<&RawValue>,
+) -> Result<bool, String> {
+    let sent = sent.filter(|v| v.get().trim() != "null");
+    if !stream {
+        if let Some(v) = sent {
+            out.extend_from_slice(b",\"stream_options\":");
+            out.extend_from_slice(v.get().as_bytes());
+        }
+        return Ok(false);
+    }
+    // Its members as raw values (nothing below them is built in memory).
+    let members: Vec<(String, &RawValue)> = match sent {
+        None => Vec::new(),
+        Some(v) => {
+            let map: std::collections::BTreeMap<String, &RawValue> = serde_json::from_str(v.get())
+                .map_err(|_| "stream_options must be an object".to_owned())?;
+            map.into_iter().collect()
+        }
+    };
+    let mut asked = false;
+    out.extend_from_slice(b",\"stream_options\":{\"include_usage\":true");
+    for (name, value) in members {
+        if name == "include_usage" {
+            asked = serde_json::from_str::<Option<bool>>(value.get())
+                .map_err(|_| "stream_options.include_usage must be true or false".to_owned())?
+                .unwrap_or(false);
+            continue;
+        }
+        out.push(b',');
+        serde_json::to_writer(&mut *out, &name).expect("a string serialises");
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok(asked)
 }
 
 /// Checks `model_url` and returns the chat-completions URL: the path of `model_url` (the
@@ -248,8 +307,14 @@ impl Upstream {
         accept: Option<HeaderValue>,
         cancel: CancellationToken,
         policy: &BrokerPolicy,
+        account: Option<Arc<TurnAccount>>,
     ) -> Response {
-        let Prepared { body, stream } = prepared;
+        let Prepared {
+            body,
+            stream,
+            usage_asked,
+        } = prepared;
+        let sent_bytes = body.len();
         let key = match self.key.resolve().await {
             Ok(k) => k.filter(|k| !k.expose_secret().is_empty()),
             Err(e) => {
@@ -328,6 +393,10 @@ impl Upstream {
             }
             Ok(Ok(w)) => w,
         };
+        // Counted as sent: it reached the upstream (its answer may still be refused).
+        if let Some(a) = &account {
+            a.count_model_call();
+        }
         match whole {
             Whole::Body(status, bytes, truncated) if status.is_success() => {
                 if truncated {
@@ -338,6 +407,9 @@ impl Upstream {
                             self.limits.max_response_bytes
                         ),
                     );
+                }
+                if let Some(a) = &account {
+                    charge_whole(a, sent_bytes, &bytes);
                 }
                 let out = redact_whole(&secrets, bytes);
                 hyper::Response::builder()
@@ -370,16 +442,32 @@ impl Upstream {
                 };
                 error_response(StatusCode::BAD_GATEWAY, &msg)
             }
-            Whole::Stream(response) => self.relay(response, secrets),
+            Whole::Stream(response) => {
+                let tap = account.map(|account| UsageTap {
+                    account,
+                    sent_bytes,
+                    streamed: 0,
+                    usage: None,
+                });
+                self.relay(response, secrets, SseFilter::new(!usage_asked), tap)
+            }
         }
     }
 
     /// Relays a streamed answer chunk by chunk: each upstream chunk is redacted and sent on
     /// at once. A gap longer than the call deadline, an upstream failure or a stream past
     /// `max_response_bytes` ends it with an SSE error event.
-    fn relay(&self, response: reqwest::Response, secrets: Secrets) -> Response {
+    fn relay(
+        &self,
+        response: reqwest::Response,
+        secrets: Secrets,
+        filter: SseFilter,
+        tap: Option<UsageTap>,
+    ) -> Response {
         struct State {
             response: reqwest::Response,
+            filter: SseFilter,
+            tap: Option<UsageTap>,
             redactor: Redactor,
             total: usize,
             done: bool,
@@ -388,6 +476,8 @@ impl Upstream {
         }
         let state = State {
             response,
+            filter,
+            tap,
             redactor: Redactor::new(secrets),
             total: 0,
             done: false,
@@ -411,12 +501,17 @@ impl Upstream {
                                 Some(format!("model response too large (limit {} bytes)", st.cap)),
                             )
                         } else {
-                            (st.redactor.push(&chunk), None)
+                            let passed = st.filter.push(&chunk, &mut st.tap);
+                            (st.redactor.push(&passed), None)
                         }
                     }
                     Ok(Ok(None)) => {
                         st.done = true;
-                        (st.redactor.finish(), None)
+                        let mut passed = st.filter.finish(&mut st.tap);
+                        let mut out = st.redactor.push(&passed);
+                        passed.clear();
+                        out.extend(st.redactor.finish());
+                        (out, None)
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(error = %e.without_url(), "model stream failed");
@@ -448,6 +543,172 @@ impl Upstream {
             .body(http_body_util::StreamBody::new(body).boxed_unsync())
             .expect("a valid response")
     }
+}
+
+/// The `usage` of a completion, and nothing else of it (the rest is skipped unparsed).
+#[derive(serde::Deserialize)]
+struct WithUsage {
+    #[serde(default)]
+    usage: Option<UsageWire>,
+}
+
+/// An upstream's `usage`.
+#[derive(serde::Deserialize, Clone, Copy)]
+struct UsageWire {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+/// Charges a whole answer: its `usage`, or the estimate when it has none.
+fn charge_whole(account: &TurnAccount, sent_bytes: usize, bytes: &[u8]) {
+    let usage = serde_json::from_slice::<WithUsage>(bytes)
+        .ok()
+        .and_then(|w| w.usage);
+    match usage {
+        Some(UsageWire {
+            prompt_tokens: Some(p),
+            completion_tokens: c,
+        }) => account.charge(p, c.unwrap_or(0), false),
+        _ => account.charge(
+            estimate_tokens(sent_bytes),
+            estimate_tokens(bytes.len()),
+            true,
+        ),
+    }
+}
+
+/// What a stream used, charged when the stream ends however it ends (its last `usage`, or
+/// the estimate).
+struct UsageTap {
+    account: Arc<TurnAccount>,
+    sent_bytes: usize,
+    streamed: usize,
+    usage: Option<UsageWire>,
+}
+
+impl Drop for UsageTap {
+    fn drop(&mut self) {
+        match self.usage {
+            Some(UsageWire {
+                prompt_tokens: Some(p),
+                completion_tokens: c,
+            }) => self.account.charge(p, c.unwrap_or(0), false),
+            _ => self.account.charge(
+                estimate_tokens(self.sent_bytes),
+                estimate_tokens(self.streamed),
+                true,
+            ),
+        }
+    }
+}
+
+/// The largest SSE event held back to be read for its `usage`: the usage chunk is a few
+/// hundred bytes; a longer event is passed on as it comes, unread.
+const MAX_HELD_EVENT: usize = 64 * 1024;
+
+/// Splits a stream into SSE events (each ends with a blank line), reads each event's
+/// `usage`, and drops the usage-only chunk (`choices` empty) the broker asked for on the
+/// guest's behalf. Every other byte passes unchanged, in order.
+struct SseFilter {
+    /// Drop the usage-only chunk (the guest did not ask for it).
+    drop_usage_chunk: bool,
+    /// The current event's bytes, not yet passed on.
+    held: Vec<u8>,
+    /// The current event is too long to be read: passed on as it comes.
+    passing: bool,
+}
+
+/// One `data:` event's shape, only what is read of it.
+#[derive(serde::Deserialize)]
+struct ChunkShape {
+    #[serde(default)]
+    choices: Option<Vec<serde::de::IgnoredAny>>,
+    #[serde(default)]
+    usage: Option<UsageWire>,
+}
+
+impl SseFilter {
+    fn new(drop_usage_chunk: bool) -> Self {
+        Self {
+            drop_usage_chunk,
+            held: Vec::new(),
+            passing: false,
+        }
+    }
+
+    /// The end of the first event in `held`: after its `\n\n` or `\r\n\r\n`.
+    fn event_end(&self) -> Option<usize> {
+        let lf = memchr::memmem::find(&self.held, b"\n\n").map(|i| i + 2);
+        let crlf = memchr::memmem::find(&self.held, b"\r\n\r\n").map(|i| i + 4);
+        match (lf, crlf) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The bytes to pass on after `chunk`.
+    fn push(&mut self, chunk: &[u8], tap: &mut Option<UsageTap>) -> Vec<u8> {
+        if let Some(t) = tap {
+            t.streamed += chunk.len();
+        }
+        self.held.extend_from_slice(chunk);
+        let mut out = Vec::new();
+        while let Some(end) = self.event_end() {
+            let event: Vec<u8> = self.held.drain(..end).collect();
+            // The end of a long event is passed on unread; any other event is read.
+            if std::mem::take(&mut self.passing) || self.keep(&event, tap) {
+                out.extend_from_slice(&event);
+            }
+        }
+        if (self.passing || self.held.len() > MAX_HELD_EVENT) && self.held.len() > 3 {
+            // Too long to be the usage chunk: passed on, but the last 3 bytes are kept, as
+            // they may begin the event's end.
+            self.passing = true;
+            let keep = self.held.len() - 3;
+            out.extend(self.held.drain(..keep));
+        }
+        out
+    }
+
+    /// Reads the event's `usage`; false for the usage-only chunk the guest did not ask for.
+    fn keep(&self, event: &[u8], tap: &mut Option<UsageTap>) -> bool {
+        let Some(shape) = data_chunk(event) else {
+            return true;
+        };
+        if let (Some(t), Some(u)) = (tap.as_mut(), shape.usage) {
+            if u.prompt_tokens.is_some() {
+                t.usage = Some(u);
+            }
+        }
+        !(self.drop_usage_chunk
+            && shape.usage.is_some()
+            && shape.choices.is_some_and(|c| c.is_empty()))
+    }
+
+    /// What is left at the stream's end (an event without its blank line is passed on).
+    fn finish(&mut self, tap: &mut Option<UsageTap>) -> Vec<u8> {
+        let rest = std::mem::take(&mut self.held);
+        if !self.passing {
+            if let (Some(t), Some(shape)) = (tap.as_mut(), data_chunk(&rest)) {
+                if let Some(u) = shape.usage.filter(|u| u.prompt_tokens.is_some()) {
+                    t.usage = Some(u);
+                }
+            }
+        }
+        rest
+    }
+}
+
+/// The JSON of a one-line `data:` event, read for `choices` and `usage` only.
+fn data_chunk(event: &[u8]) -> Option<ChunkShape> {
+    let text = std::str::from_utf8(event).ok()?.trim();
+    let json = text.strip_prefix("data:")?.trim_start();
+    if json.contains('\n') {
+        return None;
+    }
+    serde_json::from_str::<ChunkShape>(json).ok()
 }
 
 /// A whole answer with every secret replaced; an answer that ends with the start of a

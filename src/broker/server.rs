@@ -394,6 +394,17 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         };
         // The guest's bytes are not held while the upstream answers.
         drop(body);
+        // Every token budget must have room, this turn's tokens so far included (the
+        // guest reports the 429; the turn's failure is typed by the host).
+        if let Some(account) = &turn.ctx.account {
+            if let Err(refusal) = account.check_call() {
+                tracing::info!(
+                    budget = refusal.budget.key(),
+                    "model call refused by a budget"
+                );
+                return error_response(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
+            }
+        }
         if let Some(events) = &turn.ctx.events {
             events(super::BrokerEvent::ModelCall);
         }
@@ -401,7 +412,13 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         return turn
             .broker
             .upstream
-            .chat(prepared, accept, turn.stop.clone(), policy)
+            .chat(
+                prepared,
+                accept,
+                turn.stop.clone(),
+                policy,
+                turn.ctx.account.clone(),
+            )
             .await;
     }
     if json_values_over(&body, MAX_ARGUMENT_VALUES) {
@@ -423,6 +440,9 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
     drop(body);
     if let Some(events) = &turn.ctx.events {
         events(super::BrokerEvent::ToolCall);
+    }
+    if let Some(account) = &turn.ctx.account {
+        account.count_tool_call();
     }
     // A key provider's key is redacted from tool results: have it before the first one.
     if policy.api_key.unfetched() {

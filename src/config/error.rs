@@ -191,4 +191,7 @@ pub enum ConfigError {
     /// A `[warm]` setting is out of its range.
     #[error("invalid [warm] setting: {0}")]
     Warm(String),
+    /// `[budgets]` breaks a rule.
+    #[error("budgets.{0}")]
+    Budgets(String),
 }

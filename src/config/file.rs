@@ -86,6 +86,9 @@ pub struct ConfigFile {
     /// `[warm]`: prepared containers (`enabled`, `max`, `ttl_secs`).
     #[serde(default)]
     pub warm: super::WarmSettings,
+    /// `[budgets]`: see [`crate::budgets::BudgetSettings`].
+    #[serde(default)]
+    pub budgets: crate::budgets::BudgetSettings,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment
@@ -248,7 +251,7 @@ impl TryFrom<ConfigFile> for Config {
         if let Some(compaction) = file.compaction {
             builder = builder.compaction(compaction.try_into()?);
         }
-        let mut config = builder.warm(file.warm).build();
+        let mut config = builder.warm(file.warm).budgets(file.budgets).build();
         // Either may be set alone (the rule refuses what is not the process's own).
         (config.uid, config.gid) = (file.uid, file.gid);
         Ok(config)

@@ -35,6 +35,7 @@ use std::time::Duration;
 use crate::broker::{
     ApiKey, BrokerLimits, BrokerPolicy, CompactionModel, HostTool, McpServer, ModelRequestPolicy,
 };
+use crate::budgets::BudgetSettings;
 use crate::driver::ContainerDriver;
 
 mod error;
@@ -135,7 +136,20 @@ pub struct Config {
     pub compaction: Option<CompactionModel>,
     /// Prepared containers for the channels' next turns (`[warm]`, see [`crate::warm`]).
     pub warm: WarmSettings,
+    /// Budgets and rate limits, and where their counters live (`[budgets]`, see
+    /// [`crate::budgets`]).
+    pub budgets: BudgetSettings,
+    /// A store for the budgets' counters other than the SQLite state file (a database
+    /// shared by the processes of one bot); opened by `Sandbox::new`.
+    pub budget_store: Option<BudgetStoreOpener>,
 }
+
+/// Opens a [`crate::budgets::BudgetStore`] (see [`Config::budget_store`]).
+pub type BudgetStoreOpener = Arc<
+    dyn Fn() -> Result<Box<dyn crate::budgets::BudgetStore>, crate::budgets::StoreError>
+        + Send
+        + Sync,
+>;
 
 impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -152,6 +166,7 @@ impl std::fmt::Debug for Config {
             .field("runtime", &self.runtime)
             .field("compaction", &self.compaction)
             .field("warm", &self.warm)
+            .field("budgets", &self.budgets)
             .finish_non_exhaustive()
     }
 }
@@ -205,6 +220,8 @@ impl Config {
                 runtime: None,
                 compaction: None,
                 warm: WarmSettings::default(),
+                budgets: BudgetSettings::default(),
+                budget_store: None,
             },
         }
     }
@@ -296,6 +313,8 @@ impl ConfigBuilder {
         warm: WarmSettings;
         /// The chat-completions fields forwarded to the model and the output token cap.
         model_request: ModelRequestPolicy;
+        /// Budgets and rate limits (`[budgets]`).
+        budgets: BudgetSettings;
     }
 
     setters! {
@@ -322,6 +341,12 @@ impl ConfigBuilder {
         runtime: impl Into<String>;
         /// A separate summarizer for compaction.
         compaction: CompactionModel;
+    }
+
+    /// The budgets' counters in another store than the state file.
+    pub fn budget_store(mut self, open: BudgetStoreOpener) -> Self {
+        self.config.budget_store = Some(open);
+        self
     }
 
     /// The configuration (not yet checked: see [`Config::resolve`]).
@@ -366,4 +391,6 @@ pub struct ResolvedConfig {
     pub runtime: Option<String>,
     /// Prepared containers (`[warm]`, validated).
     pub warm: WarmSettings,
+    /// Budgets (`[budgets]`, validated).
+    pub budgets: BudgetSettings,
 }

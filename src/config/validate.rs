@@ -73,6 +73,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     // What lies above each root, before anything is created under it.
     check_root_ancestors(&config.run_root, process_uid)?;
     check_root_ancestors(&config.workspace_root, process_uid)?;
+    check_budgets(config, [&config.run_root, &config.workspace_root])?;
     // Side effects start here: the roots are created private, then inspected.
     let run_root = prepare_root(&config.run_root, process_uid)?;
     let workspace_root = prepare_root(&config.workspace_root, process_uid)?;
@@ -85,6 +86,8 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     if run_root.as_os_str().len() + SOCKET_SUFFIX.len() > MAX_SOCKET_PATH {
         return Err(ConfigError::SocketPathTooLong(run_root));
     }
+    // Again with the canonical roots (a state file under a root by another path).
+    check_budgets(config, [&run_root, &workspace_root])?;
     let instance = config
         .instance
         .clone()
@@ -109,7 +112,22 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         command: config.command.clone(),
         runtime: config.runtime.clone(),
         warm: config.warm,
+        budgets: config.budgets.clone(),
     })
+}
+
+/// The `[budgets]` rules (a custom store stands for the state file).
+fn check_budgets(config: &Config, roots: [&Path; 2]) -> Result<(), ConfigError> {
+    let mut budgets = config.budgets.clone();
+    if config.budget_store.is_some() {
+        if budgets.state_file.is_some() {
+            return Err(ConfigError::Budgets(
+                "state_file and a custom budget store are both set; use one".into(),
+            ));
+        }
+        budgets.state_file = Some(PathBuf::from("/custom-store"));
+    }
+    budgets.validate(roots).map_err(ConfigError::Budgets)
 }
 
 /// Checks every directory above `root` (the canonical path of its nearest existing part;

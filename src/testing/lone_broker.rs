@@ -61,6 +61,7 @@ impl BrokerTurn {
             speaker,
             cancel: cancel.clone(),
             events: None,
+            account: None,
         };
         let listener = broker.listen(&socket, ctx).await.unwrap();
         Self {

@@ -1,0 +1,710 @@
+//! Usage accounting and budgets: what each turn used, counted by the host from the
+//! upstream's own answers, and the limits an operator puts on a speaker, a channel and the
+//! whole bot (`[budgets]`).
+//!
+//! Why a module of the core and not a crate: it sits on the same trust boundary as the
+//! broker and the turn runner (it trusts the operator's configuration and the upstream's
+//! `usage`, never the guest), and both of its checks are in the core's own paths, the
+//! admission at the start of [`crate::turn::run_turn`] (before any workspace or container,
+//! so `Sandbox::run_turn*` and the actor layer get it alike) and the broker's check before
+//! each model call. The durable part is behind [`BudgetStore`] (`store`), so a shared
+//! database can replace the SQLite file when one bot runs as several processes.
+//!
+//! - [`HostUsage`]: one turn's usage as the host counted it (what `TurnOutcome::usage`
+//!   carries). The reply's `usage` is the guest's own claim and is never read here;
+//! - [`TurnAccount`]: one turn's running count, shared by the turn runner and its broker;
+//! - [`BudgetSettings`]: the `[budgets]` section, all optional;
+//! - [`BudgetBook`]: the counters in memory (today's tokens by speaker, channel and bot; the
+//!   speakers' turns of the last minute), the checks, and a writer thread that commits each
+//!   change to the store off the caller's thread;
+//! - [`BudgetRefusal`]: which budget refused, and the message a guest reads.
+//!
+//! **The bound.** A turn is admitted only while every budget has room; each model call is
+//! checked again before it is sent upstream, with the tokens of every call already
+//! answered (this turn's included). A call is charged when its answer ends, so the calls in
+//! flight when a budget fills all complete: concurrent turns of one speaker in N channels
+//! pass a token budget by at most N × `max_calls_in_flight` model calls (one turn's cap of
+//! calls at once each), each call's tokens bounded by its prompt (≤ `max_request_bytes`)
+//! and `model_request.max_tokens`. With turns that make one call at a time (the guest's
+//! agent loop does) that is one call per turn. Tested: `budgets::concurrent_turns_*`.
+
+mod store;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use chrono::{DateTime, NaiveDate, TimeZone, Utc};
+use serde::Deserialize;
+
+pub use store::{BudgetStore, CounterKey, SqliteStore, StoreError};
+
+/// One turn's use of the model and tools, as the host counted it: tokens from the
+/// upstream's own `usage` of every completion the broker forwarded (compaction calls
+/// included), or estimated where an answer had none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostUsage {
+    /// Prompt (input) tokens.
+    pub prompt_tokens: u64,
+    /// Completion (output) tokens.
+    pub completion_tokens: u64,
+    /// Model calls sent upstream (compaction's included).
+    pub model_calls: u32,
+    /// Host and MCP tool calls run.
+    pub tool_calls: u32,
+    /// Some of the tokens are an estimate (an answer without `usage`: 1 token per 4 bytes
+    /// of the request sent and of the answer).
+    pub estimated: bool,
+}
+
+impl HostUsage {
+    /// Prompt plus completion tokens.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// The estimate for an answer without `usage`: one token per 4 bytes.
+pub(crate) fn estimate_tokens(bytes: usize) -> u64 {
+    (bytes as u64).div_ceil(4)
+}
+
+/// One turn's running count, shared by the turn runner and the turn's broker, and the
+/// turn's view of the budgets.
+#[derive(Debug)]
+pub struct TurnAccount {
+    speaker: String,
+    channel: String,
+    book: Option<Arc<BudgetBook>>,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    model_calls: AtomicU32,
+    tool_calls: AtomicU32,
+    estimated: AtomicBool,
+    refusal: Mutex<Option<BudgetRefusal>>,
+}
+
+impl TurnAccount {
+    /// The account of a turn of `speaker` (their id) in the channel of hash `channel`.
+    pub fn new(speaker: &str, channel: &str, book: Option<Arc<BudgetBook>>) -> Self {
+        Self {
+            speaker: speaker.to_owned(),
+            channel: channel.to_owned(),
+            book,
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            model_calls: AtomicU32::new(0),
+            tool_calls: AtomicU32::new(0),
+            estimated: AtomicBool::new(false),
+            refusal: Mutex::new(None),
+        }
+    }
+
+    /// Before a model call: every token budget must have room (the tokens charged so far,
+    /// this turn's included). A refusal is remembered (the turn's failure kind).
+    pub fn check_call(&self) -> Result<(), BudgetRefusal> {
+        let Some(book) = &self.book else {
+            return Ok(());
+        };
+        book.check_tokens(&self.speaker, &self.channel)
+            .inspect_err(|r| {
+                *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
+            })
+    }
+
+    /// A model call was sent upstream.
+    pub fn count_model_call(&self) {
+        self.model_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A host or MCP tool call is run.
+    pub fn count_tool_call(&self) {
+        self.tool_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A model answer's tokens (from its `usage`, or `estimated`); charged to the budgets.
+    pub fn charge(&self, prompt: u64, completion: u64, estimated: bool) {
+        self.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
+        self.completion_tokens
+            .fetch_add(completion, Ordering::Relaxed);
+        if estimated {
+            self.estimated.store(true, Ordering::Relaxed);
+        }
+        if let Some(book) = &self.book {
+            book.charge(
+                &self.speaker,
+                &self.channel,
+                prompt.saturating_add(completion),
+            );
+        }
+    }
+
+    /// What the turn used so far.
+    pub fn usage(&self) -> HostUsage {
+        HostUsage {
+            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
+            completion_tokens: self.completion_tokens.load(Ordering::Relaxed),
+            model_calls: self.model_calls.load(Ordering::Relaxed),
+            tool_calls: self.tool_calls.load(Ordering::Relaxed),
+            estimated: self.estimated.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The budget that refused one of this turn's model calls, if any did.
+    pub fn refusal(&self) -> Option<BudgetRefusal> {
+        self.refusal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// The `[budgets]` section: every budget is optional (none set: nothing is refused, the
+/// usage is still counted).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetSettings {
+    /// The SQLite file the counters live in (absolute; outside both roots). Required when
+    /// a budget is set.
+    #[serde(default)]
+    pub state_file: Option<PathBuf>,
+    /// Tokens (prompt + completion) one speaker may use per day, across channels.
+    #[serde(default)]
+    pub speaker_tokens_per_day: Option<u64>,
+    /// Tokens one channel may use per day.
+    #[serde(default)]
+    pub channel_tokens_per_day: Option<u64>,
+    /// Tokens the whole bot may use per day.
+    #[serde(default)]
+    pub bot_tokens_per_day: Option<u64>,
+    /// Turns one speaker may start per minute (a sliding minute).
+    #[serde(default)]
+    pub speaker_turns_per_minute: Option<u32>,
+}
+
+impl BudgetSettings {
+    /// Whether any budget is set.
+    pub fn any(&self) -> bool {
+        self.speaker_tokens_per_day.is_some()
+            || self.channel_tokens_per_day.is_some()
+            || self.bot_tokens_per_day.is_some()
+            || self.speaker_turns_per_minute.is_some()
+    }
+
+    /// The rules, without side effects; the message names the key.
+    pub(crate) fn validate(&self, roots: [&std::path::Path; 2]) -> Result<(), String> {
+        for (name, value) in [
+            ("speaker_tokens_per_day", self.speaker_tokens_per_day),
+            ("channel_tokens_per_day", self.channel_tokens_per_day),
+            ("bot_tokens_per_day", self.bot_tokens_per_day),
+        ] {
+            if let Some(n) = value {
+                if !(1..=1_000_000_000_000).contains(&n) {
+                    return Err(format!("{name} must be 1 to 1000000000000, got {n}"));
+                }
+            }
+        }
+        if let Some(n) = self.speaker_turns_per_minute {
+            if !(1..=10_000).contains(&n) {
+                return Err(format!(
+                    "speaker_turns_per_minute must be 1 to 10000, got {n}"
+                ));
+            }
+        }
+        match &self.state_file {
+            None if self.any() => {
+                return Err("state_file is required when a budget is set".into());
+            }
+            None => {}
+            Some(path) => {
+                if !path.is_absolute() {
+                    return Err(format!(
+                        "state_file must be an absolute path, got {}",
+                        path.display()
+                    ));
+                }
+                // The workspaces are the guests' and the run root is the turns': a state
+                // file there could be edited by a guest or swept.
+                if roots.iter().any(|r| path.starts_with(r)) {
+                    return Err(format!(
+                        "state_file must be outside run_root and workspace_root, got {}",
+                        path.display()
+                    ));
+                }
+                if path.file_name().is_none() {
+                    return Err(format!(
+                        "state_file must name a file, got {}",
+                        path.display()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Budget {
+    /// `speaker_tokens_per_day`.
+    SpeakerTokensPerDay,
+    /// `channel_tokens_per_day`.
+    ChannelTokensPerDay,
+    /// `bot_tokens_per_day`.
+    BotTokensPerDay,
+    /// `speaker_turns_per_minute`.
+    SpeakerTurnsPerMinute,
+}
+
+impl Budget {
+    /// Its key in `[budgets]`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Budget::SpeakerTokensPerDay => "speaker_tokens_per_day",
+            Budget::ChannelTokensPerDay => "channel_tokens_per_day",
+            Budget::BotTokensPerDay => "bot_tokens_per_day",
+            Budget::SpeakerTurnsPerMinute => "speaker_turns_per_minute",
+        }
+    }
+}
+
+/// A budget refused a turn or a model call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("budget {} exceeded: {message}", .budget.key())]
+pub struct BudgetRefusal {
+    /// Which budget.
+    pub budget: Budget,
+    /// Its limit.
+    pub limit: u64,
+    /// What the guest is told, e.g. "this speaker has used today's 50000 tokens; the budget
+    /// resets at 00:00 UTC".
+    pub message: String,
+}
+
+/// The current time (injected in tests).
+pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
+
+/// What the writer thread commits.
+enum Write {
+    Tokens {
+        day: String,
+        deltas: Vec<(CounterKey, u64)>,
+    },
+    Turn {
+        speaker: String,
+        at_ms: i64,
+    },
+    NewDay(String),
+    Flush(mpsc::SyncSender<()>),
+}
+
+struct BookState {
+    day: NaiveDate,
+    tokens: HashMap<CounterKey, u64>,
+    /// Each speaker's turn starts (Unix ms) within the last minute.
+    turns: HashMap<String, VecDeque<i64>>,
+}
+
+/// The budgets' counters, checks and writer (see the module doc).
+pub struct BudgetBook {
+    settings: BudgetSettings,
+    tz: chrono_tz::Tz,
+    clock: Clock,
+    state: Mutex<BookState>,
+    writer: Mutex<Option<mpsc::Sender<Write>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    state_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for BudgetBook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BudgetBook")
+            .field("settings", &self.settings)
+            .field("tz", &self.tz)
+            .finish_non_exhaustive()
+    }
+}
+
+const MINUTE_MS: i64 = 60_000;
+
+impl BudgetBook {
+    /// Opens the state file of `settings` (see [`SqliteStore::open`]) and reads today's
+    /// counters; `None` when no state file is named.
+    pub fn open(
+        settings: &BudgetSettings,
+        time_zone: &str,
+    ) -> Result<Option<Arc<Self>>, StoreError> {
+        let Some(path) = &settings.state_file else {
+            return Ok(None);
+        };
+        let store = SqliteStore::open(path)?;
+        Self::with_store(settings, time_zone, Box::new(store), Arc::new(Utc::now)).map(Some)
+    }
+
+    /// A book on any store, with the clock `clock`.
+    pub fn with_store(
+        settings: &BudgetSettings,
+        time_zone: &str,
+        mut store: Box<dyn BudgetStore>,
+        clock: Clock,
+    ) -> Result<Arc<Self>, StoreError> {
+        let tz: chrono_tz::Tz = time_zone.parse().unwrap_or(chrono_tz::UTC);
+        let now = clock();
+        let day = now.with_timezone(&tz).date_naive();
+        let tokens = store.load_tokens(&day.to_string())?.into_iter().collect();
+        let mut turns: HashMap<String, VecDeque<i64>> = HashMap::new();
+        for (speaker, at) in store.load_turns(now.timestamp_millis() - MINUTE_MS)? {
+            turns.entry(speaker).or_default().push_back(at);
+        }
+        let (tx, rx) = mpsc::channel::<Write>();
+        let thread = std::thread::Builder::new()
+            .name("budget-writer".into())
+            .spawn(move || writer(store, rx))
+            .map_err(|e| StoreError::Open {
+                path: settings.state_file.clone().unwrap_or_default(),
+                reason: format!("start the writer thread: {e}"),
+            })?;
+        Ok(Arc::new(Self {
+            settings: settings.clone(),
+            tz,
+            clock,
+            state: Mutex::new(BookState { day, tokens, turns }),
+            writer: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+            state_file: settings.state_file.clone(),
+        }))
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &BudgetSettings {
+        &self.settings
+    }
+
+    /// The state file, if the store is one.
+    pub fn state_file(&self) -> Option<&std::path::Path> {
+        self.state_file.as_deref()
+    }
+
+    fn send(&self, w: Write) {
+        if let Some(tx) = &*self.writer.lock().unwrap_or_else(|e| e.into_inner()) {
+            let _ = tx.send(w);
+        }
+    }
+
+    /// The state, rolled over to the day of `now` in the configured zone.
+    fn state(&self, now: DateTime<Utc>) -> std::sync::MutexGuard<'_, BookState> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let day = now.with_timezone(&self.tz).date_naive();
+        if day != st.day {
+            st.day = day;
+            st.tokens.clear();
+            self.send(Write::NewDay(day.to_string()));
+        }
+        st
+    }
+
+    fn resets(&self) -> String {
+        format!("the budget resets at 00:00 {}", self.tz.name())
+    }
+
+    fn token_check(
+        &self,
+        st: &BookState,
+        speaker: &str,
+        channel: &str,
+    ) -> Result<(), BudgetRefusal> {
+        let used = |k: &CounterKey| st.tokens.get(k).copied().unwrap_or(0);
+        let s = &self.settings;
+        let checks = [
+            (
+                Budget::SpeakerTokensPerDay,
+                s.speaker_tokens_per_day,
+                CounterKey::Speaker(speaker.to_owned()),
+                "this speaker",
+            ),
+            (
+                Budget::ChannelTokensPerDay,
+                s.channel_tokens_per_day,
+                CounterKey::Channel(channel.to_owned()),
+                "this channel",
+            ),
+            (
+                Budget::BotTokensPerDay,
+                s.bot_tokens_per_day,
+                CounterKey::Bot,
+                "the bot",
+            ),
+        ];
+        for (budget, limit, key, who) in checks {
+            if let Some(limit) = limit {
+                if used(&key) >= limit {
+                    return Err(BudgetRefusal {
+                        budget,
+                        limit,
+                        message: format!(
+                            "{who} has used today's {limit} tokens; {}",
+                            self.resets()
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a model call of this speaker in this channel may be sent.
+    pub fn check_tokens(&self, speaker: &str, channel: &str) -> Result<(), BudgetRefusal> {
+        let st = self.state((self.clock)());
+        self.token_check(&st, speaker, channel)
+    }
+
+    /// Admits a turn: every token budget has room and the speaker has not started
+    /// `speaker_turns_per_minute` turns in the last minute; an admitted turn is counted.
+    pub fn admit(&self, speaker: &str, channel: &str) -> Result<(), BudgetRefusal> {
+        let now = (self.clock)();
+        let now_ms = now.timestamp_millis();
+        let mut st = self.state(now);
+        self.token_check(&st, speaker, channel)?;
+        let window = st.turns.entry(speaker.to_owned()).or_default();
+        while window.front().is_some_and(|&t| t <= now_ms - MINUTE_MS) {
+            window.pop_front();
+        }
+        if let Some(limit) = self.settings.speaker_turns_per_minute {
+            if window.len() >= limit as usize {
+                let oldest = window.front().copied().unwrap_or(now_ms);
+                let wait = ((oldest + MINUTE_MS - now_ms).max(0) as u64)
+                    .div_ceil(1000)
+                    .max(1);
+                return Err(BudgetRefusal {
+                    budget: Budget::SpeakerTurnsPerMinute,
+                    limit: u64::from(limit),
+                    message: format!(
+                        "this speaker has started {limit} turns in the last minute; try again in {wait} s"
+                    ),
+                });
+            }
+        }
+        window.push_back(now_ms);
+        if st.turns.len() > 4096 {
+            st.turns
+                .retain(|_, w| w.back().is_some_and(|&t| t > now_ms - MINUTE_MS));
+        }
+        drop(st);
+        if self.settings.speaker_turns_per_minute.is_some() {
+            self.send(Write::Turn {
+                speaker: speaker.to_owned(),
+                at_ms: now_ms,
+            });
+        }
+        Ok(())
+    }
+
+    /// Adds `tokens` to today's counters of the speaker, the channel and the bot; the
+    /// write is committed by the writer thread.
+    pub fn charge(&self, speaker: &str, channel: &str, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let mut st = self.state((self.clock)());
+        let deltas = vec![
+            (CounterKey::Speaker(speaker.to_owned()), tokens),
+            (CounterKey::Channel(channel.to_owned()), tokens),
+            (CounterKey::Bot, tokens),
+        ];
+        for (k, n) in &deltas {
+            let slot = st.tokens.entry(k.clone()).or_insert(0);
+            *slot = slot.saturating_add(*n);
+        }
+        let day = st.day.to_string();
+        drop(st);
+        self.send(Write::Tokens { day, deltas });
+    }
+
+    /// Today's tokens of a counter (in memory: what is charged, committed or about to be).
+    pub fn tokens(&self, key: &CounterKey) -> u64 {
+        let st = self.state((self.clock)());
+        st.tokens.get(key).copied().unwrap_or(0)
+    }
+
+    /// Waits (blocking) until every write sent so far is committed.
+    pub fn flush(&self) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Write::Flush(tx));
+        let _ = rx.recv();
+    }
+
+    /// When the next day starts in the configured zone, for `explain`.
+    pub fn next_reset(&self) -> DateTime<Utc> {
+        next_midnight(self.tz, (self.clock)())
+    }
+}
+
+/// The first instant of the day after `now`'s in `tz`.
+pub(crate) fn next_midnight(tz: chrono_tz::Tz, now: DateTime<Utc>) -> DateTime<Utc> {
+    let day = now.with_timezone(&tz).date_naive();
+    let next = day.succ_opt().unwrap_or(day);
+    let midnight = next.and_hms_opt(0, 0, 0).expect("midnight exists");
+    tz.from_local_datetime(&midnight)
+        .earliest()
+        .map_or(now, |t| t.with_timezone(&Utc))
+}
+
+impl Drop for BudgetBook {
+    fn drop(&mut self) {
+        // Closing the channel ends the writer after the writes sent so far.
+        self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>) {
+    while let Ok(w) = rx.recv() {
+        let result = match w {
+            Write::Tokens { day, deltas } => store.add_tokens(&day, &deltas),
+            Write::Turn { speaker, at_ms } => store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS),
+            Write::NewDay(day) => store.forget_days_before(&day),
+            Write::Flush(done) => {
+                let _ = done.send(());
+                Ok(())
+            }
+        };
+        if let Err(e) = result {
+            // Kept in memory for this run; the next start reads what was committed.
+            tracing::error!(error = %e, "budget state write failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[derive(Default)]
+    struct Memory(Arc<Mutex<Vec<String>>>);
+    impl BudgetStore for Memory {
+        fn load_tokens(&mut self, _: &str) -> Result<Vec<(CounterKey, u64)>, StoreError> {
+            Ok(vec![])
+        }
+        fn load_turns(&mut self, _: i64) -> Result<Vec<(String, i64)>, StoreError> {
+            Ok(vec![])
+        }
+        fn add_tokens(&mut self, day: &str, d: &[(CounterKey, u64)]) -> Result<(), StoreError> {
+            self.0.lock().unwrap().push(format!("{day} {}", d[0].1));
+            Ok(())
+        }
+        fn record_turn(&mut self, _: &str, _: i64, _: i64) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn forget_days_before(&mut self, _: &str) -> Result<(), StoreError> {
+            Ok(())
+        }
+    }
+
+    fn book_at(
+        settings: BudgetSettings,
+        tz: &str,
+        now: Arc<Mutex<DateTime<Utc>>>,
+    ) -> (Arc<BudgetBook>, Arc<Mutex<Vec<String>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let clock: Clock = Arc::new(move || *now.lock().unwrap());
+        let book =
+            BudgetBook::with_store(&settings, tz, Box::new(Memory(log.clone())), clock).unwrap();
+        (book, log)
+    }
+
+    #[test]
+    fn the_day_rolls_over_at_midnight_in_the_configured_zone() {
+        // 22:59:59 UTC on 31 March is 00:59:59 on 1 April in Paris (summer time, +2).
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 3, 31, 21, 59, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(100),
+            ..Default::default()
+        };
+        let (book, log) = book_at(settings, "Europe/Paris", now.clone());
+        book.charge("alice", "c", 100);
+        let refused = book.admit("alice", "c").unwrap_err();
+        assert_eq!(refused.budget, Budget::SpeakerTokensPerDay);
+        assert_eq!(
+            refused.to_string(),
+            "budget speaker_tokens_per_day exceeded: this speaker has used today's 100 tokens; the budget resets at 00:00 Europe/Paris"
+        );
+        assert_eq!(
+            book.next_reset(),
+            Utc.with_ymd_and_hms(2026, 3, 31, 22, 0, 0).unwrap()
+        );
+        // 23:59:59 Paris: still the same day.
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 31, 21, 59, 59).unwrap();
+        assert!(book.admit("alice", "c").is_err());
+        // Midnight in Paris (22:00 UTC), long before midnight UTC: a new day.
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 31, 22, 0, 0).unwrap();
+        book.admit("alice", "c").unwrap();
+        book.charge("alice", "c", 7);
+        book.flush();
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec!["2026-03-31 100".to_owned(), "2026-04-01 7".to_owned()]
+        );
+        assert_eq!(book.tokens(&CounterKey::Speaker("alice".into())), 7);
+    }
+
+    #[test]
+    fn turns_per_minute_is_a_sliding_minute() {
+        let t0 = Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap();
+        let now = Arc::new(Mutex::new(t0));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_turns_per_minute: Some(2),
+            ..Default::default()
+        };
+        let (book, _) = book_at(settings, "UTC", now.clone());
+        book.admit("bob", "c1").unwrap();
+        *now.lock().unwrap() = t0 + chrono::Duration::seconds(30);
+        book.admit("bob", "c2").unwrap();
+        // Another speaker is not limited by bob's turns.
+        book.admit("carol", "c1").unwrap();
+        let refused = book.admit("bob", "c1").unwrap_err();
+        assert_eq!(
+            refused.message,
+            "this speaker has started 2 turns in the last minute; try again in 30 s"
+        );
+        *now.lock().unwrap() = t0 + chrono::Duration::seconds(60);
+        book.admit("bob", "c1").unwrap();
+    }
+
+    #[test]
+    fn each_token_budget_names_itself() {
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(1000),
+            channel_tokens_per_day: Some(50),
+            bot_tokens_per_day: Some(70),
+            ..Default::default()
+        };
+        let (book, _) = book_at(settings, "UTC", now);
+        book.charge("a", "chan1", 50);
+        let r = book.check_tokens("b", "chan1").unwrap_err();
+        assert_eq!(r.budget, Budget::ChannelTokensPerDay);
+        assert_eq!(
+            r.message,
+            "this channel has used today's 50 tokens; the budget resets at 00:00 UTC"
+        );
+        book.check_tokens("b", "chan2").unwrap();
+        book.charge("b", "chan2", 20);
+        let r = book.check_tokens("c", "chan3").unwrap_err();
+        assert_eq!(r.budget, Budget::BotTokensPerDay);
+        assert_eq!(
+            r.message,
+            "the bot has used today's 70 tokens; the budget resets at 00:00 UTC"
+        );
+    }
+}
