@@ -50,6 +50,17 @@ pub struct BrokerTurn {
 impl BrokerTurn {
     /// Listens for a turn of `speaker` in `channel`.
     pub async fn start(broker: &Arc<Broker>, channel: &str, speaker: Speaker) -> Self {
+        Self::start_counted(broker, channel, speaker, None).await
+    }
+
+    /// [`BrokerTurn::start`], the turn's usage counted (and its budgets checked) by
+    /// `account`.
+    pub async fn start_counted(
+        broker: &Arc<Broker>,
+        channel: &str,
+        speaker: Speaker,
+        account: Option<Arc<crate::budgets::TurnAccount>>,
+    ) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("rtb-")
             .tempdir_in("/tmp")
@@ -61,7 +72,7 @@ impl BrokerTurn {
             speaker,
             cancel: cancel.clone(),
             events: None,
-            account: None,
+            account,
         };
         let listener = broker.listen(&socket, ctx).await.unwrap();
         Self {

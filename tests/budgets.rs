@@ -1,0 +1,556 @@
+//! Usage accounting and budgets (issue 23, items 1-3) with the real parts: the broker over
+//! its real socket with a scripted upstream that reports `usage` (or not), the SQLite state
+//! file (restart, a crash by `kill -9` mid-write, a corrupt file, a locked one), and real
+//! turns of the real guest in real containers refused past a budget, before the container
+//! and mid-turn, across a restart of the runtime. Runs as the non-root service user.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use roundtable_sandbox::budgets::{
+    Budget, BudgetBook, BudgetSettings, BudgetStore, CounterKey, SqliteStore, StoreError,
+    TurnAccount,
+};
+use roundtable_sandbox::testing::*;
+use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::{ApiKey, Config, Sandbox, Speaker, TurnFailure};
+use roundtable_sandbox_test_support::broker_client::{self as client, next_chunk, post_json};
+use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
+use serde_json::json;
+
+const KEY: &str = "sk-budgets-test-7f3a";
+const CHAT: &str = "/v1/chat/completions";
+
+fn ann() -> Speaker {
+    Speaker {
+        id: "u1".into(),
+        name: "ann".into(),
+    }
+}
+
+/// A streamed text chunk as OpenAI sends it with `include_usage` (`"usage":null`).
+fn text_event(part: &str) -> String {
+    let chunk = json!({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "scripted",
+        "choices": [{"index": 0, "delta": {"content": part}, "finish_reason": null}],
+        "usage": null
+    });
+    format!("data: {chunk}\n\n")
+}
+
+/// The usage-only chunk: `choices` empty.
+fn usage_event(prompt: u64, completion: u64) -> String {
+    let chunk = json!({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "scripted",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                  "total_tokens": prompt + completion}
+    });
+    format!("data: {chunk}\n\n")
+}
+
+/// A whole completion answering `content`, with this usage (none: `None`).
+fn completion(message: serde_json::Value, usage: Option<(u64, u64)>) -> Step {
+    let mut body = json!({
+        "id": "chatcmpl-1", "object": "chat.completion", "model": "scripted",
+        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+    });
+    if let Some((p, c)) = usage {
+        body["usage"] = json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+    }
+    Step::Json(body)
+}
+
+fn text_with_usage(content: &str, usage: Option<(u64, u64)>) -> Step {
+    completion(json!({"role": "assistant", "content": content}), usage)
+}
+
+async fn stream_call(socket: &Path, body: serde_json::Value) -> Vec<u8> {
+    let (status, _, mut incoming) = client::send(
+        socket,
+        "POST",
+        CHAT,
+        &[("content-type", "application/json")],
+        body.to_string(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let mut out = Vec::new();
+    while let Some(chunk) = next_chunk(&mut incoming).await {
+        out.extend_from_slice(&chunk);
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_stream_without_include_usage_gets_the_upstreams_chunks_minus_the_usage_chunk() {
+    let events = [
+        text_event("Hello"),
+        text_event(", world"),
+        usage_event(11, 7),
+        "data: [DONE]\n\n".to_owned(),
+    ];
+    // The usage chunk split across two upstream chunks, the rest as they come.
+    let (a, b) = events[2].split_at(40);
+    let chunks = vec![
+        events[0].clone(),
+        events[1].clone() + a,
+        b.to_owned(),
+        events[3].clone(),
+    ];
+    let model = ScriptedModel::start(vec![
+        Step::Stream {
+            chunks: chunks.clone(),
+            delay: Duration::ZERO,
+        },
+        Step::Stream {
+            chunks,
+            delay: Duration::ZERO,
+        },
+    ])
+    .await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+
+    // Not asked for: the guest gets every byte but the usage-only chunk's.
+    let account = Arc::new(TurnAccount::new("u1", "c", None));
+    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+    let got = stream_call(
+        turn.socket(),
+        json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
+    )
+    .await;
+    let expected = [events[0].clone(), events[1].clone(), events[3].clone()].concat();
+    assert_eq!(String::from_utf8(got).unwrap(), expected);
+    let sent = model.requests()[0].json();
+    assert_eq!(sent["stream_options"], json!({"include_usage": true}));
+    let usage = account.usage();
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.model_calls,
+            usage.estimated
+        ),
+        (11, 7, 1, false)
+    );
+    drop(turn);
+
+    // Asked for (other members kept): the guest gets the upstream's stream byte for byte.
+    let account = Arc::new(TurnAccount::new("u1", "c", None));
+    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+    let got = stream_call(
+        turn.socket(),
+        json!({"messages": [{"role": "user", "content": "hi"}], "stream": true,
+               "stream_options": {"include_usage": true, "x_other": 1}}),
+    )
+    .await;
+    assert_eq!(String::from_utf8(got).unwrap(), events.concat());
+    assert_eq!(
+        model.requests()[1].json()["stream_options"],
+        json!({"include_usage": true, "x_other": 1})
+    );
+    assert_eq!(account.usage().tokens(), 18);
+}
+
+#[tokio::test]
+async fn usage_is_read_from_whole_answers_and_estimated_when_absent() {
+    let model = ScriptedModel::start(vec![
+        text_with_usage("counted", Some((120, 30))),
+        text_with_usage("uncounted", None),
+        Step::stream_text(&["no", "usage"], Duration::ZERO),
+    ])
+    .await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let account = Arc::new(TurnAccount::new("u1", "c", None));
+    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let a = post_json(turn.socket(), CHAT, &body).await;
+    assert_eq!(a.status, 200);
+    let u = account.usage();
+    assert_eq!(
+        (u.prompt_tokens, u.completion_tokens, u.estimated),
+        (120, 30, false)
+    );
+
+    let a = post_json(turn.socket(), CHAT, &body).await;
+    assert_eq!(a.status, 200);
+    let u = account.usage();
+    let sent = model.requests()[1].body.len() as u64;
+    assert!(u.estimated, "{u:?}");
+    assert_eq!(u.prompt_tokens, 120 + sent.div_ceil(4));
+    assert_eq!(u.completion_tokens, 30 + (a.body.len() as u64).div_ceil(4));
+
+    let streamed = stream_call(
+        turn.socket(),
+        json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
+    )
+    .await;
+    let u2 = account.usage();
+    assert_eq!(
+        u2.completion_tokens,
+        u.completion_tokens + (streamed.len() as u64).div_ceil(4)
+    );
+    assert_eq!(u2.model_calls, 3);
+}
+
+fn book(dir: &Path, settings: BudgetSettings) -> Arc<BudgetBook> {
+    let mut settings = settings;
+    settings.state_file = Some(dir.join("state.sqlite"));
+    BudgetBook::open(&settings, "UTC").unwrap().unwrap()
+}
+
+#[tokio::test]
+async fn concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call_each() {
+    // Three turns of one speaker in three channels, each call 80 tokens, the budget 100:
+    // all three calls are checked before any is charged (the stream is slow), so the
+    // speaker ends at 240, within the bound (100 + 3 × one call); then every call is
+    // refused, in every channel.
+    let slow = || Step::Stream {
+        chunks: vec![
+            text_event("x"),
+            usage_event(50, 30),
+            "data: [DONE]\n\n".into(),
+        ],
+        delay: Duration::from_millis(400),
+    };
+    let model = ScriptedModel::start(vec![slow(), slow(), slow()]).await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(
+        dir.path(),
+        BudgetSettings {
+            speaker_tokens_per_day: Some(100),
+            ..Default::default()
+        },
+    );
+    let mut turns = Vec::new();
+    for ch in ["#a", "#b", "#c"] {
+        let account = Arc::new(TurnAccount::new(
+            "u1",
+            &channel_segment(ch),
+            Some(book.clone()),
+        ));
+        turns.push(BrokerTurn::start_counted(&broker, ch, ann(), Some(account)).await);
+    }
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let calls: Vec<_> = turns
+        .iter()
+        .map(|t| stream_call(t.socket(), body.clone()))
+        .collect();
+    futures_util::future::join_all(calls).await;
+    let used = book.tokens(&CounterKey::Speaker("u1".into()));
+    assert_eq!(used, 240);
+    assert!(used <= 100 + 3 * 80);
+    for t in &turns {
+        let a = post_json(t.socket(), CHAT, &body).await;
+        assert_eq!(a.status, 429);
+        assert_eq!(
+            a.error(),
+            "budget speaker_tokens_per_day exceeded: this speaker has used today's 100 tokens; the budget resets at 00:00 UTC"
+        );
+    }
+    assert_eq!(
+        model.requests().len(),
+        3,
+        "a refused call reached the upstream"
+    );
+}
+
+#[test]
+fn the_counters_survive_a_restart() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let settings = BudgetSettings {
+        bot_tokens_per_day: Some(1000),
+        speaker_turns_per_minute: Some(2),
+        ..Default::default()
+    };
+    let first = book(dir.path(), settings.clone());
+    first.charge("u1", "chan", 600);
+    first.admit("u1", "chan").unwrap();
+    first.admit("u1", "chan").unwrap();
+    drop(first);
+    let second = book(dir.path(), settings);
+    assert_eq!(second.tokens(&CounterKey::Bot), 600);
+    assert_eq!(second.tokens(&CounterKey::Speaker("u1".into())), 600);
+    assert_eq!(second.tokens(&CounterKey::Channel("chan".into())), 600);
+    let refused = second.admit("u1", "chan").unwrap_err();
+    assert_eq!(refused.budget, Budget::SpeakerTurnsPerMinute);
+}
+
+#[test]
+fn a_corrupt_state_file_is_a_clear_error_and_left_as_it_is() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let path = dir.path().join("state.sqlite");
+    let garbage: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    std::fs::write(&path, &garbage).unwrap();
+    let e = SqliteStore::open(&path).unwrap_err();
+    assert!(matches!(e, StoreError::Corrupt { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "budget state file {} is not a usable SQLite database (left as it is; move it aside to start with empty counters): file is not a database",
+            path.display()
+        )
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), garbage);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("state.sqlite")]);
+
+    // A real database whose pages were overwritten: damaged, refused, not reset.
+    let damaged = dir.path().join("damaged.sqlite");
+    {
+        let mut s = SqliteStore::open(&damaged).unwrap();
+        for i in 0..2000 {
+            s.add_tokens(
+                "2026-01-01",
+                &[(CounterKey::Speaker(format!("speaker-{i}")), 1)],
+            )
+            .unwrap();
+        }
+    }
+    let mut bytes = std::fs::read(&damaged).unwrap();
+    assert!(bytes.len() > 3 * 4096, "{}", bytes.len());
+    for b in &mut bytes[4096..3 * 4096] {
+        *b = 0x5a;
+    }
+    std::fs::write(&damaged, &bytes).unwrap();
+    let e = SqliteStore::open(&damaged).unwrap_err();
+    assert!(matches!(e, StoreError::Corrupt { .. }), "{e:?}");
+    assert!(e.to_string().contains(&damaged.display().to_string()));
+    assert_eq!(std::fs::read(&damaged).unwrap(), bytes);
+}
+
+#[test]
+fn a_locked_state_file_is_a_clear_error() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let path = dir.path().join("state.sqlite");
+    drop(SqliteStore::open(&path).unwrap());
+    // Another process's writer, mid-transaction.
+    let other = rusqlite::Connection::open(&path).unwrap();
+    other
+        .execute_batch("BEGIN EXCLUSIVE; INSERT INTO turns VALUES ('x', 1);")
+        .unwrap();
+    let e = SqliteStore::open(&path).unwrap_err();
+    assert!(matches!(e, StoreError::Locked { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "budget state file {} is locked by another process (one writer at a time; is another bot running on it?): database is locked",
+            path.display()
+        )
+    );
+    other.execute_batch("ROLLBACK").unwrap();
+    drop(other);
+    SqliteStore::open(&path).unwrap();
+}
+
+const CRASH_CHILD: &str = "ROUNDTABLE_TEST_BUDGET_CRASH_FILE";
+const CRASH_TEST: &str = "a_crash_mid_write_keeps_every_committed_count";
+
+#[test]
+fn a_crash_mid_write_keeps_every_committed_count() {
+    if let Some(path) = std::env::var_os(CRASH_CHILD) {
+        // The child: commits one token at a time, says so after each commit, until killed.
+        let mut store = SqliteStore::open(Path::new(&path)).unwrap();
+        for i in 1u64.. {
+            store
+                .add_tokens(
+                    "2026-01-01",
+                    &[
+                        (CounterKey::Bot, 1),
+                        (CounterKey::Speaker(format!("s{}", i % 50)), 1),
+                    ],
+                )
+                .unwrap();
+            println!("@@committed {i}");
+        }
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let path = dir.path().join("state.sqlite");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", CRASH_TEST, "--nocapture", "--test-threads=1"])
+        .env(CRASH_CHILD, &path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let count = |line: &str| {
+        line.split_once("@@committed ")
+            .map(|(_, n)| n.trim().parse::<u64>().unwrap())
+    };
+    let mut seen = 0;
+    while seen < 300 {
+        let line = lines.next().expect("the child ended").unwrap();
+        if let Some(n) = count(&line) {
+            seen = n;
+        }
+    }
+    // Killed mid-write (it writes without pause).
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!status.success());
+    for line in lines {
+        if let Some(n) = line.ok().as_deref().and_then(count) {
+            seen = n;
+        }
+    }
+    let mut store = SqliteStore::open(&path).unwrap();
+    let tokens = store.load_tokens("2026-01-01").unwrap();
+    let bot = tokens
+        .iter()
+        .find(|(k, _)| *k == CounterKey::Bot)
+        .map(|(_, n)| *n)
+        .unwrap();
+    let speakers: u64 = tokens
+        .iter()
+        .filter(|(k, _)| matches!(k, CounterKey::Speaker(_)))
+        .map(|(_, n)| *n)
+        .sum();
+    // Every commit the child reported is there; at most the one it had not yet reported.
+    assert!(bot == seen || bot == seen + 1, "bot {bot}, reported {seen}");
+    // Each commit is whole: its two rows together.
+    assert_eq!(speakers, bot);
+}
+
+fn model_config(env: &Env, model: &ScriptedModel, budgets: BudgetSettings) -> Config {
+    let mut c = env.config();
+    c.model_url = model.url();
+    c.allow_http = true;
+    c.api_key = ApiKey::from_static(KEY);
+    c.turn_timeout = Some(Duration::from_secs(60));
+    c.budgets = budgets;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
+    let env = Env::new();
+    let model = ScriptedModel::start(vec![
+        // Turn 1: one call, 600 tokens.
+        text_with_usage("one", Some((400, 200))),
+        // Turn 2: a call of 500 tokens (1100 > 1000) asking for a tool; the next call is
+        // refused by the broker (429) and the guest reports it.
+        completion(
+            json!({"role": "assistant", "content": null, "tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "list", "arguments": "{\"path\": \".\"}"}}]}),
+            Some((300, 200)),
+        ),
+        // After the restart: another speaker's turn.
+        text_with_usage("three", Some((10, 5))),
+    ])
+    .await;
+    let budgets = BudgetSettings {
+        state_file: Some(env.dir.path().join("budgets.sqlite")),
+        speaker_tokens_per_day: Some(1000),
+        ..Default::default()
+    };
+    let sandbox = Sandbox::new(model_config(&env, &model, budgets.clone()))
+        .await
+        .unwrap();
+
+    let one = sandbox.run_turn_outcome(request("#one", "hi")).await;
+    assert_eq!(one.reply.text.as_deref(), Some("one"), "{one:?}");
+    assert_eq!(
+        (
+            one.usage.prompt_tokens,
+            one.usage.completion_tokens,
+            one.usage.model_calls
+        ),
+        (400, 200, 1)
+    );
+    assert!(!one.usage.estimated);
+
+    let two = sandbox.run_turn_outcome(request("#one", "list it")).await;
+    assert_eq!(two.failure, Some(TurnFailure::BudgetExceeded), "{two:?}");
+    let error = two.reply.error.as_deref().unwrap();
+    assert!(
+        error.contains(
+            "budget speaker_tokens_per_day exceeded: this speaker has used today's 1000 tokens; the budget resets at 00:00 UTC"
+        ),
+        "{error}"
+    );
+    assert_eq!((two.usage.tokens(), two.usage.model_calls), (500, 1));
+    assert_eq!(model.requests().len(), 2);
+
+    // Past the budget: refused before anything is made for the turn.
+    let three = sandbox.run_turn_outcome(request("#other", "hi")).await;
+    assert_eq!(
+        three.failure,
+        Some(TurnFailure::BudgetExceeded),
+        "{three:?}"
+    );
+    assert_eq!(
+        three.reply.error.as_deref(),
+        Some("budget speaker_tokens_per_day exceeded: this speaker has used today's 1000 tokens; the budget resets at 00:00 UTC")
+    );
+    assert!(!env.workspace_of("#other").exists());
+    assert_eq!(model.requests().len(), 2);
+    assert_eq!(three.usage, Default::default());
+
+    // A restart of the runtime on the same state file: the counters are kept.
+    sandbox.shutdown().await;
+    drop(sandbox);
+    let sandbox = Sandbox::new(model_config(&env, &model, budgets))
+        .await
+        .unwrap();
+    let book = sandbox.budgets().unwrap();
+    assert_eq!(book.tokens(&CounterKey::Speaker("u1".into())), 1100);
+    assert_eq!(
+        book.tokens(&CounterKey::Channel(channel_segment("#one"))),
+        1100
+    );
+    let again = sandbox.run_turn_outcome(request("#other", "hi")).await;
+    assert_eq!(again.failure, Some(TurnFailure::BudgetExceeded));
+    // Another speaker has their own budget.
+    let mut req = request("#other", "hi");
+    req.speaker = Speaker {
+        id: "u2".into(),
+        name: "bo".into(),
+    };
+    let other = sandbox.run_turn_outcome(req).await;
+    assert_eq!(other.reply.text.as_deref(), Some("three"), "{other:?}");
+    assert_eq!(other.usage.tokens(), 15);
+    assert_no_leftovers(&sandbox).await;
+}
+
+#[tokio::test]
+async fn the_runtime_refuses_a_corrupt_state_file_at_startup() {
+    let env = Env::new();
+    let path = env.dir.path().join("budgets.sqlite");
+    std::fs::write(
+        &path,
+        b"not a database at all, but long enough to have a header",
+    )
+    .unwrap();
+    let mut c = env.config();
+    c.budgets = BudgetSettings {
+        state_file: Some(path.clone()),
+        bot_tokens_per_day: Some(10),
+        ..Default::default()
+    };
+    let e = Sandbox::new(c).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "budget state file {} is not a usable SQLite database (left as it is; move it aside to start with empty counters): file is not a database",
+            path.display()
+        )
+    );
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b"not a database at all, but long enough to have a header"
+    );
+}
