@@ -911,3 +911,96 @@ fn a_root_under_a_directory_another_user_can_write_is_refused() {
         )
     );
 }
+
+/// `[budgets]`: every rule with its message, checked before the roots are made; the
+/// section read from TOML with unknown keys refused.
+#[test]
+fn budget_rules_have_their_messages() {
+    use roundtable_sandbox::BudgetSettings;
+    let env = Env::new();
+    let with = |b: BudgetSettings| {
+        let mut c = env.config();
+        c.budgets = b;
+        c
+    };
+    let file = env.dir.path().join("budgets.sqlite");
+    let set = |f: fn(&mut BudgetSettings)| {
+        let mut b = BudgetSettings {
+            state_file: Some(file.clone()),
+            ..Default::default()
+        };
+        f(&mut b);
+        b
+    };
+    assert_eq!(
+        err(&with(BudgetSettings {
+            speaker_tokens_per_day: Some(100),
+            ..Default::default()
+        })),
+        "budgets.state_file is required when a budget is set"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.speaker_tokens_per_day = Some(0)))),
+        "budgets.speaker_tokens_per_day must be 1 to 1000000000000, got 0"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.channel_tokens_per_day = Some(0)))),
+        "budgets.channel_tokens_per_day must be 1 to 1000000000000, got 0"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.bot_tokens_per_day = Some(1_000_000_000_001)))),
+        "budgets.bot_tokens_per_day must be 1 to 1000000000000, got 1000000000001"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.speaker_turns_per_minute = Some(0)))),
+        "budgets.speaker_turns_per_minute must be 1 to 10000, got 0"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.state_file = Some("state.sqlite".into())))),
+        "budgets.state_file must be an absolute path, got state.sqlite"
+    );
+    // A state file in a workspace would be the guest's to edit.
+    let inside = env.workspace_root.join("budgets.sqlite");
+    let mut b = set(|_| {});
+    b.state_file = Some(inside.clone());
+    assert_eq!(
+        err(&with(b)),
+        format!(
+            "budgets.state_file must be outside run_root and workspace_root, got {}",
+            inside.display()
+        )
+    );
+    // Refused before any side effect: the roots were not made.
+    assert!(!env.workspace_root.exists() && !env.run_root.exists());
+    // A custom store and a state file: one of the two.
+    let mut c = with(set(|_| {}));
+    c.budget_store = Some(std::sync::Arc::new(|| unreachable!()));
+    assert_eq!(
+        err(&c),
+        "budgets.state_file and a custom budget store are both set; use one"
+    );
+    // A state file alone (accounting kept, nothing refused) is fine.
+    with(set(|_| {})).resolve().unwrap();
+
+    let toml = |extra: &str| {
+        format!(
+            "image = \"img\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\n\
+             model_url = \"https://a\"\n{extra}"
+        )
+    };
+    let c = Config::from_toml_str(&toml(
+        "[budgets]\nstate_file = \"/var/lib/rt/budgets.sqlite\"\nspeaker_tokens_per_day = 50000\n\
+         channel_tokens_per_day = 200000\nbot_tokens_per_day = 1000000\nspeaker_turns_per_minute = 6\n",
+    ))
+    .unwrap();
+    assert_eq!(c.budgets.speaker_tokens_per_day, Some(50_000));
+    assert_eq!(c.budgets.speaker_turns_per_minute, Some(6));
+    assert_eq!(
+        c.budgets.state_file.as_deref(),
+        Some(std::path::Path::new("/var/lib/rt/budgets.sqlite"))
+    );
+    let e = Config::from_toml_str(&toml("[budgets]\nspeaker_tokens_per_hour = 5\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("budgets.speaker_tokens_per_hour: unknown field `speaker_tokens_per_hour`"), "{e}");
+}
