@@ -948,7 +948,9 @@ fn budget_rules_have_their_messages() {
         "budgets.channel_tokens_per_day must be 1 to 1000000000000, got 0"
     );
     assert_eq!(
-        err(&with(set(|b| b.bot_tokens_per_day = Some(1_000_000_000_001)))),
+        err(&with(set(
+            |b| b.bot_tokens_per_day = Some(1_000_000_000_001)
+        ))),
         "budgets.bot_tokens_per_day must be 1 to 1000000000000, got 1000000000001"
     );
     assert_eq!(
@@ -1002,5 +1004,8 @@ fn budget_rules_have_their_messages() {
     let e = Config::from_toml_str(&toml("[budgets]\nspeaker_tokens_per_hour = 5\n"))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("budgets.speaker_tokens_per_hour: unknown field `speaker_tokens_per_hour`"), "{e}");
+    assert!(
+        e.contains("budgets.speaker_tokens_per_hour: unknown field `speaker_tokens_per_hour`"),
+        "{e}"
+    );
 }

@@ -408,6 +408,9 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
             Err(e) => fail("engine disk", e.to_string(), "fix the docker check first"),
         }
     });
+    if let Some(file) = &config.budgets.state_file {
+        checks.push(state_file_check(file));
+    }
     let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
     checks.push(if len > MAX_SOCKET_PATH {
         fail(
@@ -439,6 +442,41 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     } else {
         println!("{failed} of {} checks failed", checks.len());
         Ok(ExitCode::from(1))
+    }
+}
+
+/// The budgets' state file: an existing one must open as the runtime opens it (a
+/// database, undamaged, not locked); a missing one needs a directory to be made in.
+fn state_file_check(file: &Path) -> Check {
+    const NAME: &str = "state file";
+    if !file.exists() {
+        let dir = file.parent().unwrap_or(Path::new("/"));
+        return match nix::unistd::access(
+            dir,
+            nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+        ) {
+            Ok(()) => pass(
+                NAME,
+                format!("{} will be created at startup", file.display()),
+            ),
+            Err(e) => fail(
+                NAME,
+                format!(
+                    "{} cannot be created in {}: {e}",
+                    file.display(),
+                    dir.display()
+                ),
+                "create the directory for the service user, outside run_root and workspace_root",
+            ),
+        };
+    }
+    match roundtable_sandbox::budgets::SqliteStore::open(file) {
+        Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
+        Err(e) => fail(
+            NAME,
+            e.to_string(),
+            "stop the other process holding it, or move a damaged file aside (its counters are lost)",
+        ),
     }
 }
 
@@ -499,6 +537,36 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
              removed after {} unused; it reaches no broker before its turn",
             w.max,
             ttl.map_or("the channel's idle timeout".to_owned(), |t| format!("{} s", t.as_secs()))
+        ),
+    }
+    let bg = &config.budgets;
+    let limit = |v: Option<u64>, what: &str| v.map(|n| format!("{n} {what}"));
+    let set: Vec<String> = [
+        limit(bg.speaker_tokens_per_day, "tokens per speaker per day"),
+        limit(bg.channel_tokens_per_day, "tokens per channel per day"),
+        limit(bg.bot_tokens_per_day, "tokens per day for the bot"),
+        limit(
+            bg.speaker_turns_per_minute.map(u64::from),
+            "turns per speaker per minute",
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let zone = config.time_zone.as_deref().unwrap_or("UTC");
+    match (&bg.state_file, set.is_empty()) {
+        (None, _) => println!(
+            "budgets       none; each turn's usage (tokens from the upstream's own counts) is logged, not kept"
+        ),
+        (Some(f), true) => println!(
+            "budgets       none; usage kept in {} (SQLite, WAL)",
+            f.display()
+        ),
+        (Some(f), false) => println!(
+            "budgets       {}; days start at 00:00 {zone}; a turn past one is refused before its container, \
+             a model call past one gets 429; counters in {} (SQLite, WAL)",
+            set.join(", "),
+            f.display()
         ),
     }
     println!(

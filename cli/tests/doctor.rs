@@ -256,3 +256,55 @@ fn a_root_under_a_directory_others_can_write_is_detected() {
     );
     assert!(out.contains("ok   workspace_root"), "{out}");
 }
+
+#[test]
+fn a_corrupt_or_missing_budget_state_file_is_reported_and_explain_shows_the_budgets() {
+    let (d, run, ws) = roots();
+    let state = d.path().join("budgets.sqlite");
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        &format!(
+            "disk_floor_mb = 0\ndisk_floor_percent = 0\n[budgets]\nstate_file = \"{}\"\n\
+             speaker_tokens_per_day = 50000\nspeaker_turns_per_minute = 6\n",
+            state.display()
+        ),
+    );
+    let (_, out) = doctor(&["--config", &config], &[]);
+    assert!(
+        out.contains(&format!(
+            "ok   state file      {} will be created at startup",
+            state.display()
+        )),
+        "{out}"
+    );
+    assert!(!state.exists(), "doctor made the state file");
+    std::fs::write(&state, b"garbage garbage garbage garbage garbage garbage").unwrap();
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL state file      budget state file {} is not a usable SQLite database",
+            state.display()
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read(&state).unwrap(),
+        b"garbage garbage garbage garbage garbage garbage"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config", &config])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.contains(&format!(
+            "budgets       50000 tokens per speaker per day, 6 turns per speaker per minute; days start at 00:00 UTC; \
+             a turn past one is refused before its container, a model call past one gets 429; counters in {} (SQLite, WAL)",
+            state.display()
+        )),
+        "{out}"
+    );
+}
