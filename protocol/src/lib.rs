@@ -94,7 +94,10 @@ pub struct Turn {
     pub session_budget: Option<u64>,
 }
 
-/// What a turn used, as counted by the guest.
+/// What a turn used, **as the guest claims it**: written by the guest, so a hostile or
+/// broken guest can put anything here (an outside review saw the upstream get 18 calls
+/// while a reply said 2). The host counts for itself (`TurnOutcome::usage` in the core,
+/// from the upstream's own answers); budgets and accounting never read this.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct Usage {
