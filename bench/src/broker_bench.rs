@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
 use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
+use roundtable_sandbox::budgets::{BudgetBook, TurnAccount};
 use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;
 use roundtable_sandbox::testing::broker_policy;
@@ -118,10 +119,17 @@ pub struct BrokerUnderTest {
     dir: tempfile::TempDir,
     listener: Option<BrokerListener>,
     n: u32,
+    /// Accounting on: each "turn" counted and checked against these budgets.
+    book: Option<Arc<BudgetBook>>,
 }
 
 impl BrokerUnderTest {
     pub async fn start(model_url: &str) -> Result<Self> {
+        Self::start_counted(model_url, None).await
+    }
+
+    /// [`BrokerUnderTest::start`], each turn's usage counted and checked against `book`.
+    pub async fn start_counted(model_url: &str, book: Option<Arc<BudgetBook>>) -> Result<Self> {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
             limits: BrokerLimits {
@@ -139,6 +147,7 @@ impl BrokerUnderTest {
             dir,
             listener: None,
             n: 0,
+            book,
         };
         me.relisten().await?;
         Ok(me)
@@ -159,7 +168,13 @@ impl BrokerUnderTest {
             },
             cancel: CancellationToken::new(),
             events: None,
-            account: None,
+            account: self.book.as_ref().map(|b| {
+                Arc::new(TurnAccount::new(
+                    "u1",
+                    &roundtable_sandbox::turn::channel_segment("#bench"),
+                    Some(b.clone()),
+                ))
+            }),
         };
         self.listener = Some(self.broker.listen(&socket, ctx).await?);
         Ok(())

@@ -150,6 +150,40 @@ pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result
     Sandbox::new(c).await.context("start the warm runtime")
 }
 
+/// The warm runtime with accounting and every budget on (far from reached), its counters
+/// in a state file beside its roots: the same turns as [`warm_sandbox`] otherwise.
+pub async fn budgeted_warm_sandbox(
+    image: &str,
+    roots: &Roots,
+    model_url: &str,
+    state_file: &Path,
+) -> Result<Sandbox> {
+    let c = bench_config(
+        &roots.warm_run_root,
+        &roots.warm_workspace_root,
+        image,
+        model_url,
+    )
+    .command(command())
+    .instance(format!("bench-budget-{}", std::process::id()))
+    .warm(roundtable_sandbox::WarmSettings {
+        enabled: true,
+        max: 64,
+        ttl_secs: None,
+    })
+    .budgets(roundtable_sandbox::BudgetSettings {
+        state_file: Some(state_file.to_owned()),
+        speaker_tokens_per_day: Some(1_000_000_000),
+        channel_tokens_per_day: Some(1_000_000_000),
+        bot_tokens_per_day: Some(1_000_000_000),
+        speaker_turns_per_minute: Some(10_000),
+    })
+    .build();
+    Sandbox::new(c)
+        .await
+        .context("start the budgeted warm runtime")
+}
+
 /// The settings every runtime of the bench shares: the image, a model endpoint (plain HTTP
 /// allowed), a key that never reaches the container, a 120 s turn timeout.
 pub fn bench_config(
