@@ -348,6 +348,11 @@ fn a_locked_state_file_is_a_clear_error() {
     );
     other.execute_batch("ROLLBACK").unwrap();
     drop(other);
+    // One runtime per state file: a second store on it while the first is open is refused.
+    let first = SqliteStore::open(&path).unwrap();
+    let e = SqliteStore::open(&path).unwrap_err();
+    assert!(matches!(e, StoreError::Locked { .. }), "{e:?}");
+    drop(first);
     SqliteStore::open(&path).unwrap();
 }
 

@@ -3,10 +3,12 @@
 //! state file `[budgets] state_file` names.
 //!
 //! The file is opened once at startup, in WAL mode with `synchronous = FULL` (a committed
-//! write survives a crash of the process and of the machine), checked (`quick_check`) and
-//! its schema made inside one `BEGIN IMMEDIATE` transaction, so a file that is not a
-//! database, a damaged one and one another connection holds locked are each a clear
-//! startup error naming the file ([`StoreError`]); the file is never rewritten or reset.
+//! write survives a crash of the process and of the machine) and `locking_mode =
+//! EXCLUSIVE` (held by this process until the store is closed: one runtime per state file),
+//! checked (`quick_check`) and its schema made inside one `BEGIN IMMEDIATE` transaction,
+//! so a file that is not a database, a damaged one and one another connection or process
+//! holds are each a clear startup error naming the file ([`StoreError`]); the file is never
+//! rewritten or reset.
 //! After startup the store is owned by the book's writer thread: no turn and no actor
 //! thread waits for a disk write.
 //!
@@ -140,6 +142,12 @@ impl SqliteStore {
 
     fn prepare(&mut self) -> rusqlite::Result<()> {
         self.conn.busy_timeout(BUSY_TIMEOUT)?;
+        // One process at a time: the lock taken by the first read and the schema's write
+        // below is held until the store is closed, so a second runtime on the same file
+        // (whose in-memory counters would drift from this one's) fails at its start.
+        let _: String = self
+            .conn
+            .query_row("PRAGMA locking_mode = EXCLUSIVE", [], |r| r.get(0))?;
         // Read first: a file that is not a database fails here, before anything is written.
         let version: i64 = self
             .conn
