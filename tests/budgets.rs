@@ -559,3 +559,42 @@ async fn the_runtime_refuses_a_corrupt_state_file_at_startup() {
         b"not a database at all, but long enough to have a header"
     );
 }
+
+#[tokio::test]
+async fn compaction_calls_are_counted_and_refused_past_a_budget() {
+    use roundtable_sandbox::protocol::chat::Message;
+    use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
+    let model = ScriptedModel::start(vec![text_with_usage("SUMMARY of it", Some((90, 20)))]).await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(
+        dir.path(),
+        BudgetSettings {
+            channel_tokens_per_day: Some(100),
+            ..Default::default()
+        },
+    );
+    let account = Arc::new(TurnAccount::new("u1", "chan-hash", Some(book.clone())));
+    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+    let older = vec![Message::User {
+        content: "ann: keep the door code".into(),
+    }];
+    let body = serde_json::to_value(CompactRequest::new(None, &older, 5000, 2000)).unwrap();
+    let a = post_json(turn.socket(), "/v1/compact", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(reply.source, CompactSource::Model);
+    let u = account.usage();
+    assert_eq!(
+        (u.prompt_tokens, u.completion_tokens, u.model_calls),
+        (90, 20, 1)
+    );
+    assert_eq!(book.tokens(&CounterKey::Channel("chan-hash".into())), 110);
+    // Past the channel's budget: the compactor's call is refused before the upstream, and
+    // the plain summary is built.
+    let a = post_json(turn.socket(), "/v1/compact", &body).await;
+    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(reply.source, CompactSource::Plain);
+    assert_eq!(model.requests().len(), 1);
+    assert_eq!(account.usage().model_calls, 1);
+}
