@@ -180,7 +180,6 @@ fn write_stream_options(
     stream: bool,
     sent: Option<&RawValue>,
 ) -> Result<bool, String> {
-    let sent = sent.filter(|v| v.get().trim() != "null");
     if !stream {
         if let Some(v) = sent {
             out.extend_from_slice(b",\"stream_options\":");
@@ -188,6 +187,7 @@ fn write_stream_options(
         }
         return Ok(false);
     }
+    let sent = sent.filter(|v| v.get().trim() != "null");
     // Its members as raw values (nothing below them is built in memory).
     let members: Vec<(String, &RawValue)> = match sent {
         None => Vec::new(),
@@ -495,9 +495,11 @@ impl Upstream {
                     Ok(Ok(Some(chunk))) => {
                         st.total += chunk.len();
                         if st.total > st.cap {
+                            let held = st.filter.take_held();
+                            let clean = st.redactor.push(&held);
                             st.redactor.abandon();
                             (
-                                Vec::new(),
+                                clean,
                                 Some(format!("model response too large (limit {} bytes)", st.cap)),
                             )
                         } else {
@@ -515,13 +517,17 @@ impl Upstream {
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(error = %e.without_url(), "model stream failed");
+                        let held = st.filter.take_held();
+                        let clean = st.redactor.push(&held);
                         st.redactor.abandon();
-                        (Vec::new(), Some("model stream failed".to_owned()))
+                        (clean, Some("model stream failed".to_owned()))
                     }
                     Err(_) => {
+                        let held = st.filter.take_held();
+                        let clean = st.redactor.push(&held);
                         st.redactor.abandon();
                         (
-                            Vec::new(),
+                            clean,
                             Some(format!("model stream timed out after {:?}", st.idle)),
                         )
                     }
@@ -653,23 +659,44 @@ impl SseFilter {
         if let Some(t) = tap {
             t.streamed += chunk.len();
         }
-        self.held.extend_from_slice(chunk);
+        // Held only when an event may have to be dropped; otherwise passed on at once and
+        // only read.
+        let hold = self.drop_usage_chunk;
         let mut out = Vec::new();
+        if !hold {
+            out.extend_from_slice(chunk);
+        }
+        self.held.extend_from_slice(chunk);
         while let Some(end) = self.event_end() {
             let event: Vec<u8> = self.held.drain(..end).collect();
             // The end of a long event is passed on unread; any other event is read.
-            if std::mem::take(&mut self.passing) || self.keep(&event, tap) {
+            let keep = std::mem::take(&mut self.passing) || self.keep(&event, tap);
+            if hold && keep {
                 out.extend_from_slice(&event);
             }
         }
         if (self.passing || self.held.len() > MAX_HELD_EVENT) && self.held.len() > 3 {
-            // Too long to be the usage chunk: passed on, but the last 3 bytes are kept, as
-            // they may begin the event's end.
+            // Too long to be the usage chunk: passed on unread, but the last 3 bytes are
+            // kept, as they may begin the event's end.
             self.passing = true;
             let keep = self.held.len() - 3;
-            out.extend(self.held.drain(..keep));
+            let passed = self.held.drain(..keep);
+            if hold {
+                out.extend(passed);
+            }
         }
         out
+    }
+
+    /// What is held when the stream ends on an error (an event cut off): passed on
+    /// through the redactor like the rest, before its error event.
+    fn take_held(&mut self) -> Vec<u8> {
+        let held = std::mem::take(&mut self.held);
+        if self.drop_usage_chunk {
+            held
+        } else {
+            Vec::new()
+        }
     }
 
     /// Reads the event's `usage`; false for the usage-only chunk the guest did not ask for.
@@ -697,7 +724,11 @@ impl SseFilter {
                 }
             }
         }
-        rest
+        if self.drop_usage_chunk {
+            rest
+        } else {
+            Vec::new()
+        }
     }
 }
 
@@ -748,6 +779,56 @@ pub(super) async fn read_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every way of cutting a stream into chunks gives the guest the same bytes: the
+    /// upstream's, minus the usage-only chunk when the guest did not ask for it (also after
+    /// an event too long to be held).
+    #[test]
+    fn the_usage_chunk_is_dropped_however_the_stream_is_cut() {
+        let text = |t: &str| {
+            format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{t}\"}}}}],\"usage\":null}}\n\n"
+            )
+        };
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":3}}\r\n\r\n";
+        let done = "data: [DONE]\n\n";
+        let run = |events: &[String], drop: bool, size: usize| {
+            let all = events.concat();
+            let mut f = SseFilter::new(drop);
+            let mut out = Vec::new();
+            let mut tap = None;
+            for chunk in all.as_bytes().chunks(size) {
+                out.extend(f.push(chunk, &mut tap));
+            }
+            out.extend(f.finish(&mut tap));
+            String::from_utf8(out).unwrap()
+        };
+        let small = vec![text("a"), text("b"), usage.to_owned(), done.to_owned()];
+        let big = vec![
+            text("a"),
+            text(&"x".repeat(70_000)),
+            usage.to_owned(),
+            done.to_owned(),
+        ];
+        for (events, sizes) in [
+            (&small, (1..=9).chain([64, 4096]).collect::<Vec<_>>()),
+            (&big, vec![300, 1000, 4096, 65_536, 1 << 20]),
+        ] {
+            let without: String = events
+                .iter()
+                .filter(|e| e.as_str() != usage)
+                .cloned()
+                .collect();
+            for size in sizes {
+                assert_eq!(run(events, true, size), without, "chunks of {size}");
+                assert_eq!(
+                    run(events, false, size),
+                    events.concat(),
+                    "chunks of {size}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn chat_url_joins_the_base() {
