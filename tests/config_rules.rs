@@ -105,6 +105,10 @@ fn each_rule_has_its_message() {
         tools: vec!["t".into()],
         scope: None,
         max_sessions: None,
+        confine: Default::default(),
+        image: None,
+        network: false,
+        limits: Default::default(),
     }];
     assert_eq!(
         err(&c),

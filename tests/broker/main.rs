@@ -100,6 +100,11 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
         },
         scope: None,
         max_sessions: None,
+        // A host child: these tests watch the server's host pid (reaping, restarts).
+        confine: roundtable_sandbox::broker::McpConfine::Host,
+        image: None,
+        network: false,
+        limits: Default::default(),
         tools: tools.iter().map(|s| s.to_string()).collect(),
     }
 }

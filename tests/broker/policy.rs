@@ -44,6 +44,10 @@ async fn the_policy_is_checked_at_setup() {
         },
         scope: None,
         max_sessions: None,
+        confine: Default::default(),
+        image: Some("roundtable-sandbox-mcp:latest".into()),
+        network: false,
+        limits: Default::default(),
         tools: vec![],
     }];
     assert_eq!(
