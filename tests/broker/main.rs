@@ -204,6 +204,7 @@ impl HostTool for Waits {
 mod limits;
 mod logs;
 mod mcp;
+mod mcp_confined;
 mod mcp_http;
 mod mcp_scopes;
 mod model;
