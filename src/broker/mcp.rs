@@ -772,10 +772,12 @@ async fn stop_session(session: &Session, state: State) {
 /// process or container is stopped, so none of its work outlives the call.
 async fn end_session(session: &Session) {
     let mut state = session.state.lock().await;
-    if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
-        drop(state);
-        tracing::info!("stopping an MCP session whose call did not finish");
-        close(live).await;
+    if matches!(*state, State::Running(_)) {
+        if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+            drop(state);
+            tracing::info!("stopping an MCP session whose call did not finish");
+            close(live).await;
+        }
     }
 }
 
@@ -805,8 +807,28 @@ impl EndOnDrop<'_> {
 
 impl Drop for EndOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(session) = self.take() {
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+        let Some(session) = self.take() else { return };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // The session is taken out now when its state is free (so it is idle at once, for
+        // `max_sessions`); closed by a task either way.
+        let taken = match session.state.try_lock() {
+            Ok(mut state) => match std::mem::replace(&mut *state, State::Stopped) {
+                State::Running(live) => Some(Some(live)),
+                other => {
+                    *state = other;
+                    Some(None)
+                }
+            },
+            Err(_) => None,
+        };
+        match taken {
+            Some(Some(live)) => {
+                handle.spawn(close(live));
+            }
+            Some(None) => {}
+            None => {
                 handle.spawn(async move { end_session(&session).await });
             }
         }
