@@ -311,7 +311,8 @@ fn mcp_scope_rules() {
     };
     let rule = |mcp: &str| err(&parse(mcp).unwrap());
 
-    let stdio = "transport = \"stdio\"\ncommand = \"srv\"\nimage = \"roundtable-sandbox-mcp:latest\"\n";
+    let stdio =
+        "transport = \"stdio\"\ncommand = \"srv\"\nimage = \"roundtable-sandbox-mcp:latest\"\n";
     let http = "transport = \"http\"\nurl = \"https://mcp.invalid/mcp\"\n";
     assert_eq!(parse(stdio).unwrap().mcp[0].scope(), McpScope::Channel);
     assert_eq!(parse(http).unwrap().mcp[0].scope(), McpScope::Shared);
@@ -411,7 +412,11 @@ fn mcp_scope_rules() {
     .unwrap();
     assert!(c.mcp[0].in_container() && c.mcp[0].network);
     assert_eq!(
-        (c.mcp[0].limits.memory_mb, c.mcp[0].limits.data_mb, c.mcp[0].limits.pids),
+        (
+            c.mcp[0].limits.memory_mb,
+            c.mcp[0].limits.data_mb,
+            c.mcp[0].limits.pids
+        ),
         (128, 32, 64)
     );
     c.resolve().unwrap();
@@ -437,7 +442,10 @@ fn mcp_scope_rules() {
     let e = parse(&format!("{stdio}confine = \"none\"\n"))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("unknown variant `none`, expected `container` or `host`"), "{e}");
+    assert!(
+        e.contains("unknown variant `none`, expected `container` or `host`"),
+        "{e}"
+    );
 }
 
 #[test]

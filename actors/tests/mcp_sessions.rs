@@ -6,12 +6,12 @@
 
 use std::time::Duration;
 
+use roundtable_sandbox::broker::LABEL_MCP;
 use roundtable_sandbox::broker::PROBE_SEGMENT;
+use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
-use roundtable_sandbox::broker::LABEL_MCP;
-use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox_test_support::mcp_process::sqlite_container;
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
@@ -135,7 +135,10 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     // Each channel's session is its own container, alive while the channel is.
     let both = mcp_containers(&instance).await;
     assert_eq!(both.len(), 2, "{both:?}");
-    assert!(has_channel(&both, "#alpha") && has_channel(&both, "#beta"), "{both:?}");
+    assert!(
+        has_channel(&both, "#alpha") && has_channel(&both, "#beta"),
+        "{both:?}"
+    );
 
     // Both channels go idle and retire: their sessions' containers are gone.
     status_until(&addr, "both channels retired", |s| s.totals.retired >= 2).await;

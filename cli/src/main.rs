@@ -398,12 +398,18 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
             checks.push(if !docker_ok {
                 fail(
                     "mcp",
-                    format!("{}: image {image} not checked, Docker is unreachable", m.name),
+                    format!(
+                        "{}: image {image} not checked, Docker is unreachable",
+                        m.name
+                    ),
                     "fix the docker check first",
                 )
             } else {
                 match driver.image_present(image).await {
-                    Ok(true) => pass("mcp", format!("{}: in a container of {image} (present)", m.name)),
+                    Ok(true) => pass(
+                        "mcp",
+                        format!("{}: in a container of {image} (present)", m.name),
+                    ),
                     Ok(false) => fail(
                         "mcp",
                         format!("{}: image {image} is missing", m.name),

@@ -254,7 +254,10 @@ fn mcp_servers_are_checked_and_an_unconfined_one_is_flagged() {
         out.contains("FAIL mcp             notes: image roundtable-mcp-missing:none is missing"),
         "{out}"
     );
-    assert!(out.contains("fix: build it: scripts/build-mcp-image.sh"), "{out}");
+    assert!(
+        out.contains("fix: build it: scripts/build-mcp-image.sh"),
+        "{out}"
+    );
     assert!(
         out.contains("FAIL mcp             wiki runs UNCONFINED on the host (confine = \"host\"): the service user's rights, groups (docker) and files"),
         "{out}"

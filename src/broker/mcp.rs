@@ -322,10 +322,13 @@ impl McpPool {
             (Some(c), Some(engine)) => {
                 let driver = engine.driver();
                 // What a crashed runtime left: its sessions' containers.
-                engine.sweep(&driver).await.map_err(|error| BrokerError::McpStart {
-                    server: c.name.clone(),
-                    error: format!("sweep leftover MCP containers: {error}"),
-                })?;
+                engine
+                    .sweep(&driver)
+                    .await
+                    .map_err(|error| BrokerError::McpStart {
+                        server: c.name.clone(),
+                        error: format!("sweep leftover MCP containers: {error}"),
+                    })?;
                 Some((engine.clone(), driver))
             }
         };
@@ -527,7 +530,10 @@ impl McpPool {
             };
             match called.await {
                 Err(msg) => {
-                    tracing::warn!(server, "MCP session over its data quota or the floor; stopped");
+                    tracing::warn!(
+                        server,
+                        "MCP session over its data quota or the floor; stopped"
+                    );
                     end_session(&session).await;
                     Err(CallError::Quota(msg))
                 }
@@ -600,8 +606,7 @@ impl McpPool {
                         tool_result(Err(format!("MCP error: {msg}")), policy)
                     }
                     Ok(result) => {
-                        let text =
-                            result_text(&result.content, result.structured_content.as_ref());
+                        let text = result_text(&result.content, result.structured_content.as_ref());
                         if result.is_error == Some(true) {
                             tool_result(Err(text), policy)
                         } else {
@@ -889,92 +894,101 @@ enum CallError {
 }
 
 impl McpPool {
-/// Starts one session (`segment`: what `{channel}` became; empty when shared) and runs
-/// the MCP handshake: a container of its own (`confine = "container"`), a host child
-/// (`confine = "host"`) or an http session.
-async fn connect(
-    &self,
-    config: &McpServer,
-    transport: &McpTransport,
-    segment: &str,
-) -> Result<Live, String> {
-    let server = config.name.as_str();
-    let http = &self.http;
-    let start = async {
-        match transport {
-            McpTransport::Stdio { command, args, env } if config.in_container() => {
-                let Some((engine, driver)) = &self.engine else {
-                    return Err("no container engine for MCP containers".to_owned());
-                };
-                let started = std::time::Instant::now();
-                let (container, stdio) =
-                    mcp_container::start(engine, driver, config, segment, (command, args, env))
-                        .await
-                        .map_err(|e| mcp_container::image_hint(&e))?;
-                let name = container.name.clone();
-                match ().serve(stdio).await {
-                    Ok(service) => {
-                        tracing::debug!(server, container = %name, took = ?started.elapsed(), "MCP container session started");
-                        Ok(Live { service, container: Some(container) })
-                    }
-                    Err(e) => {
-                        container.remove().await;
-                        Err(e.to_string())
-                    }
-                }
-            }
-            McpTransport::Stdio { command, args, env } => {
-                let mut cmd = tokio::process::Command::new(command);
-                cmd.args(args).env_clear().kill_on_drop(true);
-                for var in INHERITED_ENV {
-                    if let Some(v) = std::env::var_os(var) {
-                        cmd.env(var, v);
-                    }
-                }
-                cmd.envs(env);
-                let (process, stderr) = TokioChildProcess::builder(cmd)
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .map_err(|e| format!("spawn {command}: {e}"))?;
-                if let Some(stderr) = stderr {
-                    let server = server.to_owned();
-                    tokio::spawn(async move {
-                        let mut lines = tokio::io::BufReader::new(stderr).lines();
-                        while let Ok(Some(line)) = lines.next_line().await {
-                            let line: String = line.chars().take(500).collect();
-                            tracing::debug!(server = %server, "MCP stderr: {line}");
+    /// Starts one session (`segment`: what `{channel}` became; empty when shared) and runs
+    /// the MCP handshake: a container of its own (`confine = "container"`), a host child
+    /// (`confine = "host"`) or an http session.
+    async fn connect(
+        &self,
+        config: &McpServer,
+        transport: &McpTransport,
+        segment: &str,
+    ) -> Result<Live, String> {
+        let server = config.name.as_str();
+        let http = &self.http;
+        let start = async {
+            match transport {
+                McpTransport::Stdio { command, args, env } if config.in_container() => {
+                    let Some((engine, driver)) = &self.engine else {
+                        return Err("no container engine for MCP containers".to_owned());
+                    };
+                    let started = std::time::Instant::now();
+                    let (container, stdio) =
+                        mcp_container::start(engine, driver, config, segment, (command, args, env))
+                            .await?;
+                    let name = container.name.clone();
+                    match ().serve(stdio).await {
+                        Ok(service) => {
+                            tracing::debug!(server, container = %name, took = ?started.elapsed(), "MCP container session started");
+                            Ok(Live {
+                                service,
+                                container: Some(container),
+                            })
                         }
-                    });
+                        Err(e) => {
+                            container.remove().await;
+                            Err(e.to_string())
+                        }
+                    }
                 }
-                ().serve(process)
-                    .await
-                    .map(|service| Live { service, container: None })
-                    .map_err(|e| e.to_string())
-            }
-            McpTransport::Http { url, headers } => {
-                let mut custom = HashMap::new();
-                for (k, v) in headers {
-                    let name = HeaderName::try_from(k.as_str()).map_err(|e| e.to_string())?;
-                    let mut value = HeaderValue::try_from(v.as_str()).map_err(|e| e.to_string())?;
-                    value.set_sensitive(true);
-                    custom.insert(name, value);
+                McpTransport::Stdio { command, args, env } => {
+                    let mut cmd = tokio::process::Command::new(command);
+                    cmd.args(args).env_clear().kill_on_drop(true);
+                    for var in INHERITED_ENV {
+                        if let Some(v) = std::env::var_os(var) {
+                            cmd.env(var, v);
+                        }
+                    }
+                    cmd.envs(env);
+                    let (process, stderr) = TokioChildProcess::builder(cmd)
+                        .stderr(Stdio::piped())
+                        .spawn()
+                        .map_err(|e| format!("spawn {command}: {e}"))?;
+                    if let Some(stderr) = stderr {
+                        let server = server.to_owned();
+                        tokio::spawn(async move {
+                            let mut lines = tokio::io::BufReader::new(stderr).lines();
+                            while let Ok(Some(line)) = lines.next_line().await {
+                                let line: String = line.chars().take(500).collect();
+                                tracing::debug!(server = %server, "MCP stderr: {line}");
+                            }
+                        });
+                    }
+                    ().serve(process)
+                        .await
+                        .map(|service| Live {
+                            service,
+                            container: None,
+                        })
+                        .map_err(|e| e.to_string())
                 }
-                let transport = StreamableHttpClientTransport::with_client(
-                    http.clone(),
-                    StreamableHttpClientTransportConfig::with_uri(url.as_str())
-                        .custom_headers(custom),
-                );
-                ().serve(transport)
-                    .await
-                    .map(|service| Live { service, container: None })
-                    .map_err(|e| e.to_string())
+                McpTransport::Http { url, headers } => {
+                    let mut custom = HashMap::new();
+                    for (k, v) in headers {
+                        let name = HeaderName::try_from(k.as_str()).map_err(|e| e.to_string())?;
+                        let mut value =
+                            HeaderValue::try_from(v.as_str()).map_err(|e| e.to_string())?;
+                        value.set_sensitive(true);
+                        custom.insert(name, value);
+                    }
+                    let transport = StreamableHttpClientTransport::with_client(
+                        http.clone(),
+                        StreamableHttpClientTransportConfig::with_uri(url.as_str())
+                            .custom_headers(custom),
+                    );
+                    ().serve(transport)
+                        .await
+                        .map(|service| Live {
+                            service,
+                            container: None,
+                        })
+                        .map_err(|e| e.to_string())
+                }
             }
-        }
-    };
-    tokio::time::timeout(START_TIMEOUT, start)
-        .await
-        .map_err(|_| format!("no MCP handshake within {START_TIMEOUT:?}"))?
-}
+        };
+        tokio::time::timeout(START_TIMEOUT, start)
+            .await
+            .map_err(|_| format!("no MCP handshake within {START_TIMEOUT:?}"))?
+    }
 }
 
 /// The server's tools: name → (description, input schema).

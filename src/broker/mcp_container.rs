@@ -305,7 +305,12 @@ pub(crate) async fn start(
     let io = driver
         .start_attached(&name, body)
         .await
-        .map_err(|e| crate::one_line(&e))?;
+        .map_err(|e| match e {
+            crate::driver::DriverError::ImageMissing { image } => {
+                format!("MCP image {image} not found (build it: scripts/build-mcp-image.sh)")
+            }
+            e => crate::one_line(&e),
+        })?;
     let bollard::container::AttachContainerResults { mut output, input } = io;
     let (to_rmcp, mut from_container) = tokio::io::duplex(64 * 1024);
     let server = server.clone();
@@ -339,13 +344,4 @@ pub(crate) async fn start(
         let _ = from_container.shutdown().await;
     });
     Ok((container, (to_rmcp, input)))
-}
-
-/// The engine's answer to a missing image, made readable.
-pub(crate) fn image_hint(error: &str) -> String {
-    if error.contains("image") && error.contains("not found") || error.contains("missing") {
-        format!("{error} (build it: scripts/build-mcp-image.sh)")
-    } else {
-        error.to_owned()
-    }
 }

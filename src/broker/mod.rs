@@ -517,7 +517,8 @@ impl McpServer {
 
     /// Whether each session runs in its own container (a stdio server not set to `host`).
     pub fn in_container(&self) -> bool {
-        matches!(self.transport, McpTransport::Stdio { .. }) && self.confine == McpConfine::Container
+        matches!(self.transport, McpTransport::Stdio { .. })
+            && self.confine == McpConfine::Container
     }
 
     /// Whether it is a stdio server run unconfined on the host (`confine = "host"`).

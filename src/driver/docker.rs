@@ -894,8 +894,7 @@ impl ContainerDriver for DockerDriver {
                     .map(|n| n.trim_start_matches('/').to_owned())
                     .unwrap_or_else(|| id.clone());
                 // An MCP session's container is the broker's: its pool sweeps it at startup.
-                if c
-                    .labels
+                if c.labels
                     .as_ref()
                     .is_some_and(|l| l.contains_key(crate::broker::LABEL_MCP))
                 {

@@ -131,7 +131,12 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
     assert!(!list.contains(&root.display().to_string()), "{list}");
     // Plant a row in bob's own database (allowed: it is his).
     sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
-    sql(&bob, "write_query", "INSERT INTO notes VALUES ('bob-planted')").await;
+    sql(
+        &bob,
+        "write_query",
+        "INSERT INTO notes VALUES ('bob-planted')",
+    )
+    .await;
     // Every host path a guest could learn or guess, and the container paths around /data.
     let outside = Path::new("/var/tmp").join(format!("rtb-escape-{}.db", std::process::id()));
     let targets = [
@@ -153,11 +158,17 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
         );
     }
     assert!(!outside.exists());
-    assert!(!carol_dir.exists(), "carol's data dir is made on her first call only");
+    assert!(
+        !carol_dir.exists(),
+        "carol's data dir is made on her first call only"
+    );
     assert_eq!(std::fs::read(&alice_db).unwrap(), alice_before);
     // Alice's data is hers, unchanged.
     let notes = sql(&alice, "read_query", "SELECT body FROM notes").await;
-    assert!(notes.contains("alice-private-note") && !notes.contains("bob"), "{notes}");
+    assert!(
+        notes.contains("alice-private-note") && !notes.contains("bob"),
+        "{notes}"
+    );
     // Carol's first read: a fresh database, none of bob's rows.
     let carol = start_turn_in(&broker, "#carol").await;
     let a = call(&carol, "read_query", "SELECT body FROM notes").await;
@@ -190,17 +201,24 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
 async fn mcp_sqlite_attack_reproduced_on_a_host_child() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = policy("http://127.0.0.1:9/v1");
-    p.mcp = vec![mcp_process::sqlite_server(dir.path(), "{channel}", SQL_TOOLS)];
+    p.mcp = vec![mcp_process::sqlite_server(
+        dir.path(),
+        "{channel}",
+        SQL_TOOLS,
+    )];
     assert_eq!(p.mcp[0].confine, McpConfine::Host);
     let broker = start_broker(p).await;
     let bob = start_turn_in(&broker, "#bob").await;
     let list = sql(&bob, "read_query", "SELECT file FROM pragma_database_list").await;
     assert!(list.contains(&dir.path().display().to_string()), "{list}");
     sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
-    sql(&bob, "write_query", "INSERT INTO notes VALUES ('bob-planted')").await;
-    let carol_db = dir
-        .path()
-        .join(format!("{}.db", channel_segment("#carol")));
+    sql(
+        &bob,
+        "write_query",
+        "INSERT INTO notes VALUES ('bob-planted')",
+    )
+    .await;
+    let carol_db = dir.path().join(format!("{}.db", channel_segment("#carol")));
     sql(
         &bob,
         "write_query",
@@ -350,7 +368,12 @@ async fn mcp_data_flood_past_the_quota_is_stopped_and_refused() {
     sql(&turn, "write_query", &blobs(6)).await;
     let mut refused = None;
     for i in 0..4 {
-        let a = call(&turn, "write_query", &format!("VACUUM INTO '/data/copy{i}.db'")).await;
+        let a = call(
+            &turn,
+            "write_query",
+            &format!("VACUUM INTO '/data/copy{i}.db'"),
+        )
+        .await;
         if a.status == 507 {
             refused = Some(a.error());
             break;
@@ -388,7 +411,9 @@ async fn mcp_session_past_its_memory_cap_is_killed_then_restarted() {
     let engine = engine(&p);
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
-    assert!(sql(&turn, "read_query", "SELECT 1 AS one").await.contains("'one': 1"));
+    assert!(sql(&turn, "read_query", "SELECT 1 AS one")
+        .await
+        .contains("'one': 1"));
     let a = call(
         &turn,
         "read_query",
@@ -401,7 +426,9 @@ async fn mcp_session_past_its_memory_cap_is_killed_then_restarted() {
         "MCP server sqlite ran out of memory during the call (its limit is 128 MiB) and was stopped; the next call restarts it"
     );
     wait_containers(&engine, 0).await;
-    assert!(sql(&turn, "read_query", "SELECT 2 AS two").await.contains("'two': 2"));
+    assert!(sql(&turn, "read_query", "SELECT 2 AS two")
+        .await
+        .contains("'two': 2"));
     assert_eq!(containers(&engine).len(), 1);
     broker.shutdown().await;
     wait_containers(&engine, 0).await;
@@ -434,8 +461,13 @@ async fn mcp_call_timing_out_stops_the_container() {
     );
     // Stopped before the answer: the container is gone at once.
     assert_eq!(containers(&engine), Vec::<String>::new(), "{running:?}");
-    eprintln!("MCP call timeout to container gone: {:?}", started.elapsed());
-    assert!(sql(&turn, "read_query", "SELECT 2 AS two").await.contains("'two': 2"));
+    eprintln!(
+        "MCP call timeout to container gone: {:?}",
+        started.elapsed()
+    );
+    assert!(sql(&turn, "read_query", "SELECT 2 AS two")
+        .await
+        .contains("'two': 2"));
     broker.shutdown().await;
     wait_containers(&engine, 0).await;
 }
@@ -486,7 +518,12 @@ async fn mcp_containers_follow_the_sessions_and_leftovers_are_swept() {
     sql(&alpha, "create_table", "CREATE TABLE notes (body TEXT)").await;
     let first_call = started.elapsed();
     let started = Instant::now();
-    sql(&alpha, "write_query", "INSERT INTO notes VALUES ('alpha-note')").await;
+    sql(
+        &alpha,
+        "write_query",
+        "INSERT INTO notes VALUES ('alpha-note')",
+    )
+    .await;
     let later_call = started.elapsed();
     eprintln!(
         "mcp-server-sqlite container session: broker start (start + handshake + list + stop) {startup:?}, first call {first_call:?}, a later call {later_call:?}"
@@ -494,7 +531,10 @@ async fn mcp_containers_follow_the_sessions_and_leftovers_are_swept() {
     let beta = start_turn_in(&broker, "#beta").await;
     sql(&beta, "read_query", "SELECT 1 AS one").await;
     let both = wait_containers(&engine, 2).await;
-    assert!(both.iter().all(|n| n.starts_with("rtb-mcp-sqlite-")), "{both:?}");
+    assert!(
+        both.iter().all(|n| n.starts_with("rtb-mcp-sqlite-")),
+        "{both:?}"
+    );
     // Killed from outside: restarted on the next call, on the channel's own data.
     let alpha_tag = &channel_segment("#alpha")[..12];
     let alpha_container = both.iter().find(|n| n.contains(alpha_tag)).unwrap().clone();
@@ -538,4 +578,28 @@ async fn mcp_containers_follow_the_sessions_and_leftovers_are_swept() {
     docker(&["rm", "-f", &foreign]);
     broker.shutdown().await;
     wait_containers(&engine, 0).await;
+}
+
+/// A server whose image is missing fails the broker's start with the fix; a stdio server
+/// with no engine configured cannot start either.
+#[tokio::test]
+async fn mcp_container_setup_errors_name_the_fix() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut server = sqlite();
+    server.image = Some("roundtable-mcp-missing:none".into());
+    p.mcp = vec![server];
+    let engine = engine(&p);
+    let err = Broker::new(p.clone()).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "MCP server sqlite could not be started: MCP image roundtable-mcp-missing:none not found (build it: scripts/build-mcp-image.sh)"
+    );
+    wait_containers(&engine, 0).await;
+    p.mcp = vec![sqlite()];
+    p.mcp_engine = None;
+    let err = Broker::new(p).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "MCP server sqlite could not be started: it runs in a container but the broker has no container engine"
+    );
 }

@@ -70,7 +70,10 @@ async fn the_policy_is_checked_at_setup() {
         r#"MCP server time: a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = "host" to run it unconfined on the host"#
     );
     p.mcp[0].image = Some("bad image".into());
-    assert_eq!(err(p.clone()), r#"MCP server time: invalid image "bad image""#);
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: invalid image "bad image""#
+    );
     p.mcp[0].image = Some("roundtable-sandbox-mcp:latest".into());
     p.mcp[0].limits.memory_mb = 8;
     assert_eq!(
