@@ -174,13 +174,14 @@ pub(crate) fn validate_config(config: &McpServer, allow_http: bool) -> Result<()
             _ => {}
         }
         let l = &config.limits;
-        if !(16..=65_536).contains(&l.memory_mb)
-            || !(l.cpus > 0.0 && l.cpus <= 64.0)
-            || !(8..=4096).contains(&l.pids)
-            || !(1..=4096).contains(&l.tmpfs_mb)
-            || !(1..=1_048_576).contains(&l.data_mb)
-            || !(16..=10_000_000).contains(&l.data_files)
-        {
+        let in_range = (16..=65_536).contains(&l.memory_mb)
+            && l.cpus > 0.0
+            && l.cpus <= 64.0
+            && (8..=4096).contains(&l.pids)
+            && (1..=4096).contains(&l.tmpfs_mb)
+            && (1..=1_048_576).contains(&l.data_mb)
+            && (16..=10_000_000).contains(&l.data_files);
+        if !in_range {
             return Err(err(format!(
                 "limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): {l:?}"
             )));
@@ -239,7 +240,7 @@ struct Pinned {
 enum State {
     /// Not started yet, or its process died: (re)started on the next call.
     Stopped,
-    Running(Live),
+    Running(Box<Live>),
     /// It presented an allow-listed tool that differs from the pin.
     Refused(String),
     /// Stopped for good: its channel retired or it made room for another.
@@ -403,7 +404,7 @@ impl McpPool {
             McpScope::Shared => {
                 let session = Session {
                     segment: String::new(),
-                    state: tokio::sync::Mutex::new(State::Running(service)),
+                    state: tokio::sync::Mutex::new(State::Running(Box::new(service))),
                 };
                 sessions.live.insert(String::new(), (Arc::new(session), 0));
             }
@@ -727,7 +728,7 @@ impl McpPool {
             }
         }
         let peer = service.service.peer().clone();
-        *state = State::Running(service);
+        *state = State::Running(Box::new(service));
         Ok(peer)
     }
 
@@ -1015,11 +1016,11 @@ async fn list(
 
 /// Closes a session (for a child: stdin closed, then SIGTERM, then SIGKILL; reaped; for a
 /// container: killed and removed, its data dir kept).
-async fn close(live: Live) {
+async fn close(live: impl Into<Box<Live>>) {
     let Live {
         mut service,
         container,
-    } = live;
+    } = *live.into();
     if let Some(container) = container {
         // Killed at once: a session being closed has nothing left to finish.
         container.remove().await;

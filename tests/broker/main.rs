@@ -3,8 +3,8 @@
 //! a tiny stdio stub in `tests/support/mcp_stub.py`), limits, peer check, cancellation.
 //!
 //! One test binary, one module per topic: `model` (the model proxy), `tools` (host tools),
-//! `limits`, `peer` (peer check, cancellation), `policy`, `mcp` (stdio servers),
-//! `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
+//! `limits`, `peer` (peer check, cancellation), `policy`, `mcp` (stdio servers as host children),
+//! `mcp_confined` (stdio servers in their own containers, the default), `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
 //! the fixtures they share.
 
 use roundtable_sandbox_test_support::broker_client as client;
