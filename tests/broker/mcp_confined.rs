@@ -331,6 +331,26 @@ async fn mcp_container_is_confined_as_the_guest_is() {
     assert_eq!(f["docker_sock"], false, "{f}");
     broker.shutdown().await;
     wait_containers(&engine, 0).await;
+
+    // `network = true` is the one way to give a session a network.
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut facts = facts_server();
+    facts.network = true;
+    p.mcp = vec![facts];
+    let engine = self::engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    let a = post_json(turn.socket(), "/v1/mcp/facts/facts", &json!({})).await;
+    let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
+    let interfaces = f["interfaces"].as_array().unwrap();
+    if engine.runtime.as_deref() == Some("runsc") {
+        // The project registers runsc with `--network=none` (scripts/setup-gvisor.sh).
+        assert_eq!(f["interfaces"], json!(["lo"]), "{f}");
+    } else {
+        assert!(interfaces.len() > 1, "{f}");
+    }
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
 }
 
 /// The data dir is held to its quota: one file cannot pass it (`ulimit fsize`), and files
