@@ -43,6 +43,12 @@ struct Cli {
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
     let cli = Cli::parse();
     if let Some(shell) = cli.completions {

@@ -24,6 +24,8 @@ pub(crate) struct Prepared {
     pub(crate) channel: String,
     pub(crate) turn_id: String,
     pub(crate) spec: ContainerSpec,
+    /// The workspace directory it was made for (device, inode), recorded at preparation.
+    pub(crate) workspace: (u64, u64),
     pub(crate) started: Box<dyn StartedContainer>,
     pub(crate) prepared_at: Instant,
     pub(crate) _permit: OwnedSemaphorePermit,

@@ -13,7 +13,6 @@
 //! layer, the wait for a container slot). Teardown runs after it, on every path.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,6 +97,25 @@ pub enum TurnError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// The channel's existing workspace is not a private directory of the service user.
+    #[error("workspace {path} must be a directory of the service user (uid {uid}) with no group or other permission bits: found uid {owner}, mode {mode:o}")]
+    WorkspaceNotPrivate {
+        /// The workspace.
+        path: PathBuf,
+        /// The service user.
+        uid: u32,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The workspace's path no longer names the directory the turn made and holds: the
+    /// workspace root (or the directory) was moved or replaced since.
+    #[error("workspace {path} no longer names the directory made for the turn (the workspace root was moved or replaced)")]
+    WorkspaceReplaced {
+        /// The workspace.
+        path: PathBuf,
     },
     /// The turn's run dir could not be created.
     #[error("create run dir under {path}")]
@@ -224,6 +242,8 @@ impl TurnError {
             TurnError::Driver(DriverError::ImageMissing { .. }) => TurnFailure::ImageMissing,
             TurnError::Driver(_)
             | TurnError::CreateWorkspace { .. }
+            | TurnError::WorkspaceNotPrivate { .. }
+            | TurnError::WorkspaceReplaced { .. }
             | TurnError::CreateRunDir { .. }
             | TurnError::SocketPathTooLong(_)
             | TurnError::Broker(_) => TurnFailure::Internal,
@@ -589,14 +609,10 @@ async fn run_turn_inner(
         let quota = config.limits.workspace_quota();
         let floor = config.limits.disk_floor();
         let prepare = async {
-            make_workspace(&workspace_dir)?;
-            // Held open for the whole turn: every measure starts from this descriptor and never
+            // Made and opened relative to the workspace root held since startup, and held
+            // open for the whole turn: every measure starts from this descriptor and never
             // follows a guest path (see crate::quota).
-            // A workspace the guest locked (`chmod 000 /workspace`) cannot be measured.
-            let workspace =
-                Arc::new(crate::quota::Workspace::open(&workspace_dir).map_err(|e| {
-                    crate::quota::QuotaError::Measure(format!("open the workspace: {e}"))
-                })?);
+            let workspace = Arc::new(make_workspace(sandbox, &segment)?);
             // The filesystems the free-space floor guards: the workspaces', the engine's.
             let mut guarded = vec![crate::quota::Guarded {
                 what: "the workspaces",
@@ -624,10 +640,17 @@ async fn run_turn_inner(
             .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
             // A prepared container must still wait for its turn; otherwise it is removed and
             // this turn starts cold.
+            // It serves only the directory it was made for: a workspace moved aside or
+            // deleted since (the container still has the old directory mounted) is not the
+            // one this turn holds and measures.
             if let Some(p) = &mut prepared {
-                let checked = tokio::select! {
-                    r = p.started.check() => r,
-                    _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+                let checked = if p.workspace != workspace.id() {
+                    Err(WORKSPACE_NOT_THE_PREPARED.to_owned())
+                } else {
+                    tokio::select! {
+                        r = p.started.check() => r.map_err(|e| e.to_string()),
+                        _ = request.stop.cancelled() => return Err(TurnError::Stopped),
+                    }
                 };
                 if let Err(e) = checked {
                     tracing::warn!(
@@ -700,6 +723,12 @@ async fn run_turn_inner(
         };
         let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
 
+        // The engine mounts the workspace by path: just before the container is created,
+        // the path must still name the directory this turn made and holds (a prepared
+        // container was checked before its start, and above against what this turn holds).
+        if prepared.is_none() {
+            check_mount_path(&workspace_dir, &workspace)?;
+        }
         phase(TurnPhase::ContainerRunning);
         live_container.started = true;
         let run = match prepared.take() {
@@ -859,23 +888,74 @@ async fn bind_broker(
     }
 }
 
-pub(crate) fn make_workspace(dir: &Path) -> Result<(), TurnError> {
-    let err = |source| TurnError::CreateWorkspace {
-        path: dir.to_owned(),
-        source,
+/// Why a prepared container is not adopted when the turn's workspace is not its own.
+const WORKSPACE_NOT_THE_PREPARED: &str =
+    "its workspace directory was moved or deleted since it was prepared (the turn's is another)";
+
+/// Makes the channel's workspace (`mkdirat` 0700) and opens it (`O_NOFOLLOW | O_DIRECTORY`),
+/// both relative to the workspace root's descriptor held since startup (never through the
+/// root's path). An existing directory must be the service user's with no group or other
+/// bit ([`crate::config::is_private_dir`]): one some other user made, or that others can
+/// read, is refused. A workspace the guest locked (`chmod 000 /workspace`) cannot be
+/// opened, so cannot be measured: a quota error, as every unmeasurable workspace.
+pub(crate) fn make_workspace(
+    sandbox: &Sandbox,
+    segment: &str,
+) -> Result<crate::quota::Workspace, TurnError> {
+    use rustix::fs::{AtFlags, FileType, Mode};
+    let config = sandbox.config();
+    let root = sandbox.workspace_root_lock().dir();
+    let path = config.workspace_root.join(segment);
+    let err = |e: rustix::io::Errno| TurnError::CreateWorkspace {
+        path: path.clone(),
+        source: e.into(),
     };
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            // Never follow a link planted in place of the workspace.
-            let meta = std::fs::symlink_metadata(dir).map_err(err)?;
-            if meta.is_dir() {
-                Ok(())
-            } else {
-                Err(err(std::io::Error::other("not a directory")))
-            }
-        }
-        Err(e) => Err(err(e)),
+    match rustix::fs::mkdirat(root, segment, Mode::from_raw_mode(0o700)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => return Err(err(e)),
+    }
+    // Never follow a link planted in place of the workspace.
+    let st = rustix::fs::statat(root, segment, AtFlags::SYMLINK_NOFOLLOW).map_err(err)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+        return Err(TurnError::CreateWorkspace {
+            path,
+            source: std::io::Error::other("not a directory"),
+        });
+    }
+    let mode = st.st_mode as u32 & 0o7777;
+    if !crate::config::is_private_dir(st.st_uid, mode, config.uid) {
+        return Err(TurnError::WorkspaceNotPrivate {
+            path,
+            uid: config.uid,
+            owner: st.st_uid,
+            mode,
+        });
+    }
+    let workspace = crate::quota::Workspace::open_at(root, segment)
+        .map_err(|e| crate::quota::QuotaError::Measure(format!("open the workspace: {e}")))?;
+    #[allow(clippy::unnecessary_cast)]
+    if workspace.id() != (st.st_dev as u64, st.st_ino as u64) {
+        // Replaced between the check and the open (only a writer of the root can).
+        return Err(TurnError::WorkspaceReplaced { path });
+    }
+    Ok(workspace)
+}
+
+/// Checks that `path`, the workspace's path as the engine will resolve it for the bind
+/// mount, still names `workspace` (same device and inode). What remains between this check
+/// and the engine's own lookup needs write access to a directory on the path, which the
+/// startup check refuses to anyone but root and the service user
+/// ([`crate::config::check_root_ancestors`]).
+pub(crate) fn check_mount_path(
+    path: &Path,
+    workspace: &crate::quota::Workspace,
+) -> Result<(), TurnError> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if (meta.dev(), meta.ino()) == workspace.id() => Ok(()),
+        _ => Err(TurnError::WorkspaceReplaced {
+            path: path.to_owned(),
+        }),
     }
 }
 

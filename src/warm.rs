@@ -11,6 +11,12 @@
 //! that cannot serve (it exited, was removed, the engine does not answer) is removed and
 //! the turn starts cold, the reason logged. One container still serves exactly one turn.
 //!
+//! A prepared container serves only the workspace directory it was made for: its
+//! `(st_dev, st_ino)` is recorded here, and the adopting turn compares it with the directory
+//! it made and holds. A workspace moved aside (an operator's fix of an over-quota channel)
+//! or deleted since is another directory, while the container's bind still holds the old
+//! one: the container is discarded and the turn runs cold.
+//!
 //! Bounded: at most [`WarmSettings::max`] prepared containers per runtime (a permit each,
 //! held until the container is removed or adopted). A prepared container that is never
 //! adopted is removed by [`PreparedTurn::discard`], or by its drop in the background; the
@@ -110,7 +116,11 @@ impl Sandbox {
         let segment = crate::turn::channel_segment(channel);
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
         let workspace_dir = config.workspace_root.join(&segment);
-        crate::turn::make_workspace(&workspace_dir)?;
+        // The directory it is made for, by identity: the adopting turn compares it with the
+        // one it holds (a workspace moved aside or deleted meanwhile is another).
+        let workspace = crate::turn::make_workspace(self, &segment)?;
+        crate::turn::check_mount_path(&workspace_dir, &workspace)?;
+        let workspace = workspace.id();
         let name = crate::turn::container_name(&segment, &turn_id);
         let dir = crate::turn::make_run_dir(self)?;
         self.live_turns().containers.insert(name.clone());
@@ -134,6 +144,7 @@ impl Sandbox {
                     channel: channel.to_owned(),
                     turn_id,
                     spec,
+                    workspace,
                     started,
                     prepared_at: Instant::now(),
                     _permit: permit,

@@ -882,3 +882,79 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
         .to_string();
     assert!(e.contains("compaction.allow_http: invalid type"), "{e}");
 }
+
+/// Issue 21: a root is checked once, by path, but it is used for the runtime's life. Under
+/// a directory another user can write (or owns), that user can swap the root after startup
+/// (and read what the guests write): every directory above each root must be owned by root
+/// or the service user and writable by no one else, unless it is sticky (`/tmp`).
+#[test]
+fn a_root_under_a_directory_another_user_can_write_is_refused() {
+    let env = Env::new();
+    let base = env.config();
+    let shared = env.dir.path().join("shared");
+    let nested = shared.join("deeper");
+    std::fs::create_dir_all(&nested).unwrap();
+    for (mode, shown) in [(0o777, "777"), (0o775, "775"), (0o757, "757")] {
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(mode)).unwrap();
+        for field in ["run_root", "workspace_root"] {
+            let mut c = base.clone();
+            let root = nested.join(field);
+            match field {
+                "run_root" => c.run_root = root.clone(),
+                _ => c.workspace_root = root.clone(),
+            }
+            assert_eq!(
+                err(&c),
+                format!(
+                    "sandbox root {} lies under {}, which group or others can write (mode {shown}, not sticky): \
+                     every directory above a root must be owned by root or the service user and writable by no one else unless sticky",
+                    root.display(),
+                    shared.display()
+                ),
+                "{field}"
+            );
+            assert!(!root.exists(), "refused before it is created");
+        }
+    }
+    // Sticky and owned by the service user (as /tmp is sticky and root's): accepted.
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let mut c = base.clone();
+    c.run_root = nested.join("run");
+    assert!(c.resolve().is_ok());
+    // A root reached through a symlink is judged by where it leads.
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = env.dir.path().join("via-link");
+    std::os::unix::fs::symlink(&nested, &link).unwrap();
+    let mut c = base.clone();
+    c.workspace_root = link.join("ws");
+    assert!(
+        err(&c).contains(&format!(" lies under {}, which group", shared.display())),
+        "{}",
+        err(&c)
+    );
+
+    // A directory above the root owned by another user (who can rename what is in it).
+    let uid = nix::unistd::getuid().as_raw();
+    let theirs = ["/var/cache/man", "/etc/postgresql", "/var/mail"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find_map(|p| {
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(&p).ok()?;
+            (m.is_dir() && m.uid() != uid && m.uid() != 0 && m.mode() & 0o001 != 0)
+                .then_some((p, m.uid()))
+        })
+        .expect("a directory of another user that others may enter, to test with");
+    let mut c = base.clone();
+    c.workspace_root = theirs.0.join("roundtable-ws");
+    assert_eq!(
+        err(&c),
+        format!(
+            "sandbox root {} lies under {}, which uid {} owns: every directory above a root must be \
+             owned by root or the service user and writable by no one else unless sticky",
+            c.workspace_root.display(),
+            theirs.0.display(),
+            theirs.1
+        )
+    );
+}

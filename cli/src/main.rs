@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
-use roundtable_sandbox::config::{Config, MAX_SOCKET_PATH, SOCKET_SUFFIX};
+use roundtable_sandbox::config::{Config, ConfigError, MAX_SOCKET_PATH, SOCKET_SUFFIX};
 use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
 use roundtable_sandbox::quota::{self, Floor};
@@ -95,6 +95,12 @@ enum ImageCommand {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return ExitCode::FAILURE;
+    }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -170,6 +176,20 @@ fn fail(name: &'static str, detail: impl Into<String>, hint: impl Into<String>) 
 }
 
 fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
+    // What lies above the root: the runtime's own startup check.
+    if let Err(e) = roundtable_sandbox::config::check_root_ancestors(path, uid) {
+        let hint = match &e {
+            ConfigError::RootAncestorWritable { ancestor, .. } => format!(
+                "chmod go-w {} (or choose a root whose every parent only root or this user can write)",
+                ancestor.display()
+            ),
+            ConfigError::RootAncestorOwner { .. } => {
+                "choose a root whose every parent is owned by root or this user".to_owned()
+            }
+            _ => "choose a directory this user can create".to_owned(),
+        };
+        return fail(name, format!("{:#}", anyhow::Error::from(e)), hint);
+    }
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => pass(
             name,

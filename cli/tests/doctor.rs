@@ -264,3 +264,28 @@ fn mcp_servers_are_checked_and_an_unconfined_one_is_flagged() {
     );
     assert!(out.contains("2 of 11 checks failed"), "{out}");
 }
+
+/// Issue 21: `doctor` runs the runtime's own check of what lies above each root (the
+/// validation function, not a copy of the rule) and fails on a root another user can swap.
+#[test]
+fn a_root_under_a_directory_others_can_write_is_detected() {
+    let (d, _, ws) = roots();
+    let shared = d.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let run = shared.join("run").display().to_string();
+    let (code, out) = doctor(&["--run-root", &run, "--workspace-root", &ws], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL run_root        sandbox root {run} lies under {}, which group or others can write (mode 777, not sticky)",
+            shared.display()
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("fix: chmod go-w {}", shared.display())),
+        "{out}"
+    );
+    assert!(out.contains("ok   workspace_root"), "{out}");
+}

@@ -45,9 +45,14 @@ mod validate;
 mod warm;
 
 pub use error::ConfigError;
+#[cfg(feature = "cli")]
+pub(crate) use file::read_env_secret;
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
-pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
+pub use validate::{
+    canonical_time_zone, check_root_ancestors, is_private_dir, valid_image_reference,
+    TIME_ZONE_SOURCE,
+};
 pub use warm::WarmSettings;
 
 /// The default system prompt (that of pi-roundtable-sandbox 0.7.18, the TypeScript package

@@ -840,13 +840,7 @@ impl ContainerDriver for DockerDriver {
             match sandboxed {
                 Some(user) => self.held_files_inside(name, &user).await,
                 // runc: the guest's processes are host processes; the host stats them.
-                None => match self.processes(name).await {
-                    Ok(p) => HeldFiles::HostProcesses(p),
-                    Err(e) => {
-                        tracing::debug!(error = %e, "list the turn's processes");
-                        HeldFiles::HostProcesses(ContainerProcesses::default())
-                    }
-                },
+                None => super::held_by_host_processes(self.processes(name).await),
             }
         })
     }

@@ -139,7 +139,7 @@ pub enum DriverError {
     /// The driver cannot do this (a backend without prepared containers).
     #[error("the container driver cannot {op}")]
     Unsupported {
-        /// What was asked (`start`).
+        /// What was asked (`start`, `list processes`, `tell an oom kill`).
         op: &'static str,
     },
 }
@@ -300,6 +300,10 @@ pub enum Unmeasurable {
     /// or printed something else).
     #[error("the open files of the turn could not be counted inside the sandbox: {0}")]
     Measurer(String),
+    /// The turn's host processes could not be listed (the backend cannot, or the engine
+    /// failed to answer).
+    #[error("the processes of the turn could not be listed: {0}")]
+    Processes(String),
 }
 
 /// A container created and started by [`ContainerDriver::start`], its guest waiting on stdin
@@ -360,11 +364,15 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// and is not yet removed. The turn asks only when its run did not answer (a non-zero
     /// exit, the output cap, or output that is not a reply): a guest that exits 0 with a
     /// reply has answered, whatever befell its children. A backend that learns it with the
-    /// exit sets [`RunOutcome::oom_killed`] instead; the default (such a backend, or a
-    /// fake) says no.
+    /// exit sets [`RunOutcome::oom_killed`] instead and answers here explicitly. The default
+    /// cannot tell ([`DriverError::Unsupported`]): the turn logs it and its judgement stands.
     fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
         let _ = name;
-        Box::pin(async { Ok(false) })
+        Box::pin(async {
+            Err(DriverError::Unsupported {
+                op: "tell an oom kill",
+            })
+        })
     }
 
     /// Removes the leftover containers of this runtime: labelled with `scope.instance`,
@@ -377,14 +385,20 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
 
     /// The host pids of the named container's processes (empty when it is not running).
     /// The workspace quota stats their open descriptors to count files deleted while held
-    /// open (see [`crate::quota`]). The default (a driver without host processes, such as a
-    /// test fake) has none.
+    /// open (see [`crate::quota`]). The default cannot list them
+    /// ([`DriverError::Unsupported`]), which the quota counts as unmeasurable, never as
+    /// "no process": a backend without host processes says so by answering
+    /// [`ContainerDriver::held_files`] itself.
     fn processes<'a>(
         &'a self,
         name: &'a str,
     ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
         let _ = name;
-        Box::pin(async { Ok(ContainerProcesses::default()) })
+        Box::pin(async {
+            Err(DriverError::Unsupported {
+                op: "list processes",
+            })
+        })
     }
 
     /// How the files the named container's processes hold open with no name left are
@@ -393,17 +407,11 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// ([`HeldFiles::HostProcesses`], what the default does with
     /// [`ContainerDriver::processes`]); one that hides them from the host counts inside the
     /// sandbox ([`HeldFiles::Counted`]) and reports every failure to do so as
-    /// [`HeldFiles::Unmeasurable`], never as a count.
+    /// [`HeldFiles::Unmeasurable`], never as a count. The default lists them with
+    /// [`ContainerDriver::processes`]; a failure to list them (the default `processes`
+    /// included) is [`Unmeasurable::Processes`], never "nothing held".
     fn held_files<'a>(&'a self, name: &'a str) -> BoxFuture<'a, HeldFiles> {
-        Box::pin(async move {
-            match self.processes(name).await {
-                Ok(p) => HeldFiles::HostProcesses(p),
-                Err(e) => {
-                    tracing::debug!(error = %e, "list the turn's processes");
-                    HeldFiles::HostProcesses(ContainerProcesses::default())
-                }
-            }
-        })
+        Box::pin(async move { held_by_host_processes(self.processes(name).await) })
     }
 
     /// How the guest of the container `spec` describes reaches its broker; asked by the
@@ -418,9 +426,18 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     }
 
     /// The host directory where the engine stores images and container layers, whose
-    /// filesystem the free-space floor guards (`None`: no such directory, as in a fake).
-    fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
-        Box::pin(async { Ok(None) })
+    /// filesystem the free-space floor guards (`None`: no such directory on this host, as
+    /// for a fake or a remote backend). No default: a backend says which, so a floor is
+    /// never skipped because a backend forgot it.
+    fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>>;
+}
+
+/// [`HeldFiles`] from a listing of the turn's host processes: a failed listing is
+/// unmeasurable, never an empty one.
+pub(crate) fn held_by_host_processes(listed: Result<ContainerProcesses, DriverError>) -> HeldFiles {
+    match listed {
+        Ok(p) => HeldFiles::HostProcesses(p),
+        Err(e) => HeldFiles::Unmeasurable(Unmeasurable::Processes(crate::one_line(&e))),
     }
 }
 
@@ -474,5 +491,52 @@ impl std::fmt::Debug for SweepScope<'_> {
             .field("instance", &self.instance)
             .field("run_root", &self.run_root)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend that implements only what the trait requires.
+    #[derive(Debug)]
+    struct Minimal;
+
+    impl ContainerDriver for Minimal {
+        fn run<'a>(
+            &'a self,
+            _: &'a ContainerSpec,
+            _: &'a [u8],
+            _: CancellationToken,
+        ) -> BoxFuture<'a, Result<RunOutcome, DriverError>> {
+            Box::pin(async { Err(DriverError::Unsupported { op: "run" }) })
+        }
+        fn remove<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn sweep<'a>(
+            &'a self,
+            _: SweepScope<'a>,
+        ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>> {
+            Box::pin(async { Ok(None) })
+        }
+    }
+
+    /// What a backend does not implement is unmeasurable or unknown, never "nothing held"
+    /// or "not killed".
+    #[tokio::test]
+    async fn the_defaults_fail_closed() {
+        match Minimal.held_files("c").await {
+            HeldFiles::Unmeasurable(why) => assert_eq!(
+                why.to_string(),
+                "the processes of the turn could not be listed: the container driver cannot list processes"
+            ),
+            other => panic!("a backend without processes counted as {other:?}"),
+        }
+        assert!(Minimal.processes("c").await.is_err());
+        assert!(Minimal.oom_killed("c").await.is_err());
     }
 }

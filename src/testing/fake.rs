@@ -571,6 +571,14 @@ impl ContainerDriver for FakeDriver {
             _ => Box::pin(async { HeldFiles::Counted { files: 0, bytes: 0 } }),
         }
     }
+
+    /// Around a real driver, the engine's; otherwise there is none on this host.
+    fn data_root(&self) -> BoxFuture<'_, Result<Option<std::path::PathBuf>, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.data_root(),
+            _ => Box::pin(async { Ok(None) }),
+        }
+    }
 }
 
 /// A container the fake prepared: it waits until it is removed.
