@@ -161,7 +161,7 @@ impl Sandbox {
             lock::RootLock::acquire(&resolved.run_root)?,
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
-        let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
+        let broker = Broker::new(config.runtime_broker_policy(&resolved)).await?;
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
