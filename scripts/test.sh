@@ -57,7 +57,7 @@ if gvisor_listed; then
   # features and rebuild the crate and its dependants: minutes on a busy machine).
   ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast \
     --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
-    --test security_quota --test runtime --test warm "$@"
+    --test security_quota --test runtime --test warm --test host_dirs --test host_process "$@"
   # The MCP servers' containers follow the configured runtime too.
   ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast --test broker "$@" -- mcp_confined
   echo "== gVisor pass: $((SECONDS - started)) s" >&2
