@@ -579,3 +579,192 @@ fn bad_compaction_requests_are_refused_and_logged() {
         turn.listener.take().unwrap().stop().await.unwrap();
     });
 }
+
+// ---------------------------------------------------------------- the per-turn caps
+
+/// The status and error (or source) of each answer.
+fn outcomes(answers: &[client::Answer]) -> Vec<(u16, String)> {
+    answers
+        .iter()
+        .map(|a| {
+            let what = if a.status == 200 {
+                format!("{:?}", serde_json::from_slice::<CompactReply>(&a.body).unwrap().source)
+            } else {
+                a.error()
+            };
+            (a.status, what)
+        })
+        .collect()
+}
+
+/// 16 compactions of one turn at once: at most `max_calls_in_flight` (4) reach the upstream
+/// together, the others are refused `429` naming the limit (before: all 16 were upstream
+/// at once).
+#[test]
+fn compactions_hold_the_calls_in_flight_cap() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(
+            (0..16)
+                .map(|_| Step::delayed(Duration::from_millis(1500), Step::text("SUMMARY-OK")))
+                .collect(),
+        )
+        .await;
+        let p = policy(&model, None);
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-flight", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(100)).unwrap();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            let socket = turn.socket.clone();
+            let body = body.clone();
+            set.spawn(async move { client::post_json(&socket, "/v1/compact", &body).await });
+        }
+        let mut answers = Vec::new();
+        while let Some(a) = set.join_next().await {
+            answers.push(a.unwrap());
+        }
+        let seen = outcomes(&answers);
+        assert!(model.peak_in_flight() <= 4, "{} upstream at once: {seen:?}", model.peak_in_flight());
+        let refused = seen
+            .iter()
+            .filter(|(s, e)| *s == 429 && e == "too many calls in flight in this turn (limit 4)")
+            .count();
+        let served = seen.iter().filter(|(s, e)| *s == 200 && e == "Model").count();
+        assert!(refused >= 1 && served >= 1, "{seen:?}");
+        assert_eq!(refused + served, 16, "{seen:?}");
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// The compaction request's JSON values are counted before it is parsed, like tool
+/// arguments: 100,000 reload entries (400 KB) are refused unparsed.
+#[test]
+fn a_compaction_request_that_would_inflate_is_refused_before_parsing() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(vec![]).await;
+        let broker = start_broker(policy(&model, None)).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-values", Speaker::default()).await;
+        let mut body = String::from(
+            r#"{"messages":[{"role":"user","content":"x"}],"tokensBefore":1,"budget":1,"reload":["a""#,
+        );
+        body.push_str(&r#","a""#.repeat(100_000));
+        body.push_str("]}");
+        let a = client::post(
+            &turn.socket,
+            "/v1/compact",
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await
+        .unwrap();
+        assert_eq!(a.status, 400, "{}", a.text());
+        assert_eq!(
+            a.error(),
+            "compaction request too complex (more than 65536 JSON values)"
+        );
+        assert!(model.requests().is_empty());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A message of the request with more tool calls than a guest keeps is refused.
+#[test]
+fn a_compaction_request_with_too_many_tool_calls_in_a_message_is_refused() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("SUMMARY")]).await;
+        let broker = start_broker(policy(&model, None)).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-calls", Speaker::default()).await;
+        let calls: Vec<Value> = (0..100)
+            .map(|i| json!({"id": format!("c{i}"), "type": "function", "function": {"name": "read", "arguments": "{}"}}))
+            .collect();
+        let body = json!({
+            "messages": [{"role": "assistant", "content": null, "tool_calls": calls}],
+            "tokensBefore": 1,
+            "budget": BUDGET,
+        });
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 400, "{}", a.text());
+        assert_eq!(
+            a.error(),
+            "invalid compaction request: a message has too many tool calls (100 > 32)"
+        );
+        assert!(model.requests().is_empty());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A 4 MB answer from the summarizer and from the main model is not parsed: each is a
+/// logged fallback (the answer cap named), the plain summary is returned; an answer under
+/// the cap is cut to the summary's size.
+#[test]
+fn a_huge_compaction_answer_falls_back_without_being_parsed() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::Huge(4_000_000)]).await;
+        let sum = ScriptedModel::start(vec![Step::Huge(4_000_000), Step::Huge(300_000)]).await;
+        let p = policy(
+            &model,
+            Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
+        );
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-huge", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(77)).unwrap();
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Plain, "{}", reply.summary.len());
+        for who in ["summarizer", "model"] {
+            let lines = logs.lines(&[
+                "compaction fell back",
+                &format!("reason=the {who} answer is larger than 524288 bytes"),
+                "tokens_before=77",
+            ]);
+            assert_eq!(lines.len(), 1, "{who}: {}", logs.text());
+        }
+        // 300 KB: under the cap, parsed, cut to the summary's size (1,500 bytes and the mark).
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Summarizer);
+        assert!(reply.summary.len() < 1600, "{}", reply.summary.len());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A flood of compactions past the turn's budget: each is refused, and the warn lines are
+/// rate-limited (one per reason per window, the rest counted and reported once when the
+/// turn ends), not one per request.
+#[test]
+fn warn_lines_are_bounded_under_a_compaction_flood() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("SUMMARY-ONE")]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_model_calls = 1;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-flood", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(5)).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..200 {
+            seen.push(client::post_json(&turn.socket, "/v1/compact", &body).await);
+        }
+        let seen = outcomes(&seen);
+        assert_eq!(seen[0], (200, "Model".to_owned()));
+        assert!(
+            seen[1..]
+                .iter()
+                .all(|o| *o == (429, "too many model calls in this turn (limit 1)".to_owned())),
+            "{:?}",
+            &seen[1..4]
+        );
+        assert_eq!(model.requests().len(), 1);
+        turn.listener.take().unwrap().stop().await.unwrap();
+        drop(broker);
+        let warns = logs.lines(&["WARN", "compaction"]);
+        assert!(warns.len() <= 4, "{} warn lines:\n{}", warns.len(), logs.text());
+        let suppressed = logs.lines(&["compaction warn lines suppressed", &format!("channel={}", hash("chan-flood"))]);
+        assert_eq!(suppressed.len(), 1, "{}", logs.text());
+        assert!(
+            suppressed[0].contains("suppressed=19") || suppressed[0].contains("suppressed=198"),
+            "{}",
+            suppressed[0]
+        );
+    });
+}
