@@ -455,8 +455,9 @@ fn compact_request(tokens_before: u64) -> CompactRequest {
     CompactRequest::new(Some("PREVIOUS"), &older, tokens_before, BUDGET)
 }
 
-/// The calls of a compaction count against the turn's model calls (3 here); past them the
-/// plain summary is returned (logged), and both keys are redacted from what is returned.
+/// The calls of a compaction count against the turn's model calls (3 here), the
+/// summarizer's included; once they are used up the route refuses (`429`, logged) instead
+/// of serving the plain summary, and both keys are redacted from what is returned.
 #[test]
 fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
     with_logs(|logs| async move {
@@ -495,12 +496,13 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
             reply.summary
         );
         assert!(!a.text().contains(KEY));
-        // 3: the turn's model calls are used up: the plain summary, no upstream call.
-        let a = client::post_json(&socket, "/v1/compact", &body).await;
-        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-        assert_eq!(reply.source, CompactSource::Plain);
-        assert_eq!(reply.usage.model_calls, 0);
-        assert!(reply.summary.contains("PREVIOUS"), "{}", reply.summary);
+        // 3 and 4: the turn's model calls are used up: refused, no upstream call, no
+        // plain summary.
+        for _ in 0..2 {
+            let a = client::post_json(&socket, "/v1/compact", &body).await;
+            assert_eq!(a.status, 429, "{}", a.text());
+            assert_eq!(a.error(), "too many model calls in this turn (limit 3)");
+        }
         assert_eq!(sum.requests().len(), 2);
         assert_eq!(model.requests().len(), 1);
         // And a model call of the same turn is refused: the compactions counted.
@@ -511,13 +513,59 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
         )
         .await;
         assert_eq!(a.status, 429, "{}", a.text());
-        let budget = logs.lines(&[
-            "compaction fell back",
-            "reason=the turn's model calls are used up (limit 3)",
-            "tokens_before=4321",
+        let refused = logs.lines(&[
+            "compaction request refused",
+            "reason=too many model calls in this turn (limit 3)",
+            &format!("channel={}", hash("chan-budget")),
         ]);
-        assert_eq!(budget.len(), 2, "{}", logs.text());
+        assert_eq!(refused.len(), 1, "{}", logs.text());
         assert!(!logs.text().contains("GUEST-WORDS-41"));
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// Past `max_compactions` (2 here) a turn's compactions are refused `429` naming the limit,
+/// with model calls to spare; a refusal for the calls in flight does not use one up.
+#[test]
+fn compactions_past_the_turns_cap_are_refused() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("ONE"), Step::text("TWO")]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_compactions = 2;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-cap", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(9)).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            seen.push(client::post_json(&turn.socket, "/v1/compact", &body).await);
+        }
+        let seen = outcomes(&seen);
+        let refused = (429, "too many compactions in this turn (limit 2)".to_owned());
+        assert_eq!(
+            seen,
+            [
+                (200, "Model".to_owned()),
+                (200, "Model".to_owned()),
+                refused.clone(),
+                refused
+            ]
+        );
+        assert_eq!(model.requests().len(), 2);
+        // The turn's chat calls are not touched: 30 of 32 left.
+        model.push(Step::text("chat"));
+        let a = client::post_json(
+            &turn.socket,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(
+            logs.lines(&["compaction request refused", "too many compactions"]).len(),
+            1,
+            "{}",
+            logs.text()
+        );
         turn.listener.take().unwrap().stop().await.unwrap();
     });
 }
@@ -609,7 +657,8 @@ fn compactions_hold_the_calls_in_flight_cap() {
                 .collect(),
         )
         .await;
-        let p = policy(&model, None);
+        let mut p = policy(&model, None);
+        p.limits.max_compactions = 16;
         let broker = start_broker(p).await;
         let mut turn = BrokerTurn::start(&broker, "chan-flight", Speaker::default()).await;
         let body = serde_json::to_value(compact_request(100)).unwrap();
