@@ -540,7 +540,10 @@ fn compactions_past_the_turns_cap_are_refused() {
             seen.push(client::post_json(&turn.socket, "/v1/compact", &body).await);
         }
         let seen = outcomes(&seen);
-        let refused = (429, "too many compactions in this turn (limit 2)".to_owned());
+        let refused = (
+            429,
+            "too many compactions in this turn (limit 2)".to_owned(),
+        );
         assert_eq!(
             seen,
             [
@@ -561,7 +564,8 @@ fn compactions_past_the_turns_cap_are_refused() {
         .await;
         assert_eq!(a.status, 200, "{}", a.text());
         assert_eq!(
-            logs.lines(&["compaction request refused", "too many compactions"]).len(),
+            logs.lines(&["compaction request refused", "too many compactions"])
+                .len(),
             1,
             "{}",
             logs.text()
@@ -636,7 +640,12 @@ fn outcomes(answers: &[client::Answer]) -> Vec<(u16, String)> {
         .iter()
         .map(|a| {
             let what = if a.status == 200 {
-                format!("{:?}", serde_json::from_slice::<CompactReply>(&a.body).unwrap().source)
+                format!(
+                    "{:?}",
+                    serde_json::from_slice::<CompactReply>(&a.body)
+                        .unwrap()
+                        .source
+                )
             } else {
                 a.error()
             };
@@ -673,12 +682,19 @@ fn compactions_hold_the_calls_in_flight_cap() {
             answers.push(a.unwrap());
         }
         let seen = outcomes(&answers);
-        assert!(model.peak_in_flight() <= 4, "{} upstream at once: {seen:?}", model.peak_in_flight());
+        assert!(
+            model.peak_in_flight() <= 4,
+            "{} upstream at once: {seen:?}",
+            model.peak_in_flight()
+        );
         let refused = seen
             .iter()
             .filter(|(s, e)| *s == 429 && e == "too many calls in flight in this turn (limit 4)")
             .count();
-        let served = seen.iter().filter(|(s, e)| *s == 200 && e == "Model").count();
+        let served = seen
+            .iter()
+            .filter(|(s, e)| *s == 200 && e == "Model")
+            .count();
         assert!(refused >= 1 && served >= 1, "{seen:?}");
         assert_eq!(refused + served, 16, "{seen:?}");
         turn.listener.take().unwrap().stop().await.unwrap();
@@ -760,7 +776,12 @@ fn a_huge_compaction_answer_falls_back_without_being_parsed() {
         let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
         assert_eq!(a.status, 200, "{}", a.text());
         let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-        assert_eq!(reply.source, CompactSource::Plain, "{}", reply.summary.len());
+        assert_eq!(
+            reply.source,
+            CompactSource::Plain,
+            "{}",
+            reply.summary.len()
+        );
         for who in ["summarizer", "model"] {
             let lines = logs.lines(&[
                 "compaction fell back",
@@ -797,9 +818,11 @@ fn warn_lines_are_bounded_under_a_compaction_flood() {
         let seen = outcomes(&seen);
         assert_eq!(seen[0], (200, "Model".to_owned()));
         assert!(
-            seen[1..]
-                .iter()
-                .all(|o| *o == (429, "too many model calls in this turn (limit 1)".to_owned())),
+            seen[1..].iter().all(|o| *o
+                == (
+                    429,
+                    "too many model calls in this turn (limit 1)".to_owned()
+                )),
             "{:?}",
             &seen[1..4]
         );
@@ -807,8 +830,16 @@ fn warn_lines_are_bounded_under_a_compaction_flood() {
         turn.listener.take().unwrap().stop().await.unwrap();
         drop(broker);
         let warns = logs.lines(&["WARN", "compaction"]);
-        assert!(warns.len() <= 4, "{} warn lines:\n{}", warns.len(), logs.text());
-        let suppressed = logs.lines(&["compaction warn lines suppressed", &format!("channel={}", hash("chan-flood"))]);
+        assert!(
+            warns.len() <= 4,
+            "{} warn lines:\n{}",
+            warns.len(),
+            logs.text()
+        );
+        let suppressed = logs.lines(&[
+            "compaction warn lines suppressed",
+            &format!("channel={}", hash("chan-flood")),
+        ]);
         assert_eq!(suppressed.len(), 1, "{}", logs.text());
         assert!(
             suppressed[0].contains("suppressed=19") || suppressed[0].contains("suppressed=198"),

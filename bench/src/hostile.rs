@@ -183,16 +183,20 @@ async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
                         let ping = has(PING.as_bytes());
                         drop(body);
                         if summary || ping {
-                            let content = if summary { "x".repeat(4_000_000) } else { "pong".into() };
+                            let content = if summary {
+                                "x".repeat(4_000_000)
+                            } else {
+                                "pong".into()
+                            };
                             let answer = json!({
                                 "choices": [{"message": {"role": "assistant", "content": content}}],
                                 "usage": {"prompt_tokens": 1, "completion_tokens": 1}
                             });
                             return Ok(hyper::Response::builder()
                                 .header("content-type", "application/json")
-                                .body(UpBody::new(
-                                    http_body_util::Full::new(Bytes::from(answer.to_string())),
-                                ))
+                                .body(UpBody::new(http_body_util::Full::new(Bytes::from(
+                                    answer.to_string(),
+                                ))))
                                 .expect("a response"));
                         }
                         if !streamed {

@@ -41,8 +41,8 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 
 use super::http::{error_response, json_response, Response, Turn};
 use super::model::{chat_url, read_capped};
-use super::server::{holding, json_values_over, MAX_ARGUMENT_VALUES};
 use super::redact::Secrets;
+use super::server::{holding, json_values_over, MAX_ARGUMENT_VALUES};
 use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
@@ -987,8 +987,16 @@ mod tests {
         .unwrap();
         assert_eq!(a.content, "ab");
         let a = parse(br#"{"choices":[{"message":{"content":null}}],"usage":{"prompt_tokens":-1,"completion_tokens":2.5}}"#).unwrap();
-        assert_eq!((a.content.as_str(), a.prompt, a.completion), ("", None, None));
-        assert_eq!(parse(br#"{"choices":[{"message":{}}],"usage":null}"#).unwrap().content, "");
+        assert_eq!(
+            (a.content.as_str(), a.prompt, a.completion),
+            ("", None, None)
+        );
+        assert_eq!(
+            parse(br#"{"choices":[{"message":{}}],"usage":null}"#)
+                .unwrap()
+                .content,
+            ""
+        );
         for bad in [
             &b"{}"[..],
             b"nope",
@@ -1005,9 +1013,15 @@ mod tests {
 
     #[test]
     fn the_text_is_copied_only_up_to_the_cap() {
-        let long = format!(r#"{{"choices":[{{"message":{{"content":"  {}"}}}}]}}"#, "é".repeat(1000));
+        let long = format!(
+            r#"{{"choices":[{{"message":{{"content":"  {}"}}}}]}}"#,
+            "é".repeat(1000)
+        );
         let a = parse_answer(long.as_bytes(), 9).unwrap();
-        assert_eq!(a.content, "éééé", "cut at a character boundary, leading blanks skipped");
+        assert_eq!(
+            a.content, "éééé",
+            "cut at a character boundary, leading blanks skipped"
+        );
         assert!(a.content.capacity() <= 9);
         // Escaped text (unescaped by the reader, then copied up to the cap).
         let escaped = format!(
@@ -1019,7 +1033,10 @@ mod tests {
             r#"{{"choices":[{{"message":{{"content":[{{"text":"{0}"}},{{"text":"{0}"}},{{"text":"{0}"}}]}}}}]}}"#,
             "z".repeat(60)
         );
-        assert_eq!(parse_answer(parts.as_bytes(), 100).unwrap().content.len(), 100);
+        assert_eq!(
+            parse_answer(parts.as_bytes(), 100).unwrap().content.len(),
+            100
+        );
     }
 
     #[test]
