@@ -654,9 +654,9 @@ fn outcomes(answers: &[client::Answer]) -> Vec<(u16, String)> {
         .collect()
 }
 
-/// 16 compactions of one turn at once: at most `max_calls_in_flight` (4) reach the upstream
-/// together, the others are refused `429` naming the limit (before: all 16 were upstream
-/// at once).
+/// 16 compactions of one turn at once: one reaches the upstream at a time, the others are
+/// refused `429` (before: all 16 were upstream at once); with the turn's calls in flight
+/// taken by 4 hung chat calls, a compaction is refused `429` naming that limit.
 #[test]
 fn compactions_hold_the_calls_in_flight_cap() {
     with_logs(|_logs| async move {
@@ -682,14 +682,10 @@ fn compactions_hold_the_calls_in_flight_cap() {
             answers.push(a.unwrap());
         }
         let seen = outcomes(&answers);
-        assert!(
-            model.peak_in_flight() <= 4,
-            "{} upstream at once: {seen:?}",
-            model.peak_in_flight()
-        );
+        assert_eq!(model.peak_in_flight(), 1, "upstream at once: {seen:?}");
         let refused = seen
             .iter()
-            .filter(|(s, e)| *s == 429 && e == "too many calls in flight in this turn (limit 4)")
+            .filter(|(s, e)| *s == 429 && e == "a compaction is already in flight in this turn")
             .count();
         let served = seen
             .iter()
@@ -697,6 +693,43 @@ fn compactions_hold_the_calls_in_flight_cap() {
             .count();
         assert!(refused >= 1 && served >= 1, "{seen:?}");
         assert_eq!(refused + served, 16, "{seen:?}");
+
+        // The turn's 4 calls in flight held by hung chat calls: the compaction gets none.
+        let hung = ScriptedModel::start((0..4).map(|_| Step::Hang).collect()).await;
+        let mut p = policy(&hung, None);
+        p.limits.max_compactions = 16;
+        let broker = start_broker(p).await;
+        let mut turn2 = BrokerTurn::start(&broker, "chan-flight-2", Speaker::default()).await;
+        let mut chats = tokio::task::JoinSet::new();
+        for _ in 0..4 {
+            let socket = turn2.socket.clone();
+            chats.spawn(async move {
+                client::post_json(
+                    &socket,
+                    "/v1/chat/completions",
+                    &json!({"messages": [{"role": "user", "content": "hang"}]}),
+                )
+                .await
+            });
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while hung.requests().len() < 4 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the chat calls never arrived"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let a = client::post_json(&turn2.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 429, "{}", a.text());
+        assert_eq!(a.error(), "too many calls in flight in this turn (limit 4)");
+        assert_eq!(
+            hung.requests().len(),
+            4,
+            "the compaction reached no upstream"
+        );
+        chats.abort_all();
+        turn2.listener.take().unwrap().stop().await.unwrap();
         turn.listener.take().unwrap().stop().await.unwrap();
     });
 }
@@ -765,7 +798,7 @@ fn a_compaction_request_with_too_many_tool_calls_in_a_message_is_refused() {
 fn a_huge_compaction_answer_falls_back_without_being_parsed() {
     with_logs(|logs| async move {
         let model = ScriptedModel::start(vec![Step::Huge(4_000_000)]).await;
-        let sum = ScriptedModel::start(vec![Step::Huge(4_000_000), Step::Huge(300_000)]).await;
+        let sum = ScriptedModel::start(vec![Step::Huge(4_000_000), Step::Huge(200_000)]).await;
         let p = policy(
             &model,
             Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
@@ -785,12 +818,12 @@ fn a_huge_compaction_answer_falls_back_without_being_parsed() {
         for who in ["summarizer", "model"] {
             let lines = logs.lines(&[
                 "compaction fell back",
-                &format!("reason=the {who} answer is larger than 524288 bytes"),
+                &format!("reason=the {who} answer is larger than 262144 bytes"),
                 "tokens_before=77",
             ]);
             assert_eq!(lines.len(), 1, "{who}: {}", logs.text());
         }
-        // 300 KB: under the cap, parsed, cut to the summary's size (1,500 bytes and the mark).
+        // 200 KB: under the cap, parsed, cut to the summary's size (1,500 bytes and the mark).
         let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
         let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
         assert_eq!(reply.source, CompactSource::Summarizer);

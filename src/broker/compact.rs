@@ -4,10 +4,14 @@
 //! - [`validate`]: the `[compaction]` rules (URL, model, deadline), without side effects;
 //! - [`Compactor::new`]: prepared once per runtime; a summarizer configured without a key is
 //!   logged here, once, at warn;
-//! - [`handle`]: one compaction request of a turn. The body is read capped
-//!   (`min(max_request_bytes, MAX_REQUEST_BYTES)`) within the call deadline, parsed as a
-//!   typed [`CompactRequest`] and checked; a refused request is logged at warn and answered
-//!   with `4xx` (the guest then builds the plain summary itself).
+//! - [`handle`]: one compaction request of a turn, under the turn's caps: one of its
+//!   calls-in-flight permits for the whole compaction, one compaction at a time, refused
+//!   once the turn's model calls are used up or past `max_compactions` (each `429`). The
+//!   body is read capped (`min(max_request_bytes, MAX_REQUEST_BYTES)`) into one buffer
+//!   within the call deadline; its JSON values are counted, then it is parsed as a typed
+//!   [`CompactRequest`] and checked, off the async threads; a refused request is logged at
+//!   warn (rate-limited, see [`Warnings`]) and answered with `4xx` (the guest then builds
+//!   the plain summary itself).
 //!
 //! The chain, every step on the host: the configured summarizer (its own URL, model, key
 //! and deadline) → the main model (as the guest's own compaction did before) → the plain
@@ -15,7 +19,10 @@
 //! endpoint unreachable, an HTTP error, a timeout, a malformed or empty answer — is logged
 //! at warn with the channel's hash (the first 16 hex digits of its sha256, as the turn's
 //! span shows it), the reason and `tokens_before`, and the next step runs. Reasons are
-//! fixed texts: no upstream body and no guest text reaches the log. Each upstream call
+//! fixed texts: no upstream body and no guest text reaches the log. An answer is read at
+//! most [`MAX_ANSWER_BYTES`] and parsed off the async threads into a typed shape (the
+//! first choice's text, copied only up to the summary's size, and the token counts;
+//! nothing else is built). Each upstream call
 //! takes one call from the turn's model-call budget and asks for at most the operator's
 //! `max_tokens`. Whatever summary comes back has every declared secret (the summarizer's
 //! key and the model key among them) redacted before it is returned.
@@ -114,8 +121,8 @@ fn channel_hash(channel: &str) -> String {
 
 /// The largest upstream answer to a summary request that is read (at most
 /// `max_response_bytes`): a summary of the ≤ 96 KiB transcript the request carries is far
-/// smaller; a larger answer is a failed step, never parsed.
-pub(crate) const MAX_ANSWER_BYTES: usize = 512 * 1024;
+/// smaller (24 KB at the default budget); a larger answer is a failed step, never parsed.
+pub(crate) const MAX_ANSWER_BYTES: usize = 256 * 1024;
 /// How long one reason's warn line is not repeated in a turn.
 pub(super) const WARN_WINDOW: Duration = Duration::from_secs(10);
 /// The most reasons a turn tracks apart; any further one shares one entry.
@@ -240,7 +247,7 @@ fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
 }
 
 /// Answers one compaction request, under the turn's caps: the calls-in-flight permit for
-/// its whole duration (`429`), the turn's model calls not used up and its compactions not
+/// its whole duration (`429`), one compaction at a time (`429`), the turn's model calls not used up and its compactions not
 /// past `max_compactions` (`429`, the guest then builds the plain summary itself).
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let warnings = &turn.warnings;
@@ -273,6 +280,14 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
                 "too many calls in flight in this turn (limit {})",
                 limits.max_calls_in_flight
             ),
+        );
+    };
+    // One compaction at a time per turn: the guest's agent loop never asks for two at once,
+    // so a second is only an attacker multiplying what each one holds.
+    let Ok(one) = turn.compacting.clone().try_acquire_owned() else {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            "a compaction is already in flight in this turn",
         );
     };
     // A turn whose model calls are used up gets no more compactions: each upstream call
@@ -340,6 +355,7 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     };
     let reply = compact(turn, &request).await;
     drop(request);
+    drop(one);
     holding(json_response(StatusCode::OK, &reply), permit)
 }
 

@@ -34,6 +34,8 @@ pub(super) struct Turn {
     pub(super) compactions: AtomicU32,
     /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
+    /// One permit: the compaction being served.
+    pub(super) compacting: Arc<Semaphore>,
     /// The compactor's warn lines, rate-limited.
     pub(super) warnings: super::compact::Warnings,
 }

@@ -121,6 +121,7 @@ pub(crate) async fn serve(
         tool_calls: AtomicU32::new(0),
         compactions: AtomicU32::new(0),
         in_flight,
+        compacting: Arc::new(Semaphore::new(1)),
         warnings: super::compact::Warnings::new(&ctx_channel),
     });
     let mut connections = JoinSet::new();
