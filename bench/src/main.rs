@@ -165,7 +165,7 @@ fn write_json(path: &str, value: &Value) -> Result<()> {
     Ok(())
 }
 
-/// `roundtable-bench hostile [--seconds N] [--json PATH]`: the host's peak RSS under a
+/// `roundtable-bench hostile [--seconds N] [--attack chat|compaction] [--json PATH]`: the host's peak RSS under a
 /// hostile turn against idle (see [`hostile`]); no Docker needed.
 fn hostile_main(o: &HostileOptions) -> Result<()> {
     if nix::unistd::getuid().is_root() {
