@@ -115,6 +115,15 @@ fn each_rule_has_its_message() {
         "MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"
     );
 
+    // The per-turn compaction cap (checked with the other broker limits, before any side
+    // effect).
+    let mut c = base.clone();
+    c.broker_limits.max_compactions = 0;
+    assert_eq!(
+        err(&c),
+        "invalid broker limits: max_compactions must be 1 to 1000"
+    );
+
     // The model request allow-list and token cap.
     let mut c = base.clone();
     c.model_request.max_tokens = 0;
@@ -270,7 +279,7 @@ fn toml_file_loads_and_rejects_unknown_keys() {
 
     // The model request allow-list extended, the token cap and the per-turn caps set.
     let text = std::fs::read_to_string(&path).unwrap()
-        + "[broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+        + "[broker]\nmax_calls_in_flight = 2\nmax_connections = 8\nmax_compactions = 2\n\
            [model_request]\nmax_tokens = 2048\nextra_fields = [\"reasoning_effort\"]\n";
     std::fs::write(&path, text).unwrap();
     let config = Config::from_toml_file(&path).unwrap();
@@ -278,6 +287,7 @@ fn toml_file_loads_and_rejects_unknown_keys() {
     assert_eq!(config.model_request.extra_fields, ["reasoning_effort"]);
     assert_eq!(config.broker_limits.max_calls_in_flight, 2);
     assert_eq!(config.broker_limits.max_connections, 8);
+    assert_eq!(config.broker_limits.max_compactions, 2);
     config.resolve().unwrap();
 
     std::fs::write(&path, "image = \"x\"\nimgae = \"y\"\n").unwrap();

@@ -585,11 +585,12 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         }
     }
     println!(
-        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {:?} per call",
+        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {} compactions, {:?} per call",
         b.max_request_bytes / 1024,
         b.max_response_bytes / 1024,
         b.max_model_calls,
         b.max_tool_calls,
+        b.max_compactions,
         b.call_timeout
     );
     println!(

@@ -177,7 +177,7 @@ fn explain_shows_the_model_fields_and_the_turn_caps() {
         format!(
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
              model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
-             [broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+             [broker]\nmax_calls_in_flight = 2\nmax_connections = 8\nmax_compactions = 3\n\
              [model_request]\nmax_tokens = 4096\nextra_fields = [\"reasoning_effort\"]\n"
         ),
     )
@@ -196,6 +196,7 @@ fn explain_shows_the_model_fields_and_the_turn_caps() {
         text.contains("broker turn   2 calls in flight, 8 connections"),
         "{text}"
     );
+    assert!(text.contains(" tool calls, 3 compactions, "), "{text}");
 }
 
 #[test]

@@ -30,8 +30,14 @@ pub(super) struct Turn {
     pub(super) stop: CancellationToken,
     pub(super) model_calls: AtomicU32,
     pub(super) tool_calls: AtomicU32,
-    /// One permit per call being served.
+    /// Compactions asked for (`max_compactions`).
+    pub(super) compactions: AtomicU32,
+    /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
+    /// One permit: the compaction being served.
+    pub(super) compacting: Arc<Semaphore>,
+    /// The compactor's warn lines, rate-limited.
+    pub(super) warnings: super::compact::Warnings,
 }
 
 /// A body of bytes.

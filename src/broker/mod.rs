@@ -559,11 +559,14 @@ pub struct BrokerLimits {
     pub max_model_calls: u32,
     /// Host plus MCP tool calls per turn (`429` past it).
     pub max_tool_calls: u32,
+    /// Compactions (`POST /v1/compact`) per turn (`429` past it; the guest then builds the
+    /// plain summary itself). Each of their upstream calls also counts as a model call.
+    pub max_compactions: u32,
     /// Deadline of one call (`504` past it); for a streamed answer, the time to the
     /// response head and the longest gap between two chunks.
     #[serde(with = "secs")]
     pub call_timeout: Duration,
-    /// Calls (model, host tool, MCP) being served at once in a turn, from reading the
+    /// Calls (model, compaction, host tool, MCP) being served at once in a turn, from reading the
     /// request to the end of the answer (`429` past it).
     pub max_calls_in_flight: usize,
     /// Open connections of a turn; one more is answered `503` and closed.
@@ -577,6 +580,7 @@ impl Default for BrokerLimits {
             max_response_bytes: 4 << 20,
             max_model_calls: 32,
             max_tool_calls: 64,
+            max_compactions: 4,
             call_timeout: Duration::from_secs(60),
             max_calls_in_flight: 4,
             max_connections: 16,
@@ -598,6 +602,9 @@ impl BrokerLimits {
         }
         if !(1..=10_000).contains(&self.max_tool_calls) {
             return err("max_tool_calls must be 1 to 10000");
+        }
+        if !(1..=1000).contains(&self.max_compactions) {
+            return err("max_compactions must be 1 to 1000");
         }
         if self.call_timeout < Duration::from_millis(100)
             || self.call_timeout > Duration::from_secs(3600)

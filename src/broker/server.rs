@@ -4,7 +4,8 @@
 //!   peer check: SO_PEERCRED uid must be the worker uid; or the byte streams a backend
 //!   carries from its guest, see [`crate::driver::BrokerTransport`]), a cap on open connections (one more is answered `503` and closed), one task per
 //!   connection in a `JoinSet` (so stopping the listener aborts them all), a header read
-//!   timeout so a slow client blocks nothing;
+//!   timeout so a slow client blocks nothing; the connection-limit warn line at most once
+//!   per 10 s per turn (the rest counted and told);
 //! - [`handle`]: routing, method check, body size cap (`413`), a cap on calls in flight
 //!   (`429`; the slot is held from the body's first byte to the answer's last), per-turn
 //!   call counts (`429`), body read deadline, then the model proxy (the body checked and
@@ -111,16 +112,23 @@ pub(crate) async fn serve(
         .then_some(broker.policy.worker_uid);
     let max_connections = broker.policy.limits.max_connections;
     let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
+    let ctx_channel = ctx.channel.clone();
     let turn = Arc::new(Turn {
         broker,
         ctx,
         stop: stop.clone(),
         model_calls: AtomicU32::new(0),
         tool_calls: AtomicU32::new(0),
+        compactions: AtomicU32::new(0),
         in_flight,
+        compacting: Arc::new(Semaphore::new(1)),
+        warnings: super::compact::Warnings::new(&ctx_channel),
     });
     let mut connections = JoinSet::new();
     let mut closed = false;
+    // The connection-limit warn line, rate-limited: one per window, the rest counted.
+    let mut limit_logged: Option<std::time::Instant> = None;
+    let mut limit_suppressed = 0u64;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -136,7 +144,17 @@ pub(crate) async fn serve(
             }
         };
         if connections.len() >= max_connections {
-            tracing::warn!(limit = max_connections, "broker connection limit reached");
+            if limit_logged.is_none_or(|t| t.elapsed() >= super::compact::WARN_WINDOW) {
+                tracing::warn!(
+                    limit = max_connections,
+                    suppressed = limit_suppressed,
+                    "broker connection limit reached"
+                );
+                limit_logged = Some(std::time::Instant::now());
+                limit_suppressed = 0;
+            } else {
+                limit_suppressed += 1;
+            }
             // Told why, then closed: a few hundred bytes into a fresh socket's buffer (a
             // peer that reads nothing does not hold the task past the deadline).
             let refusal = too_many_connections(max_connections);
@@ -177,6 +195,13 @@ pub(crate) async fn serve(
         });
     }
     connections.shutdown().await;
+    if limit_suppressed > 0 {
+        tracing::warn!(
+            limit = max_connections,
+            suppressed = limit_suppressed,
+            "broker connection limit reached (lines suppressed in this turn)"
+        );
+    }
 }
 
 /// The raw `503` for a connection past the cap.
@@ -222,7 +247,7 @@ impl hyper::body::Body for Holding {
 }
 
 /// The response with the call's permit moved into its body.
-fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
+pub(super) fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
     response.map(|body| {
         Holding {
             body,
@@ -234,7 +259,7 @@ fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
 
 /// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
 /// plus one. Stops counting past `limit`.
-fn json_values_over(raw: &[u8], limit: usize) -> bool {
+pub(super) fn json_values_over(raw: &[u8], limit: usize) -> bool {
     let mut n = 1usize;
     let mut in_string = false;
     let mut escaped = false;
@@ -294,6 +319,8 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let limits = turn.broker.policy.limits;
     let path = req.uri().path().to_owned();
     if path == paths::COMPACT {
+        // Under the same caps (the calls-in-flight permit, the model calls) and its own
+        // count: see `compact::handle`.
         return super::compact::handle(turn, req).await;
     }
     let Some(route) = route(&path) else {

@@ -109,10 +109,18 @@ async fn the_policy_is_checked_at_setup() {
     );
     // Each limit out of range, alone.
     type Set = fn(&mut BrokerLimits);
-    let limits: [(Set, &str); 4] = [
+    let limits: [(Set, &str); 6] = [
         (
             |l| l.max_model_calls = 0,
             "invalid broker limits: max_model_calls must be 1 to 10000",
+        ),
+        (
+            |l| l.max_compactions = 0,
+            "invalid broker limits: max_compactions must be 1 to 1000",
+        ),
+        (
+            |l| l.max_compactions = 1001,
+            "invalid broker limits: max_compactions must be 1 to 1000",
         ),
         (
             |l| l.max_calls_in_flight = 0,
@@ -137,6 +145,7 @@ async fn the_policy_is_checked_at_setup() {
     assert!(parsed.is_err());
     let parsed: BrokerLimits = toml::from_str("call_timeout = 2.5\nmax_tool_calls = 3").unwrap();
     assert_eq!(parsed.call_timeout, Duration::from_millis(2500));
+    assert_eq!(parsed.max_compactions, 4, "the default");
     assert_eq!(parsed.max_tool_calls, 3);
     assert!(matches!(
         Broker::new(policy("http://127.0.0.1:9/v1"))
