@@ -27,11 +27,9 @@
 //! `max_tokens`. Whatever summary comes back has every declared secret (the summarizer's
 //! key and the model key among them) redacted before it is returned.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::Ordering;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -47,9 +45,9 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::http::{error_response, json_response, Response, Turn};
+use super::http::{holding, json_values_over, MAX_ARGUMENT_VALUES};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
-use super::server::{holding, json_values_over, MAX_ARGUMENT_VALUES};
 use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
@@ -114,104 +112,10 @@ impl Compactor {
     }
 }
 
-/// The first 16 hex digits of the channel's sha256.
-fn channel_hash(channel: &str) -> String {
-    crate::channel::channel_segment(channel)[..16].to_owned()
-}
-
 /// The largest upstream answer to a summary request that is read (at most
 /// `max_response_bytes`): a summary of the ≤ 96 KiB transcript the request carries is far
 /// smaller (24 KB at the default budget); a larger answer is a failed step, never parsed.
 pub(crate) const MAX_ANSWER_BYTES: usize = 256 * 1024;
-/// How long one reason's warn line is not repeated in a turn.
-pub(super) const WARN_WINDOW: Duration = Duration::from_secs(10);
-/// The most reasons a turn tracks apart; any further one shares one entry.
-const MAX_WARN_REASONS: usize = 32;
-
-/// A turn's compaction warn lines, rate-limited: one line per reason per [`WARN_WINDOW`];
-/// the lines left out are counted, told on the next line of that reason and, for those
-/// not told yet, once when the turn ends.
-pub(super) struct Warnings {
-    channel: String,
-    seen: Mutex<HashMap<String, (Instant, u64)>>,
-}
-
-impl Warnings {
-    pub(super) fn new(channel: &str) -> Self {
-        Self {
-            channel: channel_hash(channel),
-            seen: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// Whether a line of `kind` and `reason` is logged now: `Some(lines left out since the
-    /// last one)`, or `None` (counted).
-    fn admit(&self, kind: &str, reason: &str) -> Option<u64> {
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        let mut key = format!("{kind}: {reason}");
-        if !seen.contains_key(&key) && seen.len() >= MAX_WARN_REASONS {
-            key = format!("{kind}: (other reasons)");
-        }
-        let now = Instant::now();
-        match seen.get_mut(&key) {
-            Some((last, left_out)) if now.duration_since(*last) < WARN_WINDOW => {
-                *left_out += 1;
-                None
-            }
-            Some((last, left_out)) => {
-                *last = now;
-                Some(std::mem::take(left_out))
-            }
-            None => {
-                seen.insert(key, (now, 0));
-                Some(0)
-            }
-        }
-    }
-
-    /// A refused request, logged at warn (rate-limited).
-    fn refused(&self, reason: &str) {
-        if let Some(suppressed) = self.admit("refused", reason) {
-            tracing::warn!(
-                channel = %self.channel,
-                reason = %reason,
-                suppressed,
-                "compaction request refused; the guest falls back to the plain summary"
-            );
-        }
-    }
-
-    /// A failed step of the chain, logged at warn (rate-limited).
-    fn fell_back(&self, reason: &str, tokens_before: u64, fallback: &str) {
-        if let Some(suppressed) = self.admit("fell back", reason) {
-            tracing::warn!(
-                channel = %self.channel,
-                reason = %reason,
-                tokens_before,
-                fallback,
-                suppressed,
-                "compaction fell back"
-            );
-        }
-    }
-}
-
-impl Drop for Warnings {
-    fn drop(&mut self) {
-        let seen = self.seen.get_mut().unwrap_or_else(|p| p.into_inner());
-        for (reason, (_, left_out)) in seen.iter() {
-            if *left_out > 0 {
-                tracing::warn!(
-                    channel = %self.channel,
-                    reason = %reason,
-                    suppressed = *left_out,
-                    "compaction warn lines suppressed in this turn"
-                );
-            }
-        }
-    }
-}
-
 /// Why a request was refused before the chain ran: the status and the message (the guest
 /// is told it; the log gets `reason`, which holds no guest text).
 struct Refusal {
@@ -1053,21 +957,5 @@ mod tests {
             parse_answer(parts.as_bytes(), 100).unwrap().content.len(),
             100
         );
-    }
-
-    #[test]
-    fn warn_lines_are_rate_limited_per_reason() {
-        let w = Warnings::new("#c");
-        assert_eq!(w.admit("refused", "a"), Some(0));
-        assert_eq!(w.admit("refused", "a"), None);
-        assert_eq!(w.admit("refused", "a"), None);
-        assert_eq!(w.admit("refused", "b"), Some(0));
-        assert_eq!(w.admit("fell back", "a"), Some(0));
-        for i in 0..100 {
-            w.admit("refused", &format!("r{i}"));
-        }
-        let seen = w.seen.lock().unwrap();
-        assert!(seen.len() <= MAX_WARN_REASONS + 2, "{}", seen.len());
-        assert_eq!(seen["refused: a"].1, 2);
     }
 }

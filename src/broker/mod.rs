@@ -66,6 +66,7 @@ pub use mcp_container::{McpEngine, DATA_MOUNT as MCP_DATA_MOUNT, LABEL_MCP};
 mod redact;
 mod server;
 mod tools;
+mod warn;
 
 use std::collections::BTreeSet;
 use std::fmt;

@@ -27,11 +27,11 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use roundtable_sandbox_protocol::{paths, ErrorBody};
 use tokio::net::UnixListener;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, Body, Response, Turn};
+use super::http::{error_response, holding, json_values_over, Response, Turn, MAX_ARGUMENT_VALUES};
 use super::{Broker, TurnContext};
 use crate::driver::GuestStream;
 
@@ -39,9 +39,6 @@ use crate::driver::GuestStream;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest request head.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
-/// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
-pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
 
 /// Where one turn's connections come from.
 pub(crate) enum Acceptor {
@@ -122,7 +119,7 @@ pub(crate) async fn serve(
         compactions: AtomicU32::new(0),
         in_flight,
         compacting: Arc::new(Semaphore::new(1)),
-        warnings: super::compact::Warnings::new(&ctx_channel),
+        warnings: super::warn::Warnings::new(&ctx_channel),
     });
     let mut connections = JoinSet::new();
     let mut closed = false;
@@ -144,7 +141,7 @@ pub(crate) async fn serve(
             }
         };
         if connections.len() >= max_connections {
-            if limit_logged.is_none_or(|t| t.elapsed() >= super::compact::WARN_WINDOW) {
+            if limit_logged.is_none_or(|t| t.elapsed() >= super::warn::WARN_WINDOW) {
                 tracing::warn!(
                     limit = max_connections,
                     suppressed = limit_suppressed,
@@ -218,74 +215,6 @@ fn too_many_connections(limit: usize) -> Vec<u8> {
     .into_bytes();
     out.extend_from_slice(&body);
     out
-}
-
-/// A body that holds its call's in-flight permit until it is sent or dropped.
-struct Holding {
-    body: Body,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl hyper::body::Body for Holding {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// The response with the call's permit moved into its body.
-pub(super) fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
-    response.map(|body| {
-        Holding {
-            body,
-            _permit: permit,
-        }
-        .boxed_unsync()
-    })
-}
-
-/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
-/// plus one. Stops counting past `limit`.
-pub(super) fn json_values_over(raw: &[u8], limit: usize) -> bool {
-    let mut n = 1usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for &b in raw {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' | b',' => {
-                    n += 1;
-                    if n > limit {
-                        return true;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    false
 }
 
 /// A name from the path, shortened for an error message.
