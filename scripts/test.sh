@@ -37,6 +37,8 @@ fi
 echo "== guest image" >&2
 scripts/build-image.sh
 scripts/build-hostile-image.sh
+echo "== MCP servers' image" >&2
+scripts/build-mcp-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
 # The hostile guests again, each turn in a container prepared before its message (warm
@@ -55,7 +57,9 @@ if gvisor_listed; then
   # features and rebuild the crate and its dependants: minutes on a busy machine).
   ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast \
     --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
-    --test security_quota --test runtime --test warm "$@"
+    --test security_quota --test runtime --test warm --test host_dirs --test host_process "$@"
+  # The MCP servers' containers follow the configured runtime too.
+  ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast --test broker "$@" -- mcp_confined
   echo "== gVisor pass: $((SECONDS - started)) s" >&2
 elif [ "${ROUNDTABLE_SKIP_GVISOR:-0}" = 1 ]; then
   echo "== tests under gVisor SKIPPED (ROUNDTABLE_SKIP_GVISOR=1)" >&2

@@ -180,7 +180,7 @@ impl Sandbox {
             )?),
             None => budgets::BudgetBook::open(&resolved.budgets, &resolved.time_zone)?,
         };
-        let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
+        let broker = Broker::new(config.runtime_broker_policy(&resolved)).await?;
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {

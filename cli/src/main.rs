@@ -411,6 +411,42 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     if let Some(file) = &config.budgets.state_file {
         checks.push(state_file_check(file));
     }
+    for m in &config.mcp {
+        if m.unconfined() {
+            checks.push(fail(
+                "mcp",
+                format!(
+                    "{} runs UNCONFINED on the host (confine = \"host\"): the service user's rights, groups (docker) and files",
+                    m.name
+                ),
+                "run it in its own container: remove confine and set image (scripts/build-mcp-image.sh)",
+            ));
+        } else if let Some(image) = m.image.as_deref().filter(|_| m.in_container()) {
+            checks.push(if !docker_ok {
+                fail(
+                    "mcp",
+                    format!(
+                        "{}: image {image} not checked, Docker is unreachable",
+                        m.name
+                    ),
+                    "fix the docker check first",
+                )
+            } else {
+                match driver.image_present(image).await {
+                    Ok(true) => pass(
+                        "mcp",
+                        format!("{}: in a container of {image} (present)", m.name),
+                    ),
+                    Ok(false) => fail(
+                        "mcp",
+                        format!("{}: image {image} is missing", m.name),
+                        "build it: scripts/build-mcp-image.sh",
+                    ),
+                    Err(e) => fail("mcp", e.to_string(), "fix the docker check first"),
+                }
+            });
+        }
+    }
     let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
     checks.push(if len > MAX_SOCKET_PATH {
         fail(
@@ -617,11 +653,12 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         }
     }
     println!(
-        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {:?} per call",
+        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {} compactions, {:?} per call",
         b.max_request_bytes / 1024,
         b.max_response_bytes / 1024,
         b.max_model_calls,
         b.max_tool_calls,
+        b.max_compactions,
         b.call_timeout
     );
     println!(
@@ -654,7 +691,25 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     }
     for m in &config.mcp {
         let how = match &m.transport {
-            McpTransport::Stdio { command, .. } => format!("stdio `{command}`"),
+            McpTransport::Stdio { command, .. } if m.unconfined() => format!(
+                "stdio `{command}` UNCONFINED on the host (confine = \"host\": user {uid}:{gid} with its groups, its files, its network)"
+            ),
+            McpTransport::Stdio { command, .. } => {
+                let ml = &m.limits;
+                format!(
+                    "stdio `{command}` in a container of {} per session (user {uid}:{gid}, no other group, network {}, read-only root, memory {} MiB, {} cpus, {} pids, only its data dir {}/{}/{}/<sha256(channel)> -> /data, quota {} MiB / {} entries)",
+                    m.image.as_deref().unwrap_or("?"),
+                    if m.network { "ON (network = true)" } else { "none" },
+                    ml.memory_mb,
+                    ml.cpus,
+                    ml.pids,
+                    show(&config.workspace_root),
+                    roundtable_sandbox::config::MCP_DATA_DIR,
+                    m.name,
+                    ml.data_mb,
+                    ml.data_files
+                )
+            }
             McpTransport::Http { url, .. } => format!("http {}", host_of(url)),
         };
         let scope = match m.scope() {
@@ -669,6 +724,12 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
             m.name,
             m.tools.join(", ")
         );
+        if m.unconfined() {
+            println!(
+                "WARNING       mcp {} runs unconfined on the host: whatever a guest makes it do, it does with the service user's rights",
+                m.name
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
