@@ -134,6 +134,11 @@ impl BrokerUnderTest {
             model: "bench-model".into(),
             limits: BrokerLimits {
                 max_model_calls: 10_000,
+                // The throughput part's 8 callers in one "turn": above the default 4 in
+                // flight, which would refuse some with 429 (what is measured is the
+                // broker's cost per call, not the per-turn cap).
+                max_calls_in_flight: 16,
+                max_connections: 32,
                 ..BrokerLimits::default()
             },
             ..broker_policy(model_url, "sk-bench-never-in-the-container")

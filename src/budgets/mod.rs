@@ -560,21 +560,65 @@ impl Drop for BudgetBook {
     }
 }
 
+/// The most writes merged into one commit.
+const MAX_BATCH: usize = 4096;
+
+/// Commits the writes in order: the token deltas waiting at once are merged into one
+/// transaction per day (under load, one commit for many calls), a turn, a new day and a
+/// flush each after what came before them.
 fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>) {
-    while let Ok(w) = rx.recv() {
-        let result = match w {
-            Write::Tokens { day, deltas } => store.add_tokens(&day, &deltas),
-            Write::Turn { speaker, at_ms } => store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS),
-            Write::NewDay(day) => store.forget_days_before(&day),
-            Write::Flush(done) => {
-                let _ = done.send(());
-                Ok(())
-            }
-        };
-        if let Err(e) = result {
+    let report = |r: Result<(), StoreError>| {
+        if let Err(e) = r {
             // Kept in memory for this run; the next start reads what was committed.
             tracing::error!(error = %e, "budget state write failed");
         }
+    };
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(w) => batch.push(w),
+                Err(_) => break,
+            }
+        }
+        let mut pending: Option<(String, std::collections::BTreeMap<CounterKey, u64>)> = None;
+        let commit = |store: &mut Box<dyn BudgetStore>,
+                      pending: &mut Option<(
+            String,
+            std::collections::BTreeMap<CounterKey, u64>,
+        )>| {
+            if let Some((day, deltas)) = pending.take() {
+                let deltas: Vec<(CounterKey, u64)> = deltas.into_iter().collect();
+                report(store.add_tokens(&day, &deltas));
+            }
+        };
+        for w in batch {
+            match w {
+                Write::Tokens { day, deltas } => {
+                    if pending.as_ref().is_some_and(|(d, _)| *d != day) {
+                        commit(&mut store, &mut pending);
+                    }
+                    let (_, merged) = pending.get_or_insert_with(|| (day, Default::default()));
+                    for (k, n) in deltas {
+                        let slot = merged.entry(k).or_insert(0);
+                        *slot = slot.saturating_add(n);
+                    }
+                }
+                Write::Turn { speaker, at_ms } => {
+                    commit(&mut store, &mut pending);
+                    report(store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS));
+                }
+                Write::NewDay(day) => {
+                    commit(&mut store, &mut pending);
+                    report(store.forget_days_before(&day));
+                }
+                Write::Flush(done) => {
+                    commit(&mut store, &mut pending);
+                    let _ = done.send(());
+                }
+            }
+        }
+        commit(&mut store, &mut pending);
     }
 }
 
