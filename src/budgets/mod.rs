@@ -562,10 +562,14 @@ impl Drop for BudgetBook {
 
 /// The most writes merged into one commit.
 const MAX_BATCH: usize = 4096;
+/// How long the writer gathers writes after the first before it commits them: at most
+/// this much of the last charges is lost with a crash of the process (what was committed
+/// stays), and under load one commit (one fsync) serves every call of the interval.
+pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Commits the writes in order: the token deltas waiting at once are merged into one
-/// transaction per day (under load, one commit for many calls), a turn, a new day and a
-/// flush each after what came before them.
+/// Commits the writes in order: the token deltas gathered within [`COMMIT_INTERVAL`] are
+/// merged into one transaction per day, a turn, a new day and a flush each after what
+/// came before them (a flush at once, without waiting out the interval).
 fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>) {
     let report = |r: Result<(), StoreError>| {
         if let Err(e) = r {
@@ -574,10 +578,16 @@ fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>) {
         }
     };
     while let Ok(first) = rx.recv() {
+        let until = std::time::Instant::now() + COMMIT_INTERVAL;
+        let mut flushing = matches!(first, Write::Flush(_));
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(w) => batch.push(w),
+        while batch.len() < MAX_BATCH && !flushing {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(w) => {
+                    flushing = matches!(w, Write::Flush(_));
+                    batch.push(w);
+                }
                 Err(_) => break,
             }
         }
