@@ -15,8 +15,9 @@
 //! - [`TurnAccount`]: one turn's running count, shared by the turn runner and its broker;
 //! - [`BudgetSettings`]: the `[budgets]` section, all optional;
 //! - [`BudgetBook`]: the counters in memory (today's tokens by speaker, channel and bot; the
-//!   speakers' turns of the last minute), the checks, and a writer thread that commits each
-//!   change to the store off the caller's thread;
+//!   speakers' turns of the last minute), the checks, and a writer thread that commits the
+//!   changes to the store off the callers' threads (charges gathered for
+//!   [`COMMIT_INTERVAL`], then one transaction);
 //! - [`BudgetRefusal`]: which budget refused, and the message a guest reads.
 //!
 //! **The bound.** A turn is admitted only while every budget has room; each model call is
@@ -297,6 +298,17 @@ enum Write {
     },
     NewDay(String),
     Flush(mpsc::SyncSender<()>),
+    /// Charges are waiting in [`BookState::unsaved`] (sent once per commit interval).
+    Wake,
+}
+
+/// Charges not yet handed to the writer: one day's deltas.
+#[derive(Default)]
+struct Unsaved {
+    day: String,
+    deltas: HashMap<CounterKey, u64>,
+    /// A [`Write::Wake`] is on its way (cleared when the writer takes the deltas).
+    woken: bool,
 }
 
 struct BookState {
@@ -304,6 +316,21 @@ struct BookState {
     tokens: HashMap<CounterKey, u64>,
     /// Each speaker's turn starts (Unix ms) within the last minute.
     turns: HashMap<String, VecDeque<i64>>,
+    /// Charged, not yet taken by the writer.
+    unsaved: Unsaved,
+}
+
+type SharedState = Arc<Mutex<BookState>>;
+
+/// The unsaved deltas, taken for a commit.
+fn take_unsaved(state: &SharedState) -> Option<(String, Vec<(CounterKey, u64)>)> {
+    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    st.unsaved.woken = false;
+    if st.unsaved.deltas.is_empty() {
+        return None;
+    }
+    let deltas = st.unsaved.deltas.drain().collect();
+    Some((std::mem::take(&mut st.unsaved.day), deltas))
 }
 
 /// The budgets' counters, checks and writer (see the module doc).
@@ -311,7 +338,7 @@ pub struct BudgetBook {
     settings: BudgetSettings,
     tz: chrono_tz::Tz,
     clock: Clock,
-    state: Mutex<BookState>,
+    state: SharedState,
     writer: Mutex<Option<mpsc::Sender<Write>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     state_file: Option<PathBuf>,
@@ -358,9 +385,16 @@ impl BudgetBook {
             turns.entry(speaker).or_default().push_back(at);
         }
         let (tx, rx) = mpsc::channel::<Write>();
+        let state: SharedState = Arc::new(Mutex::new(BookState {
+            day,
+            tokens,
+            turns,
+            unsaved: Unsaved::default(),
+        }));
+        let shared = state.clone();
         let thread = std::thread::Builder::new()
             .name("budget-writer".into())
-            .spawn(move || writer(store, rx))
+            .spawn(move || writer(store, rx, shared))
             .map_err(|e| StoreError::Open {
                 path: settings.state_file.clone().unwrap_or_default(),
                 reason: format!("start the writer thread: {e}"),
@@ -369,7 +403,7 @@ impl BudgetBook {
             settings: settings.clone(),
             tz,
             clock,
-            state: Mutex::new(BookState { day, tokens, turns }),
+            state,
             writer: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             state_file: settings.state_file.clone(),
@@ -397,6 +431,12 @@ impl BudgetBook {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let day = now.with_timezone(&self.tz).date_naive();
         if day != st.day {
+            // The last day's unsaved charges go first, under their own day.
+            if !st.unsaved.deltas.is_empty() {
+                let deltas = st.unsaved.deltas.drain().collect();
+                let old = std::mem::take(&mut st.unsaved.day);
+                self.send(Write::Tokens { day: old, deltas });
+            }
             st.day = day;
             st.tokens.clear();
             self.send(Write::NewDay(day.to_string()));
@@ -507,18 +547,24 @@ impl BudgetBook {
             return;
         }
         let mut st = self.state((self.clock)());
-        let deltas = vec![
-            (CounterKey::Speaker(speaker.to_owned()), tokens),
-            (CounterKey::Channel(channel.to_owned()), tokens),
-            (CounterKey::Bot, tokens),
-        ];
-        for (k, n) in &deltas {
-            let slot = st.tokens.entry(k.clone()).or_insert(0);
-            *slot = slot.saturating_add(*n);
+        let st = &mut *st;
+        if st.unsaved.deltas.is_empty() {
+            st.unsaved.day = st.day.to_string();
         }
-        let day = st.day.to_string();
-        drop(st);
-        self.send(Write::Tokens { day, deltas });
+        for key in [
+            CounterKey::Speaker(speaker.to_owned()),
+            CounterKey::Channel(channel.to_owned()),
+            CounterKey::Bot,
+        ] {
+            let slot = st.unsaved.deltas.entry(key.clone()).or_insert(0);
+            *slot = slot.saturating_add(tokens);
+            let slot = st.tokens.entry(key).or_insert(0);
+            *slot = slot.saturating_add(tokens);
+        }
+        // One wake-up of the writer per commit interval, not one per charge.
+        if !std::mem::replace(&mut st.unsaved.woken, true) {
+            self.send(Write::Wake);
+        }
     }
 
     /// Today's tokens of a counter (in memory: what is charged, committed or about to be).
@@ -560,76 +606,55 @@ impl Drop for BudgetBook {
     }
 }
 
-/// The most writes merged into one commit.
-const MAX_BATCH: usize = 4096;
-/// How long the writer gathers writes after the first before it commits them: at most
+/// How long the writer gathers charges after the first before it commits them: at most
 /// this much of the last charges is lost with a crash of the process (what was committed
 /// stays), and under load one commit (one fsync) serves every call of the interval.
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Commits the writes in order: the token deltas gathered within [`COMMIT_INTERVAL`] are
-/// merged into one transaction per day, a turn, a new day and a flush each after what
-/// came before them (a flush at once, without waiting out the interval).
-fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>) {
+/// Commits the writes in order. Charges are gathered in memory and taken by the writer
+/// [`COMMIT_INTERVAL`] after the first of them woke it, all in one transaction (under load
+/// one commit, one fsync, per interval; no wake-up per call); a flush takes them at once.
+fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: SharedState) {
     let report = |r: Result<(), StoreError>| {
         if let Err(e) = r {
             // Kept in memory for this run; the next start reads what was committed.
             tracing::error!(error = %e, "budget state write failed");
         }
     };
-    while let Ok(first) = rx.recv() {
+    let commit = |store: &mut Box<dyn BudgetStore>| {
+        if let Some((day, deltas)) = take_unsaved(&state) {
+            report(store.add_tokens(&day, &deltas));
+        }
+    };
+    let handle = |store: &mut Box<dyn BudgetStore>, w: Write| match w {
+        Write::Tokens { day, deltas } => report(store.add_tokens(&day, &deltas)),
+        Write::Turn { speaker, at_ms } => {
+            report(store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS));
+        }
+        Write::NewDay(day) => report(store.forget_days_before(&day)),
+        Write::Flush(done) => {
+            commit(store);
+            let _ = done.send(());
+        }
+        Write::Wake => {}
+    };
+    while let Ok(w) = rx.recv() {
+        if !matches!(w, Write::Wake) {
+            handle(&mut store, w);
+            continue;
+        }
+        // Gather the interval's charges; other writes are served as they come.
         let until = std::time::Instant::now() + COMMIT_INTERVAL;
-        let mut flushing = matches!(first, Write::Flush(_));
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH && !flushing {
+        loop {
             let left = until.saturating_duration_since(std::time::Instant::now());
             match rx.recv_timeout(left) {
-                Ok(w) => {
-                    flushing = matches!(w, Write::Flush(_));
-                    batch.push(w);
-                }
+                Ok(w) => handle(&mut store, w),
                 Err(_) => break,
             }
         }
-        let mut pending: Option<(String, std::collections::BTreeMap<CounterKey, u64>)> = None;
-        let commit = |store: &mut Box<dyn BudgetStore>,
-                      pending: &mut Option<(
-            String,
-            std::collections::BTreeMap<CounterKey, u64>,
-        )>| {
-            if let Some((day, deltas)) = pending.take() {
-                let deltas: Vec<(CounterKey, u64)> = deltas.into_iter().collect();
-                report(store.add_tokens(&day, &deltas));
-            }
-        };
-        for w in batch {
-            match w {
-                Write::Tokens { day, deltas } => {
-                    if pending.as_ref().is_some_and(|(d, _)| *d != day) {
-                        commit(&mut store, &mut pending);
-                    }
-                    let (_, merged) = pending.get_or_insert_with(|| (day, Default::default()));
-                    for (k, n) in deltas {
-                        let slot = merged.entry(k).or_insert(0);
-                        *slot = slot.saturating_add(n);
-                    }
-                }
-                Write::Turn { speaker, at_ms } => {
-                    commit(&mut store, &mut pending);
-                    report(store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS));
-                }
-                Write::NewDay(day) => {
-                    commit(&mut store, &mut pending);
-                    report(store.forget_days_before(&day));
-                }
-                Write::Flush(done) => {
-                    commit(&mut store, &mut pending);
-                    let _ = done.send(());
-                }
-            }
-        }
-        commit(&mut store, &mut pending);
+        commit(&mut store);
     }
+    commit(&mut store);
 }
 
 #[cfg(test)]
