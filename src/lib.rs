@@ -49,7 +49,6 @@ pub mod image;
 pub mod lock;
 #[cfg(feature = "cli")]
 pub mod offline;
-mod prepared;
 pub mod quota;
 #[cfg(feature = "cli")]
 pub mod settings;
@@ -59,10 +58,11 @@ pub mod testing;
 pub mod turn;
 pub mod warm;
 
-use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use turn::resources::LiveTurns;
+
+pub use channel::ChannelId;
 pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
@@ -92,13 +92,6 @@ struct Inner {
     warm: warm::WarmPool,
     /// The run root's and the workspace root's locks, held for the runtime's life.
     _locks: [lock::RootLock; 2],
-}
-
-/// The run dirs and containers of this runtime's turns in flight.
-#[derive(Debug, Default)]
-pub(crate) struct LiveTurns {
-    pub(crate) run_dirs: HashSet<PathBuf>,
-    pub(crate) containers: HashSet<String>,
 }
 
 /// Errors of starting a runtime.
@@ -192,7 +185,7 @@ impl Sandbox {
 
     /// Stops the channel's MCP sessions (see [`Broker::release_channel`]): taken out at
     /// once, closed by the returned future.
-    pub fn release_channel(&self, channel: &str) -> broker::BoxFuture<'static, ()> {
+    pub fn release_channel(&self, channel: impl Into<ChannelId>) -> broker::BoxFuture<'static, ()> {
         self.inner.broker.release_channel(channel)
     }
 

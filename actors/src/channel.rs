@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::PreparedTurn;
+use roundtable_sandbox::{ChannelId, PreparedTurn};
 use roundtable_sandbox::TurnOutcome;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -33,7 +33,7 @@ use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxAct
 /// generation lives in a cell the supervisor keeps. An idle actor asks to be retired after
 /// `idle_timeout`.
 pub(crate) struct ChannelActor {
-    key: String,
+    channel: ChannelId,
     shared: Arc<Shared>,
     reset: ResetGeneration,
     supervisor: SupervisorLink,
@@ -108,16 +108,15 @@ impl Drop for ActiveTurn {
 
 impl ChannelActor {
     pub(crate) fn new(
-        key: String,
+        channel: ChannelId,
         shared: Arc<Shared>,
         reset: ResetGeneration,
         supervisor: SupervisorLink,
         actor_id: u64,
     ) -> Self {
-        let segment = roundtable_sandbox::turn::channel_segment(&key);
-        let span = tracing::info_span!("channel", channel = &segment[..16], actor = actor_id);
+        let span = tracing::info_span!("channel", channel = channel.short(), actor = actor_id);
         Self {
-            key,
+            channel,
             shared,
             reset,
             supervisor,
@@ -152,7 +151,7 @@ impl ChannelActor {
         let cancel = CancellationToken::new();
         self.preparing = Some((seq, cancel.clone()));
         let stamp = self.reset.stamp();
-        let (sandbox, key) = (self.shared.sandbox.clone(), self.key.clone());
+        let (sandbox, key) = (self.shared.sandbox.clone(), self.channel.clone());
         let task = actix_rt::spawn(
             async move { sandbox.prepare_turn(&key, cancel).await }.instrument(self.span.clone()),
         );
@@ -289,7 +288,7 @@ impl ChannelActor {
         let ahead = self.queue.len() + usize::from(self.active.is_some());
         if ahead > 0 {
             ProgressSink {
-                channel: self.key.clone(),
+                channel: self.channel.key().to_owned(),
                 turn: 0,
                 recipient: message.progress.clone(),
                 callback: self.shared.progress.clone(),
@@ -339,7 +338,7 @@ impl ChannelActor {
         let admitted = Instant::now();
         let control = TurnControl::default();
         let progress = ProgressSink {
-            channel: self.key.clone(),
+            channel: self.channel.key().to_owned(),
             turn: id,
             recipient: message.progress,
             callback: self.shared.progress.clone(),
@@ -347,6 +346,7 @@ impl ChannelActor {
         let prepared = self.take_prepared(ctx);
         let job = TurnJob {
             prepared,
+            channel: self.channel.clone(),
             shared: self.shared.clone(),
             speaker: message.speaker,
             text: message.text,
@@ -384,7 +384,7 @@ impl ChannelActor {
             act.idle_timer = None;
             if act.is_idle() && !act.shutting_down {
                 act.supervisor.idle.do_send(ChannelIdle {
-                    channel: act.key.clone(),
+                    channel: act.channel.clone(),
                     actor_id: act.actor_id,
                     received: act.received,
                 });
@@ -394,7 +394,7 @@ impl ChannelActor {
 
     fn status(&self) -> ChannelStatus {
         ChannelStatus {
-            channel: self.key.clone(),
+            channel: self.channel.key().to_owned(),
             state: self
                 .active
                 .as_ref()
@@ -445,7 +445,7 @@ impl actix::Supervised for ChannelActor {
         self.idle_timer = None;
         tracing::warn!(parent: &self.span, restarts = self.restarts, "channel actor restarted");
         self.supervisor.restarted.do_send(ChannelRestartedNotice {
-            channel: self.key.clone(),
+            channel: self.channel.clone(),
         });
     }
 }

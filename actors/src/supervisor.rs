@@ -131,7 +131,13 @@ impl SandboxSupervisor {
             };
             let (shared, owned_key) = (self.shared.clone(), key.to_owned());
             let addr = actix::Supervisor::start(move |_| {
-                ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
+                ChannelActor::new(
+                    roundtable_sandbox::ChannelId::new(&owned_key),
+                    shared,
+                    reset,
+                    supervisor,
+                    actor_id,
+                )
             });
             self.channels.insert(
                 key.to_owned(),
@@ -218,13 +224,13 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         }
         let current = self
             .channels
-            .get(&msg.channel)
+            .get(msg.channel.key())
             .is_some_and(|entry| entry.actor_id == msg.actor_id && entry.forwarded == msg.received);
         if !current {
             // A message is on its way to it (it will go idle again later), or it was replaced.
             return;
         }
-        if let Some(entry) = self.channels.remove(&msg.channel) {
+        if let Some(entry) = self.channels.remove(msg.channel.key()) {
             entry.addr.do_send(Retire);
         }
         // The channel's MCP sessions go with it: taken out of the pool now (before any later
@@ -232,10 +238,10 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         actix_rt::spawn(self.shared.sandbox.release_channel(&msg.channel));
         if self
             .resets
-            .get(&msg.channel)
+            .get(msg.channel.key())
             .is_some_and(|g| g.pending() == 0)
         {
-            self.resets.remove(&msg.channel);
+            self.resets.remove(msg.channel.key());
         }
         self.retired += 1;
     }
@@ -246,9 +252,8 @@ impl Handler<ChannelRestartedNotice> for SandboxSupervisor {
 
     fn handle(&mut self, msg: ChannelRestartedNotice, _: &mut Self::Context) {
         self.restarts += 1;
-        let segment = roundtable_sandbox::turn::channel_segment(&msg.channel);
         tracing::warn!(
-            channel = &segment[..16],
+            channel = msg.channel.short(),
             "channel actor restarted after a panic"
         );
     }

@@ -1,14 +1,15 @@
 //! The [`TurnActor`]: one turn, from admission to the end of its teardown.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use actix::prelude::*;
 use roundtable_sandbox::turn::TurnError;
+use roundtable_sandbox::turn::run_admitted;
 use roundtable_sandbox::{
-    run_turn_prepared, PhaseObserver, PreparedTurn, Reply, Speaker, TurnFailure, TurnOutcome,
+    PhaseObserver, PreparedTurn, Reply, Speaker, TurnFailure, TurnOutcome,
     TurnPhase, TurnRequest,
 };
 use tokio::sync::oneshot;
@@ -32,21 +33,22 @@ pub(crate) struct TurnControl(Arc<ControlInner>);
 struct ControlInner {
     stop: CancellationToken,
     abort: OnceLock<AbortReason>,
-    /// 0: admitted; 1: waiting for a slot; 2 + n: the core's phase n.
-    phase: AtomicU8,
+    /// Where the turn is: the core's phase itself, kept as it is reported.
+    phase: Mutex<Stage>,
     replied: AtomicBool,
 }
 
-const PHASES: [TurnPhase; 8] = [
-    TurnPhase::Preparing,
-    TurnPhase::BrokerListening,
-    TurnPhase::ContainerRunning,
-    TurnPhase::ModelCall,
-    TurnPhase::ToolCall,
-    TurnPhase::Replied,
-    TurnPhase::TearingDown,
-    TurnPhase::Done,
-];
+/// A turn's stage as its channel reports it.
+#[derive(Debug, Clone, Copy, Default)]
+enum Stage {
+    /// Admitted, not yet waiting or running.
+    #[default]
+    Admitted,
+    /// Waiting for a container slot.
+    WaitingForSlot,
+    /// In the core, at this phase.
+    Running(TurnPhase),
+}
 
 impl TurnControl {
     /// Stops the turn; returns whether it was still active (admitted, not yet answered,
@@ -67,13 +69,12 @@ impl TurnControl {
         self.0.replied.load(Ordering::SeqCst)
     }
 
-    fn set_phase(&self, phase: u8) {
-        self.0.phase.store(phase, Ordering::SeqCst);
-    }
-
-    fn set_turn_phase(&self, phase: TurnPhase) {
-        let n = PHASES.iter().position(|p| *p == phase).unwrap_or(0) as u8;
-        self.set_phase(2 + n);
+    fn set_stage(&self, stage: Stage) {
+        *self
+            .0
+            .phase
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stage;
     }
 
     /// The channel's state as this turn makes it.
@@ -81,15 +82,15 @@ impl TurnControl {
         if self.0.stop.is_cancelled() && !self.replied() {
             return ChannelState::Stopping;
         }
-        match self.0.phase.load(Ordering::SeqCst) {
-            0 => ChannelState::Running(TurnPhase::Preparing),
-            1 => ChannelState::WaitingForSlot,
-            n => ChannelState::Running(
-                PHASES
-                    .get(usize::from(n - 2))
-                    .copied()
-                    .unwrap_or(TurnPhase::Done),
-            ),
+        let stage = *self
+            .0
+            .phase
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match stage {
+            Stage::Admitted => ChannelState::Running(TurnPhase::Preparing),
+            Stage::WaitingForSlot => ChannelState::WaitingForSlot,
+            Stage::Running(phase) => ChannelState::Running(phase),
         }
     }
 }
@@ -127,6 +128,7 @@ impl ProgressSink {
 /// Everything a turn needs, handed over by its channel at admission.
 pub(crate) struct TurnJob {
     pub(crate) shared: Arc<Shared>,
+    pub(crate) channel: roundtable_sandbox::ChannelId,
     pub(crate) speaker: Speaker,
     pub(crate) text: String,
     /// The message's stamp among the channel's resets.
@@ -208,7 +210,7 @@ impl Actor for TurnActor {
             channel: self.channel.clone(),
         };
         let request = TurnRequest {
-            channel: job.progress.channel.clone(),
+            channel: job.channel,
             speaker: job.speaker,
             text: job.text,
             reset: job.reset,
@@ -321,16 +323,16 @@ async fn run_job(
     }
     // A container slot under the global cap. The semaphore is FIFO and each channel has at
     // most one turn waiting, so waiting channels are served in turn. The wait counts
-    // against the turn's timeout, which runs from admission (as the TypeScript package arms its timer in
-    // `runTurn`, before anything else).
+    // against the turn's timeout, which runs from admission (as the TypeScript package arms
+    // its timer in `runTurn`, before anything else): the deadline is the admitted turn's.
+    let turn = shared.sandbox.admit(request);
     let timeout = shared.sandbox.config().turn_timeout;
-    let admitted = request.admitted.unwrap_or_else(Instant::now);
-    let deadline = tokio::time::Instant::from_std(admitted) + timeout;
+    let deadline = tokio::time::Instant::from_std(turn.deadline());
     let limiter = shared.limiter.clone();
     let _permit = match limiter.clone().try_acquire_owned() {
         Ok(permit) => permit,
         Err(_) => {
-            control.set_phase(1);
+            control.set_stage(Stage::WaitingForSlot);
             progress.emit(ProgressEvent::WaitingForSlot);
             let _waiting = shared.waiting_guard();
             tokio::select! {
@@ -363,13 +365,13 @@ async fn run_job(
         let control = control.clone();
         let progress = progress.clone();
         Arc::new(move |phase| {
-            control.set_turn_phase(phase);
+            control.set_stage(Stage::Running(phase));
             progress.emit(ProgressEvent::Phase(phase));
         })
     };
-    run_turn_prepared(
+    run_admitted(
         &shared.sandbox,
-        request,
+        turn,
         prepared,
         |reply| delivery.deliver(reply),
         Some(observer),

@@ -596,7 +596,7 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
     let sandbox = Sandbox::new(config).await?;
     let reply = sandbox
         .run_turn(TurnRequest {
-            channel,
+            channel: channel.into(),
             speaker,
             text: words.join(" "),
             reset,

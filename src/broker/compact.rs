@@ -102,14 +102,9 @@ impl Compactor {
     }
 }
 
-/// The first 16 hex digits of the channel's sha256.
-fn channel_hash(channel: &str) -> String {
-    crate::channel::channel_segment(channel)[..16].to_owned()
-}
-
 /// Answers one compaction request.
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
-    let channel = channel_hash(&turn.ctx.channel);
+    let channel = turn.ctx.channel.short();
     let refuse = |status: StatusCode, reason: &str| {
         tracing::warn!(
             channel = %channel,
@@ -170,7 +165,7 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
             &format!("invalid compaction request: {e}"),
         );
     }
-    let reply = compact(turn, &request, &channel).await;
+    let reply = compact(turn, &request, channel).await;
     json_response(StatusCode::OK, &reply)
 }
 

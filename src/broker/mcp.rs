@@ -393,7 +393,7 @@ impl McpPool {
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
         };
-        let segment = crate::channel::channel_segment(&ctx.channel);
+        let segment = ctx.channel.segment().to_owned();
         let mut meta = serde_json::Map::new();
         meta.insert(META_CHANNEL.into(), segment.clone().into());
         meta.insert(

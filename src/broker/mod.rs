@@ -771,7 +771,7 @@ testing_pub! {
     #[derive(Clone)]
     struct TurnContext {
         /// The turn's channel.
-        pub channel: String,
+        pub channel: crate::ChannelId,
         /// Who wrote the turn's message.
         pub speaker: Speaker,
         /// Fired when the turn ends.
@@ -956,8 +956,8 @@ impl Broker {
     /// returned future closes them (stdin closed, then SIGTERM, then SIGKILL; reaped).
     /// The actor layer calls it when it retires an idle channel. Without it a channel's
     /// sessions live until `max_sessions` makes room for others, or until shutdown.
-    pub fn release_channel(&self, channel: &str) -> BoxFuture<'static, ()> {
-        let sessions = self.mcp.release(&crate::channel::channel_segment(channel));
+    pub fn release_channel(&self, channel: impl Into<crate::ChannelId>) -> BoxFuture<'static, ()> {
+        let sessions = self.mcp.release(channel.into().segment());
         if !sessions.is_empty() {
             tracing::debug!(
                 sessions = sessions.len(),

@@ -118,7 +118,7 @@ impl HostTools {
         // Cancels the handler's token however this call ends (deadline, turn stop, drop).
         let _guard = cancel.clone().drop_guard();
         let call_ctx = ToolCallContext {
-            channel: ctx.channel.clone(),
+            channel: ctx.channel.key().to_owned(),
             speaker: ctx.speaker.clone(),
             cancel: cancel.clone(),
         };
