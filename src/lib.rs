@@ -45,6 +45,7 @@ pub mod broker;
 mod channel;
 pub mod config;
 pub mod driver;
+pub mod events;
 pub mod image;
 pub mod lock;
 #[cfg(feature = "cli")]
@@ -62,8 +63,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use turn::resources::LiveTurns;
 
-pub use channel::ChannelId;
 pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
+pub use channel::ChannelId;
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
@@ -90,6 +91,8 @@ struct Inner {
     live: Arc<Mutex<LiveTurns>>,
     /// The prepared containers' permits (`warm.max`).
     warm: warm::WarmPool,
+    /// Where every event goes (see [`events`]).
+    events: Arc<events::EventHub>,
     /// The run root's and the workspace root's locks, held for the runtime's life.
     _locks: [lock::RootLock; 2],
 }
@@ -120,6 +123,7 @@ impl Sandbox {
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
         let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
+        let events = Arc::new(events::EventHub::new(config.observer.clone()));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
@@ -127,7 +131,7 @@ impl Sandbox {
                 if let Some(host) = &config.docker_host {
                     options.host = host.clone();
                 }
-                Arc::new(DockerDriver::new(options))
+                Arc::new(DockerDriver::new(options).with_events(events.clone()))
             }
         };
         let warm = resolved.warm;
@@ -138,6 +142,7 @@ impl Sandbox {
                 driver,
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
+                events,
                 _locks: locks,
             }),
         })
@@ -156,6 +161,17 @@ impl Sandbox {
     /// The container driver.
     pub fn driver(&self) -> &Arc<dyn ContainerDriver> {
         &self.inner.driver
+    }
+
+    /// Where the runtime's events go.
+    pub(crate) fn events(&self) -> &Arc<events::EventHub> {
+        &self.inner.events
+    }
+
+    /// Sends one event of the runtime's (the actor layer's own: a queued message, a wait
+    /// for a slot, a refusal's end).
+    pub fn emit(&self, turn: Option<u64>, channel: Option<&ChannelId>, kind: events::EventKind) {
+        self.inner.events.emit(turn, channel, kind);
     }
 
     /// The turns in flight (the turn runner registers them, the sweep skips them).

@@ -24,9 +24,10 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::config::WarmSettings;
+use crate::events::{EventKind, WarmEvent};
 use crate::turn::resources::{Start, TurnResources};
-pub use crate::turn::{PreparedTurn, LABEL_PREPARED};
 use crate::turn::TurnError;
+pub use crate::turn::{PreparedTurn, LABEL_PREPARED};
 use crate::Sandbox;
 
 /// The runtime's prepared containers: one permit each, up to `warm.max`.
@@ -34,10 +35,6 @@ use crate::Sandbox;
 pub(crate) struct WarmPool {
     permits: Arc<Semaphore>,
     max: usize,
-    /// Turns served by a prepared container, and turns whose prepared container could not
-    /// serve (they started cold).
-    pub(crate) adopted: std::sync::atomic::AtomicU64,
-    pub(crate) fell_back: std::sync::atomic::AtomicU64,
 }
 
 impl WarmPool {
@@ -46,8 +43,6 @@ impl WarmPool {
         Self {
             permits: Arc::new(Semaphore::new(max)),
             max,
-            adopted: Default::default(),
-            fell_back: Default::default(),
         }
     }
 }
@@ -59,17 +54,10 @@ impl Sandbox {
     }
 
     /// Turns served by a prepared container, and turns whose prepared container could not
-    /// serve them (they started cold), since start.
+    /// serve them (they started cold), since start: a count of the
+    /// [`WarmEvent`](crate::events::WarmEvent)s `Adopted` and `FellBack`.
     pub fn warm_counts(&self) -> (u64, u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let w = &self.inner.warm;
-        (w.adopted.load(Relaxed), w.fell_back.load(Relaxed))
-    }
-
-    pub(crate) fn count_warm(&self, adopted: bool) {
-        let w = &self.inner.warm;
-        let counter = if adopted { &w.adopted } else { &w.fell_back };
-        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.events().warm_counts()
     }
 
     /// Prepared containers alive now (waiting, or being prepared or removed).
@@ -112,7 +100,10 @@ impl Sandbox {
             other => other,
         };
         match started {
-            Ok(()) => Ok(Some(PreparedTurn::new(resources, permit))),
+            Ok(()) => {
+                self.emit(None, Some(&channel), EventKind::Warm(WarmEvent::Prepared));
+                Ok(Some(PreparedTurn::new(resources, permit)))
+            }
             Err(e) => {
                 resources.teardown_logged("remove failed preparation").await;
                 Err(e.into())

@@ -71,7 +71,11 @@ impl SandboxSupervisor {
         config: SupervisorOptions,
     ) -> Result<(Addr<Self>, SweepReport), SandboxActorError> {
         config.validate()?;
-        let sandbox = Sandbox::new(config.config.clone()).await?;
+        let mut core = config.config.clone();
+        if let Some(observer) = &config.observer {
+            core.observer = Some(observer.clone());
+        }
+        let sandbox = Sandbox::new(core).await?;
         let report = if config.sweep_on_start {
             sandbox.sweep().await
         } else {
@@ -161,6 +165,14 @@ impl Handler<GuestMessage> for SandboxSupervisor {
 
     fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
         if self.shutdown.is_some() {
+            self.shared.sandbox.emit(
+                None,
+                Some(&roundtable_sandbox::ChannelId::new(&message.channel)),
+                roundtable_sandbox::events::EventKind::Ended {
+                    failure: Some(roundtable_sandbox::TurnFailure::ShuttingDown),
+                    warm: false,
+                },
+            );
             return Box::pin(std::future::ready(Err(SandboxActorError::ShuttingDown)));
         }
         // The message's place among the channel's resets, in mailbox order (see `reset`).

@@ -35,10 +35,11 @@ use roundtable_sandbox_protocol::compaction::{
 use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 
-use super::http::{error_response, json_response, Response, Turn};
+use super::http::{json_response, Response, Turn};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
-use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
+use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
+use crate::events::Refusal;
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
 /// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
@@ -111,7 +112,7 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
             reason,
             "compaction request refused; the guest falls back to the plain summary"
         );
-        error_response(status, reason)
+        super::http::refuse(status, Refusal::Compaction, reason)
     };
     if req.method() != Method::POST {
         return refuse(
@@ -153,8 +154,9 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
                 reason = "malformed compaction request",
                 "compaction request refused; the guest falls back to the plain summary"
             );
-            return error_response(
+            return super::http::refuse(
                 StatusCode::BAD_REQUEST,
+                Refusal::Compaction,
                 &format!("malformed compaction request: {e}"),
             );
         }
@@ -298,9 +300,10 @@ async fn call(
         ));
     }
     usage.model_calls += 1;
-    if let Some(events) = &turn.ctx.events {
-        events(BrokerEvent::ModelCall);
-    }
+    crate::events::emit(
+        &turn.ctx.events,
+        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
+    );
     let messages: Vec<Message> = summary_messages(request);
     let body = serde_json::json!({
         "model": model,

@@ -39,11 +39,12 @@ use roundtable_sandbox_protocol::{McpServerSpec, ToolSpec};
 use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, Response};
+use super::http::{error_response, failure, refuse, Response};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
     valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServer, McpTransport, TurnContext,
 };
+use crate::events::Refusal;
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
 const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"];
@@ -388,7 +389,7 @@ impl McpPool {
         };
         let value = serde_json::Value::Object(args);
         if let Err(msg) = check_args(&pin.validator, &value) {
-            return error_response(StatusCode::BAD_REQUEST, &msg);
+            return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg);
         }
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
@@ -447,12 +448,14 @@ impl McpPool {
             }
         };
         match outcome {
-            Err(_) => error_response(
+            Err(_) => failure(
                 StatusCode::GATEWAY_TIMEOUT,
                 &format!("tool call timed out after {timeout:?}"),
             ),
-            Ok(Err(CallError::Failed(msg))) => error_response(StatusCode::BAD_GATEWAY, &msg),
-            Ok(Err(CallError::Busy(msg))) => error_response(StatusCode::SERVICE_UNAVAILABLE, &msg),
+            Ok(Err(CallError::Failed(msg))) => failure(StatusCode::BAD_GATEWAY, &msg),
+            Ok(Err(CallError::Busy(msg))) => {
+                refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
+            }
             Ok(Err(CallError::Tool(msg))) => tool_result(Err(format!("MCP error: {msg}")), policy),
             Ok(Ok(result)) => {
                 let text = result_text(&result.content, result.structured_content.as_ref());

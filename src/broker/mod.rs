@@ -776,8 +776,9 @@ testing_pub! {
         pub speaker: Speaker,
         /// Fired when the turn ends.
         pub cancel: CancellationToken,
-        /// Told of each call the broker starts (for progress displays); never of its content.
-        pub events: Option<BrokerEvents>,
+        /// The turn's events: each call and each refusal (never their content); `None` for
+        /// a broker driven alone.
+        pub events: Option<crate::events::TurnEvents>,
     }
 }
 
@@ -787,22 +788,10 @@ impl fmt::Debug for TurnContext {
             .field("channel", &self.channel)
             .field("speaker", &self.speaker)
             .field("cancel", &self.cancel)
-            .field("events", &self.events.as_ref().map(|_| "callback"))
+            .field("events", &self.events)
             .finish()
     }
 }
-
-/// What the broker is doing for a turn.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BrokerEvent {
-    /// A model call is forwarded upstream.
-    ModelCall,
-    /// A host or MCP tool is called.
-    ToolCall,
-}
-
-/// Receives [`BrokerEvent`]s; called on the connection's task, so it must return quickly.
-pub type BrokerEvents = Arc<dyn Fn(BrokerEvent) + Send + Sync>;
 
 testing_pub! {
     /// Checks the policy without any side effect (no process started, no connection made):

@@ -100,6 +100,8 @@ pub struct Config {
     pub turn_timeout: Option<Duration>,
     /// A custom driver; `None` selects Docker.
     pub driver: Option<Arc<dyn ContainerDriver>>,
+    /// Receives every event of the runtime (see [`crate::events`]); installed once, here.
+    pub observer: Option<crate::events::Observer>,
     /// Offline tests only; production endpoints must use HTTPS.
     pub allow_http: bool,
     /// The broker's caps on what the guest may ask.
@@ -147,6 +149,7 @@ impl std::fmt::Debug for Config {
             .field("runtime", &self.runtime)
             .field("compaction", &self.compaction)
             .field("warm", &self.warm)
+            .field("observer", &self.observer.as_ref().map(|_| "observer"))
             .finish_non_exhaustive()
     }
 }
@@ -188,6 +191,7 @@ impl Config {
                 limits: Limits::default(),
                 turn_timeout: None,
                 driver: None,
+                observer: None,
                 allow_http: false,
                 broker_limits: BrokerLimits::default(),
                 instance: None,
@@ -303,6 +307,8 @@ impl ConfigBuilder {
         turn_timeout: Duration;
         /// A custom container driver (instead of Docker).
         driver: Arc<dyn ContainerDriver>;
+        /// The runtime's event observer (see [`crate::events`]).
+        observer: crate::events::Observer;
         /// The instance name (label of this runtime's containers).
         instance: impl Into<String>;
         /// Model steps per turn.

@@ -79,6 +79,8 @@ pub struct DockerDriver {
     /// not host processes, so what they hold open is counted inside (see
     /// [`ContainerDriver::held_files`]).
     sandboxed: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    /// Where each engine call is reported (operation, latency), if the runtime observes.
+    events: Option<Arc<crate::events::EventHub>>,
 }
 
 /// Where a container's process list is read.
@@ -99,7 +101,14 @@ impl DockerDriver {
             process_files: Default::default(),
             data_root: Arc::new(OnceCell::new()),
             sandboxed: Default::default(),
+            events: None,
         }
+    }
+
+    /// The driver reporting each engine call to the runtime's events.
+    pub(crate) fn with_events(mut self, events: Arc<crate::events::EventHub>) -> Self {
+        self.events = Some(events);
+        self
     }
 
     /// The engine's client, connected and version-negotiated on first use.
@@ -207,7 +216,8 @@ impl DockerDriver {
         container: &str,
         fut: impl std::future::Future<Output = Result<T, BollardError>>,
     ) -> Result<T, DriverError> {
-        match tokio::time::timeout(self.options.call_timeout, fut).await {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(self.options.call_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(op, container, e)),
             Err(_) => Err(DriverError::CallTimeout {
@@ -216,7 +226,19 @@ impl DockerDriver {
                 container: container.to_owned(),
                 after: self.options.call_timeout,
             }),
+        };
+        if let Some(events) = &self.events {
+            events.emit(
+                None,
+                None,
+                crate::events::EventKind::Engine {
+                    op,
+                    latency: started.elapsed(),
+                    ok: result.is_ok(),
+                },
+            );
         }
+        result
     }
 
     fn spawn_kill(&self, docker: &Docker, name: &str) {

@@ -50,6 +50,16 @@ pub struct BrokerTurn {
 impl BrokerTurn {
     /// Listens for a turn of `speaker` in `channel`.
     pub async fn start(broker: &Arc<Broker>, channel: &str, speaker: Speaker) -> Self {
+        Self::start_observed(broker, channel, speaker, None).await
+    }
+
+    /// [`BrokerTurn::start`], the turn's events (turn number 1) going to `observer`.
+    pub async fn start_observed(
+        broker: &Arc<Broker>,
+        channel: &str,
+        speaker: Speaker,
+        observer: Option<crate::events::Observer>,
+    ) -> Self {
         let dir = tempfile::Builder::new()
             .prefix("rtb-")
             .tempdir_in("/tmp")
@@ -60,7 +70,14 @@ impl BrokerTurn {
             channel: channel.into(),
             speaker,
             cancel: cancel.clone(),
-            events: None,
+            events: observer.map(|o| {
+                crate::events::TurnEvents::new(
+                    Arc::new(crate::events::EventHub::new(Some(o))),
+                    1,
+                    channel.into(),
+                    None,
+                )
+            }),
         };
         let listener = broker.listen(&socket, ctx).await.unwrap();
         Self {

@@ -28,17 +28,18 @@ mod outcome;
 mod prepared;
 pub(crate) mod resources;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use roundtable_sandbox_protocol::{Reply, Speaker, Turn};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::broker::{BrokerEvent, TurnContext};
-use crate::driver::DriverError;
-use crate::Sandbox;
+use crate::broker::TurnContext;
 pub use crate::channel::channel_segment;
+use crate::driver::DriverError;
+use crate::events::{EventKind, TurnEvents, WarmEvent};
+use crate::Sandbox;
 #[cfg(feature = "testing")]
 pub use judge::judge;
 pub use judge::{parse_reply, GUEST_ERROR_PREFIX};
@@ -73,9 +74,24 @@ pub struct TurnRequest {
 pub struct AdmittedTurn {
     request: TurnRequest,
     deadline: Instant,
+    number: u64,
+    stopped_for: Option<Arc<OnceLock<TurnFailure>>>,
 }
 
 impl AdmittedTurn {
+    /// The turn's runtime-wide number (from 1): names it in every [`Event`](crate::events::Event).
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The caller's own reason for a stop, if it sets one before it stops the turn (the
+    /// actor layer's shutdown, a restarted channel): the turn's
+    /// [`EventKind::Ended`](crate::events::EventKind::Ended) reports that kind instead of
+    /// `Stopped`, as the caller answers it.
+    pub fn stop_reason(&mut self, reason: Arc<OnceLock<TurnFailure>>) {
+        self.stopped_for = Some(reason);
+    }
+
     /// When the turn must have ended: its admission plus `turn_timeout`.
     pub fn deadline(&self) -> Instant {
         self.deadline
@@ -92,9 +108,13 @@ impl Sandbox {
     /// turn timeout, computed here and nowhere else.
     pub fn admit(&self, request: TurnRequest) -> AdmittedTurn {
         let admitted = request.admitted.unwrap_or_else(Instant::now);
+        let number = self.events().next_turn();
+        self.emit(Some(number), Some(&request.channel), EventKind::Admitted);
         AdmittedTurn {
             deadline: admitted + self.config().turn_timeout,
             request,
+            number,
+            stopped_for: None,
         }
     }
 }
@@ -161,7 +181,14 @@ pub async fn run_turn_prepared(
     on_reply: impl FnOnce(&TurnOutcome),
     observer: Option<PhaseObserver>,
 ) -> TurnOutcome {
-    run_admitted(sandbox, sandbox.admit(request), prepared, on_reply, observer).await
+    run_admitted(
+        sandbox,
+        sandbox.admit(request),
+        prepared,
+        on_reply,
+        observer,
+    )
+    .await
 }
 
 /// [`run_turn_prepared`] of a turn already admitted ([`Sandbox::admit`]): its deadline was
@@ -176,8 +203,15 @@ pub async fn run_admitted(
     let mut resources = prepared.and_then(PreparedTurn::adopt);
     if let Some(r) = resources.take_if(|r| *r.channel() != turn.request.channel) {
         tracing::warn!(container = %r.spec().name, "a container prepared for another channel is not adopted");
+        r.discarded("prepared for another channel");
         r.teardown_logged("remove prepared container").await;
     }
+    let events = TurnEvents::new(
+        sandbox.events().clone(),
+        turn.number,
+        turn.request.channel.clone(),
+        observer,
+    );
     let span = tracing::info_span!(
         "turn",
         channel = turn.request.channel.short(),
@@ -189,7 +223,8 @@ pub async fn run_admitted(
         sandbox,
         request: &turn.request,
         deadline: turn.deadline,
-        observer,
+        events,
+        stopped_for: turn.stopped_for.clone(),
         cancel: turn.request.stop.child_token(),
     }
     .run(resources, on_reply)
@@ -197,21 +232,21 @@ pub async fn run_admitted(
     .await
 }
 
-/// One turn's run: what it was asked, its deadline, its observer and its own cancellation
-/// (stop, timeout and teardown all end broker calls with it).
+/// One turn's run: what it was asked, its deadline, its events (its phase observer among
+/// their views) and its own cancellation (stop, timeout and teardown all end broker calls
+/// with it).
 struct Run<'a> {
     sandbox: &'a Sandbox,
     request: &'a TurnRequest,
     deadline: Instant,
-    observer: Option<PhaseObserver>,
+    events: TurnEvents,
+    stopped_for: Option<Arc<OnceLock<TurnFailure>>>,
     cancel: CancellationToken,
 }
 
 impl Run<'_> {
     fn phase(&self, phase: TurnPhase) {
-        if let Some(o) = &self.observer {
-            o(phase);
-        }
+        self.events.emit(EventKind::Phase(phase));
     }
 
     /// Runs the turn in `resources` (prepared) or in a cold turn's, replies, tears down.
@@ -222,14 +257,24 @@ impl Run<'_> {
     ) -> TurnOutcome {
         let started = Instant::now();
         self.phase(TurnPhase::Preparing);
-        let result = self.answer(&mut resources).await;
+        let mut warm = false;
+        let result = self.answer(&mut resources, &mut warm).await;
         let reply = match result {
             Ok(reply) => TurnOutcome::from_guest(reply),
             Err(e) => {
-                tracing::info!(error = %e, "turn failed");
+                let failure = e.failure();
+                tracing::info!(error = %e, kind = ?failure, "turn failed");
                 TurnOutcome::failed(&e)
             }
         };
+        let failure = match (
+            reply.failure,
+            self.stopped_for.as_ref().and_then(|r| r.get()),
+        ) {
+            (Some(TurnFailure::Stopped), Some(reason)) => Some(*reason),
+            (failure, _) => failure,
+        };
+        self.events.emit(EventKind::Ended { failure, warm });
         self.phase(TurnPhase::Replied);
         on_reply(&reply);
 
@@ -251,7 +296,11 @@ impl Run<'_> {
     /// Everything up to the reply: the checks, the broker, the container, the judgement.
     /// The resources stay in `slot` (the caller tears them down on every path; a dropped
     /// turn's drop does).
-    async fn answer(&self, slot: &mut Option<TurnResources>) -> Result<Reply, TurnError> {
+    async fn answer(
+        &self,
+        slot: &mut Option<TurnResources>,
+        warm_run: &mut bool,
+    ) -> Result<Reply, TurnError> {
         let (sandbox, request) = (self.sandbox, self.request);
         let config = sandbox.config();
         let timeout = config.turn_timeout;
@@ -291,7 +340,8 @@ impl Run<'_> {
 
         self.phase(TurnPhase::ContainerRunning);
         if warm {
-            sandbox.count_warm(true);
+            *warm_run = true;
+            self.events.emit(EventKind::Warm(WarmEvent::Adopted));
         }
         let (container, spec) = (resources.spec().name.clone(), resources.spec().clone());
         let over_quota = async {
@@ -388,7 +438,9 @@ impl Run<'_> {
                 reason = %e,
                 "the prepared container cannot serve this turn; starting cold"
             );
-            sandbox.count_warm(false);
+            self.events.emit(EventKind::Warm(WarmEvent::FellBack {
+                reason: crate::one_line(&e),
+            }));
             // The turn lets go of it first: removal is the fallback's, awaited.
             if let Some(r) = slot.take() {
                 r.teardown_logged("remove prepared container").await;
@@ -404,22 +456,14 @@ impl Run<'_> {
         Ok(measured)
     }
 
-    /// The broker's view of this turn: its channel, speaker and cancellation, and the phase
-    /// observer told of each call.
+    /// The broker's view of this turn: its channel, speaker and cancellation, and its
+    /// events (each call, each refusal).
     fn turn_context(&self) -> TurnContext {
-        let events: Option<crate::broker::BrokerEvents> = self.observer.clone().map(|o| {
-            Arc::new(move |e: BrokerEvent| {
-                o(match e {
-                    BrokerEvent::ModelCall => TurnPhase::ModelCall,
-                    BrokerEvent::ToolCall => TurnPhase::ToolCall,
-                })
-            }) as crate::broker::BrokerEvents
-        });
         TurnContext {
             channel: self.request.channel.clone(),
             speaker: self.request.speaker.clone(),
             cancel: self.cancel.clone(),
-            events,
+            events: Some(self.events.clone()),
         }
     }
 }
@@ -433,7 +477,4 @@ fn cold(sandbox: &Sandbox, channel: &crate::ChannelId) -> Result<TurnResources, 
 
 /// The workspace the host's watcher measures and the filesystems its floor guards, when
 /// the host measures them.
-type Measured = Option<(
-    Arc<crate::quota::Workspace>,
-    Vec<crate::quota::Guarded>,
-)>;
+type Measured = Option<(Arc<crate::quota::Workspace>, Vec<crate::quota::Guarded>)>;

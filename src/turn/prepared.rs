@@ -63,10 +63,12 @@ impl PreparedTurn {
         self.inner.take().map(|p| p.resources)
     }
 
-    /// Removes the container and its run dir; logs why at debug.
+    /// Removes the container and its run dir; logs why at debug (and sends it as a
+    /// [`WarmEvent::Discarded`](crate::events::WarmEvent::Discarded)).
     pub async fn discard(mut self, why: &str) {
         if let Some(p) = self.inner.take() {
             tracing::debug!(container = %p.resources.spec().name, why, "prepared container discarded");
+            p.resources.discarded(why);
             p.remove().await;
         }
     }
@@ -86,6 +88,7 @@ impl Prepared {
 impl Drop for PreparedTurn {
     fn drop(&mut self) {
         if let Some(p) = self.inner.take() {
+            p.resources.discarded("dropped");
             match tokio::runtime::Handle::try_current() {
                 Ok(handle) => {
                     handle.spawn(p.remove());

@@ -108,7 +108,11 @@ impl TurnResources {
             handle: None,
             listener: None,
         };
-        owner.sandbox.live_turns().containers.insert(owner.spec.name.clone());
+        owner
+            .sandbox
+            .live_turns()
+            .containers
+            .insert(owner.spec.name.clone());
         owner.registered = true;
         let dir = {
             let mut live = owner.sandbox.live_turns();
@@ -155,6 +159,17 @@ impl TurnResources {
         &self.spec
     }
 
+    /// Sends the warm pool's discard of these resources.
+    pub(crate) fn discarded(&self, why: &str) {
+        self.sandbox.emit(
+            None,
+            Some(&self.channel),
+            crate::events::EventKind::Warm(crate::events::WarmEvent::Discarded {
+                reason: why.to_owned(),
+            }),
+        );
+    }
+
     /// Whether the container was started before the turn (and not yet run).
     pub(crate) fn is_prepared(&self) -> bool {
         self.handle.is_some()
@@ -187,8 +202,7 @@ impl TurnResources {
     pub(crate) async fn host_workspace(
         &mut self,
         floor_on: bool,
-    ) -> Result<Option<(Arc<crate::quota::Workspace>, Vec<crate::quota::Guarded>)>, TurnError>
-    {
+    ) -> Result<Option<(Arc<crate::quota::Workspace>, Vec<crate::quota::Guarded>)>, TurnError> {
         if self.sandbox.driver().workspace_home() != WorkspaceHome::HostDir {
             return Ok(None);
         }

@@ -196,6 +196,7 @@ impl HostTool for Waits {
     }
 }
 
+mod events;
 mod limits;
 mod logs;
 mod mcp;
