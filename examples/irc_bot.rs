@@ -6,26 +6,43 @@
 //!
 //! In a joined channel, a message addressed to the bot (`sandbox: write me a haiku`) becomes
 //! a [`GuestMessage`] for the channel `irc:#general` from the speaker `nick`; the reply is
-//! posted back to the channel, addressed to that nick. `!reset` starts the channel's next
-//! turn with a fresh session; `!stop` stops its running turn.
+//! posted back to the channel, every line addressed to that nick (`nick: …`). `!reset`
+//! starts the channel's next turn with a fresh session; `!stop` stops its running turn. The
+//! bot's own lines start with `* ` (`* nick: reset: …`), which no reply line can: a nick
+//! never starts with `*`.
 //!
-//! Replies are model output, so they are hostile: control characters are removed, each
-//! line is posted as its own `PRIVMSG` (no line can smuggle an IRC command) and long
-//! replies are cut.
+//! Replies are model output, so they are hostile: every control character is shown as an
+//! escape (`\u{1b}`, see `roundtable_sandbox::display`; CR, LF and NUL never reach the
+//! wire), each line is posted as its own `PRIVMSG` of at most 512 bytes (no line can
+//! smuggle an IRC command) and long replies are cut.
+//!
+//! Output is paced and fair: lines leave at most `--send-burst` at once, then one per
+//! `--send-interval-ms` (longer for long lines, `--send-bytes-per-sec`), under the server's
+//! flood rules (RFC 1459's 2 s per message past a burst; ngIRCd throttles a client past 3
+//! commands or 256 bytes a second and disconnects one whose unread input passes 2 KiB).
+//! Channels are served in turn, one line each; each channel's outbox holds at most
+//! `--channel-outbox` lines and each guest (nick) gets at most `--guest-lines` lines per
+//! `--guest-window-secs`: past either, lines are dropped and the channel is told once
+//! (`* nick: output truncated, N line(s) dropped (…)`). When the server closes the link the
+//! bot reconnects with backoff (1 s doubling to `--reconnect-max-secs`) and rejoins; the
+//! sandbox, its channels and their sessions are untouched.
 
 #![forbid(unsafe_code)]
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
+use roundtable_sandbox::display;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
     TurnFailure,
 };
 use roundtable_sandbox_examples::{print_completions, RollDice};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 /// An IRC bot: each IRC channel is a sandbox channel, each nick the speaker. A message
@@ -49,19 +66,69 @@ struct Cli {
     )]
     join: Vec<String>,
     #[command(flatten)]
+    output: OutputOptions,
+    #[command(flatten)]
     settings: Settings,
     /// Print a completion script for SHELL and exit
     #[arg(long, value_name = "SHELL", value_enum)]
     completions: Option<clap_complete::Shell>,
 }
 
-/// Longest text of one posted line (IRC lines are at most 512 bytes with the prefix).
-const LINE_BYTES: usize = 380;
+/// How the bot paces and bounds what it posts.
+#[derive(Debug, Clone, clap::Args)]
+struct OutputOptions {
+    /// Lines sent at once before pacing starts
+    #[arg(long, value_name = "LINES", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..=20))]
+    send_burst: u64,
+    /// Least time between two lines once the burst is spent, in milliseconds
+    #[arg(long, value_name = "MS", default_value_t = 1500,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    send_interval_ms: u64,
+    /// Most bytes a second once the burst is spent (a long line waits longer)
+    #[arg(long, value_name = "BYTES", default_value_t = 320,
+          value_parser = clap::value_parser!(u64).range(64..=1_000_000))]
+    send_bytes_per_sec: u64,
+    /// Most lines waiting in one channel's outbox; past it a reply is cut, with a notice
+    #[arg(long, value_name = "LINES", default_value_t = 16,
+          value_parser = clap::value_parser!(u64).range(2..=1000))]
+    channel_outbox: u64,
+    /// Most lines posted for one guest (nick) per window; past it they are dropped, with a notice
+    #[arg(long, value_name = "LINES", default_value_t = 12,
+          value_parser = clap::value_parser!(u64).range(1..=1000))]
+    guest_lines: u64,
+    /// The window of --guest-lines, in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    guest_window_secs: u64,
+    /// Longest wait between two attempts to reconnect, in seconds
+    #[arg(long, value_name = "SECS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    reconnect_max_secs: u64,
+}
+
+/// The longest IRC line, CR LF included (RFC 1459/2812).
+const IRC_LINE: usize = 512;
+/// Room left for the prefix the server puts before a relayed line
+/// (`:nick!~user@host `: nick up to 30, user 10, host 63).
+const PREFIX_ROOM: usize = 110;
 /// Most lines of one reply.
 const MAX_LINES: usize = 6;
+/// Most protocol lines (PONG, JOIN…) waiting to be sent.
+const CONTROL_CAP: usize = 32;
+/// How long a write or a connect may take before the link counts as lost.
+const NET_TIMEOUT: Duration = Duration::from_secs(20);
+/// The longest line read from the server; past it the line is skipped.
+const READ_CAP: usize = 8192;
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
     let cli = Cli::parse();
     if let Some(shell) = cli.completions {
@@ -110,34 +177,296 @@ fn parse_line(line: &str) -> Option<IrcLine> {
     })
 }
 
-/// The lines to post for a reply: control characters removed, split on newlines and at
-/// `LINE_BYTES` (on a char boundary), at most `MAX_LINES`.
-fn reply_lines(to: &str, text: &str) -> Vec<String> {
+/// The most text bytes of one `PRIVMSG {target} :…` line: what is left of 512 bytes after
+/// the command, the target, CR LF and the prefix the server adds when it relays the line.
+fn text_room(target: &str) -> usize {
+    IRC_LINE - 2 - "PRIVMSG ".len() - target.len() - " :".len() - PREFIX_ROOM
+}
+
+/// The text of the lines to post in `target` for a reply to `to`: every control character
+/// escaped ([`display`]), split at line breaks and at [`text_room`] (on a char boundary),
+/// every line starting `to: `, at most [`MAX_LINES`].
+fn reply_lines(target: &str, to: &str, text: &str) -> Vec<String> {
+    let prefix = format!("{}: ", display::escape(to));
+    let room = text_room(target).saturating_sub(prefix.len()).max(16);
     let mut lines = Vec::new();
-    for raw in text.lines() {
-        let clean: String = raw
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .collect();
-        let mut rest = clean.trim();
+    for line in display::lines(text) {
+        let mut rest = line.trim();
         while !rest.is_empty() {
-            let mut cut = rest.len().min(LINE_BYTES);
+            let mut cut = rest.len().min(room);
             while !rest.is_char_boundary(cut) {
                 cut -= 1;
             }
-            lines.push(rest[..cut].to_owned());
+            lines.push(format!("{prefix}{}", &rest[..cut]));
             rest = rest[cut..].trim_start();
         }
     }
     if lines.is_empty() {
-        lines.push("(no answer)".into());
+        lines.push(format!("{prefix}(no answer)"));
     }
     if lines.len() > MAX_LINES {
+        let more = lines.len() - MAX_LINES;
         lines.truncate(MAX_LINES);
-        lines[MAX_LINES - 1].push_str(" …(cut)");
+        let last = &mut lines[MAX_LINES - 1];
+        let mark = format!(" …(cut, {more} more line(s))");
+        // The mark fits the line: the text makes room for it.
+        let limit = prefix.len() + room - mark.len();
+        while last.len() > limit {
+            last.pop();
+        }
+        last.push_str(&mark);
     }
-    lines[0] = format!("{to}: {}", lines[0]);
     lines
+}
+
+/// One of the bot's own lines (`* to: text`): never one a reply can start.
+fn own_line(to: &str, text: &str) -> String {
+    format!("* {}: {text}", display::escape(to))
+}
+
+/// The sending side's flood rule: RFC 1459's message timer, with ngIRCd's bytes per second.
+/// Each line moves the timer on by its cost (`interval`, or its bytes at `bytes_per_sec`
+/// when that is longer); a line may leave while the timer is less than `burst - 1`
+/// intervals ahead of now.
+#[derive(Debug)]
+struct Pacer {
+    timer: Instant,
+    span: Duration,
+    interval: Duration,
+    bytes_per_sec: u64,
+}
+
+impl Pacer {
+    fn new(o: &OutputOptions, now: Instant) -> Self {
+        let interval = Duration::from_millis(o.send_interval_ms);
+        Self {
+            timer: now,
+            span: interval * (o.send_burst as u32 - 1),
+            interval,
+            bytes_per_sec: o.send_bytes_per_sec,
+        }
+    }
+
+    /// When the next line may leave.
+    fn ready_at(&self, now: Instant) -> Instant {
+        let timer = self.timer.max(now);
+        if timer <= now + self.span {
+            now
+        } else {
+            timer - self.span
+        }
+    }
+
+    /// A line of `bytes` (CR LF included) left at `now`.
+    fn sent(&mut self, now: Instant, bytes: usize) {
+        let by_size = Duration::from_millis(bytes as u64 * 1000 / self.bytes_per_sec);
+        self.timer = self.timer.max(now) + self.interval.max(by_size);
+    }
+}
+
+/// A line waiting in a channel's outbox.
+#[derive(Debug)]
+struct Queued {
+    text: String,
+    /// On the last line of a reply: for whom, and when the reply was ready (logged when it
+    /// leaves).
+    done: Option<(String, Instant)>,
+}
+
+#[derive(Debug)]
+struct ChannelOut {
+    /// As joined (lowercase).
+    name: String,
+    joined: bool,
+    lines: VecDeque<Queued>,
+}
+
+/// A guest's output in the current window.
+#[derive(Debug)]
+struct Budget {
+    since: Instant,
+    used: u64,
+    noticed: bool,
+}
+
+/// What [`Outbox::post`] did with a reply.
+#[derive(Debug, PartialEq)]
+struct Posted {
+    queued: usize,
+    dropped: usize,
+    noticed: bool,
+    depth: usize,
+}
+
+/// A line leaving the outbox: its wire text, its channel (none for a protocol line) and, on a
+/// reply's last line, for whom and when the reply was ready.
+type Outgoing = (String, Option<String>, Option<(String, Instant)>);
+
+/// Everything waiting to be sent: protocol lines first, then the channels' lines in turn,
+/// each channel bounded, each guest within its budget.
+#[derive(Debug)]
+struct Outbox {
+    control: VecDeque<String>,
+    channels: Vec<ChannelOut>,
+    next: usize,
+    cap: usize,
+    budget_lines: u64,
+    window: Duration,
+    guests: HashMap<String, Budget>,
+}
+
+impl Outbox {
+    fn new(channels: &[String], o: &OutputOptions) -> Self {
+        Self {
+            control: VecDeque::new(),
+            channels: channels
+                .iter()
+                .map(|c| ChannelOut {
+                    name: c.to_lowercase(),
+                    joined: false,
+                    lines: VecDeque::new(),
+                })
+                .collect(),
+            next: 0,
+            cap: o.channel_outbox as usize,
+            budget_lines: o.guest_lines,
+            window: Duration::from_secs(o.guest_window_secs),
+            guests: HashMap::new(),
+        }
+    }
+
+    /// A protocol line (the oldest is dropped past [`CONTROL_CAP`]).
+    fn control(&mut self, line: String) {
+        if self.control.len() == CONTROL_CAP {
+            self.control.pop_front();
+        }
+        self.control.push_back(line);
+    }
+
+    fn channel(&mut self, name: &str) -> Option<&mut ChannelOut> {
+        let name = name.to_lowercase();
+        self.channels.iter_mut().find(|c| c.name == name)
+    }
+
+    /// The link is new: nothing of the old one is sent, no channel is joined yet (the
+    /// channels' lines wait for their JOIN).
+    fn reconnected(&mut self) {
+        self.control.clear();
+        for c in &mut self.channels {
+            c.joined = false;
+        }
+    }
+
+    /// The lines of one reply to `nick` in `target`, ready at `ready`: queued within the
+    /// guest's budget and the channel's cap, the rest dropped with one notice per guest per
+    /// window.
+    fn post(&mut self, target: &str, nick: &str, lines: Vec<String>, ready: Instant) -> Posted {
+        let (budget_lines, window, cap) = (self.budget_lines, self.window, self.cap);
+        self.guests
+            .retain(|_, b| ready.saturating_duration_since(b.since) < window);
+        let Some(channel) = self.channels.iter_mut().find(|c| c.name == target) else {
+            return Posted {
+                queued: 0,
+                dropped: lines.len(),
+                noticed: false,
+                depth: 0,
+            };
+        };
+        let budget = self.guests.entry(nick.to_owned()).or_insert(Budget {
+            since: ready,
+            used: 0,
+            noticed: false,
+        });
+        let total = lines.len();
+        let by_budget = (budget_lines - budget.used) as usize;
+        let room = cap - channel.lines.len();
+        let mut take = total.min(by_budget).min(room);
+        let mut notice = None;
+        if take < total && !budget.noticed && room > 0 {
+            if take == room {
+                take -= 1;
+            }
+            let why = if by_budget < total.min(room) {
+                format!(
+                    "at most {budget_lines} line(s) per {} s for each guest",
+                    window.as_secs()
+                )
+            } else {
+                "this channel's outbox is full".to_owned()
+            };
+            notice = Some(own_line(
+                nick,
+                &format!("output truncated, {} line(s) dropped ({why})", total - take),
+            ));
+            budget.noticed = true;
+        }
+        budget.used += take as u64;
+        let mut queued: Vec<Queued> = lines
+            .into_iter()
+            .take(take)
+            .chain(notice.clone())
+            .map(|text| Queued { text, done: None })
+            .collect();
+        if let Some(last) = queued.last_mut() {
+            last.done = Some((nick.to_owned(), ready));
+        }
+        channel.lines.extend(queued);
+        Posted {
+            queued: take,
+            dropped: total - take,
+            noticed: notice.is_some(),
+            depth: channel.lines.len(),
+        }
+    }
+
+    /// Whether a line could leave now.
+    fn has_ready(&self) -> bool {
+        !self.control.is_empty()
+            || self
+                .channels
+                .iter()
+                .any(|c| c.joined && !c.lines.is_empty())
+    }
+
+    /// The next line to send, as `(wire text, channel, done)`: a protocol line, else one
+    /// line of the next joined channel in turn that has one.
+    fn pop(&mut self) -> Option<Outgoing> {
+        if let Some(line) = self.control.pop_front() {
+            return Some((line, None, None));
+        }
+        let n = self.channels.len();
+        for i in 0..n {
+            let idx = (self.next + i) % n;
+            let c = &mut self.channels[idx];
+            if !c.joined {
+                continue;
+            }
+            if let Some(q) = c.lines.pop_front() {
+                self.next = (idx + 1) % n;
+                return Some((
+                    format!("PRIVMSG {} :{}", c.name, q.text),
+                    Some(c.name.clone()),
+                    q.done,
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// A reply ready to be posted.
+#[derive(Debug)]
+struct Reply {
+    target: String,
+    nick: String,
+    lines: Vec<String>,
+    ready: Instant,
+}
+
+/// Why a connection ended.
+enum Ended {
+    Lost(String),
+    Stopped,
 }
 
 async fn run(cli: Cli) -> Result<()> {
@@ -145,31 +474,14 @@ async fn run(cli: Cli) -> Result<()> {
         server,
         nick,
         join,
+        output,
         settings,
         ..
     } = cli;
+    let join: Vec<String> = join.iter().map(|c| c.to_lowercase()).collect();
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
     let sandbox = SandboxSupervisor::start(SupervisorOptions::new(config)).await?;
-
-    let stream = tokio::net::TcpStream::connect(&server)
-        .await
-        .with_context(|| format!("connect to {server}"))?;
-    let (read, mut write) = stream.into_split();
-    let (out, mut outbox) = mpsc::unbounded_channel::<String>();
-    let writer = actix::spawn(async move {
-        while let Some(line) = outbox.recv().await {
-            if write
-                .write_all(format!("{line}\r\n").as_bytes())
-                .await
-                .is_err()
-            {
-                break;
-            }
-        }
-    });
-    out.send(format!("NICK {nick}"))?;
-    out.send(format!("USER {nick} 0 * :roundtable-sandbox bot"))?;
     eprintln!(
         "irc-bot: connecting to {server} as {nick} ({})",
         if offline.is_some() {
@@ -179,65 +491,239 @@ async fn run(cli: Cli) -> Result<()> {
         }
     );
 
-    let mut lines = tokio::io::BufReader::new(read).lines();
+    let (replies_tx, mut replies) = mpsc::channel::<Reply>(64);
+    let mut outbox = Outbox::new(&join, &output);
+    let max_backoff = Duration::from_secs(output.reconnect_max_secs);
+    let mut backoff = Duration::from_secs(1);
     let stop = roundtable_sandbox_examples::stop_signal();
     tokio::pin!(stop);
+    let mut first = true;
     loop {
-        let line = tokio::select! {
-            line = lines.next_line() => match line? {
-                Some(line) => line,
-                None => {
-                    eprintln!("irc-bot: the server closed the connection");
-                    break;
-                }
-            },
-            () = &mut stop => {
-                eprintln!("irc-bot: stopping on a signal");
-                let _ = out.send("QUIT :shutting down".to_owned());
-                break;
+        let connected = tokio::select! {
+            c = tokio::time::timeout(NET_TIMEOUT, tokio::net::TcpStream::connect(&server)) => {
+                c.map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut)).and_then(|c| c)
+            }
+            () = &mut stop => break,
+        };
+        let ended = match connected {
+            // A server that cannot be reached at startup is a usage error.
+            Err(e) if first => {
+                return Err(e).with_context(|| format!("connect to {server}"));
+            }
+            Err(e) => Ended::Lost(format!("cannot connect to {server}: {e}")),
+            Ok(stream) => {
+                first = false;
+                let session = Session {
+                    nick: &nick,
+                    join: &join,
+                    sandbox: &sandbox,
+                    replies_tx: &replies_tx,
+                    pacer: Pacer::new(&output, Instant::now()),
+                };
+                session
+                    .run(stream, &mut outbox, &mut replies, &mut stop, &mut backoff)
+                    .await
             }
         };
-        let Some(msg) = parse_line(&line) else {
-            continue;
-        };
+        match ended {
+            Ended::Stopped => break,
+            Ended::Lost(why) => {
+                eprintln!(
+                    "irc-bot: {}; reconnecting in {} s",
+                    display::escape(&why),
+                    backoff.as_secs()
+                );
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = &mut stop => break,
+                }
+                backoff = (backoff * 2).min(max_backoff);
+            }
+        }
+    }
+    eprintln!("irc-bot: stopping on a signal");
+    let report = sandbox.send(Shutdown).await;
+    if let Ok(report) = report {
+        eprintln!(
+            "irc-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
+            report.stopped_turns, report.refused_queued
+        );
+    }
+    drop(offline);
+    Ok(())
+}
+
+/// One connection to the server.
+struct Session<'a> {
+    nick: &'a str,
+    join: &'a [String],
+    sandbox: &'a actix::Addr<SandboxSupervisor>,
+    replies_tx: &'a mpsc::Sender<Reply>,
+    pacer: Pacer,
+}
+
+impl Session<'_> {
+    async fn run(
+        mut self,
+        stream: tokio::net::TcpStream,
+        outbox: &mut Outbox,
+        replies: &mut mpsc::Receiver<Reply>,
+        stop: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+        backoff: &mut Duration,
+    ) -> Ended {
+        let (read, mut write) = stream.into_split();
+        let mut reader = tokio::io::BufReader::new(read);
+        let mut buf = Vec::new();
+        let mut skipping = false;
+        outbox.reconnected();
+        outbox.control(format!("NICK {}", self.nick));
+        outbox.control(format!("USER {} 0 * :roundtable-sandbox bot", self.nick));
+        loop {
+            let now = Instant::now();
+            let wake = if outbox.has_ready() {
+                self.pacer.ready_at(now)
+            } else {
+                now + Duration::from_secs(3600)
+            };
+            let mut limited = (&mut reader).take(READ_CAP as u64);
+            tokio::select! {
+                // Cancel safe: a partial line stays in `buf` for the next read.
+                read = limited.read_until(b'\n', &mut buf) => {
+                    match read {
+                        Ok(0) => return Ended::Lost("the server closed the connection".into()),
+                        Err(e) => return Ended::Lost(format!("read from the server: {e}")),
+                        Ok(_) => {}
+                    }
+                    if buf.last() != Some(&b'\n') {
+                        if buf.len() >= READ_CAP {
+                            buf.clear();
+                            skipping = true;
+                        }
+                        continue;
+                    }
+                    let line = String::from_utf8_lossy(&buf).into_owned();
+                    buf.clear();
+                    if std::mem::take(&mut skipping) {
+                        continue;
+                    }
+                    if let Some(ended) = self.handle(&line, outbox, backoff).await {
+                        return ended;
+                    }
+                }
+                Some(reply) = replies.recv() => {
+                    let n = reply.lines.len();
+                    let posted = outbox.post(&reply.target, &reply.nick, reply.lines, reply.ready);
+                    let who = display::escape(&reply.nick);
+                    eprintln!("irc-bot: {}: reply for {who} ready ({n} line(s))", reply.target);
+                    if posted.dropped > 0 {
+                        eprintln!(
+                            "irc-bot: {}: dropped {} line(s) for {who}{}; outbox {}/{}",
+                            reply.target,
+                            posted.dropped,
+                            if posted.noticed { " (notice posted)" } else { "" },
+                            posted.depth,
+                            outbox.cap,
+                        );
+                    }
+                }
+                () = tokio::time::sleep_until(wake.into()) => {
+                    let Some((line, channel, done)) = outbox.pop() else { continue };
+                    let wire = format!("{line}\r\n");
+                    debug_assert!(wire.len() <= IRC_LINE, "{wire:?}");
+                    debug_assert!(!line.contains(['\r', '\n', '\0']), "{line:?}");
+                    match tokio::time::timeout(NET_TIMEOUT, write.write_all(wire.as_bytes())).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return Ended::Lost(format!("write to the server: {e}")),
+                        Err(_) => return Ended::Lost("write to the server timed out".into()),
+                    }
+                    self.pacer.sent(Instant::now(), wire.len());
+                    if let (Some(channel), Some((nick, ready))) = (channel, done) {
+                        eprintln!(
+                            "irc-bot: {channel}: reply for {} posted in {} ms",
+                            display::escape(&nick),
+                            ready.elapsed().as_millis()
+                        );
+                    }
+                }
+                () = stop.as_mut() => {
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        write.write_all(b"QUIT :shutting down\r\n"),
+                    )
+                    .await;
+                    return Ended::Stopped;
+                }
+            }
+        }
+    }
+
+    /// Handles one line from the server; `Some` when the connection must end.
+    async fn handle(
+        &mut self,
+        line: &str,
+        outbox: &mut Outbox,
+        backoff: &mut Duration,
+    ) -> Option<Ended> {
+        let msg = parse_line(line)?;
+        let nick = self.nick;
         match msg.command.as_str() {
-            "PING" => out.send(format!(
+            "PING" => outbox.control(format!(
                 "PONG :{}",
                 msg.params.last().cloned().unwrap_or_default()
-            ))?,
+            )),
             "001" => {
-                out.send(format!("JOIN {}", join.join(",")))?;
-                eprintln!("irc-bot: registered; joining {}", join.join(","));
+                outbox.control(format!("JOIN {}", self.join.join(",")));
+                *backoff = Duration::from_secs(1);
+                eprintln!("irc-bot: registered; joining {}", self.join.join(","));
             }
-            "433" => bail!("nick {nick} is in use"),
-            "PRIVMSG" if msg.params.len() == 2 && msg.params[0].starts_with('#') => {
-                let (target, text) = (msg.params[0].clone(), msg.params[1].trim().to_owned());
-                let Some(from) = msg.nick.clone() else {
-                    continue;
-                };
-                let channel = format!("irc:{}", target.to_lowercase());
+            "433" => return Some(Ended::Lost(format!("nick {nick} is in use"))),
+            "JOIN" if msg.nick.as_deref() == Some(nick) => {
+                if let Some(c) = msg.params.first().and_then(|c| outbox.channel(c)) {
+                    c.joined = true;
+                }
+            }
+            "KICK" if msg.params.get(1).map(String::as_str) == Some(nick) => {
+                if let Some(c) = outbox.channel(&msg.params[0]) {
+                    c.joined = false;
+                    let name = c.name.clone();
+                    outbox.control(format!("JOIN {name}"));
+                }
+            }
+            "PRIVMSG" if msg.params.len() == 2 => {
+                let target = msg.params[0].to_lowercase();
+                if !self.join.contains(&target) {
+                    return None;
+                }
+                let text = msg.params[1].trim().to_owned();
+                let from = msg.nick.clone()?;
+                let channel = format!("irc:{target}");
+                let now = Instant::now();
                 if text == "!reset" {
-                    sandbox.send(StartFresh { channel }).await?;
-                    out.send(format!(
-                        "PRIVMSG {target} :{from}: reset: the next turn starts a fresh session"
-                    ))?;
+                    let _ = self.sandbox.send(StartFresh { channel }).await;
+                    let line = own_line(&from, "reset: the next turn starts a fresh session");
+                    outbox.post(&target, &from, vec![line], now);
                 } else if text == "!stop" {
-                    let active = sandbox.send(Stop { channel }).await?;
+                    let active = self.sandbox.send(Stop { channel }).await.unwrap_or(false);
                     let what = if active {
                         "the running turn was stopped"
                     } else {
                         "nothing was running"
                     };
-                    out.send(format!("PRIVMSG {target} :{from}: stop: {what}"))?;
+                    outbox.post(
+                        &target,
+                        &from,
+                        vec![own_line(&from, &format!("stop: {what}"))],
+                        now,
+                    );
                 } else if let Some(asked) = text
                     .strip_prefix(&format!("{nick}:"))
                     .or_else(|| text.strip_prefix(&format!("{nick},")))
                 {
                     let asked = asked.trim().to_owned();
                     if asked.is_empty() {
-                        continue;
+                        return None;
                     }
-                    let (addr, out) = (sandbox.clone(), out.clone());
+                    let (addr, tx) = (self.sandbox.clone(), self.replies_tx.clone());
                     actix::spawn(async move {
                         let speaker = Speaker {
                             id: from.clone(),
@@ -254,25 +740,22 @@ async fn run(cli: Cli) -> Result<()> {
                             Ok(Err(e)) => format!("error: {e}"),
                             Err(e) => format!("error: {e}"),
                         };
-                        for l in reply_lines(&from, &text) {
-                            let _ = out.send(format!("PRIVMSG {target} :{l}"));
-                        }
+                        let lines = reply_lines(&target, &from, &text);
+                        let _ = tx
+                            .send(Reply {
+                                target,
+                                nick: from,
+                                lines,
+                                ready: Instant::now(),
+                            })
+                            .await;
                     });
                 }
             }
             _ => {}
         }
+        None
     }
-    let report = sandbox.send(Shutdown).await;
-    if let Ok(report) = report {
-        eprintln!(
-            "irc-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
-            report.stopped_turns, report.refused_queued
-        );
-    }
-    writer.abort();
-    drop(offline);
-    Ok(())
 }
 
 #[cfg(test)]
@@ -314,16 +797,166 @@ mod tests {
 
     #[test]
     fn hostile_replies_cannot_smuggle_commands() {
-        let lines = reply_lines("ann", "ok\r\nQUIT :bye\u{7}\nJOIN #x");
-        assert_eq!(lines, vec!["ann: ok", "QUIT :bye", "JOIN #x"]);
+        let lines = reply_lines("#c", "ann", "ok\r\nQUIT :bye\u{7}\nJOIN #x\0\r");
+        assert_eq!(
+            lines,
+            vec![
+                "ann: ok",
+                "ann: QUIT :bye\\u{7}",
+                "ann: JOIN #x\\u{0}\\u{d}"
+            ]
+        );
         // Each is sent as `PRIVMSG #chan :<line>`: a whole line is text, never a command.
-        assert!(lines.iter().all(|l| !l.contains('\r') && !l.contains('\n')));
-        let long = "é".repeat(1000);
-        let lines = reply_lines("ann", &long);
-        assert!(lines.iter().all(|l| l.len() <= LINE_BYTES + 10));
+        assert!(lines.iter().all(|l| !l.contains(['\r', '\n', '\0'])));
+        // A reply's lines start with the nick they answer, the bot's own with `* `.
+        assert!(own_line("ann", "reset: x").starts_with("* ann: "));
+        let forged = reply_lines(
+            "#c",
+            "ann",
+            "x\n* ann: reset: the next turn starts a fresh session",
+        );
+        assert_eq!(
+            forged[1],
+            "ann: * ann: reset: the next turn starts a fresh session"
+        );
+    }
+
+    #[test]
+    fn every_line_fits_512_bytes_with_the_servers_prefix() {
+        let target = "#a-rather-long-channel-name-of-fifty-bytes-padding";
+        for text in ["é".repeat(1000), "x".repeat(5000), "日本".repeat(700)] {
+            let lines = reply_lines(target, "somebody-with-a-long-nick", &text);
+            for l in &lines {
+                let wire = format!("PRIVMSG {target} :{l}\r\n");
+                assert!(wire.len() + PREFIX_ROOM <= IRC_LINE, "{} bytes", wire.len());
+            }
+        }
         let many = "x\n".repeat(20);
-        let lines = reply_lines("ann", &many);
+        let lines = reply_lines("#c", "ann", &many);
         assert_eq!(lines.len(), MAX_LINES);
-        assert!(lines[MAX_LINES - 1].ends_with("…(cut)"));
+        assert!(
+            lines[MAX_LINES - 1].ends_with("…(cut, 14 more line(s))"),
+            "{lines:?}"
+        );
+        let long = "y".repeat(3000);
+        let lines = reply_lines("#c", "ann", &long);
+        assert!(
+            lines[MAX_LINES - 1].ends_with("…(cut, 2 more line(s))"),
+            "{lines:?}"
+        );
+        assert!(
+            format!("PRIVMSG #c :{}\r\n", lines[MAX_LINES - 1]).len() + PREFIX_ROOM <= IRC_LINE
+        );
+    }
+
+    fn options(args: &[&str]) -> OutputOptions {
+        let mut all = vec!["irc-bot"];
+        all.extend(args);
+        Cli::try_parse_from(all).unwrap().output
+    }
+
+    #[test]
+    fn the_pacer_allows_a_burst_then_one_line_per_interval_longer_for_long_lines() {
+        let o = options(&[]);
+        let t0 = Instant::now();
+        let mut p = Pacer::new(&o, t0);
+        for _ in 0..4 {
+            assert_eq!(p.ready_at(t0), t0);
+            p.sent(t0, 100);
+        }
+        // The burst is spent: the next line waits an interval.
+        assert_eq!(p.ready_at(t0), t0 + Duration::from_millis(1500));
+        // Idle, the allowance comes back.
+        let later = t0 + Duration::from_secs(60);
+        assert_eq!(p.ready_at(later), later);
+        // A 512-byte line costs 1.6 s at 320 B/s; a short one the interval.
+        let mut p = Pacer::new(&options(&["--send-burst", "1"]), t0);
+        p.sent(t0, 512);
+        assert_eq!(p.ready_at(t0), t0 + Duration::from_millis(1600));
+        p.sent(p.ready_at(t0), 10);
+        assert_eq!(p.ready_at(t0), t0 + Duration::from_millis(3100));
+    }
+
+    fn outbox(args: &[&str]) -> Outbox {
+        let mut o = Outbox::new(&["#a".into(), "#b".into()], &options(args));
+        for c in &mut o.channels {
+            c.joined = true;
+        }
+        o
+    }
+
+    fn lines(n: usize, what: &str) -> Vec<String> {
+        (0..n).map(|i| format!("{what} {i}")).collect()
+    }
+
+    #[test]
+    fn channels_are_served_in_turn_protocol_lines_first() {
+        let mut o = outbox(&[]);
+        let now = Instant::now();
+        o.post("#a", "ann", lines(5, "a"), now);
+        o.post("#b", "bob", lines(2, "b"), now);
+        o.control("PONG :x".into());
+        let sent: Vec<String> = std::iter::from_fn(|| o.pop().map(|(l, _, _)| l)).collect();
+        assert_eq!(
+            sent,
+            [
+                "PONG :x",
+                "PRIVMSG #a :a 0",
+                "PRIVMSG #b :b 0",
+                "PRIVMSG #a :a 1",
+                "PRIVMSG #b :b 1",
+                "PRIVMSG #a :a 2",
+                "PRIVMSG #a :a 3",
+                "PRIVMSG #a :a 4"
+            ]
+        );
+        // A channel not joined (yet, or again after a reconnect) keeps its lines.
+        o.post("#a", "ann", lines(1, "a"), now);
+        o.reconnected();
+        assert!(!o.has_ready());
+        o.channels[0].joined = true;
+        assert_eq!(o.pop().unwrap().0, "PRIVMSG #a :a 0");
+    }
+
+    #[test]
+    fn a_guest_past_its_budget_is_cut_with_one_notice_per_window() {
+        let mut o = outbox(&["--guest-lines", "5", "--guest-window-secs", "60"]);
+        let now = Instant::now();
+        let p = o.post("#a", "ann", lines(3, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed), (3, 0, false));
+        let p = o.post("#a", "ann", lines(4, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed), (2, 2, true));
+        assert_eq!(
+            o.channels[0].lines.back().unwrap().text,
+            "* ann: output truncated, 2 line(s) dropped (at most 5 line(s) per 60 s for each guest)"
+        );
+        // Further drops in the window are silent (the notice is no flood of its own).
+        let p = o.post("#a", "ann", lines(4, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed), (0, 4, false));
+        // Another guest has a budget of its own.
+        assert_eq!(o.post("#b", "bob", lines(2, "b"), now).queued, 2);
+        // A new window, a new budget.
+        let p = o.post("#a", "ann", lines(1, "a"), now + Duration::from_secs(61));
+        assert_eq!((p.queued, p.dropped), (1, 0));
+    }
+
+    #[test]
+    fn a_channels_outbox_is_bounded() {
+        let mut o = outbox(&["--channel-outbox", "4", "--guest-lines", "1000"]);
+        let now = Instant::now();
+        let p = o.post("#a", "ann", lines(10, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (3, 7, true, 4));
+        assert_eq!(
+            o.channels[0].lines.back().unwrap().text,
+            "* ann: output truncated, 7 line(s) dropped (this channel's outbox is full)"
+        );
+        let p = o.post("#a", "bob", lines(10, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 10, false, 4));
+        // Lines for a channel the bot did not join are dropped.
+        assert_eq!(o.post("#zz", "ann", lines(2, "z"), now).dropped, 2);
+        for _ in 0..CONTROL_CAP + 5 {
+            o.control("PONG :x".into());
+        }
+        assert_eq!(o.control.len(), CONTROL_CAP);
     }
 }

@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 use roundtable_sandbox::broker::BoxFuture;
+use roundtable_sandbox::display;
 use roundtable_sandbox::{HostTool, ToolCallContext};
 
 /// A host tool: rolls a die with the given number of sides. Runs on the host; the guest
@@ -88,9 +89,11 @@ pub async fn stop_signal() {
 
 /// Prints a bot's fatal error on stderr: its message, then each cause on a line of its own.
 pub fn print_error(program: &str, error: &anyhow::Error) {
-    eprintln!("{program}: {error}");
+    // An error may quote what a guest, the server or the engine said: escaped.
+    let shown = |m: &dyn std::fmt::Display| display::escape(&m.to_string()).into_owned();
+    eprintln!("{program}: {}", shown(error));
     for cause in error.chain().skip(1) {
-        eprintln!("  caused by: {cause}");
+        eprintln!("  caused by: {}", shown(cause));
     }
 }
 

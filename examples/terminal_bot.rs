@@ -8,17 +8,21 @@
 //! ```
 //!
 //! Each message goes to the [`SandboxSupervisor`] as a [`GuestMessage`]; replies are
-//! printed as `[#channel] text` (or `[#channel] error: …`) as they arrive. On a terminal a
+//! printed as they arrive, as `[#channel] > text` (or `[#channel] error: …`), each further
+//! line of the reply as `[#channel] | text`. A reply is model output: every control
+//! character in it is shown as an escape (`\u{1b}`, see `roundtable_sandbox::display`) and
+//! none of its lines can pass for one of the bot's own (`[#channel] reset: …`). On a terminal a
 //! status line shows where each turn is; when stdout is not a terminal only plain lines are
 //! printed. Without an API key the embedded offline model is used (see `--help`).
 
 #![forbid(unsafe_code)]
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use roundtable_sandbox::display;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh,
@@ -43,6 +47,12 @@ struct Cli {
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return std::process::ExitCode::FAILURE;
+    }
     // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
     let cli = Cli::parse();
     if let Some(shell) = cli.completions {
@@ -110,6 +120,27 @@ fn parse(line: &str) -> Result<Line, String> {
     })
 }
 
+/// How the first line of an answer starts (after `[#channel] `).
+const REPLY: &str = "> ";
+/// How the first line of an error starts.
+const ERROR: &str = "error: ";
+/// How every further line of an answer or an error starts: the bot's own lines never do.
+const CONTINUED: &str = "| ";
+
+/// The lines printed for an answer (or an error): every line of the text escaped
+/// ([`display`]) and prefixed with the channel, the first with `mark`, the others with
+/// [`CONTINUED`], so no line of a guest's or a model's text can pass for one of the bot's
+/// own (`[#ops] reset: …`).
+fn reply_lines(channel: &str, mark: &str, text: &str) -> String {
+    let channel = display::escape(channel);
+    let mut out = String::new();
+    for (i, line) in display::lines(text).iter().enumerate() {
+        let mark = if i == 0 { mark } else { CONTINUED };
+        out.push_str(&format!("[{channel}] {mark}{line}\n"));
+    }
+    out
+}
+
 fn phase_text(phase: TurnPhase) -> Option<&'static str> {
     Some(match phase {
         TurnPhase::Preparing => "preparing the workspace and broker",
@@ -153,7 +184,7 @@ async fn run(settings: Settings) -> Result<()> {
     if tty {
         supervisor.progress = Some(Arc::new(|p: &TurnProgress| {
             if let Some(what) = describe(&p.event) {
-                eprint!("\r\x1b[2K  {} … {what}", p.channel);
+                eprint!("\r\x1b[2K  {} … {what}", display::escape(&p.channel));
             }
         }));
     }
@@ -199,20 +230,23 @@ async fn run(settings: Settings) -> Result<()> {
                 };
                 pending.push(actix::spawn(async move {
                     let answer = addr.send(GuestMessage::new(&channel, who, text)).await;
-                    let line = match answer {
+                    let (mark, text) = match answer {
                         Ok(Ok(outcome)) if outcome.reply.ok => {
-                            outcome.reply.text.unwrap_or_default()
+                            (REPLY, outcome.reply.text.unwrap_or_default())
                         }
-                        Ok(Ok(outcome)) => {
-                            format!("error: {}", outcome.reply.error.unwrap_or_default())
-                        }
-                        Ok(Err(e)) => format!("error: {e}"),
-                        Err(e) => format!("error: {e}"),
+                        Ok(Ok(outcome)) => (ERROR, outcome.reply.error.unwrap_or_default()),
+                        Ok(Err(e)) => (ERROR, e.to_string()),
+                        Err(e) => (ERROR, e.to_string()),
                     };
+                    let shown = reply_lines(&channel, mark, &text);
+                    let mut out = std::io::stdout().lock();
                     if tty {
                         eprint!("\r\x1b[2K");
                     }
-                    println!("[{channel}] {line}");
+                    // One write of the whole reply: another channel's lines never fall
+                    // between its lines.
+                    let _ = out.write_all(shown.as_bytes());
+                    let _ = out.flush();
                 }));
             }
             Ok(Line::Reset(channel)) => {
@@ -221,7 +255,10 @@ async fn run(settings: Settings) -> Result<()> {
                         channel: channel.clone(),
                     })
                     .await?;
-                println!("[{channel}] reset: the next turn starts a fresh session");
+                println!(
+                    "[{}] reset: the next turn starts a fresh session",
+                    display::escape(&channel)
+                );
             }
             Ok(Line::Stop(channel)) => {
                 let active = sandbox
@@ -230,7 +267,8 @@ async fn run(settings: Settings) -> Result<()> {
                     })
                     .await?;
                 println!(
-                    "[{channel}] stop: {}",
+                    "[{}] stop: {}",
+                    display::escape(&channel),
                     if active {
                         "the running turn was stopped"
                     } else {
@@ -243,7 +281,7 @@ async fn run(settings: Settings) -> Result<()> {
                 for c in &report.channels {
                     println!(
                         "[{}] {}, {} queued{}",
-                        c.channel,
+                        display::escape(&c.channel),
                         state_text(c.state),
                         c.queued,
                         if c.pending_reset > 0 {
@@ -258,7 +296,7 @@ async fn run(settings: Settings) -> Result<()> {
                     report.totals.live_channels, report.totals.busy_channels, report.totals.queued
                 );
             }
-            Err(e) => eprintln!("terminal-bot: {e}"),
+            Err(e) => eprintln!("terminal-bot: {}", display::escape(&e)),
         }
     }
     // At the end of stdin the answers still due are awaited; on a signal the running turns
@@ -306,6 +344,21 @@ mod tests {
             state_text(ChannelState::Running(TurnPhase::ContainerRunning)),
             "the agent is working in its container"
         );
+    }
+
+    #[test]
+    fn a_reply_line_cannot_pass_for_the_bots_own() {
+        let shown = reply_lines(
+            "#a",
+            REPLY,
+            "ok\n[#ops] reset: the next turn starts a fresh session\r\n\u{1b}[2K\r[#a] stop: x",
+        );
+        assert_eq!(
+            shown,
+            "[#a] > ok\n[#a] | [#ops] reset: the next turn starts a fresh session\n\
+             [#a] | \\u{1b}[2K\\u{d}[#a] stop: x\n"
+        );
+        assert_eq!(reply_lines("#a\u{9b}", ERROR, ""), "[#a\\u{9b}] error: \n");
     }
 
     #[test]

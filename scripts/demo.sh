@@ -7,6 +7,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -eq 0 ]; then
+  umask 022
+  # From a clone the service user cannot read (under /root or a `mktemp -d`: 0700), the bot
+  # is built and run from a mirror of it that it can (scripts/reachable-source.sh).
+  if [ -z "${ROUNDTABLE_MIRRORED_FROM:-}" ]; then
+    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh
+    src=$(scripts/reachable-source.sh)
+    if [ "$src" != "$(pwd -P)" ]; then
+      echo "demo: running from $src (a mirror of this clone the service user can read)" >&2
+      ROUNDTABLE_MIRRORED_FROM="$PWD" exec "$src/scripts/demo.sh" "$@"
+    fi
+  fi
   scripts/setup.sh
 fi
 if [ ! -x target/debug/terminal-bot ]; then

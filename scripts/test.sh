@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 if [ "$(id -u)" -eq 0 ]; then
+  # What the build makes is handed to the service user: readable by it whatever root's umask.
+  umask 022
+  # From a clone the service user cannot read (under /root or a `mktemp -d`: 0700), the
+  # tests run from a mirror of it that it can (scripts/reachable-source.sh).
+  if [ -z "${ROUNDTABLE_MIRRORED_FROM:-}" ]; then
+    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh --gvisor
+    src=$(scripts/reachable-source.sh)
+    if [ "$src" != "$(pwd -P)" ]; then
+      echo "== running from $src (a mirror of this clone the service user can read)" >&2
+      ROUNDTABLE_MIRRORED_FROM="$PWD" exec "$src/scripts/test.sh" "$@"
+    fi
+  fi
   scripts/setup.sh --gvisor
   export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/as-service-user.sh"
 fi
@@ -25,6 +37,8 @@ fi
 echo "== guest image" >&2
 scripts/build-image.sh
 scripts/build-hostile-image.sh
+echo "== MCP servers' image" >&2
+scripts/build-mcp-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
 # The hostile guests again, each turn in a container prepared before its message (warm
@@ -43,7 +57,9 @@ if gvisor_listed; then
   # features and rebuild the crate and its dependants: minutes on a busy machine).
   ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast \
     --test sealed_turn --test agent_e2e --test security_guest --test security_broker \
-    --test security_quota --test runtime --test warm "$@"
+    --test security_quota --test runtime --test warm --test host_dirs --test host_process "$@"
+  # The MCP servers' containers follow the configured runtime too.
+  ROUNDTABLE_RUNTIME=runsc cargo test --workspace --no-fail-fast --test broker "$@" -- mcp_confined
   echo "== gVisor pass: $((SECONDS - started)) s" >&2
 elif [ "${ROUNDTABLE_SKIP_GVISOR:-0}" = 1 ]; then
   echo "== tests under gVisor SKIPPED (ROUNDTABLE_SKIP_GVISOR=1)" >&2

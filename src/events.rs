@@ -175,6 +175,8 @@ pub enum Refusal {
     PeerUid,
     /// All of the MCP server's channel sessions are busy (503).
     McpSessions,
+    /// A confined MCP session's container passed its storage quota (507).
+    McpQuota,
     /// The turn was cancelled (503).
     Cancelled,
     /// The key could not be had (502).

@@ -13,6 +13,7 @@
 //! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
 //! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
 //! - [`image`]: the guest image, built FROM scratch from two static binaries;
+//! - [`display`]: guest- and model-made text made safe to show a person (controls escaped);
 //! - `offline` (feature `cli`): an embedded offline model for first runs and demos
 //!   (loopback only);
 //! - `settings` (feature `cli`): config file, flags and defaults for the project's programs.
@@ -44,6 +45,7 @@ macro_rules! testing_pub {
 pub mod broker;
 mod channel;
 pub mod config;
+pub mod display;
 pub mod driver;
 pub mod events;
 pub mod image;
@@ -93,8 +95,9 @@ struct Inner {
     warm: warm::WarmPool,
     /// Where every event goes (see [`events`]).
     events: Arc<events::EventHub>,
-    /// The run root's and the workspace root's locks, held for the runtime's life.
-    _locks: [lock::RootLock; 2],
+    /// The run root's and the workspace root's locks (and directory descriptors), held for
+    /// the runtime's life.
+    locks: [lock::RootLock; 2],
 }
 
 /// Errors of starting a runtime.
@@ -109,6 +112,33 @@ pub enum SandboxError {
     /// The broker could not be prepared (an MCP server did not start, say).
     #[error("start broker")]
     Broker(#[from] broker::BrokerError),
+    /// The process could not be made private ([`make_process_private`]).
+    #[error("make the runtime's process private (not dumpable)")]
+    ProcessPrivate(#[source] std::io::Error),
+}
+
+/// Closes this process to the other processes of its own user: not dumpable
+/// (`prctl(PR_SET_DUMPABLE, 0)`), so `/proc/<pid>/environ`, `mem`, `maps` and `fd` belong
+/// to root and a same-uid `ptrace` attach is refused (the owner's processes no longer
+/// pass the kernel's ptrace access check without `CAP_SYS_PTRACE`); no core dump is
+/// written either. **Process-wide** and for the process's life (an `execve` of a child
+/// resets it for the child only).
+///
+/// [`Sandbox::new`] calls it before anything else, and reading a key from the environment
+/// or a file ([`Config::from_toml_file`], the `cli` settings) calls it before the key is
+/// read; a program that holds a secret before either (its own key handling) should call
+/// it first thing in `main`. Idempotent.
+pub fn make_process_private() -> std::io::Result<()> {
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(std::io::Error::from)
+}
+
+/// Removes `var` from the process's environment once its secret is read: no child started
+/// afterwards (a host tool's process, an MCP server, a hook) inherits it, and libc's
+/// `getenv` no longer finds it. (`/proc/<pid>/environ` shows the environment the process
+/// was started with whatever is removed: [`make_process_private`] is what closes it.)
+pub(crate) fn forget_env_secret(var: &str) {
+    std::env::remove_var(var);
 }
 
 impl Sandbox {
@@ -116,13 +146,18 @@ impl Sandbox {
     /// either root fails here with [`lock::LockError::InUse`]; see [`lock`]) and prepares
     /// the broker (MCP servers are started and their allow-listed tools pinned). Starts
     /// no container.
+    ///
+    /// First of all it makes the whole process private to its own user
+    /// ([`make_process_private`]: process-wide, for the process's life), so no other
+    /// process of the service user can read the key from its memory or environment.
     pub async fn new(config: Config) -> Result<Self, SandboxError> {
+        make_process_private().map_err(SandboxError::ProcessPrivate)?;
         let resolved = config.resolve()?;
         let locks = [
             lock::RootLock::acquire(&resolved.run_root)?,
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
-        let broker = Broker::new(config.broker_policy(resolved.uid)).await?;
+        let broker = Broker::new(config.runtime_broker_policy(&resolved)).await?;
         let events = Arc::new(events::EventHub::new(config.observer.clone()));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
@@ -143,7 +178,7 @@ impl Sandbox {
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
                 events,
-                _locks: locks,
+                locks,
             }),
         })
     }
@@ -172,6 +207,11 @@ impl Sandbox {
     /// for a slot, a refusal's end).
     pub fn emit(&self, turn: Option<u64>, channel: Option<&ChannelId>, kind: events::EventKind) {
         self.inner.events.emit(turn, channel, kind);
+    }
+
+    /// The workspace root's lock, with its directory held since startup.
+    pub(crate) fn workspace_root_lock(&self) -> &lock::RootLock {
+        &self.inner.locks[1]
     }
 
     /// The turns in flight (the turn runner registers them, the sweep skips them).

@@ -13,11 +13,18 @@
 //! closes: when the last clone of the [`Sandbox`](crate::Sandbox) is dropped, or when the
 //! process dies however it dies, so a crashed runtime never blocks its successor. The file
 //! holds the holder's pid, shown in the error (informational only: the lock is the flock).
+//!
+//! The lock also holds the root's directory descriptor ([`RootLock::dir`]), opened once
+//! and checked again to be a private directory of the service user: the channel
+//! directories are made and opened relative to it ([`crate::turn`]), never through the
+//! root's path, so a root renamed or replaced after startup is not followed.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
 
 /// The lock file's name in each root (never a `turn-*` dir, never a 64-hex workspace).
 pub const LOCK_FILE: &str = ".roundtable-sandbox.lock";
@@ -33,6 +40,13 @@ pub enum LockError {
         /// Who holds it, where known (` (pid N)`), or empty.
         holder: String,
     },
+    /// The root, opened to be held, is no longer a private directory of the service user
+    /// (replaced since it was checked).
+    #[error("sandbox root {root} changed since it was checked: it is no longer a private directory of the service user")]
+    Changed {
+        /// The root.
+        root: PathBuf,
+    },
     /// The lock file could not be opened or locked.
     #[error("lock sandbox root {root}")]
     Lock {
@@ -47,6 +61,9 @@ pub enum LockError {
 #[derive(Debug)]
 pub struct RootLock {
     root: PathBuf,
+    dir: OwnedFd,
+    dev: u64,
+    ino: u64,
     _file: nix::fcntl::Flock<File>,
 }
 
@@ -57,16 +74,31 @@ impl RootLock {
             root: root.to_owned(),
             source,
         };
-        let path = root.join(LOCK_FILE);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
-            .open(&path)
-            .map_err(err)?;
+        let io = |e: rustix::io::Errno| err(e.into());
+        // The root's descriptor, held for the runtime's life: checked once more here, on
+        // what is held, by the rule the configuration checked by path.
+        let dir = rustix::fs::open(
+            root,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(io)?;
+        let st = rustix::fs::fstat(&dir).map_err(io)?;
+        let service_uid = nix::unistd::getuid().as_raw();
+        if !crate::config::is_private_dir(st.st_uid, st.st_mode as u32, service_uid) {
+            return Err(LockError::Changed {
+                root: root.to_owned(),
+            });
+        }
+        let file = File::from(
+            rustix::fs::openat(
+                &dir,
+                LOCK_FILE,
+                OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )
+            .map_err(io)?,
+        );
         let mut file =
             match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
                 Ok(locked) => locked,
@@ -90,6 +122,11 @@ impl RootLock {
         writeln!(file, "{}", std::process::id()).map_err(err)?;
         Ok(Self {
             root: root.to_owned(),
+            dir,
+            #[allow(clippy::unnecessary_cast)]
+            dev: st.st_dev as u64,
+            #[allow(clippy::unnecessary_cast)]
+            ino: st.st_ino as u64,
             _file: file,
         })
     }
@@ -98,15 +135,34 @@ impl RootLock {
     pub fn root(&self) -> &Path {
         &self.root
     }
+
+    /// The root's directory, held since startup: what the channel directories are made
+    /// and opened relative to.
+    pub fn dir(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    /// The held root's identity (device, inode).
+    pub fn id(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A private scratch root (the configuration makes every root 0700).
+    fn root() -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .tempdir()
+            .unwrap()
+    }
+
     #[test]
     fn a_second_lock_on_a_root_fails_until_the_first_is_dropped() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = root();
         let first = RootLock::acquire(dir.path()).unwrap();
         let err = RootLock::acquire(dir.path()).unwrap_err();
         assert_eq!(
@@ -123,8 +179,28 @@ mod tests {
     }
 
     #[test]
+    fn a_root_no_longer_private_when_held_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = root();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let err = RootLock::acquire(dir.path()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "sandbox root {} changed since it was checked: it is no longer a private directory of the service user",
+                dir.path().display()
+            )
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let held = RootLock::acquire(dir.path()).unwrap();
+        let meta = std::fs::metadata(dir.path()).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(held.id(), (meta.dev(), meta.ino()));
+    }
+
+    #[test]
     fn a_planted_symlink_is_not_followed() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = root();
         let target = dir.path().join("elsewhere");
         std::fs::write(&target, "x").unwrap();
         std::os::unix::fs::symlink(&target, dir.path().join(LOCK_FILE)).unwrap();

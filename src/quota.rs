@@ -254,20 +254,41 @@ impl MeasureError {
 pub struct Workspace {
     fd: OwnedFd,
     dev: u64,
+    ino: u64,
 }
 
 impl Workspace {
     /// Opens the workspace dir. Its path is the host's own (`workspace_root/<segment>`); the
     /// last component is refused if it is a symlink.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
-        let fd = rustix::fs::open(dir, dir_flags(), Mode::empty())?;
-        let dev = rustix::fs::fstat(&fd)?.st_dev;
-        Ok(Self { fd, dev })
+        Self::from_fd(rustix::fs::open(dir, dir_flags(), Mode::empty())?)
+    }
+
+    /// Opens the directory `name` in `root` (a held descriptor; `name` one component, a
+    /// symlink refused).
+    pub fn open_at(root: BorrowedFd<'_>, name: &str) -> std::io::Result<Self> {
+        Self::from_fd(rustix::fs::openat(root, name, dir_flags(), Mode::empty())?)
+    }
+
+    fn from_fd(fd: OwnedFd) -> std::io::Result<Self> {
+        let (dev, ino) = key(&rustix::fs::fstat(&fd)?);
+        Ok(Self { fd, dev, ino })
     }
 
     /// The device the workspace is on.
     pub fn dev(&self) -> u64 {
         self.dev
+    }
+
+    /// The workspace directory's identity (device, inode).
+    pub fn id(&self) -> (u64, u64) {
+        (self.dev, self.ino)
+    }
+
+    /// Its owner and mode bits, read from the held descriptor.
+    pub fn owner_and_mode(&self) -> std::io::Result<(u32, u32)> {
+        let st = rustix::fs::fstat(&self.fd)?;
+        Ok((st.st_uid, st.st_mode as u32 & 0o7777))
     }
 }
 

@@ -86,8 +86,8 @@ impl Settings {
             Some(path) => Config::from_toml_file(path)?,
             None => {
                 let base = Self::default_base();
-                let key = std::env::var("OPENAI_API_KEY")
-                    .ok()
+                // Read once, then gone from the environment (no child inherits it).
+                let key = crate::config::read_env_secret("OPENAI_API_KEY")
                     .filter(|k| !k.trim().is_empty());
                 let api_key = key.map_or(ApiKey::None, |k| ApiKey::from_static(k.trim()));
                 Config::builder(base.join("run"), base.join("workspaces"))

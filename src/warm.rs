@@ -12,6 +12,12 @@
 //! that cannot serve (it exited, was removed, the engine does not answer) is removed and
 //! the turn starts cold, the reason logged. One container still serves exactly one turn.
 //!
+//! A prepared container serves only the workspace directory it was made for: its
+//! `(st_dev, st_ino)` is recorded here, and the adopting turn compares it with the directory
+//! it made and holds. A workspace moved aside (an operator's fix of an over-quota channel)
+//! or deleted since is another directory, while the container's bind still holds the old
+//! one: the container is discarded and the turn runs cold.
+//!
 //! Bounded: at most [`WarmSettings::max`] prepared containers per runtime (a permit each,
 //! held until the container is removed or adopted). A prepared container that is never
 //! adopted is removed by [`PreparedTurn::discard`], or by its drop in the background; the
@@ -96,7 +102,7 @@ impl Sandbox {
         // Not abandoned half-way: an engine call dropped in flight may still create the
         // container after a removal meant for it. Cancelled, it is removed once started.
         let started = match resources.start().await {
-            Ok(()) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled),
+            Ok(()) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled.into()),
             other => other,
         };
         match started {
@@ -106,7 +112,7 @@ impl Sandbox {
             }
             Err(e) => {
                 resources.teardown_logged("remove failed preparation").await;
-                Err(e.into())
+                Err(e)
             }
         }
     }

@@ -455,8 +455,9 @@ fn compact_request(tokens_before: u64) -> CompactRequest {
     CompactRequest::new(Some("PREVIOUS"), &older, tokens_before, BUDGET)
 }
 
-/// The calls of a compaction count against the turn's model calls (3 here); past them the
-/// plain summary is returned (logged), and both keys are redacted from what is returned.
+/// The calls of a compaction count against the turn's model calls (3 here), the
+/// summarizer's included; once they are used up the route refuses (`429`, logged) instead
+/// of serving the plain summary, and both keys are redacted from what is returned.
 #[test]
 fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
     with_logs(|logs| async move {
@@ -495,12 +496,13 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
             reply.summary
         );
         assert!(!a.text().contains(KEY));
-        // 3: the turn's model calls are used up: the plain summary, no upstream call.
-        let a = client::post_json(&socket, "/v1/compact", &body).await;
-        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-        assert_eq!(reply.source, CompactSource::Plain);
-        assert_eq!(reply.usage.model_calls, 0);
-        assert!(reply.summary.contains("PREVIOUS"), "{}", reply.summary);
+        // 3 and 4: the turn's model calls are used up: refused, no upstream call, no
+        // plain summary.
+        for _ in 0..2 {
+            let a = client::post_json(&socket, "/v1/compact", &body).await;
+            assert_eq!(a.status, 429, "{}", a.text());
+            assert_eq!(a.error(), "too many model calls in this turn (limit 3)");
+        }
         assert_eq!(sum.requests().len(), 2);
         assert_eq!(model.requests().len(), 1);
         // And a model call of the same turn is refused: the compactions counted.
@@ -511,13 +513,63 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
         )
         .await;
         assert_eq!(a.status, 429, "{}", a.text());
-        let budget = logs.lines(&[
-            "compaction fell back",
-            "reason=the turn's model calls are used up (limit 3)",
-            "tokens_before=4321",
+        let refused = logs.lines(&[
+            "compaction request refused",
+            "reason=too many model calls in this turn (limit 3)",
+            &format!("channel={}", hash("chan-budget")),
         ]);
-        assert_eq!(budget.len(), 2, "{}", logs.text());
+        assert_eq!(refused.len(), 1, "{}", logs.text());
         assert!(!logs.text().contains("GUEST-WORDS-41"));
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// Past `max_compactions` (2 here) a turn's compactions are refused `429` naming the limit,
+/// with model calls to spare; a refusal for the calls in flight does not use one up.
+#[test]
+fn compactions_past_the_turns_cap_are_refused() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("ONE"), Step::text("TWO")]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_compactions = 2;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-cap", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(9)).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            seen.push(client::post_json(&turn.socket, "/v1/compact", &body).await);
+        }
+        let seen = outcomes(&seen);
+        let refused = (
+            429,
+            "too many compactions in this turn (limit 2)".to_owned(),
+        );
+        assert_eq!(
+            seen,
+            [
+                (200, "Model".to_owned()),
+                (200, "Model".to_owned()),
+                refused.clone(),
+                refused
+            ]
+        );
+        assert_eq!(model.requests().len(), 2);
+        // The turn's chat calls are not touched: 30 of 32 left.
+        model.push(Step::text("chat"));
+        let a = client::post_json(
+            &turn.socket,
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(
+            logs.lines(&["compaction request refused", "too many compactions"])
+                .len(),
+            1,
+            "{}",
+            logs.text()
+        );
         turn.listener.take().unwrap().stop().await.unwrap();
     });
 }
@@ -577,5 +629,255 @@ fn bad_compaction_requests_are_refused_and_logged() {
         assert!(!logs.text().contains("GUEST-WORDS-41"));
         assert!(model.requests().is_empty());
         turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+// ---------------------------------------------------------------- the per-turn caps
+
+/// The status and error (or source) of each answer.
+fn outcomes(answers: &[client::Answer]) -> Vec<(u16, String)> {
+    answers
+        .iter()
+        .map(|a| {
+            let what = if a.status == 200 {
+                format!(
+                    "{:?}",
+                    serde_json::from_slice::<CompactReply>(&a.body)
+                        .unwrap()
+                        .source
+                )
+            } else {
+                a.error()
+            };
+            (a.status, what)
+        })
+        .collect()
+}
+
+/// 16 compactions of one turn at once: one reaches the upstream at a time, the others are
+/// refused `429` (before: all 16 were upstream at once); with the turn's calls in flight
+/// taken by 4 hung chat calls, a compaction is refused `429` naming that limit.
+#[test]
+fn compactions_hold_the_calls_in_flight_cap() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(
+            (0..16)
+                .map(|_| Step::delayed(Duration::from_millis(1500), Step::text("SUMMARY-OK")))
+                .collect(),
+        )
+        .await;
+        let mut p = policy(&model, None);
+        p.limits.max_compactions = 16;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-flight", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(100)).unwrap();
+        let mut set = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            let socket = turn.socket.clone();
+            let body = body.clone();
+            set.spawn(async move { client::post_json(&socket, "/v1/compact", &body).await });
+        }
+        let mut answers = Vec::new();
+        while let Some(a) = set.join_next().await {
+            answers.push(a.unwrap());
+        }
+        let seen = outcomes(&answers);
+        assert_eq!(model.peak_in_flight(), 1, "upstream at once: {seen:?}");
+        let refused = seen
+            .iter()
+            .filter(|(s, e)| *s == 429 && e == "a compaction is already in flight in this turn")
+            .count();
+        let served = seen
+            .iter()
+            .filter(|(s, e)| *s == 200 && e == "Model")
+            .count();
+        assert!(refused >= 1 && served >= 1, "{seen:?}");
+        assert_eq!(refused + served, 16, "{seen:?}");
+
+        // The turn's 4 calls in flight held by hung chat calls: the compaction gets none.
+        let hung = ScriptedModel::start((0..4).map(|_| Step::Hang).collect()).await;
+        let mut p = policy(&hung, None);
+        p.limits.max_compactions = 16;
+        let broker = start_broker(p).await;
+        let mut turn2 = BrokerTurn::start(&broker, "chan-flight-2", Speaker::default()).await;
+        let mut chats = tokio::task::JoinSet::new();
+        for _ in 0..4 {
+            let socket = turn2.socket.clone();
+            chats.spawn(async move {
+                client::post_json(
+                    &socket,
+                    "/v1/chat/completions",
+                    &json!({"messages": [{"role": "user", "content": "hang"}]}),
+                )
+                .await
+            });
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while hung.requests().len() < 4 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the chat calls never arrived"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let a = client::post_json(&turn2.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 429, "{}", a.text());
+        assert_eq!(a.error(), "too many calls in flight in this turn (limit 4)");
+        assert_eq!(
+            hung.requests().len(),
+            4,
+            "the compaction reached no upstream"
+        );
+        chats.abort_all();
+        turn2.listener.take().unwrap().stop().await.unwrap();
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// The compaction request's JSON values are counted before it is parsed, like tool
+/// arguments: 100,000 reload entries (400 KB) are refused unparsed.
+#[test]
+fn a_compaction_request_that_would_inflate_is_refused_before_parsing() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(vec![]).await;
+        let broker = start_broker(policy(&model, None)).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-values", Speaker::default()).await;
+        let mut body = String::from(
+            r#"{"messages":[{"role":"user","content":"x"}],"tokensBefore":1,"budget":1,"reload":["a""#,
+        );
+        body.push_str(&r#","a""#.repeat(100_000));
+        body.push_str("]}");
+        let a = client::post(
+            &turn.socket,
+            "/v1/compact",
+            &[("content-type", "application/json")],
+            body,
+        )
+        .await
+        .unwrap();
+        assert_eq!(a.status, 400, "{}", a.text());
+        assert_eq!(
+            a.error(),
+            "compaction request too complex (more than 65536 JSON values)"
+        );
+        assert!(model.requests().is_empty());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A message of the request with more tool calls than a guest keeps is refused.
+#[test]
+fn a_compaction_request_with_too_many_tool_calls_in_a_message_is_refused() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("SUMMARY")]).await;
+        let broker = start_broker(policy(&model, None)).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-calls", Speaker::default()).await;
+        let calls: Vec<Value> = (0..100)
+            .map(|i| json!({"id": format!("c{i}"), "type": "function", "function": {"name": "read", "arguments": "{}"}}))
+            .collect();
+        let body = json!({
+            "messages": [{"role": "assistant", "content": null, "tool_calls": calls}],
+            "tokensBefore": 1,
+            "budget": BUDGET,
+        });
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 400, "{}", a.text());
+        assert_eq!(
+            a.error(),
+            "invalid compaction request: a message has too many tool calls (100 > 32)"
+        );
+        assert!(model.requests().is_empty());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A 4 MB answer from the summarizer and from the main model is not parsed: each is a
+/// logged fallback (the answer cap named), the plain summary is returned; an answer under
+/// the cap is cut to the summary's size.
+#[test]
+fn a_huge_compaction_answer_falls_back_without_being_parsed() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::Huge(4_000_000)]).await;
+        let sum = ScriptedModel::start(vec![Step::Huge(4_000_000), Step::Huge(200_000)]).await;
+        let p = policy(
+            &model,
+            Some(summarizer(&sum, ApiKey::from_static(SUM_KEY), "test")),
+        );
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-huge", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(77)).unwrap();
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(
+            reply.source,
+            CompactSource::Plain,
+            "{}",
+            reply.summary.len()
+        );
+        for who in ["summarizer", "model"] {
+            let lines = logs.lines(&[
+                "compaction fell back",
+                &format!("reason=the {who} answer is larger than 262144 bytes"),
+                "tokens_before=77",
+            ]);
+            assert_eq!(lines.len(), 1, "{who}: {}", logs.text());
+        }
+        // 200 KB: under the cap, parsed, cut to the summary's size (1,500 bytes and the mark).
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Summarizer);
+        assert!(reply.summary.len() < 1600, "{}", reply.summary.len());
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
+/// A flood of compactions past the turn's budget: each is refused, and the warn lines are
+/// rate-limited (one per reason per window, the rest counted and reported once when the
+/// turn ends), not one per request.
+#[test]
+fn warn_lines_are_bounded_under_a_compaction_flood() {
+    with_logs(|logs| async move {
+        let model = ScriptedModel::start(vec![Step::text("SUMMARY-ONE")]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_model_calls = 1;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-flood", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(5)).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..200 {
+            seen.push(client::post_json(&turn.socket, "/v1/compact", &body).await);
+        }
+        let seen = outcomes(&seen);
+        assert_eq!(seen[0], (200, "Model".to_owned()));
+        assert!(
+            seen[1..].iter().all(|o| *o
+                == (
+                    429,
+                    "too many model calls in this turn (limit 1)".to_owned()
+                )),
+            "{:?}",
+            &seen[1..4]
+        );
+        assert_eq!(model.requests().len(), 1);
+        turn.listener.take().unwrap().stop().await.unwrap();
+        drop(broker);
+        let warns = logs.lines(&["WARN", "compaction"]);
+        assert!(
+            warns.len() <= 4,
+            "{} warn lines:\n{}",
+            warns.len(),
+            logs.text()
+        );
+        let suppressed = logs.lines(&[
+            "compaction warn lines suppressed",
+            &format!("channel={}", hash("chan-flood")),
+        ]);
+        assert_eq!(suppressed.len(), 1, "{}", logs.text());
+        assert!(
+            suppressed[0].contains("suppressed=19") || suppressed[0].contains("suppressed=198"),
+            "{}",
+            suppressed[0]
+        );
     });
 }

@@ -105,10 +105,23 @@ fn each_rule_has_its_message() {
         tools: vec!["t".into()],
         scope: None,
         max_sessions: None,
+        confine: Default::default(),
+        image: None,
+        network: false,
+        limits: Default::default(),
     }];
     assert_eq!(
         err(&c),
         "MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"
+    );
+
+    // The per-turn compaction cap (checked with the other broker limits, before any side
+    // effect).
+    let mut c = base.clone();
+    c.broker_limits.max_compactions = 0;
+    assert_eq!(
+        err(&c),
+        "invalid broker limits: max_compactions must be 1 to 1000"
     );
 
     // The model request allow-list and token cap.
@@ -266,7 +279,7 @@ fn toml_file_loads_and_rejects_unknown_keys() {
 
     // The model request allow-list extended, the token cap and the per-turn caps set.
     let text = std::fs::read_to_string(&path).unwrap()
-        + "[broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+        + "[broker]\nmax_calls_in_flight = 2\nmax_connections = 8\nmax_compactions = 2\n\
            [model_request]\nmax_tokens = 2048\nextra_fields = [\"reasoning_effort\"]\n";
     std::fs::write(&path, text).unwrap();
     let config = Config::from_toml_file(&path).unwrap();
@@ -274,6 +287,7 @@ fn toml_file_loads_and_rejects_unknown_keys() {
     assert_eq!(config.model_request.extra_fields, ["reasoning_effort"]);
     assert_eq!(config.broker_limits.max_calls_in_flight, 2);
     assert_eq!(config.broker_limits.max_connections, 8);
+    assert_eq!(config.broker_limits.max_compactions, 2);
     config.resolve().unwrap();
 
     std::fs::write(&path, "image = \"x\"\nimgae = \"y\"\n").unwrap();
@@ -307,7 +321,8 @@ fn mcp_scope_rules() {
     };
     let rule = |mcp: &str| err(&parse(mcp).unwrap());
 
-    let stdio = "transport = \"stdio\"\ncommand = \"srv\"\n";
+    let stdio =
+        "transport = \"stdio\"\ncommand = \"srv\"\nimage = \"roundtable-sandbox-mcp:latest\"\n";
     let http = "transport = \"http\"\nurl = \"https://mcp.invalid/mcp\"\n";
     assert_eq!(parse(stdio).unwrap().mcp[0].scope(), McpScope::Channel);
     assert_eq!(parse(http).unwrap().mcp[0].scope(), McpScope::Shared);
@@ -348,7 +363,7 @@ fn mcp_scope_rules() {
         .to_string();
     assert_eq!(
         e,
-        "config file <string>: mcp[0].scope: unknown variant `global`, expected `channel` or `shared` (at line 11, column 9)"
+        "config file <string>: mcp[0].scope: unknown variant `global`, expected `channel` or `shared` (at line 12, column 9)"
     );
     let prefix = "MCP server db: ";
     assert_eq!(
@@ -399,6 +414,48 @@ fn mcp_scope_rules() {
             format!("{prefix}max_sessions must be 1 to 1024, got {n}")
         );
     }
+
+    // Confinement: a container by default, which needs an image; `host` only when asked.
+    let c = parse(&format!(
+        "{stdio}network = true\nlimits = {{ memory_mb = 128, data_mb = 32 }}\n"
+    ))
+    .unwrap();
+    assert!(c.mcp[0].in_container() && c.mcp[0].network);
+    assert_eq!(
+        (
+            c.mcp[0].limits.memory_mb,
+            c.mcp[0].limits.data_mb,
+            c.mcp[0].limits.pids
+        ),
+        (128, 32, 64)
+    );
+    c.resolve().unwrap();
+    assert_eq!(
+        rule("transport = \"stdio\"\ncommand = \"srv\"\n"),
+        format!("{prefix}a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = \"host\" to run it unconfined on the host")
+    );
+    let c = parse("transport = \"stdio\"\ncommand = \"srv\"\nconfine = \"host\"\n").unwrap();
+    assert!(c.mcp[0].unconfined());
+    c.resolve().unwrap();
+    assert_eq!(
+        rule(&format!("{http}image = \"x:1\"\n")),
+        format!("{prefix}confine, image, network and limits apply only to stdio servers")
+    );
+    assert_eq!(
+        rule(&format!("{stdio}limits = {{ cpus = 0.0 }}\n")),
+        format!("{prefix}limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): McpLimits {{ memory_mb: 256, cpus: 0.0, pids: 64, tmpfs_mb: 16, data_mb: 64, data_files: 10000 }}")
+    );
+    let e = parse(&format!("{stdio}limits = {{ memory = 1 }}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unknown field `memory`"), "{e}");
+    let e = parse(&format!("{stdio}confine = \"none\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unknown variant `none`, expected `container` or `host`"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -834,4 +891,80 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("compaction.allow_http: invalid type"), "{e}");
+}
+
+/// Issue 21: a root is checked once, by path, but it is used for the runtime's life. Under
+/// a directory another user can write (or owns), that user can swap the root after startup
+/// (and read what the guests write): every directory above each root must be owned by root
+/// or the service user and writable by no one else, unless it is sticky (`/tmp`).
+#[test]
+fn a_root_under_a_directory_another_user_can_write_is_refused() {
+    let env = Env::new();
+    let base = env.config();
+    let shared = env.dir.path().join("shared");
+    let nested = shared.join("deeper");
+    std::fs::create_dir_all(&nested).unwrap();
+    for (mode, shown) in [(0o777, "777"), (0o775, "775"), (0o757, "757")] {
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(mode)).unwrap();
+        for field in ["run_root", "workspace_root"] {
+            let mut c = base.clone();
+            let root = nested.join(field);
+            match field {
+                "run_root" => c.run_root = root.clone(),
+                _ => c.workspace_root = root.clone(),
+            }
+            assert_eq!(
+                err(&c),
+                format!(
+                    "sandbox root {} lies under {}, which group or others can write (mode {shown}, not sticky): \
+                     every directory above a root must be owned by root or the service user and writable by no one else unless sticky",
+                    root.display(),
+                    shared.display()
+                ),
+                "{field}"
+            );
+            assert!(!root.exists(), "refused before it is created");
+        }
+    }
+    // Sticky and owned by the service user (as /tmp is sticky and root's): accepted.
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let mut c = base.clone();
+    c.run_root = nested.join("run");
+    assert!(c.resolve().is_ok());
+    // A root reached through a symlink is judged by where it leads.
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let link = env.dir.path().join("via-link");
+    std::os::unix::fs::symlink(&nested, &link).unwrap();
+    let mut c = base.clone();
+    c.workspace_root = link.join("ws");
+    assert!(
+        err(&c).contains(&format!(" lies under {}, which group", shared.display())),
+        "{}",
+        err(&c)
+    );
+
+    // A directory above the root owned by another user (who can rename what is in it).
+    let uid = nix::unistd::getuid().as_raw();
+    let theirs = ["/var/cache/man", "/etc/postgresql", "/var/mail"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find_map(|p| {
+            use std::os::unix::fs::MetadataExt;
+            let m = std::fs::metadata(&p).ok()?;
+            (m.is_dir() && m.uid() != uid && m.uid() != 0 && m.mode() & 0o001 != 0)
+                .then_some((p, m.uid()))
+        })
+        .expect("a directory of another user that others may enter, to test with");
+    let mut c = base.clone();
+    c.workspace_root = theirs.0.join("roundtable-ws");
+    assert_eq!(
+        err(&c),
+        format!(
+            "sandbox root {} lies under {}, which uid {} owns: every directory above a root must be \
+             owned by root or the service user and writable by no one else unless sticky",
+            c.workspace_root.display(),
+            theirs.0.display(),
+            theirs.1
+        )
+    );
 }

@@ -50,9 +50,15 @@
 //!
 //! #[actix::main]
 //! async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     // First thing: no other process of the service user may read this one's memory or
+//!     // environment (process-wide; the sandbox's start does it too, but the key is read
+//!     // before). Then the key, and out of the environment so no child inherits it.
+//!     roundtable_sandbox::make_process_private()?;
+//!     let key = std::env::var("OPENAI_API_KEY")?;
+//!     std::env::remove_var("OPENAI_API_KEY");
 //!     let config = Config::builder("/srv/roundtable/run", "/srv/roundtable/ws")
 //!         .model("https://api.openai.com/v1", "gpt-4o-mini")
-//!         .api_key(ApiKey::from_static(std::env::var("OPENAI_API_KEY")?))
+//!         .api_key(ApiKey::from_static(key))
 //!         .build();
 //!     let mut options = SupervisorOptions::new(config);
 //!     options.max_containers = 2;

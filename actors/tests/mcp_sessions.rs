@@ -1,15 +1,18 @@
 //! Channel-scoped MCP sessions through the actor layer, end to end: the real guest in the
 //! project's image, a scripted model on loopback, and `mcp-server-sqlite` (PyPI, from the
-//! venv `scripts/mcp-venv.sh` makes). A channel's session starts on its first call, keeps
-//! its data in the channel's own file, and its process is gone once the channel retires.
+//! image `scripts/build-mcp-image.sh` builds), each session its own container (the default
+//! confinement). A channel's session starts on its first call, keeps its data in the
+//! channel's own data dir, and its container is gone once the channel retires.
 
 use std::time::Duration;
 
+use roundtable_sandbox::broker::LABEL_MCP;
 use roundtable_sandbox::broker::PROBE_SEGMENT;
+use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
-use roundtable_sandbox_test_support::mcp_process::{alive, read_pid, sqlite_server, wait_gone};
+use roundtable_sandbox_test_support::mcp_process::sqlite_container;
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
 
@@ -25,12 +28,40 @@ fn tool_results(request: &serde_json::Value) -> Vec<String> {
         .collect()
 }
 
+/// The instance's MCP session containers.
+async fn mcp_containers(instance: &str) -> Vec<String> {
+    containers_labelled(&[format!("{LABEL_RUNTIME}={instance}"), LABEL_MCP.to_owned()])
+        .await
+        .into_iter()
+        .flat_map(|c| c.names.unwrap_or_default())
+        .collect()
+}
+
+/// Waits until the instance has `n` MCP containers; panics after 30 s.
+async fn wait_mcp_containers(instance: &str, n: usize) -> Vec<String> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = mcp_containers(instance).await;
+        if now.len() == n {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "expected {n} MCP containers: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether one of `names` is the session container of `channel`.
+fn has_channel(names: &[String], channel: &str) -> bool {
+    let tag = &channel_segment(channel)[..12];
+    names.iter().any(|n| n.contains(tag))
+}
+
 #[actix_rt::test]
 async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_it_retires() {
     let env = Env::new();
-    let data = env.dir.path().join("mcp");
-    std::fs::create_dir(&data).unwrap();
-    let pid_of = |channel: &str| data.join(format!("pid-{}", channel_segment(channel)));
     let model = ScriptedModel::start(vec![
         // #alpha stores a note in its database.
         Step::tool_call(
@@ -56,20 +87,26 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![sqlite_server(
-        &data,
-        "{channel}",
-        &["create_table", "write_query", "read_query"],
-    )];
-    let instance = c.resolve().unwrap().instance;
+    c.mcp = vec![sqlite_container(&[
+        "create_table",
+        "write_query",
+        "read_query",
+    ])];
+    let resolved = c.resolve().unwrap();
+    let instance = resolved.instance;
+    let data = resolved
+        .workspace_root
+        .join(roundtable_sandbox::config::MCP_DATA_DIR)
+        .join("sqlite");
     let mut s = SupervisorOptions::new(c);
     // Generous: #alpha must stay live (its session alive) through #beta's whole turn, which
     // takes seconds on a busy machine (3 s here retired #alpha first under load).
     s.idle_timeout = Duration::from_secs(20);
     let addr = SandboxSupervisor::start(s).await.unwrap();
     // Only the startup listing ran (and is gone); no channel has a session yet.
-    wait_gone(read_pid(&data.join(format!("pid-{PROBE_SEGMENT}")))).await;
-    assert!(!pid_of("#alpha").exists());
+    wait_mcp_containers(&instance, 0).await;
+    assert!(data.join(PROBE_SEGMENT).is_dir());
+    assert!(!data.join(channel_segment("#alpha")).exists());
 
     let reply = addr
         .send(GuestMessage::new("#alpha", speaker("ann"), "remember"))
@@ -79,7 +116,11 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     assert_eq!(reply.text.as_deref(), Some("stored"), "{reply:?}");
     let results = tool_results(&model.requests()[2].json());
     assert_eq!(results.len(), 2, "{results:?}");
-    assert!(!pid_of("#beta").exists());
+    assert!(data
+        .join(channel_segment("#alpha"))
+        .join("db.sqlite")
+        .is_file());
+    assert!(!has_channel(&mcp_containers(&instance).await, "#beta"));
 
     let reply = addr
         .send(GuestMessage::new("#beta", speaker("bob"), "look"))
@@ -91,16 +132,17 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     assert_eq!(results.len(), 1, "{results:?}");
     assert!(results[0].contains("no such table: notes"), "{results:?}");
     assert!(!results[0].contains("alpha-private-note"), "{results:?}");
-    // Each channel's session is its own process, alive while the channel is.
-    let alpha = read_pid(&pid_of("#alpha"));
-    let beta = read_pid(&pid_of("#beta"));
-    assert_ne!(alpha, beta);
-    assert!(alive(alpha) && alive(beta));
+    // Each channel's session is its own container, alive while the channel is.
+    let both = mcp_containers(&instance).await;
+    assert_eq!(both.len(), 2, "{both:?}");
+    assert!(
+        has_channel(&both, "#alpha") && has_channel(&both, "#beta"),
+        "{both:?}"
+    );
 
-    // Both channels go idle and retire: their sessions' processes are gone.
+    // Both channels go idle and retire: their sessions' containers are gone.
     status_until(&addr, "both channels retired", |s| s.totals.retired >= 2).await;
-    wait_gone(alpha).await;
-    wait_gone(beta).await;
+    wait_mcp_containers(&instance, 0).await;
     let report = addr.send(Shutdown).await.unwrap();
     assert_eq!(report.stopped_turns, 0);
     let left = labelled_containers_of(&instance).await;
@@ -111,8 +153,6 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
 #[actix_rt::test]
 async fn shutdown_stops_every_channels_mcp_session() {
     let env = Env::new();
-    let data = env.dir.path().join("mcp");
-    std::fs::create_dir(&data).unwrap();
     let model = ScriptedModel::start(vec![
         Step::tool_call(
             "a1",
@@ -125,7 +165,8 @@ async fn shutdown_stops_every_channels_mcp_session() {
     let mut c = env.config();
     c.model_url = model.url();
     c.turn_timeout = Some(Duration::from_secs(90));
-    c.mcp = vec![sqlite_server(&data, "{channel}", &["read_query"])];
+    c.mcp = vec![sqlite_container(&["read_query"])];
+    let instance = c.resolve().unwrap().instance;
     let mut s = SupervisorOptions::new(c);
     s.idle_timeout = Duration::from_secs(3600);
     let addr = SandboxSupervisor::start(s).await.unwrap();
@@ -135,8 +176,8 @@ async fn shutdown_stops_every_channels_mcp_session() {
         .unwrap()
         .unwrap();
     assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
-    let pid = read_pid(&data.join(format!("pid-{}", channel_segment("#gamma"))));
-    assert!(alive(pid));
+    assert!(has_channel(&mcp_containers(&instance).await, "#gamma"));
     addr.send(Shutdown).await.unwrap();
-    wait_gone(pid).await;
+    wait_mcp_containers(&instance, 0).await;
+    assert!(labelled_containers_of(&instance).await.is_empty());
 }

@@ -17,6 +17,7 @@ use roundtable_sandbox_actors::*;
 const SCRIPT: &str = r#"t=$(cat); h=$(cat /etc/hostname); case "$t" in
 *'"text":"sleep'*) sleep 300;;
 *'"text":"fail'*) printf '{"ok":false,"error":"%s"}' "$h"; exit 0;;
+*'"text":"write'*) printf %s "$h" > /workspace/served-by || { printf '{"ok":false,"error":"cannot write /workspace"}'; exit 0; };;
 esac; printf '{"ok":true,"text":"%s"}' "$h""#;
 
 fn config(env: &Env, max: usize) -> SupervisorOptions {
@@ -308,6 +309,65 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
         .unwrap();
     let served = ask(&addr, "#removed").await;
     assert_ne!(served_by(&served), ready.id[..12]);
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+/// Issue 21: a prepared container stays bound to the directory it was started on. After
+/// an operator moved the workspace aside (say, over quota), the turn in it would write into
+/// the moved directory, outside the workspace root, while the host measures the fresh one.
+/// The workspace's identity (device, inode) recorded at preparation no longer matches the
+/// directory the turn holds: the prepared container is discarded and the turn runs cold.
+#[actix_rt::test]
+async fn a_workspace_moved_aside_between_turns_is_not_served_by_its_prepared_container() {
+    let (env, instance, addr) = start(8).await;
+    ask(&addr, "#moved").await;
+    let ready = until_prepared(&addr, &instance, "#moved").await;
+    let ws = env.workspace_of("#moved");
+    let aside = env.dir.path().join("moved-aside");
+    std::fs::rename(&ws, &aside).unwrap();
+    let served = turn(addr.clone(), "#moved", "write").await;
+    assert!(served.reply.ok, "{served:?}");
+    assert_ne!(
+        served_by(&served),
+        ready.id[..12],
+        "not the prepared container"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("served-by")).unwrap(),
+        served_by(&served),
+        "the turn wrote into the fresh workspace"
+    );
+    let moved: Vec<_> = std::fs::read_dir(&aside)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        moved.is_empty(),
+        "the moved directory is unchanged: {moved:?}"
+    );
+    shutdown_leaves_nothing(addr, &env, &instance).await;
+}
+
+/// Issue 21: the workspace deleted between turns (its prepared container holds the deleted
+/// directory, where every write fails): the next turn runs cold in the fresh one.
+#[actix_rt::test]
+async fn a_workspace_deleted_between_turns_is_not_served_by_its_prepared_container() {
+    let (env, instance, addr) = start(8).await;
+    ask(&addr, "#deleted").await;
+    let ready = until_prepared(&addr, &instance, "#deleted").await;
+    let ws = env.workspace_of("#deleted");
+    std::fs::remove_dir_all(&ws).unwrap();
+    let served = turn(addr.clone(), "#deleted", "write").await;
+    assert!(served.reply.ok, "{served:?}");
+    assert_ne!(
+        served_by(&served),
+        ready.id[..12],
+        "not the prepared container"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws.join("served-by")).unwrap(),
+        served_by(&served)
+    );
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
 

@@ -19,8 +19,16 @@
 //!      two read slowly and two never read;
 //! 3. the child's `VmHWM` (the kernel's peak RSS of the process) after the attack.
 //!
+//! `--attack compaction` runs the compaction attack instead (issue 21): 16 connections each
+//! sending a valid ~500 KB compaction request to `/v1/compact` and retrying at once, to an
+//! upstream that answers every summary request with a 4 MB completion.
+//!
+//! Both attacks also measure a second turn in the same process (another channel): one small
+//! chat call every 100 ms, its latency before the attack and during it (same run, the
+//! ratio of the medians), and the child's CPU time and warn lines during the attack.
+//!
 //! Printed: idle, peak, peak − idle (the figure with the target: ≤ 64 MiB), peak / idle,
-//! and what the attackers were answered.
+//! the other channel's latency, and what the attackers were answered.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -64,8 +72,28 @@ impl HostTool for Echo {
     }
 }
 
-/// In the child: a broker listening on `socket` until stdin closes.
+/// The other channel's turn socket beside `socket`.
+fn other_socket(socket: &Path) -> PathBuf {
+    socket.with_file_name("other.sock")
+}
+
+/// The attack `run` makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attack {
+    /// Model and tool calls, slow clients, endless streams.
+    Chat,
+    /// Compactions answered with 4 MB.
+    Compaction,
+}
+
+/// In the child: a broker listening on `socket` (the hostile turn) and beside it (another
+/// channel's turn) until stdin closes; warn lines go to stderr.
 pub fn host(socket: &str, model_url: &str) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .init();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -75,9 +103,15 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             tools: vec![Arc::new(Echo)],
             ..broker_policy(model_url, "sk-bench-hostile-never-leaves")
         };
+        // The other channel's turn has calls to spare for its 10 calls a second (a broker
+        // of its own, in the same process and runtime: what it measures is the host's
+        // threads and CPU that the hostile turn leaves it).
+        let mut spare = policy.clone();
+        spare.limits.max_model_calls = 10_000;
         let broker = Arc::new(Broker::new(policy).await.context("start the broker")?);
-        let ctx = TurnContext {
-            channel: "#hostile".into(),
+        let spare = Arc::new(Broker::new(spare).await.context("start the broker")?);
+        let ctx = |channel: &str| TurnContext {
+            channel: channel.into(),
             speaker: Speaker {
                 id: "u1".into(),
                 name: "mallory".into(),
@@ -85,7 +119,10 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             cancel: CancellationToken::new(),
             events: None,
         };
-        let listener = broker.listen(Path::new(socket), ctx).await?;
+        let listener = broker.listen(Path::new(socket), ctx("#hostile")).await?;
+        let other = spare
+            .listen(&other_socket(Path::new(socket)), ctx("#other"))
+            .await?;
         println!("ready");
         // Until the parent closes our stdin.
         tokio::task::spawn_blocking(|| {
@@ -94,8 +131,19 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
         })
         .await?;
         listener.stop().await?;
+        other.stop().await?;
         Ok(())
     })
+}
+
+/// The child's CPU time (user + system), in clock ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+    let rest = text.rsplit_once(')').context("/proc/pid/stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| -> Result<u64> { Ok(fields.get(i).context("stat field")?.parse()?) };
+    Ok(tick(11)? + tick(12)?)
 }
 
 fn status_kib(pid: u32, field: &str) -> Result<u64> {
@@ -109,7 +157,9 @@ fn status_kib(pid: u32, field: &str) -> Result<u64> {
 
 type UpBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
-/// The upstream: a streamed call never ends; any other call is read whole and never answered.
+/// The upstream: a streamed call never ends; a summary request is answered with a 4 MB
+/// completion; the other channel's call with a short one; any other call is read whole
+/// and never answered.
 async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -127,8 +177,28 @@ async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
                             .await
                             .map(|b| b.to_bytes())
                             .unwrap_or_default();
-                        let streamed = body.windows(13).any(|w| w == b"\"stream\":true");
+                        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+                        let streamed = has(b"\"stream\":true");
+                        let summary = has(b"You compact the conversation");
+                        let ping = has(PING.as_bytes());
                         drop(body);
+                        if summary || ping {
+                            let content = if summary {
+                                "x".repeat(4_000_000)
+                            } else {
+                                "pong".into()
+                            };
+                            let answer = json!({
+                                "choices": [{"message": {"role": "assistant", "content": content}}],
+                                "usage": {"prompt_tokens": 1, "completion_tokens": 1}
+                            });
+                            return Ok(hyper::Response::builder()
+                                .header("content-type", "application/json")
+                                .body(UpBody::new(http_body_util::Full::new(Bytes::from(
+                                    answer.to_string(),
+                                ))))
+                                .expect("a response"));
+                        }
                         if !streamed {
                             std::future::pending::<()>().await;
                         }
@@ -155,6 +225,32 @@ async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
         }
     });
     Ok((format!("http://{addr}/v1"), task))
+}
+
+/// The other channel's message.
+const PING: &str = "ping-from-the-other-channel";
+
+/// A valid compaction request of about `size` bytes (many short guest messages).
+fn compaction_body(size: usize) -> Bytes {
+    use roundtable_sandbox::protocol::chat::Message;
+    use roundtable_sandbox::protocol::compaction::CompactRequest;
+    let mut request = CompactRequest {
+        messages: Vec::new(),
+        omitted: 0,
+        previous_summary: Some("p".repeat(60_000)),
+        reload: vec!["notes.txt".into()],
+        tokens_before: 1_000_000,
+        budget: 4_000_000,
+    };
+    let text = "mallory: ".to_owned() + &"y".repeat(240);
+    let mut len = 60_200;
+    while len + 300 < size && request.messages.len() < 2048 {
+        request.messages.push(Message::User {
+            content: text.clone(),
+        });
+        len += text.len() + 30;
+    }
+    Bytes::from(serde_json::to_vec(&request).expect("serialisable"))
 }
 
 /// `{"<field>":[[],[],…]}` of `size` bytes.
@@ -203,8 +299,15 @@ fn head(path: &str, len: usize) -> String {
     )
 }
 
-/// One attacker sending `body` to `path` until `end`, retrying 50 ms after each answer.
-async fn flood(socket: PathBuf, path: &'static str, body: Bytes, end: Instant, tally: Arc<Tally>) {
+/// One attacker sending `body` to `path` until `end`, retrying `pause` after each answer.
+async fn flood(
+    socket: PathBuf,
+    path: &'static str,
+    body: Bytes,
+    pause: Duration,
+    end: Instant,
+    tally: Arc<Tally>,
+) {
     while Instant::now() < end {
         let Ok(mut s) = UnixStream::connect(&socket).await else {
             tally.add(format!("{path} connect failed"));
@@ -227,7 +330,7 @@ async fn flood(socket: PathBuf, path: &'static str, body: Bytes, end: Instant, t
             Ok(status) => tally.add(format!("{path} {status}")),
             Err(_) => tally.add(format!("{path} still open at the end")),
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(pause).await;
     }
 }
 
@@ -313,8 +416,44 @@ async fn stream_reader(socket: PathBuf, per_read: usize, end: Instant, tally: Ar
     }
 }
 
+/// The other channel's chat calls, one every 100 ms until `end`: each call's latency (ms).
+async fn other_channel(socket: PathBuf, end: Instant) -> Vec<f64> {
+    let body = format!(r#"{{"messages":[{{"role":"user","content":"{PING}"}}]}}"#);
+    let mut out = Vec::new();
+    while Instant::now() < end {
+        let started = Instant::now();
+        let mut req = head("/v1/chat/completions", body.len()).into_bytes();
+        req.extend_from_slice(body.as_bytes());
+        let answered = async {
+            let mut s = UnixStream::connect(&socket).await.ok()?;
+            s.write_all(&req).await.ok()?;
+            let mut all = Vec::new();
+            s.read_to_end(&mut all).await.ok()?;
+            all.starts_with(b"HTTP/1.1 200").then_some(())
+        };
+        if tokio::time::timeout(Duration::from_secs(10), answered)
+            .await
+            .ok()
+            .flatten()
+            .is_some()
+        {
+            out.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    out
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// The measurement; prints the figures and returns them as JSON.
-pub async fn run(seconds: u64) -> Result<Value> {
+pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
     let (model_url, upstream_task) = upstream().await?;
     let dir = tempfile::Builder::new()
         .prefix("rtb-hostile-")
@@ -328,10 +467,24 @@ pub async fn run(seconds: u64) -> Result<Value> {
         ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .context("start the hostile host child")?;
     let pid = child.id();
+    // The child's warn lines, counted (the first few shown).
+    let stderr = child.stderr.take().context("child stderr")?;
+    let warns = std::thread::spawn(move || {
+        let mut n = 0u64;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("WARN") {
+                n += 1;
+            }
+            if n <= 3 {
+                eprintln!("child: {line}");
+            }
+        }
+        n
+    });
     let mut stdout = BufReader::new(child.stdout.take().context("child stdout")?);
     let mut line = String::new();
     stdout.read_line(&mut line)?;
@@ -348,20 +501,41 @@ pub async fn run(seconds: u64) -> Result<Value> {
     }
     let idle_kib = idle / 5;
     let idle_hwm_kib = status_kib(pid, "VmHWM:")?;
+    let other = other_socket(&socket);
+    let mut quiet = other_channel(other.clone(), Instant::now() + Duration::from_secs(3)).await;
+    let idle_hwm_kib = idle_hwm_kib.max(status_kib(pid, "VmHWM:")?);
 
     println!(
-        "\n== hostile turn: {seconds} s against one turn's broker (child pid {pid}, default limits)"
+        "\n== hostile turn ({attack:?} attack): {seconds} s against one turn's broker (child pid {pid}, default limits)"
     );
     let tally = Arc::new(Tally::default());
+    let cpu_before = cpu_ticks(pid)?;
     let end = Instant::now() + Duration::from_secs(seconds);
+    let busy = tokio::spawn(other_channel(other, end));
     let mut set = tokio::task::JoinSet::new();
+    if attack == Attack::Compaction {
+        let body = compaction_body(500_000);
+        println!("compaction request: {} bytes", body.len());
+        for _ in 0..16 {
+            set.spawn(flood(
+                socket.clone(),
+                "/v1/compact",
+                body.clone(),
+                Duration::ZERO,
+                end,
+                tally.clone(),
+            ));
+        }
+    }
     let chat = nested_body("messages", 1 << 20);
     let tool = nested_body("a", 1 << 20);
-    for _ in 0..64 {
+    let pause = Duration::from_millis(50);
+    for _ in 0..if attack == Attack::Chat { 64 } else { 0 } {
         set.spawn(flood(
             socket.clone(),
             "/v1/chat/completions",
             chat.clone(),
+            pause,
             end,
             tally.clone(),
         ));
@@ -369,6 +543,7 @@ pub async fn run(seconds: u64) -> Result<Value> {
             socket.clone(),
             "/v1/tools/echo",
             tool.clone(),
+            pause,
             end,
             tally.clone(),
         ));
@@ -376,7 +551,7 @@ pub async fn run(seconds: u64) -> Result<Value> {
     let slow_head = head("/v1/chat/completions", 2).into_bytes();
     let mut slow_body = head("/v1/tools/echo", 1 << 20).into_bytes();
     slow_body.extend_from_slice(&nested_body("a", 1 << 20));
-    for _ in 0..16 {
+    for _ in 0..if attack == Attack::Chat { 16 } else { 0 } {
         set.spawn(trickle(
             socket.clone(),
             "slow head",
@@ -394,7 +569,12 @@ pub async fn run(seconds: u64) -> Result<Value> {
             tally.clone(),
         ));
     }
-    for per_read in [0, 0, 1024, 1024] {
+    let readers: &[usize] = if attack == Attack::Chat {
+        &[0, 0, 1024, 1024]
+    } else {
+        &[]
+    };
+    for &per_read in readers {
         set.spawn(stream_reader(socket.clone(), per_read, end, tally.clone()));
     }
     let mut peak_sampled = 0;
@@ -404,6 +584,8 @@ pub async fn run(seconds: u64) -> Result<Value> {
     }
     let hwm_kib = status_kib(pid, "VmHWM:")?;
     let after_kib = status_kib(pid, "VmRSS:")?;
+    let cpu = (cpu_ticks(pid)? - cpu_before) as f64 / 100.0;
+    let mut busy = busy.await?;
     // Each attacker records how its last attempt ended, then stops.
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
         while set.join_next().await.is_some() {}
@@ -417,6 +599,9 @@ pub async fn run(seconds: u64) -> Result<Value> {
     if !exited.success() {
         bail!("the hostile host child failed ({exited})");
     }
+    let warn_lines = warns.join().unwrap_or(0);
+    let (quiet_n, busy_n) = (quiet.len(), busy.len());
+    let (quiet_ms, busy_ms) = (median(&mut quiet), median(&mut busy));
 
     let mib = |kib: u64| kib as f64 / 1024.0;
     let over = mib(hwm_kib.saturating_sub(idle_kib));
@@ -436,12 +621,23 @@ pub async fn run(seconds: u64) -> Result<Value> {
         if over <= TARGET_MIB { "met" } else { "NOT met" },
         hwm_kib as f64 / idle_kib.max(1) as f64
     );
+    println!(
+        "other channel       p50 {quiet_ms:.2} ms before ({quiet_n} calls), {busy_ms:.2} ms during ({busy_n} calls): ×{:.2}",
+        busy_ms / quiet_ms
+    );
+    println!("child CPU           {cpu:.2} s during the attack; {warn_lines} warn lines");
     println!("what the attackers were answered:");
     let answers = tally.0.lock().unwrap().clone();
     for (what, n) in &answers {
         println!("  {n:>6}  {what}");
     }
     Ok(json!({
+        "attack": format!("{attack:?}").to_lowercase(),
+        "other_channel_p50_ms_before": quiet_ms,
+        "other_channel_p50_ms_during": busy_ms,
+        "other_channel_ratio": busy_ms / quiet_ms,
+        "child_cpu_s": cpu,
+        "warn_lines": warn_lines,
         "seconds": seconds,
         "idle_kib": idle_kib,
         "peak_kib": hwm_kib,

@@ -90,6 +90,10 @@ struct HostileOptions {
     /// How long the attack lasts
     #[arg(long, value_name = "N", default_value_t = 20)]
     seconds: u64,
+    /// Which attack: `chat` (model and tool calls, slow clients, endless streams) or
+    /// `compaction` (compactions answered with 4 MB)
+    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction"])]
+    attack: String,
     /// Where the JSON result goes
     #[arg(long, value_name = "PATH", default_value = "target/bench/hostile.json")]
     json: String,
@@ -161,7 +165,7 @@ fn write_json(path: &str, value: &Value) -> Result<()> {
     Ok(())
 }
 
-/// `roundtable-bench hostile [--seconds N] [--json PATH]`: the host's peak RSS under a
+/// `roundtable-bench hostile [--seconds N] [--attack chat|compaction] [--json PATH]`: the host's peak RSS under a
 /// hostile turn against idle (see [`hostile`]); no Docker needed.
 fn hostile_main(o: &HostileOptions) -> Result<()> {
     if nix::unistd::getuid().is_root() {
@@ -170,7 +174,12 @@ fn hostile_main(o: &HostileOptions) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = rt.block_on(hostile::run(o.seconds))?;
+    let attack = if o.attack == "compaction" {
+        hostile::Attack::Compaction
+    } else {
+        hostile::Attack::Chat
+    };
+    let result = rt.block_on(hostile::run(o.seconds, attack))?;
     write_json(&o.json, &result)
 }
 

@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
-use roundtable_sandbox::config::{Config, MAX_SOCKET_PATH, SOCKET_SUFFIX};
+use roundtable_sandbox::config::{Config, ConfigError, MAX_SOCKET_PATH, SOCKET_SUFFIX};
 use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
 use roundtable_sandbox::quota::{self, Floor};
@@ -95,6 +95,12 @@ enum ImageCommand {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Before any secret is read: no other process of this user may read this one's memory
+    // or environment (the key is read from OPENAI_API_KEY or a file).
+    if let Err(e) = roundtable_sandbox::make_process_private() {
+        eprintln!("error: make the process private (not dumpable): {e}");
+        return ExitCode::FAILURE;
+    }
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -107,9 +113,13 @@ async fn main() -> ExitCode {
     match run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("roundtable-sandbox: {e}");
+            // An error may quote what a guest or the engine said: escaped.
+            let shown = |m: &dyn std::fmt::Display| {
+                roundtable_sandbox::display::escape(&m.to_string()).into_owned()
+            };
+            eprintln!("roundtable-sandbox: {}", shown(&e));
             for cause in e.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                eprintln!("  caused by: {}", shown(cause));
             }
             ExitCode::from(2)
         }
@@ -170,6 +180,20 @@ fn fail(name: &'static str, detail: impl Into<String>, hint: impl Into<String>) 
 }
 
 fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
+    // What lies above the root: the runtime's own startup check.
+    if let Err(e) = roundtable_sandbox::config::check_root_ancestors(path, uid) {
+        let hint = match &e {
+            ConfigError::RootAncestorWritable { ancestor, .. } => format!(
+                "chmod go-w {} (or choose a root whose every parent only root or this user can write)",
+                ancestor.display()
+            ),
+            ConfigError::RootAncestorOwner { .. } => {
+                "choose a root whose every parent is owned by root or this user".to_owned()
+            }
+            _ => "choose a directory this user can create".to_owned(),
+        };
+        return fail(name, format!("{:#}", anyhow::Error::from(e)), hint);
+    }
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => pass(
             name,
@@ -384,6 +408,42 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
             Err(e) => fail("engine disk", e.to_string(), "fix the docker check first"),
         }
     });
+    for m in &config.mcp {
+        if m.unconfined() {
+            checks.push(fail(
+                "mcp",
+                format!(
+                    "{} runs UNCONFINED on the host (confine = \"host\"): the service user's rights, groups (docker) and files",
+                    m.name
+                ),
+                "run it in its own container: remove confine and set image (scripts/build-mcp-image.sh)",
+            ));
+        } else if let Some(image) = m.image.as_deref().filter(|_| m.in_container()) {
+            checks.push(if !docker_ok {
+                fail(
+                    "mcp",
+                    format!(
+                        "{}: image {image} not checked, Docker is unreachable",
+                        m.name
+                    ),
+                    "fix the docker check first",
+                )
+            } else {
+                match driver.image_present(image).await {
+                    Ok(true) => pass(
+                        "mcp",
+                        format!("{}: in a container of {image} (present)", m.name),
+                    ),
+                    Ok(false) => fail(
+                        "mcp",
+                        format!("{}: image {image} is missing", m.name),
+                        "build it: scripts/build-mcp-image.sh",
+                    ),
+                    Err(e) => fail("mcp", e.to_string(), "fix the docker check first"),
+                }
+            });
+        }
+    }
     let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
     checks.push(if len > MAX_SOCKET_PATH {
         fail(
@@ -525,11 +585,12 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         }
     }
     println!(
-        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {:?} per call",
+        "broker caps   request {} KiB, response {} KiB, {} model calls, {} tool calls, {} compactions, {:?} per call",
         b.max_request_bytes / 1024,
         b.max_response_bytes / 1024,
         b.max_model_calls,
         b.max_tool_calls,
+        b.max_compactions,
         b.call_timeout
     );
     println!(
@@ -562,7 +623,25 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     }
     for m in &config.mcp {
         let how = match &m.transport {
-            McpTransport::Stdio { command, .. } => format!("stdio `{command}`"),
+            McpTransport::Stdio { command, .. } if m.unconfined() => format!(
+                "stdio `{command}` UNCONFINED on the host (confine = \"host\": user {uid}:{gid} with its groups, its files, its network)"
+            ),
+            McpTransport::Stdio { command, .. } => {
+                let ml = &m.limits;
+                format!(
+                    "stdio `{command}` in a container of {} per session (user {uid}:{gid}, no other group, network {}, read-only root, memory {} MiB, {} cpus, {} pids, only its data dir {}/{}/{}/<sha256(channel)> -> /data, quota {} MiB / {} entries)",
+                    m.image.as_deref().unwrap_or("?"),
+                    if m.network { "ON (network = true)" } else { "none" },
+                    ml.memory_mb,
+                    ml.cpus,
+                    ml.pids,
+                    show(&config.workspace_root),
+                    roundtable_sandbox::config::MCP_DATA_DIR,
+                    m.name,
+                    ml.data_mb,
+                    ml.data_files
+                )
+            }
             McpTransport::Http { url, .. } => format!("http {}", host_of(url)),
         };
         let scope = match m.scope() {
@@ -577,6 +656,12 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
             m.name,
             m.tools.join(", ")
         );
+        if m.unconfined() {
+            println!(
+                "WARNING       mcp {} runs unconfined on the host: whatever a guest makes it do, it does with the service user's rights",
+                m.name
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -605,7 +690,9 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
         })
         .await;
     sandbox.shutdown().await;
-    println!("{}", serde_json::to_string_pretty(&reply)?);
+    // The reply is guest- and model-made: JSON escapes its C0 controls, `display::json`
+    // the C1 ones, DEL and the bidi controls too (the same document, safe on a terminal).
+    println!("{}", roundtable_sandbox::display::json(&reply)?);
     Ok(if reply.ok {
         ExitCode::SUCCESS
     } else {

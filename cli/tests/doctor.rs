@@ -177,7 +177,7 @@ fn explain_shows_the_model_fields_and_the_turn_caps() {
         format!(
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
              model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
-             [broker]\nmax_calls_in_flight = 2\nmax_connections = 8\n\
+             [broker]\nmax_calls_in_flight = 2\nmax_connections = 8\nmax_compactions = 3\n\
              [model_request]\nmax_tokens = 4096\nextra_fields = [\"reasoning_effort\"]\n"
         ),
     )
@@ -196,6 +196,7 @@ fn explain_shows_the_model_fields_and_the_turn_caps() {
         text.contains("broker turn   2 calls in flight, 8 connections"),
         "{text}"
     );
+    assert!(text.contains(" tool calls, 3 compactions, "), "{text}");
 }
 
 #[test]
@@ -230,4 +231,62 @@ fn a_runtime_the_engine_does_not_list_is_detected_with_the_fix() {
         out.contains("ok   runtime         runc, listed by the engine"),
         "{out}"
     );
+}
+
+#[test]
+fn mcp_servers_are_checked_and_an_unconfined_one_is_flagged() {
+    let (d, run, ws) = roots();
+    let path = d.path().join("mcp.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
+             model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
+             [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n\
+             [[mcp]]\nname = \"notes\"\ntransport = \"stdio\"\ncommand = \"mcp-server-sqlite\"\n\
+             image = \"roundtable-mcp-missing:none\"\ntools = [\"read_query\"]\n\
+             [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nconfine = \"host\"\ntools = [\"search\"]\n"
+        ),
+    )
+    .unwrap();
+    let (code, out) = doctor(&["--config", &path.display().to_string()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAIL mcp             notes: image roundtable-mcp-missing:none is missing"),
+        "{out}"
+    );
+    assert!(
+        out.contains("fix: build it: scripts/build-mcp-image.sh"),
+        "{out}"
+    );
+    assert!(
+        out.contains("FAIL mcp             wiki runs UNCONFINED on the host (confine = \"host\"): the service user's rights, groups (docker) and files"),
+        "{out}"
+    );
+    assert!(out.contains("2 of 11 checks failed"), "{out}");
+}
+
+/// Issue 21: `doctor` runs the runtime's own check of what lies above each root (the
+/// validation function, not a copy of the rule) and fails on a root another user can swap.
+#[test]
+fn a_root_under_a_directory_others_can_write_is_detected() {
+    let (d, _, ws) = roots();
+    let shared = d.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let run = shared.join("run").display().to_string();
+    let (code, out) = doctor(&["--run-root", &run, "--workspace-root", &ws], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL run_root        sandbox root {run} lies under {}, which group or others can write (mode 777, not sticky)",
+            shared.display()
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("fix: chmod go-w {}", shared.display())),
+        "{out}"
+    );
+    assert!(out.contains("ok   workspace_root"), "{out}");
 }

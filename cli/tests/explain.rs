@@ -16,8 +16,8 @@ fn explain_shows_each_mcp_servers_scope() {
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
              model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
              [[mcp]]\nname = \"notes\"\ntransport = \"stdio\"\ncommand = \"mcp-server-sqlite\"\n\
-             args = [\"--db-path\", \"/srv/mcp/{{channel}}.db\"]\ntools = [\"read_query\"]\nmax_sessions = 8\n\
-             [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nscope = \"shared\"\ntools = [\"search\"]\n\
+             image = \"roundtable-sandbox-mcp:latest\"\nargs = [\"--db-path\", \"/data/db.sqlite\"]\ntools = [\"read_query\"]\nmax_sessions = 8\n\
+             [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nconfine = \"host\"\nscope = \"shared\"\ntools = [\"search\"]\n\
              [[mcp]]\nname = \"remote\"\ntransport = \"http\"\nurl = \"https://mcp.example.invalid/mcp\"\ntools = [\"search\"]\n",
             dir.path().join("run").display(),
             dir.path().join("ws").display()
@@ -36,11 +36,20 @@ fn explain_shows_each_mcp_servers_scope() {
         String::from_utf8_lossy(&out.stderr)
     );
     let mcp: Vec<&str> = stdout.lines().filter(|l| l.starts_with("mcp ")).collect();
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+    let ws = std::fs::canonicalize(dir.path().join("ws"))
+        .unwrap_or_else(|_| dir.path().join("ws"))
+        .display()
+        .to_string();
+    assert!(
+        stdout.contains("WARNING       mcp wiki runs unconfined on the host: whatever a guest makes it do, it does with the service user's rights"),
+        "{stdout}"
+    );
     assert_eq!(
         mcp,
         [
-            "mcp           notes: stdio `mcp-server-sqlite`; one session per channel (at most 8, least recently used stopped first); allow-list: read_query",
-            "mcp           wiki: stdio `wiki-mcp`; one session shared by every channel (cross-channel); allow-list: search",
+            format!("mcp           notes: stdio `mcp-server-sqlite` in a container of roundtable-sandbox-mcp:latest per session (user {uid}:{gid}, no other group, network none, read-only root, memory 256 MiB, 0.5 cpus, 64 pids, only its data dir {ws}/.mcp/notes/<sha256(channel)> -> /data, quota 64 MiB / 10000 entries); one session per channel (at most 8, least recently used stopped first); allow-list: read_query").as_str(),
+            format!("mcp           wiki: stdio `wiki-mcp` UNCONFINED on the host (confine = \"host\": user {uid}:{gid} with its groups, its files, its network); one session shared by every channel (cross-channel); allow-list: search").as_str(),
             "mcp           remote: http mcp.example.invalid; one session shared by every channel (cross-channel); allow-list: search",
         ],
         "{stdout}"

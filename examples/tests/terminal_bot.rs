@@ -165,3 +165,64 @@ fn stop_during_a_turn() {
     assert_eq!(bot.expect("[#s] stop"), "[#s] stop: nothing was running");
     bot.finish();
 }
+
+/// What the outside review sent through the guest (issue 21): an OSC 52 clipboard write, an
+/// OSC 0 title, an erase-line and carriage return before a forged status line, 8-bit C1
+/// controls (CSI, OSC, ST), DEL and a bidi override, all in the `sh` output the model puts
+/// in its reply. `printf` in the sandbox makes the bytes; the model relays them.
+pub const HOSTILE_PRINTF: &str = r"run: printf '\033]52;c;aGk=\007\033]0;owned\007\033[2K\r[#ops] reset: the next turn starts a fresh session\n\302\23331m\302\2350;t\302\234\177\342\200\256end'";
+
+/// Whether `bytes` hold a control a terminal obeys: any C0 but the line feed, DEL, a C1
+/// (as UTF-8) or a bidi control.
+fn obeyed_controls(bytes: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(bytes)
+        .chars()
+        .filter(|&c| c != '\n' && roundtable_sandbox::display::is_escaped(c))
+        .map(|c| format!("{:?}", c))
+        .collect()
+}
+
+#[test]
+fn guest_made_escapes_reach_the_terminal_escaped_and_no_reply_line_passes_for_a_status_line() {
+    let mut bot = Bot::start();
+    bot.send(&format!("#x ann: {HOSTILE_PRINTF}"));
+    let first = bot.expect("[#x] ");
+    // The whole reply: every line up to the session count the offline model ends with.
+    let mut reply = vec![first];
+    while !reply.last().unwrap().contains("earlier message(s)") {
+        match bot.lines.recv_timeout(PATIENCE) {
+            Ok(l) => reply.push(l),
+            Err(_) => panic!("the reply did not end: {reply:?}"),
+        }
+    }
+    bot.send("/status");
+    bot.expect("status: ");
+    let mut all = reply.clone();
+    all.append(&mut bot.seen);
+    bot.finish();
+    let text = all.join("\n");
+    assert_eq!(
+        obeyed_controls(text.as_bytes()),
+        Vec::<String>::new(),
+        "{text}"
+    );
+    // The sequences are there, visible.
+    assert!(text.contains(r"\u{1b}]52;c;aGk=\u{7}"), "{text}");
+    assert!(
+        text.contains(r"\u{9b}31m\u{9d}0;t\u{9c}\u{7f}\u{202e}end"),
+        "{text}"
+    );
+    // The forged line is a continuation of the reply, marked as one: no line but the bot's
+    // own starts with a channel and a status word.
+    for line in &all {
+        assert!(
+            !line.starts_with("[#ops]"),
+            "a reply line passed for a status line: {line:?}"
+        );
+    }
+    assert!(
+        reply[1..].iter().all(|l| l.starts_with("[#x] | ")),
+        "continuation lines are marked: {reply:?}"
+    );
+    assert!(reply[0].starts_with("[#x] > "), "{reply:?}");
+}

@@ -52,6 +52,9 @@ pub const MAX_PREVIOUS: usize = 64 * 1024;
 const MAX_REQUEST_MESSAGES_BYTES: usize = 256 * 1024;
 /// The most older messages a request carries.
 pub const MAX_REQUEST_MESSAGES: usize = 2048;
+/// The most tool calls one message of a request carries (the guest runs at most 16 per
+/// step and stores no more).
+pub const MAX_TOOL_CALLS_PER_MESSAGE: usize = 32;
 /// The largest compaction request body the broker reads.
 pub const MAX_REQUEST_BYTES: usize = 512 * 1024;
 /// The largest summary, in bytes, whatever the budget.
@@ -158,7 +161,8 @@ impl CompactRequest {
         }
     }
 
-    /// What the host accepts: at most [`MAX_REQUEST_MESSAGES`] messages, a previous summary
+    /// What the host accepts: at most [`MAX_REQUEST_MESSAGES`] messages (each with at most
+    /// [`MAX_TOOL_CALLS_PER_MESSAGE`] tool calls), a previous summary
     /// of at most [`MAX_PREVIOUS`] bytes (and its cut mark), and a reload list of at most
     /// [`MAX_RELOAD`] clean paths. The body's size is capped by the reader.
     pub fn check(&self) -> Result<(), String> {
@@ -170,6 +174,16 @@ impl CompactRequest {
                 "too many messages ({} > {MAX_REQUEST_MESSAGES})",
                 self.messages.len()
             ));
+        }
+        for message in &self.messages {
+            if let Message::Assistant { tool_calls, .. } = message {
+                if tool_calls.len() > MAX_TOOL_CALLS_PER_MESSAGE {
+                    return Err(format!(
+                        "a message has too many tool calls ({} > {MAX_TOOL_CALLS_PER_MESSAGE})",
+                        tool_calls.len()
+                    ));
+                }
+            }
         }
         if self
             .previous_summary
@@ -217,6 +231,7 @@ fn shorten(message: &Message) -> Message {
             content: content.as_deref().map(|c| cap_text(c, entry)),
             tool_calls: tool_calls
                 .iter()
+                .take(MAX_TOOL_CALLS_PER_MESSAGE)
                 .map(|call| {
                     let mut call = call.clone();
                     call.id = cap_text(&call.id, 128);

@@ -4,10 +4,14 @@
 //! - [`validate`]: the `[compaction]` rules (URL, model, deadline), without side effects;
 //! - [`Compactor::new`]: prepared once per runtime; a summarizer configured without a key is
 //!   logged here, once, at warn;
-//! - [`handle`]: one compaction request of a turn. The body is read capped
-//!   (`min(max_request_bytes, MAX_REQUEST_BYTES)`) within the call deadline, parsed as a
-//!   typed [`CompactRequest`] and checked; a refused request is logged at warn and answered
-//!   with `4xx` (the guest then builds the plain summary itself).
+//! - [`handle`]: one compaction request of a turn, under the turn's caps: one of its
+//!   calls-in-flight permits for the whole compaction, one compaction at a time, refused
+//!   once the turn's model calls are used up or past `max_compactions` (each `429`). The
+//!   body is read capped (`min(max_request_bytes, MAX_REQUEST_BYTES)`) into one buffer
+//!   within the call deadline; its JSON values are counted, then it is parsed as a typed
+//!   [`CompactRequest`] and checked, off the async threads; a refused request is logged at
+//!   warn (rate-limited, see [`Warnings`]) and answered with `4xx` (the guest then builds
+//!   the plain summary itself).
 //!
 //! The chain, every step on the host: the configured summarizer (its own URL, model, key
 //! and deadline) → the main model (as the guest's own compaction did before) → the plain
@@ -15,15 +19,19 @@
 //! endpoint unreachable, an HTTP error, a timeout, a malformed or empty answer — is logged
 //! at warn with the channel's hash (the first 16 hex digits of its sha256, as the turn's
 //! span shows it), the reason and `tokens_before`, and the next step runs. Reasons are
-//! fixed texts: no upstream body and no guest text reaches the log. Each upstream call
+//! fixed texts: no upstream body and no guest text reaches the log. An answer is read at
+//! most [`MAX_ANSWER_BYTES`] and parsed off the async threads into a typed shape (the
+//! first choice's text, copied only up to the summary's size, and the token counts;
+//! nothing else is built). Each upstream call
 //! takes one call from the turn's model-call budget and asks for at most the operator's
 //! `max_tokens`. Whatever summary comes back has every declared secret (the summarizer's
 //! key and the model key among them) redacted before it is returned.
 
+use std::fmt;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode};
@@ -34,12 +42,13 @@ use roundtable_sandbox_protocol::compaction::{
 };
 use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
+use super::http::{holding, json_values_over, MAX_ARGUMENT_VALUES};
 use super::http::{json_response, Response, Turn};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
 use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
-use crate::events::Refusal;
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
 /// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
@@ -103,16 +112,57 @@ impl Compactor {
     }
 }
 
-/// Answers one compaction request.
+/// The largest upstream answer to a summary request that is read (at most
+/// `max_response_bytes`): a summary of the ≤ 96 KiB transcript the request carries is far
+/// smaller (24 KB at the default budget); a larger answer is a failed step, never parsed.
+pub(crate) const MAX_ANSWER_BYTES: usize = 256 * 1024;
+/// Why a request was refused before the chain ran: the status and the message (the guest
+/// is told it; the log gets `reason`, which holds no guest text).
+struct Refusal {
+    status: StatusCode,
+    message: String,
+    reason: &'static str,
+}
+
+/// The body's checks and typed parse (run off the async threads): the JSON-values
+/// pre-check, the typed request, its rules.
+fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
+    if json_values_over(body, MAX_ARGUMENT_VALUES) {
+        return Err(Refusal {
+            status: StatusCode::BAD_REQUEST,
+            message: format!(
+                "compaction request too complex (more than {MAX_ARGUMENT_VALUES} JSON values)"
+            ),
+            reason: "compaction request too complex",
+        });
+    }
+    // The serde message may quote guest text: it goes back to the guest, not to the log.
+    let request: CompactRequest = serde_json::from_slice(body).map_err(|e| Refusal {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("malformed compaction request: {e}"),
+        reason: "malformed compaction request",
+    })?;
+    request.check().map_err(|e| Refusal {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("invalid compaction request: {e}"),
+        reason: "invalid compaction request",
+    })?;
+    Ok(request)
+}
+
+/// Answers one compaction request, under the turn's caps: the calls-in-flight permit for
+/// its whole duration (`429`), one compaction at a time (`429`), the turn's model calls not used up and its compactions not
+/// past `max_compactions` (`429`, the guest then builds the plain summary itself).
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
-    let channel = turn.ctx.channel.short();
+    let warnings = &turn.warnings;
+    // A refusal by one of the turn's limits, marked with it; any other is the compactor's
+    // own (its caps and rules).
+    let refuse_by = |status: StatusCode, limit, reason: &str| {
+        warnings.refused(reason);
+        super::http::refuse(status, limit, reason)
+    };
     let refuse = |status: StatusCode, reason: &str| {
-        tracing::warn!(
-            channel = %channel,
-            reason,
-            "compaction request refused; the guest falls back to the plain summary"
-        );
-        super::http::refuse(status, Refusal::Compaction, reason)
+        refuse_by(status, crate::events::Refusal::Compaction, reason)
     };
     if req.method() != Method::POST {
         return refuse(
@@ -131,44 +181,97 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     if declared.is_some_and(|n| n > cap as u64) {
         return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large);
     }
-    let body = Limited::new(req.into_body(), cap).collect();
-    let body = match tokio::time::timeout(limits.call_timeout, body).await {
+    // A place among the calls in flight, held until the answer is sent (as for a chat call).
+    let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
+        return refuse_by(
+            StatusCode::TOO_MANY_REQUESTS,
+            crate::events::Refusal::CallsInFlight,
+            &format!(
+                "too many calls in flight in this turn (limit {})",
+                limits.max_calls_in_flight
+            ),
+        );
+    };
+    // One compaction at a time per turn: the guest's agent loop never asks for two at once,
+    // so a second is only an attacker multiplying what each one holds.
+    let Ok(one) = turn.compacting.clone().try_acquire_owned() else {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            "a compaction is already in flight in this turn",
+        );
+    };
+    // A turn whose model calls are used up gets no more compactions: each upstream call
+    // counts against them, and the plain summary is not served forever.
+    if turn.model_calls.load(Ordering::SeqCst) >= limits.max_model_calls {
+        return refuse_by(
+            StatusCode::TOO_MANY_REQUESTS,
+            crate::events::Refusal::ModelCalls,
+            &format!(
+                "too many model calls in this turn (limit {})",
+                limits.max_model_calls
+            ),
+        );
+    }
+    if turn.compactions.fetch_add(1, Ordering::SeqCst) >= limits.max_compactions {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!(
+                "too many compactions in this turn (limit {})",
+                limits.max_compactions
+            ),
+        );
+    }
+    // Read into one buffer of the announced size (no second copy of the body).
+    let mut buf: Vec<u8> = Vec::with_capacity(declared.map_or(0, |n| n as usize).min(cap));
+    let mut incoming = req.into_body();
+    let read = async {
+        while let Some(frame) = incoming.frame().await {
+            let Ok(data) = frame?.into_data() else {
+                continue;
+            };
+            if buf.len() + data.len() > cap {
+                return Ok(false);
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok::<_, hyper::Error>(true)
+    };
+    match tokio::time::timeout(limits.call_timeout, read).await {
         Err(_) => {
             return refuse(
                 StatusCode::REQUEST_TIMEOUT,
                 "request body not received in time",
             )
         }
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large)
-        }
+        Ok(Ok(false)) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large),
         Ok(Err(_)) => return refuse(StatusCode::BAD_REQUEST, "request body unreadable"),
-        Ok(Ok(b)) => b.to_bytes(),
-    };
-    // The serde message may quote guest text: it goes back to the guest, not to the log.
-    let request: CompactRequest = match serde_json::from_slice(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!(
-                channel = %channel,
-                reason = "malformed compaction request",
-                "compaction request refused; the guest falls back to the plain summary"
-            );
+        Ok(Ok(true)) => {}
+    }
+    drop(incoming);
+    let body = buf;
+    // Checked and parsed off the async threads; the body is dropped there.
+    let parsed = tokio::task::spawn_blocking(move || parse_request(&body)).await;
+    let request = match parsed {
+        Ok(Ok(r)) => r,
+        Ok(Err(refusal)) => {
+            warnings.refused(refusal.reason);
             return super::http::refuse(
-                StatusCode::BAD_REQUEST,
-                Refusal::Compaction,
-                &format!("malformed compaction request: {e}"),
+                refusal.status,
+                crate::events::Refusal::Compaction,
+                &refusal.message,
             );
         }
+        Err(_) => {
+            return refuse(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "compaction request not parsed",
+            )
+        }
     };
-    if let Err(e) = request.check() {
-        return refuse(
-            StatusCode::BAD_REQUEST,
-            &format!("invalid compaction request: {e}"),
-        );
-    }
-    let reply = compact(turn, &request, channel).await;
-    json_response(StatusCode::OK, &reply)
+    let reply = compact(turn, &request).await;
+    drop(request);
+    drop(one);
+    holding(json_response(StatusCode::OK, &reply), permit)
 }
 
 /// Which upstream a step calls.
@@ -188,7 +291,8 @@ impl Who {
 }
 
 /// Runs the chain for one checked request.
-async fn compact(turn: &Turn, request: &CompactRequest, channel: &str) -> CompactReply {
+async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
+    let channel = &turn.warnings.channel;
     let broker = &turn.broker;
     let compactor = &broker.compactor;
     let tokens_before = request.tokens_before;
@@ -218,13 +322,9 @@ async fn compact(turn: &Turn, request: &CompactRequest, channel: &str) -> Compac
         };
         match attempt {
             Ok(summary) => outcome = Some((summary, CompactSource::Summarizer)),
-            Err(reason) => tracing::warn!(
-                channel = %channel,
-                reason = %reason,
-                tokens_before,
-                fallback = "main model",
-                "compaction fell back"
-            ),
+            Err(reason) => turn
+                .warnings
+                .fell_back(&reason, tokens_before, "main model"),
         }
     }
 
@@ -250,13 +350,9 @@ async fn compact(turn: &Turn, request: &CompactRequest, channel: &str) -> Compac
         };
         match attempt {
             Ok(summary) => outcome = Some((summary, CompactSource::Model)),
-            Err(reason) => tracing::warn!(
-                channel = %channel,
-                reason = %reason,
-                tokens_before,
-                fallback = "plain summary",
-                "compaction fell back"
-            ),
+            Err(reason) => turn
+                .warnings
+                .fell_back(&reason, tokens_before, "plain summary"),
         }
     }
 
@@ -304,13 +400,23 @@ async fn call(
         &turn.ctx.events,
         crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
     );
+    /// The summary request, written straight from its parts (no JSON value built).
+    #[derive(serde::Serialize)]
+    struct Summarise<'a> {
+        model: &'a str,
+        messages: &'a [Message],
+        stream: bool,
+        max_tokens: u32,
+    }
     let messages: Vec<Message> = summary_messages(request);
-    let body = serde_json::json!({
-        "model": model,
-        "messages": messages,
-        "stream": false,
-        "max_tokens": turn.broker.policy.model_request.max_tokens,
-    });
+    let body = serde_json::to_vec(&Summarise {
+        model,
+        messages: &messages,
+        stream: false,
+        max_tokens: turn.broker.policy.model_request.max_tokens,
+    })
+    .expect("a summary request serialises");
+    drop(messages);
     let mut http = turn
         .broker
         .upstream
@@ -318,7 +424,7 @@ async fn call(
         .post(url.clone())
         .header(CONTENT_TYPE, "application/json")
         .header(ACCEPT, "application/json")
-        .body(serde_json::to_vec(&body).expect("a JSON value serialises"));
+        .body(body);
     if let Some(key) = key {
         let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
         else {
@@ -327,7 +433,7 @@ async fn call(
         value.set_sensitive(true);
         http = http.header(AUTHORIZATION, value);
     }
-    let cap = limits.max_response_bytes;
+    let cap = limits.max_response_bytes.min(MAX_ANSWER_BYTES);
     let exchange = async {
         let response = http.send().await?;
         let status = response.status();
@@ -351,7 +457,16 @@ async fn call(
     if truncated {
         return Err(format!("the {name} answer is larger than {cap} bytes"));
     }
-    let Some((content, prompt, completion)) = parse_answer(&bytes) else {
+    // Only the text (copied up to the summary's size) and the counts are kept; the parse
+    // runs off the async threads and the answer's bytes are dropped there.
+    let keep = request.limits().bytes.saturating_add(1);
+    let parsed = tokio::task::spawn_blocking(move || parse_answer(&bytes, keep)).await;
+    let Ok(Some(Answer {
+        content,
+        prompt,
+        completion,
+    })) = parsed
+    else {
         return Err(format!("the {name} answer is not a chat completion"));
     };
     if let Some(n) = prompt {
@@ -363,30 +478,378 @@ async fn call(
     finish_summary(request, &content).ok_or_else(|| format!("the {name} answer is empty"))
 }
 
-/// The text content and token counts of a non-streamed chat completion.
-fn parse_answer(bytes: &[u8]) -> Option<(String, Option<u64>, Option<u64>)> {
-    let value: serde_json::Value = serde_json::from_slice(bytes).ok()?;
-    let message = value.pointer("/choices/0/message")?.as_object()?;
-    let content = match message.get("content") {
-        None | Some(serde_json::Value::Null) => String::new(),
-        Some(serde_json::Value::String(s)) => s.clone(),
-        Some(serde_json::Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(serde_json::Value::as_str))
-            .collect(),
-        Some(_) => return None,
+// ---------------------------------------------------------------- the answer, typed
+
+/// What is kept of a chat completion: the first choice's text, copied only up to `cap`
+/// bytes, and the token counts. Everything else is skipped as it is read (no value built).
+#[derive(Debug, PartialEq)]
+struct Answer {
+    content: String,
+    prompt: Option<u64>,
+    completion: Option<u64>,
+}
+
+/// The typed read of a non-streamed chat completion; `None` when it is not one.
+fn parse_answer(bytes: &[u8], cap: usize) -> Option<Answer> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let answer = AnswerSeed { cap }.deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    answer
+}
+
+/// The first `cap` bytes of `s` (at a character boundary), leading blanks skipped.
+fn capped(s: &str, cap: usize) -> String {
+    let s = s.trim_start();
+    let mut end = s.len().min(cap);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// A map key matched against `names` without being copied: its index, or `None`.
+struct Key(&'static [&'static str]);
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = Option<usize>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl Visitor<'_> for Key {
+    type Value = Option<usize>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a key")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(self.0.iter().position(|n| *n == v))
+    }
+}
+
+/// Reads a map, each value of a key in `names` through `value`, every other one skipped.
+fn each_entry<'de, A: MapAccess<'de>>(
+    mut map: A,
+    names: &'static [&'static str],
+    mut value: impl FnMut(usize, &mut A) -> Result<(), A::Error>,
+) -> Result<(), A::Error> {
+    while let Some(key) = map.next_key_seed(Key(names))? {
+        match key {
+            Some(i) => value(i, &mut map)?,
+            None => {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Which JSON shapes a lenient field takes; any other is skipped and read as `None`.
+macro_rules! lenient_otherwise_none {
+    () => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
     };
-    let usage = value.get("usage");
-    let tokens = |key: &str| {
-        usage
-            .and_then(|u| u.get(key))
-            .and_then(serde_json::Value::as_u64)
-    };
-    Some((
-        content,
-        tokens("prompt_tokens"),
-        tokens("completion_tokens"),
-    ))
+}
+
+/// The whole answer: `choices` and `usage`.
+struct AnswerSeed {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for AnswerSeed {
+    type Value = Option<Answer>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for AnswerSeed {
+    type Value = Option<Answer>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a chat completion")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut content = None;
+        let mut usage = (None, None);
+        each_entry(map, &["choices", "usage"], |i, map| {
+            if i == 0 {
+                content = map.next_value_seed(Choices { cap: self.cap })?;
+            } else {
+                usage = map.next_value_seed(UsageSeed)?.unwrap_or_default();
+            }
+            Ok(())
+        })?;
+        Ok(content.map(|content| Answer {
+            content,
+            prompt: usage.0,
+            completion: usage.1,
+        }))
+    }
+}
+
+/// `choices`: the first one's message text; the others skipped.
+struct Choices {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Choices {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Choices {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a list of choices")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let first = seq.next_element_seed(Choice { cap: self.cap })?.flatten();
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(first)
+    }
+}
+
+/// One choice: its `message`'s text (`None` without a message).
+struct Choice {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Choice {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Choice {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a choice")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut message = None;
+        each_entry(map, &["message"], |_, map| {
+            message = Some(map.next_value_seed(MessageSeed { cap: self.cap })?);
+            Ok(())
+        })?;
+        Ok(message)
+    }
+}
+
+/// A message: its `content` (empty when absent or null).
+struct MessageSeed {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for MessageSeed {
+    type Value = String;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for MessageSeed {
+    type Value = String;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a message")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut content = String::new();
+        each_entry(map, &["content"], |_, map| {
+            content = map.next_value_seed(Content { cap: self.cap })?;
+            Ok(())
+        })?;
+        Ok(content)
+    }
+}
+
+/// `content`: a string, null, or a list of parts whose `text`s are joined; capped.
+struct Content {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Content {
+    type Value = String;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Content {
+    type Value = String;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string, null or a list of parts")
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(capped(v, self.cap))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(String::new())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = String::new();
+        loop {
+            let left = self.cap.saturating_sub(out.len());
+            let Some(part) = seq.next_element_seed(Part { cap: left })? else {
+                break;
+            };
+            // Each part was copied only up to what is left of the cap.
+            if let Some(text) = part {
+                out.push_str(&text);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// One part of a list content: its `text`, if it is a string.
+struct Part {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Part {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Part {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a part")
+    }
+    lenient_otherwise_none!();
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut text = None;
+        each_entry(map, &["text"], |_, map| {
+            text = map.next_value_seed(Text { cap: self.cap })?;
+            Ok(())
+        })?;
+        Ok(text)
+    }
+}
+
+/// A string copied up to `cap` bytes; anything else skipped as `None`.
+struct Text {
+    cap: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Text {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Text {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a text")
+    }
+    lenient_otherwise_none!();
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        let mut end = v.len().min(self.cap);
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        Ok(Some(v[..end].to_owned()))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
+}
+
+/// `usage`: the prompt and completion token counts (non-integers read as absent).
+struct UsageSeed;
+
+impl<'de> DeserializeSeed<'de> for UsageSeed {
+    type Value = Option<(Option<u64>, Option<u64>)>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for UsageSeed {
+    type Value = Option<(Option<u64>, Option<u64>)>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("token counts")
+    }
+    lenient_otherwise_none!();
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut tokens = (None, None);
+        each_entry(map, &["prompt_tokens", "completion_tokens"], |i, map| {
+            let n = map.next_value_seed(Count)?;
+            if i == 0 {
+                tokens.0 = n;
+            } else {
+                tokens.1 = n;
+            }
+            Ok(())
+        })?;
+        Ok(Some(tokens))
+    }
+}
+
+/// A token count: a non-negative integer, anything else skipped as `None`.
+struct Count;
+
+impl<'de> DeserializeSeed<'de> for Count {
+    type Value = Option<u64>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Count {
+    type Value = Option<u64>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a token count")
+    }
+    lenient_otherwise_none!();
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Some(v))
+    }
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(None)
+    }
 }
 
 #[cfg(test)]
@@ -437,18 +900,74 @@ mod tests {
 
     #[test]
     fn answers_parse_leniently_and_strictly_enough() {
-        let (c, p, q) = parse_answer(
-            br#"{"choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#,
+        let parse = |b: &[u8]| parse_answer(b, 100);
+        let a = parse(
+            br#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}},{"message":{"content":"no"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},"extra":[[],{"a":[1,2]}]}"#,
         )
         .unwrap();
-        assert_eq!((c.as_str(), p, q), ("hi", Some(3), Some(1)));
-        let (c, _, _) = parse_answer(
-            br#"{"choices":[{"message":{"content":[{"type":"text","text":"a"},{"text":"b"}]}}]}"#,
+        assert_eq!(
+            a,
+            Answer {
+                content: "hi".into(),
+                prompt: Some(3),
+                completion: Some(1)
+            }
+        );
+        let a = parse(
+            br#"{"choices":[{"message":{"content":[{"type":"text","text":"a"},{"text":"b"},{"text":5},"c",7,{"x":1}]}}]}"#,
         )
         .unwrap();
-        assert_eq!(c, "ab");
-        assert!(parse_answer(b"{}").is_none());
-        assert!(parse_answer(b"nope").is_none());
-        assert!(parse_answer(br#"{"choices":[{"message":{"content":5}}]}"#).is_none());
+        assert_eq!(a.content, "ab");
+        let a = parse(br#"{"choices":[{"message":{"content":null}}],"usage":{"prompt_tokens":-1,"completion_tokens":2.5}}"#).unwrap();
+        assert_eq!(
+            (a.content.as_str(), a.prompt, a.completion),
+            ("", None, None)
+        );
+        assert_eq!(
+            parse(br#"{"choices":[{"message":{}}],"usage":null}"#)
+                .unwrap()
+                .content,
+            ""
+        );
+        for bad in [
+            &b"{}"[..],
+            b"nope",
+            br#"{"choices":[{"message":{"content":5}}]}"#,
+            br#"{"choices":[]}"#,
+            br#"{"choices":[{"text":"legacy"}]}"#,
+            br#"{"choices":[{"message":null}]}"#,
+            br#"{"choices":{"0":{"message":{"content":"x"}}}}"#,
+            br#"{"choices":[{"message":{"content":"x"}}]} trailing"#,
+        ] {
+            assert!(parse(bad).is_none(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn the_text_is_copied_only_up_to_the_cap() {
+        let long = format!(
+            r#"{{"choices":[{{"message":{{"content":"  {}"}}}}]}}"#,
+            "é".repeat(1000)
+        );
+        let a = parse_answer(long.as_bytes(), 9).unwrap();
+        assert_eq!(
+            a.content, "éééé",
+            "cut at a character boundary, leading blanks skipped"
+        );
+        assert!(a.content.capacity() <= 9);
+        // Escaped text (unescaped by the reader, then copied up to the cap).
+        let escaped = format!(
+            r#"{{"choices":[{{"message":{{"content":"{}"}}}}]}}"#,
+            r"\u00e9".repeat(1000)
+        );
+        assert_eq!(parse_answer(escaped.as_bytes(), 5).unwrap().content, "éé");
+        let parts = format!(
+            r#"{{"choices":[{{"message":{{"content":[{{"text":"{0}"}},{{"text":"{0}"}},{{"text":"{0}"}}]}}}}]}}"#,
+            "z".repeat(60)
+        );
+        assert_eq!(
+            parse_answer(parts.as_bytes(), 100).unwrap().content.len(),
+            100
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! What the broker's routes share, below the server that dispatches to them: the body and
-//! response types, the JSON answers (every refusal is `{"error": "..."}`), and one turn's
-//! state as its connections see it.
+//! response types, the JSON answers (every refusal is `{"error": "..."}`), one turn's state
+//! as its connections see it, a body that holds its call's permit, and the JSON-values
+//! pre-check every parsed body goes through.
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicU32;
@@ -13,7 +14,7 @@ use hyper::header::CONTENT_TYPE;
 use hyper::StatusCode;
 use roundtable_sandbox_protocol::ErrorBody;
 use serde::Serialize;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{Broker, TurnContext};
@@ -31,8 +32,14 @@ pub(super) struct Turn {
     pub(super) stop: CancellationToken,
     pub(super) model_calls: AtomicU32,
     pub(super) tool_calls: AtomicU32,
-    /// One permit per call being served.
+    /// Compactions asked for (`max_compactions`).
+    pub(super) compactions: AtomicU32,
+    /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
+    /// One permit: the compaction being served.
+    pub(super) compacting: Arc<Semaphore>,
+    /// The compactor's warn lines, rate-limited.
+    pub(super) warnings: super::warn::Warnings,
 }
 
 /// A body of bytes.
@@ -88,3 +95,74 @@ pub(crate) fn failure(status: StatusCode, msg: &str) -> Response {
 /// The mark of a broker refusal on its response: the limit that refused.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Refused(pub(crate) Refusal);
+/// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
+/// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
+pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
+
+/// A body that holds its call's in-flight permit until it is sent or dropped.
+struct Holding {
+    body: Body,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl hyper::body::Body for Holding {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The response with the call's permit moved into its body.
+pub(super) fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
+    response.map(|body| {
+        Holding {
+            body,
+            _permit: permit,
+        }
+        .boxed_unsync()
+    })
+}
+
+/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
+/// plus one. Stops counting past `limit`.
+pub(super) fn json_values_over(raw: &[u8], limit: usize) -> bool {
+    let mut n = 1usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in raw {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else {
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' | b',' => {
+                    n += 1;
+                    if n > limit {
+                        return true;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    false
+}

@@ -40,10 +40,13 @@ use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
 use super::http::{error_response, failure, refuse, Response};
+use super::mcp_container::{self, Container, McpEngine};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
-    valid_tool_name, BrokerError, BrokerPolicy, McpScope, McpServer, McpTransport, TurnContext,
+    valid_tool_name, BrokerError, BrokerPolicy, McpConfine, McpScope, McpServer, McpTransport,
+    TurnContext,
 };
+use crate::driver::DockerDriver;
 use crate::events::Refusal;
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
@@ -136,6 +139,55 @@ pub(crate) fn validate_config(config: &McpServer, allow_http: bool) -> Result<()
             "{channel} is used but scope is \"shared\" (one session for every channel)".into(),
         ));
     }
+    let stdio = matches!(config.transport, McpTransport::Stdio { .. });
+    if !stdio
+        && (config.confine != McpConfine::Container
+            || config.image.is_some()
+            || config.network
+            || config.limits != super::McpLimits::default())
+    {
+        return Err(err(
+            "confine, image, network and limits apply only to stdio servers".into(),
+        ));
+    }
+    if stdio {
+        match (config.confine, &config.image) {
+            (McpConfine::Container, None) => {
+                return Err(err(
+                    "a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = \"host\" to run it unconfined on the host".into(),
+                ))
+            }
+            (McpConfine::Container, Some(image))
+                if image.is_empty() || image.chars().any(|c| c.is_whitespace() || c.is_control()) =>
+            {
+                return Err(err(format!("invalid image {image:?}")))
+            }
+            (McpConfine::Host, Some(_)) => {
+                return Err(err(
+                    "image is set but confine = \"host\" runs the server on the host".into(),
+                ))
+            }
+            (McpConfine::Host, _) if config.network || config.limits != super::McpLimits::default() => {
+                return Err(err(
+                    "network and limits apply only to confine = \"container\"".into(),
+                ))
+            }
+            _ => {}
+        }
+        let l = &config.limits;
+        let in_range = (16..=65_536).contains(&l.memory_mb)
+            && l.cpus > 0.0
+            && l.cpus <= 64.0
+            && (8..=4096).contains(&l.pids)
+            && (1..=4096).contains(&l.tmpfs_mb)
+            && (1..=1_048_576).contains(&l.data_mb)
+            && (16..=10_000_000).contains(&l.data_files);
+        if !in_range {
+            return Err(err(format!(
+                "limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): {l:?}"
+            )));
+        }
+    }
     match &config.transport {
         McpTransport::Stdio { command, env, .. } => {
             if command.trim().is_empty() {
@@ -189,7 +241,7 @@ struct Pinned {
 enum State {
     /// Not started yet, or its process died: (re)started on the next call.
     Stopped,
-    Running(RunningService<RoleClient, ()>),
+    Running(Box<Live>),
     /// It presented an allow-listed tool that differs from the pin.
     Refused(String),
     /// Stopped for good: its channel retired or it made room for another.
@@ -198,7 +250,19 @@ enum State {
     Shutdown,
 }
 
-/// One MCP session: a child process (stdio) or an MCP session (http).
+/// A started session: its rmcp service and, when confined, its container.
+struct Live {
+    service: RunningService<RoleClient, ()>,
+    container: Option<Container>,
+}
+
+impl Live {
+    fn is_closed(&self) -> bool {
+        self.service.is_closed() || self.service.peer().is_transport_closed()
+    }
+}
+
+/// One MCP session: a child process or container (stdio) or an MCP session (http).
 pub(crate) struct Session {
     /// What `{channel}` becomes for it.
     segment: String,
@@ -237,6 +301,8 @@ pub(crate) struct McpPool {
     /// Server names in configuration order (the order handed to the turn).
     order: Vec<String>,
     http: reqwest::Client,
+    /// The engine of container-confined sessions, and its driver.
+    engine: Option<(McpEngine, DockerDriver)>,
 }
 
 impl McpPool {
@@ -244,12 +310,35 @@ impl McpPool {
     pub(crate) async fn start(
         configs: &[McpServer],
         call_timeout: Duration,
+        engine: Option<&McpEngine>,
     ) -> Result<Self, BrokerError> {
         let http = super::model::http_client(call_timeout.min(Duration::from_secs(10)))?;
+        let engine = match (configs.iter().find(|c| c.in_container()), engine) {
+            (None, _) => None,
+            (Some(c), None) => {
+                return Err(BrokerError::McpStart {
+                    server: c.name.clone(),
+                    error: "it runs in a container but the broker has no container engine".into(),
+                })
+            }
+            (Some(c), Some(engine)) => {
+                let driver = engine.driver();
+                // What a crashed runtime left: its sessions' containers.
+                engine
+                    .sweep(&driver)
+                    .await
+                    .map_err(|error| BrokerError::McpStart {
+                        server: c.name.clone(),
+                        error: format!("sweep leftover MCP containers: {error}"),
+                    })?;
+                Some((engine.clone(), driver))
+            }
+        };
         let mut pool = Self {
             servers: BTreeMap::new(),
             order: configs.iter().map(|c| c.name.clone()).collect(),
             http,
+            engine,
         };
         for config in configs {
             match pool.start_one(config).await {
@@ -271,14 +360,15 @@ impl McpPool {
             error,
         };
         let scope = config.scope();
-        let service = connect(
-            &config.name,
-            &substitute(&config.transport, PROBE_SEGMENT),
-            &self.http,
-        )
-        .await
-        .map_err(start_err)?;
-        let listed = match list(&service).await {
+        let probe = match scope {
+            McpScope::Shared => "",
+            McpScope::Channel => PROBE_SEGMENT,
+        };
+        let service = self
+            .connect(config, &substitute(&config.transport, PROBE_SEGMENT), probe)
+            .await
+            .map_err(start_err)?;
+        let listed = match list(&service.service).await {
             Ok(l) => l,
             Err(e) => {
                 close(service).await;
@@ -315,7 +405,7 @@ impl McpPool {
             McpScope::Shared => {
                 let session = Session {
                     segment: String::new(),
-                    state: tokio::sync::Mutex::new(State::Running(service)),
+                    state: tokio::sync::Mutex::new(State::Running(Box::new(service))),
                 };
                 sessions.live.insert(String::new(), (Arc::new(session), 0));
             }
@@ -406,17 +496,52 @@ impl McpPool {
             McpScope::Channel => segment,
         };
         let timeout = policy.limits.call_timeout;
+        // The session the call runs in, once known: a call that does not finish (its
+        // deadline, the turn's stop, the connection dropped) ends it, so no work outlives it.
+        let slot: std::sync::Mutex<Option<Arc<Session>>> = Default::default();
+        let mut guard = EndOnDrop {
+            slot: &slot,
+            stdio: matches!(srv.config.transport, McpTransport::Stdio { .. }),
+            armed: true,
+        };
         let work = async {
             // Held for the whole call: a session in use is never stopped to make room.
             let session = self.session(srv, &key).await?;
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+            let quota = srv.config.limits.data_quota();
+            let confined = self.engine.as_ref().filter(|_| srv.config.in_container());
+            let data_dir = confined.map(|(e, _)| e.data_dir(name_of(srv), &session.segment));
+            if let (Some((engine, _)), Some(dir)) = (confined, &data_dir) {
+                if let Err(msg) = engine.check(name_of(srv), dir, &quota) {
+                    end_session(&session).await;
+                    return Err(CallError::Quota(msg));
+                }
+            }
             let peer = self.ready(srv, &session).await?;
             let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
             params.meta = Some(RequestMetaObject(MetaObject(meta)));
             // Dropping this future (deadline, turn stop) sends notifications/cancelled.
-            match peer.call_tool(params).await {
-                Ok(result) => Ok(result),
-                Err(ServiceError::McpError(e)) => Err(CallError::Tool(e.message.to_string())),
-                Err(e) => {
+            let called = async {
+                match (confined, &data_dir) {
+                    (Some((engine, _)), Some(dir)) => tokio::select! {
+                        r = peer.call_tool(params) => Ok(r),
+                        msg = watch_data(engine, name_of(srv), dir, &quota) => Err(msg),
+                    },
+                    _ => Ok(peer.call_tool(params).await),
+                }
+            };
+            match called.await {
+                Err(msg) => {
+                    tracing::warn!(
+                        server,
+                        "MCP session over its data quota or the floor; stopped"
+                    );
+                    end_session(&session).await;
+                    Err(CallError::Quota(msg))
+                }
+                Ok(Ok(result)) => Ok(result),
+                Ok(Err(ServiceError::McpError(e))) => Err(CallError::Tool(e.message.to_string())),
+                Ok(Err(e)) => {
                     tracing::warn!(server, error = %e, "MCP call failed");
                     let closed = matches!(
                         e,
@@ -425,14 +550,27 @@ impl McpPool {
                     if closed {
                         // Restarted on next use.
                         let mut state = session.state.lock().await;
+                        let mut oom = None;
                         if let State::Running(s) = &*state {
-                            if s.is_closed() || s.peer().is_transport_closed() {
-                                *state = State::Stopped;
+                            if s.is_closed() {
+                                if let Some(c) = &s.container {
+                                    if c.oom_killed().await {
+                                        oom = Some(c.memory_mb);
+                                    }
+                                }
+                                if let State::Running(live) =
+                                    std::mem::replace(&mut *state, State::Stopped)
+                                {
+                                    close(live).await;
+                                }
                             }
                         }
-                        Err(CallError::Failed(format!(
-                            "MCP server {server} stopped during the call"
-                        )))
+                        Err(CallError::Failed(match oom {
+                            Some(mb) => format!(
+                                "MCP server {server} ran out of memory during the call (its limit is {mb} MiB) and was stopped; the next call restarts it"
+                            ),
+                            None => format!("MCP server {server} stopped during the call"),
+                        }))
                     } else {
                         Err(CallError::Failed(format!(
                             "MCP server {server} failed the call"
@@ -444,25 +582,39 @@ impl McpPool {
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, work) => r,
             _ = stop.cancelled() => {
+                guard.end_now().await;
                 return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
             }
         };
         match outcome {
-            Err(_) => failure(
-                StatusCode::GATEWAY_TIMEOUT,
-                &format!("tool call timed out after {timeout:?}"),
-            ),
-            Ok(Err(CallError::Failed(msg))) => failure(StatusCode::BAD_GATEWAY, &msg),
-            Ok(Err(CallError::Busy(msg))) => {
-                refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
+            Err(_) => {
+                guard.end_now().await;
+                failure(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    &format!("tool call timed out after {timeout:?}; the MCP session was stopped"),
+                )
             }
-            Ok(Err(CallError::Tool(msg))) => tool_result(Err(format!("MCP error: {msg}")), policy),
-            Ok(Ok(result)) => {
-                let text = result_text(&result.content, result.structured_content.as_ref());
-                if result.is_error == Some(true) {
-                    tool_result(Err(text), policy)
-                } else {
-                    tool_result(Ok(text), policy)
+            Ok(r) => {
+                guard.armed = false;
+                match r {
+                    Err(CallError::Failed(msg)) => failure(StatusCode::BAD_GATEWAY, &msg),
+                    Err(CallError::Quota(msg)) => {
+                        refuse(StatusCode::INSUFFICIENT_STORAGE, Refusal::McpQuota, &msg)
+                    }
+                    Err(CallError::Busy(msg)) => {
+                        refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
+                    }
+                    Err(CallError::Tool(msg)) => {
+                        tool_result(Err(format!("MCP error: {msg}")), policy)
+                    }
+                    Ok(result) => {
+                        let text = result_text(&result.content, result.structured_content.as_ref());
+                        if result.is_error == Some(true) {
+                            tool_result(Err(text), policy)
+                        } else {
+                            tool_result(Ok(text), policy)
+                        }
+                    }
                 }
             }
         }
@@ -525,8 +677,8 @@ impl McpPool {
         let name = &srv.config.name;
         let mut state = session.state.lock().await;
         match &*state {
-            State::Running(s) if !s.is_closed() && !s.peer().is_transport_closed() => {
-                return Ok(s.peer().clone());
+            State::Running(s) if !s.is_closed() => {
+                return Ok(s.service.peer().clone());
             }
             State::Refused(why) => return Err(CallError::Failed(why.clone())),
             State::Shutdown => {
@@ -540,17 +692,20 @@ impl McpPool {
             State::Running(_) | State::Stopped => {}
         }
         let old = std::mem::replace(&mut *state, State::Stopped);
-        if let State::Running(s) = old {
-            close(s).await;
+        if let State::Running(live) = old {
+            close(live).await;
         }
         tracing::info!(server = %name, scope = %srv.scope, "starting MCP session");
         let unavailable = || CallError::Failed(format!("MCP server {name} is unavailable"));
         let transport = substitute(&srv.config.transport, &session.segment);
-        let service = connect(name, &transport, &self.http).await.map_err(|e| {
-            tracing::warn!(server = %name, error = %e, "MCP session start failed");
-            unavailable()
-        })?;
-        let listed = match list(&service).await {
+        let service = self
+            .connect(&srv.config, &transport, &session.segment)
+            .await
+            .map_err(|e| {
+                tracing::warn!(server = %name, error = %e, "MCP session start failed");
+                unavailable()
+            })?;
+        let listed = match list(&service.service).await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(server = %name, error = %e, "MCP server listing failed");
@@ -573,8 +728,8 @@ impl McpPool {
                 return Err(CallError::Failed(why));
             }
         }
-        let peer = service.peer().clone();
-        *state = State::Running(service);
+        let peer = service.service.peer().clone();
+        *state = State::Running(Box::new(service));
         Ok(peer)
     }
 
@@ -615,8 +770,101 @@ pub(crate) async fn close_sessions(sessions: Vec<Arc<Session>>) {
 /// Puts the session in its final `state`, closing its process or connection.
 async fn stop_session(session: &Session, state: State) {
     let old = std::mem::replace(&mut *session.state.lock().await, state);
-    if let State::Running(s) = old {
-        close(s).await;
+    if let State::Running(live) = old {
+        close(live).await;
+    }
+}
+
+/// Ends a stdio session whose call did not finish (restarted on the next call): its
+/// process or container is stopped, so none of its work outlives the call.
+async fn end_session(session: &Session) {
+    let mut state = session.state.lock().await;
+    if matches!(*state, State::Running(_)) {
+        if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+            drop(state);
+            tracing::info!("stopping an MCP session whose call did not finish");
+            close(live).await;
+        }
+    }
+}
+
+/// Ends the call's session when the call does not finish ([`end_session`]): at once on
+/// its deadline or the turn's stop, and from a spawned task when the call is dropped
+/// (the connection aborted). Only stdio sessions: an http session is the remote's.
+struct EndOnDrop<'a> {
+    slot: &'a std::sync::Mutex<Option<Arc<Session>>>,
+    stdio: bool,
+    armed: bool,
+}
+
+impl EndOnDrop<'_> {
+    fn take(&mut self) -> Option<Arc<Session>> {
+        if !std::mem::take(&mut self.armed) || !self.stdio {
+            return None;
+        }
+        self.slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    async fn end_now(&mut self) {
+        if let Some(session) = self.take() {
+            end_session(&session).await;
+        }
+    }
+}
+
+impl Drop for EndOnDrop<'_> {
+    fn drop(&mut self) {
+        let Some(session) = self.take() else { return };
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        // The session is taken out now when its state is free (so it is idle at once, for
+        // `max_sessions`); closed by a task either way.
+        let taken = match session.state.try_lock() {
+            Ok(mut state) => match std::mem::replace(&mut *state, State::Stopped) {
+                State::Running(live) => Some(Some(live)),
+                other => {
+                    *state = other;
+                    Some(None)
+                }
+            },
+            Err(_) => None,
+        };
+        match taken {
+            Some(Some(live)) => {
+                handle.spawn(close(live));
+            }
+            Some(None) => {}
+            None => {
+                handle.spawn(async move { end_session(&session).await });
+            }
+        }
+    }
+}
+
+fn name_of(srv: &Server) -> &str {
+    &srv.config.name
+}
+
+/// Measures a session's data dir every [`crate::quota::WATCH_INTERVAL`] during a call;
+/// returns the error once it is over quota or its filesystem below the floor.
+async fn watch_data(
+    engine: &McpEngine,
+    server: &str,
+    dir: &std::path::Path,
+    quota: &crate::quota::Quota,
+) -> String {
+    loop {
+        tokio::time::sleep(crate::quota::WATCH_INTERVAL).await;
+        let (engine, server, dir, quota) =
+            (engine.clone(), server.to_owned(), dir.to_owned(), *quota);
+        let checked =
+            tokio::task::spawn_blocking(move || engine.check(&server, &dir, &quota)).await;
+        match checked {
+            Ok(Ok(())) => {}
+            Ok(Err(msg)) => return msg,
+            Err(e) => return format!("MCP data quota watcher failed: {e}"),
+        }
     }
 }
 
@@ -641,63 +889,108 @@ enum CallError {
     Failed(String),
     /// Every session of the server is in use (a `503`).
     Busy(String),
+    /// The session's data is over its quota, or its filesystem below the floor (a `507`).
+    Quota(String),
     /// The server answered the call with an error (a readable `{"ok":false}`).
     Tool(String),
 }
 
-/// Starts one server and runs the MCP handshake.
-async fn connect(
-    server: &str,
-    transport: &McpTransport,
-    http: &reqwest::Client,
-) -> Result<RunningService<RoleClient, ()>, String> {
-    let start = async {
-        match transport {
-            McpTransport::Stdio { command, args, env } => {
-                let mut cmd = tokio::process::Command::new(command);
-                cmd.args(args).env_clear().kill_on_drop(true);
-                for var in INHERITED_ENV {
-                    if let Some(v) = std::env::var_os(var) {
-                        cmd.env(var, v);
+impl McpPool {
+    /// Starts one session (`segment`: what `{channel}` became; empty when shared) and runs
+    /// the MCP handshake: a container of its own (`confine = "container"`), a host child
+    /// (`confine = "host"`) or an http session.
+    async fn connect(
+        &self,
+        config: &McpServer,
+        transport: &McpTransport,
+        segment: &str,
+    ) -> Result<Live, String> {
+        let server = config.name.as_str();
+        let http = &self.http;
+        let start = async {
+            match transport {
+                McpTransport::Stdio { command, args, env } if config.in_container() => {
+                    let Some((engine, driver)) = &self.engine else {
+                        return Err("no container engine for MCP containers".to_owned());
+                    };
+                    let started = std::time::Instant::now();
+                    let (container, stdio) =
+                        mcp_container::start(engine, driver, config, segment, (command, args, env))
+                            .await?;
+                    let name = container.name.clone();
+                    match ().serve(stdio).await {
+                        Ok(service) => {
+                            tracing::debug!(server, container = %name, took = ?started.elapsed(), "MCP container session started");
+                            Ok(Live {
+                                service,
+                                container: Some(container),
+                            })
+                        }
+                        Err(e) => {
+                            container.remove().await;
+                            Err(e.to_string())
+                        }
                     }
                 }
-                cmd.envs(env);
-                let (process, stderr) = TokioChildProcess::builder(cmd)
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .map_err(|e| format!("spawn {command}: {e}"))?;
-                if let Some(stderr) = stderr {
-                    let server = server.to_owned();
-                    tokio::spawn(async move {
-                        let mut lines = tokio::io::BufReader::new(stderr).lines();
-                        while let Ok(Some(line)) = lines.next_line().await {
-                            let line: String = line.chars().take(500).collect();
-                            tracing::debug!(server = %server, "MCP stderr: {line}");
+                McpTransport::Stdio { command, args, env } => {
+                    let mut cmd = tokio::process::Command::new(command);
+                    cmd.args(args).env_clear().kill_on_drop(true);
+                    for var in INHERITED_ENV {
+                        if let Some(v) = std::env::var_os(var) {
+                            cmd.env(var, v);
                         }
-                    });
+                    }
+                    cmd.envs(env);
+                    let (process, stderr) = TokioChildProcess::builder(cmd)
+                        .stderr(Stdio::piped())
+                        .spawn()
+                        .map_err(|e| format!("spawn {command}: {e}"))?;
+                    if let Some(stderr) = stderr {
+                        let server = server.to_owned();
+                        tokio::spawn(async move {
+                            let mut lines = tokio::io::BufReader::new(stderr).lines();
+                            while let Ok(Some(line)) = lines.next_line().await {
+                                let line: String = line.chars().take(500).collect();
+                                tracing::debug!(server = %server, "MCP stderr: {line}");
+                            }
+                        });
+                    }
+                    ().serve(process)
+                        .await
+                        .map(|service| Live {
+                            service,
+                            container: None,
+                        })
+                        .map_err(|e| e.to_string())
                 }
-                ().serve(process).await.map_err(|e| e.to_string())
-            }
-            McpTransport::Http { url, headers } => {
-                let mut custom = HashMap::new();
-                for (k, v) in headers {
-                    let name = HeaderName::try_from(k.as_str()).map_err(|e| e.to_string())?;
-                    let mut value = HeaderValue::try_from(v.as_str()).map_err(|e| e.to_string())?;
-                    value.set_sensitive(true);
-                    custom.insert(name, value);
+                McpTransport::Http { url, headers } => {
+                    let mut custom = HashMap::new();
+                    for (k, v) in headers {
+                        let name = HeaderName::try_from(k.as_str()).map_err(|e| e.to_string())?;
+                        let mut value =
+                            HeaderValue::try_from(v.as_str()).map_err(|e| e.to_string())?;
+                        value.set_sensitive(true);
+                        custom.insert(name, value);
+                    }
+                    let transport = StreamableHttpClientTransport::with_client(
+                        http.clone(),
+                        StreamableHttpClientTransportConfig::with_uri(url.as_str())
+                            .custom_headers(custom),
+                    );
+                    ().serve(transport)
+                        .await
+                        .map(|service| Live {
+                            service,
+                            container: None,
+                        })
+                        .map_err(|e| e.to_string())
                 }
-                let transport = StreamableHttpClientTransport::with_client(
-                    http.clone(),
-                    StreamableHttpClientTransportConfig::with_uri(url.as_str())
-                        .custom_headers(custom),
-                );
-                ().serve(transport).await.map_err(|e| e.to_string())
             }
-        }
-    };
-    tokio::time::timeout(START_TIMEOUT, start)
-        .await
-        .map_err(|_| format!("no MCP handshake within {START_TIMEOUT:?}"))?
+        };
+        tokio::time::timeout(START_TIMEOUT, start)
+            .await
+            .map_err(|_| format!("no MCP handshake within {START_TIMEOUT:?}"))?
+    }
 }
 
 /// The server's tools: name → (description, input schema).
@@ -722,8 +1015,19 @@ async fn list(
         .collect())
 }
 
-/// Closes a server (for a child: stdin closed, then SIGTERM, then SIGKILL; reaped).
-async fn close(mut service: RunningService<RoleClient, ()>) {
+/// Closes a session (for a child: stdin closed, then SIGTERM, then SIGKILL; reaped; for a
+/// container: killed and removed, its data dir kept).
+async fn close(live: impl Into<Box<Live>>) {
+    let Live {
+        mut service,
+        container,
+    } = *live.into();
+    if let Some(container) = container {
+        // Killed at once: a session being closed has nothing left to finish.
+        container.remove().await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), service.close()).await;
+        return;
+    }
     if tokio::time::timeout(SHUTDOWN_TIMEOUT, service.close())
         .await
         .is_err()

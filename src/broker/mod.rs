@@ -61,9 +61,12 @@ mod http;
 mod mcp;
 mod model;
 pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
+mod mcp_container;
+pub use mcp_container::{McpEngine, DATA_MOUNT as MCP_DATA_MOUNT, LABEL_MCP};
 mod redact;
 mod server;
 mod tools;
+mod warn;
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -408,6 +411,90 @@ pub struct McpServer {
     /// session is stopped, and with every session busy the call is refused (`503`).
     #[serde(default)]
     pub max_sessions: Option<usize>,
+    /// Where a stdio server runs: `container` (the default: each session its own confined
+    /// container, see [`McpConfine`]) or `host` (an unconfined child of the runtime).
+    #[serde(default)]
+    pub confine: McpConfine,
+    /// The image a container-confined stdio server runs in (`command` is its entrypoint);
+    /// required with `confine = "container"` (`scripts/build-mcp-image.sh` builds
+    /// `roundtable-sandbox-mcp:latest`, which holds the servers the project tests).
+    #[serde(default)]
+    pub image: Option<String>,
+    /// Gives a container-confined server the engine's default network (it has none
+    /// otherwise). Only for a server that must reach the network itself.
+    #[serde(default)]
+    pub network: bool,
+    /// The caps of each of a container-confined server's sessions.
+    #[serde(default)]
+    pub limits: McpLimits,
+}
+
+/// Where a stdio MCP server runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum McpConfine {
+    /// Each session in its own container through the engine, confined as a guest is: not
+    /// the service user's groups, no network, read-only root, no capabilities, seccomp
+    /// and no-new-privileges, memory/cpu/pids caps, and only its own data dir (`/data`)
+    /// writable, held to a disk quota. The default.
+    #[default]
+    Container,
+    /// An unconfined child process on the host, as the service user (with its groups,
+    /// such as `docker`) and its whole filesystem view; only its environment is cleared.
+    /// `explain` and `doctor` flag it. For servers the operator fully trusts.
+    Host,
+}
+
+impl fmt::Display for McpConfine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            McpConfine::Container => "container",
+            McpConfine::Host => "host",
+        })
+    }
+}
+
+/// The caps of one container-confined MCP session.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct McpLimits {
+    /// Memory in MiB (swap set equal: none); past it the kernel kills the session.
+    pub memory_mb: u64,
+    /// CPUs (fractions allowed).
+    pub cpus: f64,
+    /// Processes and threads.
+    pub pids: i64,
+    /// The `/tmp` tmpfs in MiB (counted in the memory cap).
+    pub tmpfs_mb: u64,
+    /// Disk quota of the session's data dir in MiB, counted as a workspace's: no file may
+    /// grow past it, a call that passes it stops the session, and a data dir over it
+    /// refuses calls.
+    pub data_mb: u64,
+    /// Entries (files, dirs, links) the data dir may hold.
+    pub data_files: u64,
+}
+
+impl Default for McpLimits {
+    fn default() -> Self {
+        Self {
+            memory_mb: 256,
+            cpus: 0.5,
+            pids: 64,
+            tmpfs_mb: 16,
+            data_mb: 64,
+            data_files: 10_000,
+        }
+    }
+}
+
+impl McpLimits {
+    /// The data dir's quota.
+    pub fn data_quota(&self) -> crate::quota::Quota {
+        crate::quota::Quota {
+            max_bytes: self.data_mb.saturating_mul(1 << 20),
+            max_entries: self.data_files,
+        }
+    }
 }
 
 impl McpServer {
@@ -422,7 +509,22 @@ impl McpServer {
             tools: tools.iter().map(|t| (*t).to_owned()).collect(),
             scope: None,
             max_sessions: None,
+            confine: McpConfine::default(),
+            image: None,
+            network: false,
+            limits: McpLimits::default(),
         }
+    }
+
+    /// Whether each session runs in its own container (a stdio server not set to `host`).
+    pub fn in_container(&self) -> bool {
+        matches!(self.transport, McpTransport::Stdio { .. })
+            && self.confine == McpConfine::Container
+    }
+
+    /// Whether it is a stdio server run unconfined on the host (`confine = "host"`).
+    pub fn unconfined(&self) -> bool {
+        matches!(self.transport, McpTransport::Stdio { .. }) && self.confine == McpConfine::Host
     }
 
     /// The effective scope: as configured, else `channel` for a stdio server (its child
@@ -458,11 +560,14 @@ pub struct BrokerLimits {
     pub max_model_calls: u32,
     /// Host plus MCP tool calls per turn (`429` past it).
     pub max_tool_calls: u32,
+    /// Compactions (`POST /v1/compact`) per turn (`429` past it; the guest then builds the
+    /// plain summary itself). Each of their upstream calls also counts as a model call.
+    pub max_compactions: u32,
     /// Deadline of one call (`504` past it); for a streamed answer, the time to the
     /// response head and the longest gap between two chunks.
     #[serde(with = "secs")]
     pub call_timeout: Duration,
-    /// Calls (model, host tool, MCP) being served at once in a turn, from reading the
+    /// Calls (model, compaction, host tool, MCP) being served at once in a turn, from reading the
     /// request to the end of the answer (`429` past it).
     pub max_calls_in_flight: usize,
     /// Open connections of a turn; one more is answered `503` and closed.
@@ -476,6 +581,7 @@ impl Default for BrokerLimits {
             max_response_bytes: 4 << 20,
             max_model_calls: 32,
             max_tool_calls: 64,
+            max_compactions: 4,
             call_timeout: Duration::from_secs(60),
             max_calls_in_flight: 4,
             max_connections: 16,
@@ -497,6 +603,9 @@ impl BrokerLimits {
         }
         if !(1..=10_000).contains(&self.max_tool_calls) {
             return err("max_tool_calls must be 1 to 10000");
+        }
+        if !(1..=1000).contains(&self.max_compactions) {
+            return err("max_compactions must be 1 to 1000");
         }
         if self.call_timeout < Duration::from_millis(100)
             || self.call_timeout > Duration::from_secs(3600)
@@ -675,6 +784,9 @@ testing_pub! {
         pub model_request: ModelRequestPolicy,
         /// A separate summarizer for compaction; `None` compacts through the main model.
         pub compaction: Option<CompactionModel>,
+        /// The engine and identity container-confined MCP servers run with; `None`: only
+        /// http and `confine = "host"` servers can be started.
+        pub mcp_engine: Option<McpEngine>,
     }
 }
 
@@ -762,6 +874,7 @@ impl fmt::Debug for BrokerPolicy {
             .field("peer_uid_check", &self.peer_uid_check)
             .field("model_request", &self.model_request)
             .field("compaction", &self.compaction)
+            .field("mcp_engine", &self.mcp_engine)
             .finish()
     }
 }
@@ -867,7 +980,12 @@ impl Broker {
             let upstream = model::Upstream::new(&policy)?;
             let compactor = compact::Compactor::new(&policy)?;
             let tools = tools::HostTools::new(&policy.tools)?;
-            let mcp = mcp::McpPool::start(&policy.mcp, policy.limits.call_timeout).await?;
+            let mcp = mcp::McpPool::start(
+                &policy.mcp,
+                policy.limits.call_timeout,
+                policy.mcp_engine.as_ref(),
+            )
+            .await?;
             Ok(Self {
                 policy,
                 upstream,

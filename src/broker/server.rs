@@ -4,7 +4,8 @@
 //!   peer check: SO_PEERCRED uid must be the worker uid; or the byte streams a backend
 //!   carries from its guest, see [`crate::driver::BrokerTransport`]), a cap on open connections (one more is answered `503` and closed), one task per
 //!   connection in a `JoinSet` (so stopping the listener aborts them all), a header read
-//!   timeout so a slow client blocks nothing;
+//!   timeout so a slow client blocks nothing; the connection-limit warn line at most once
+//!   per 10 s per turn (the rest counted and told);
 //! - [`handle`]: routing, method check, body size cap (`413`), a cap on calls in flight
 //!   (`429`; the slot is held from the body's first byte to the answer's last), per-turn
 //!   call counts (`429`), body read deadline, then the model proxy (the body checked and
@@ -26,11 +27,13 @@ use hyper::{Method, Request, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use roundtable_sandbox_protocol::{paths, ErrorBody};
 use tokio::net::UnixListener;
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, refuse, Body, Refused, Response, Turn};
+use super::http::{
+    error_response, holding, json_values_over, refuse, Refused, Response, Turn, MAX_ARGUMENT_VALUES,
+};
 use super::{Broker, TurnContext};
 use crate::driver::GuestStream;
 use crate::events::{BrokerEvent, EventKind, Refusal};
@@ -40,9 +43,6 @@ use crate::TurnPhase;
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest request head.
 const MAX_HEAD_BYTES: usize = 64 * 1024;
-/// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
-/// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
-pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
 
 /// Where one turn's connections come from.
 pub(crate) enum Acceptor {
@@ -115,16 +115,23 @@ pub(crate) async fn serve(
         .then_some(broker.policy.worker_uid);
     let max_connections = broker.policy.limits.max_connections;
     let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
+    let ctx_channel = ctx.channel.clone();
     let turn = Arc::new(Turn {
         broker,
         ctx,
         stop: stop.clone(),
         model_calls: AtomicU32::new(0),
         tool_calls: AtomicU32::new(0),
+        compactions: AtomicU32::new(0),
         in_flight,
+        compacting: Arc::new(Semaphore::new(1)),
+        warnings: super::warn::Warnings::new(&ctx_channel),
     });
     let mut connections = JoinSet::new();
     let mut closed = false;
+    // The connection-limit warn line, rate-limited: one per window, the rest counted.
+    let mut limit_logged: Option<std::time::Instant> = None;
+    let mut limit_suppressed = 0u64;
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -140,12 +147,22 @@ pub(crate) async fn serve(
             }
         };
         if connections.len() >= max_connections {
-            tracing::warn!(limit = max_connections, "broker connection limit reached");
             refused(
                 &turn.ctx,
                 StatusCode::SERVICE_UNAVAILABLE,
                 Refusal::Connections,
             );
+            if limit_logged.is_none_or(|t| t.elapsed() >= super::warn::WARN_WINDOW) {
+                tracing::warn!(
+                    limit = max_connections,
+                    suppressed = limit_suppressed,
+                    "broker connection limit reached"
+                );
+                limit_logged = Some(std::time::Instant::now());
+                limit_suppressed = 0;
+            } else {
+                limit_suppressed += 1;
+            }
             // Told why, then closed: a few hundred bytes into a fresh socket's buffer (a
             // peer that reads nothing does not hold the task past the deadline).
             let refusal = too_many_connections(max_connections);
@@ -193,6 +210,13 @@ pub(crate) async fn serve(
         });
     }
     connections.shutdown().await;
+    if limit_suppressed > 0 {
+        tracing::warn!(
+            limit = max_connections,
+            suppressed = limit_suppressed,
+            "broker connection limit reached (lines suppressed in this turn)"
+        );
+    }
 }
 
 /// Reports one refusal of the broker.
@@ -219,74 +243,6 @@ fn too_many_connections(limit: usize) -> Vec<u8> {
     .into_bytes();
     out.extend_from_slice(&body);
     out
-}
-
-/// A body that holds its call's in-flight permit until it is sent or dropped.
-struct Holding {
-    body: Body,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl hyper::body::Body for Holding {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// The response with the call's permit moved into its body.
-fn holding(response: Response, permit: OwnedSemaphorePermit) -> Response {
-    response.map(|body| {
-        Holding {
-            body,
-            _permit: permit,
-        }
-        .boxed_unsync()
-    })
-}
-
-/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
-/// plus one. Stops counting past `limit`.
-fn json_values_over(raw: &[u8], limit: usize) -> bool {
-    let mut n = 1usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for &b in raw {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' | b',' => {
-                    n += 1;
-                    if n > limit {
-                        return true;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    false
 }
 
 /// A name from the path, shortened for an error message.
@@ -320,6 +276,8 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let limits = turn.broker.policy.limits;
     let path = req.uri().path().to_owned();
     if path == paths::COMPACT {
+        // Under the same caps (the calls-in-flight permit, the model calls) and its own
+        // count: see `compact::handle`.
         return super::compact::handle(turn, req).await;
     }
     let Some(route) = route(&path) else {

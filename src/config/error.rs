@@ -89,6 +89,28 @@ pub enum ConfigError {
     /// A root is not a directory of the service user closed to everyone else.
     #[error("sandbox roots must be private directories owned by the service user: {0}")]
     RootNotPrivate(PathBuf),
+    /// A directory above a root can be written by group or others and is not sticky: its
+    /// writers could replace the root after startup.
+    #[error("sandbox root {root} lies under {ancestor}, which group or others can write (mode {mode:o}, not sticky): every directory above a root must be owned by root or the service user and writable by no one else unless sticky")]
+    RootAncestorWritable {
+        /// The root, as configured.
+        root: PathBuf,
+        /// The directory above it.
+        ancestor: PathBuf,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// A directory above a root is owned by a user other than root and the service user,
+    /// who could replace the root after startup.
+    #[error("sandbox root {root} lies under {ancestor}, which uid {owner} owns: every directory above a root must be owned by root or the service user and writable by no one else unless sticky")]
+    RootAncestorOwner {
+        /// The root, as configured.
+        root: PathBuf,
+        /// The directory above it.
+        ancestor: PathBuf,
+        /// Its owner.
+        owner: u32,
+    },
     /// The two roots are the same directory, or one is inside the other.
     #[error("sandbox roots must be separate: {0} and {1}")]
     RootsNotSeparate(PathBuf, PathBuf),

@@ -132,11 +132,12 @@ impl TryFrom<CompactionFile> for CompactionModel {
             (!v.is_empty()).then(|| ApiKey::from_static(v))
         };
         let section = "compaction";
+        private_before_secret();
         let (api_key, key_source) = match (&file.api_key_env, &file.api_key_file) {
             (Some(_), Some(_)) => return Err(ConfigError::ApiKeyBothSources { section }),
             (None, None) => return Err(ConfigError::ApiKeyNoSource { section }),
             (Some(var), None) => (
-                std::env::var(var).ok().and_then(present),
+                read_env_secret(var).and_then(present),
                 format!("environment variable {var}"),
             ),
             (None, Some(path)) => (
@@ -159,15 +160,35 @@ impl TryFrom<CompactionFile> for CompactionModel {
     }
 }
 
+/// Makes the process private before a secret is read (see [`crate::make_process_private`]).
+fn private_before_secret() {
+    if let Err(e) = crate::make_process_private() {
+        tracing::warn!(error = %e, "make the process private before reading a key");
+    }
+}
+
+/// Reads a secret from the environment variable `var` and removes the variable (no child
+/// inherits it); the process is made private first (see [`crate::make_process_private`];
+/// a failure there is logged, and [`crate::Sandbox::new`] refuses to start on it).
+pub(crate) fn read_env_secret(var: &str) -> Option<String> {
+    private_before_secret();
+    let value = std::env::var(var).ok();
+    if value.is_some() {
+        crate::forget_env_secret(var);
+    }
+    value
+}
+
 /// The key the file names: from its variable or its file (both set is an error; neither
-/// is a keyless config).
+/// is a keyless config). A variable is removed from the environment once read.
 fn api_key(file: &ConfigFile) -> Result<ApiKey, ConfigError> {
+    private_before_secret();
     match (&file.api_key_env, &file.api_key_file) {
         (Some(_), Some(_)) => Err(ConfigError::ApiKeyBothSources {
             section: "config file",
         }),
-        (Some(var), None) => match std::env::var(var) {
-            Ok(v) if !v.trim().is_empty() => Ok(ApiKey::from_static(v.trim())),
+        (Some(var), None) => match read_env_secret(var) {
+            Some(v) if !v.trim().is_empty() => Ok(ApiKey::from_static(v.trim())),
             _ => Err(ConfigError::ApiKeyEnvUnset { var: var.clone() }),
         },
         (None, Some(path)) => match std::fs::read_to_string(path) {

@@ -70,6 +70,9 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
             return Err(ConfigError::RootNotAbsolute(root.clone()));
         }
     }
+    // What lies above each root, before anything is created under it.
+    check_root_ancestors(&config.run_root, process_uid)?;
+    check_root_ancestors(&config.workspace_root, process_uid)?;
     // Side effects start here: the roots are created private, then inspected.
     let run_root = prepare_root(&config.run_root, process_uid)?;
     let workspace_root = prepare_root(&config.workspace_root, process_uid)?;
@@ -109,6 +112,63 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     })
 }
 
+/// Checks every directory above `root` (the canonical path of its nearest existing part;
+/// the root need not exist yet): each must be owned by root or `service_uid`, and writable
+/// by group or others only if sticky (as `/tmp` is). Anyone else who can write one of them
+/// could rename the root away and put their own directory in its place after startup.
+/// `doctor` runs this same check.
+pub fn check_root_ancestors(root: &Path, service_uid: u32) -> Result<(), ConfigError> {
+    let inspect = |source| ConfigError::InspectRoot {
+        path: root.to_owned(),
+        source,
+    };
+    // The nearest part of the path that exists: the root itself, or a parent.
+    let mut existing = root;
+    loop {
+        match std::fs::symlink_metadata(existing) {
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match existing.parent() {
+                Some(parent) => existing = parent,
+                None => return Err(inspect(e)),
+            },
+            Err(e) => return Err(inspect(e)),
+        }
+    }
+    let canonical = std::fs::canonicalize(existing).map_err(inspect)?;
+    // The root itself is judged by `prepare_root`; everything above it here.
+    let first = if existing == root {
+        canonical.parent()
+    } else {
+        Some(canonical.as_path())
+    };
+    for ancestor in first.into_iter().flat_map(Path::ancestors) {
+        let meta = std::fs::metadata(ancestor).map_err(inspect)?;
+        let (owner, mode) = (meta.uid(), meta.mode() & 0o7777);
+        if owner != 0 && owner != service_uid {
+            return Err(ConfigError::RootAncestorOwner {
+                root: root.to_owned(),
+                ancestor: ancestor.to_owned(),
+                owner,
+            });
+        }
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(ConfigError::RootAncestorWritable {
+                root: root.to_owned(),
+                ancestor: ancestor.to_owned(),
+                mode,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether a directory's owner and mode make it private to the service user: owned by
+/// `service_uid`, no group or other permission bit. The one rule for the roots (at
+/// startup and again on the descriptor the runtime holds) and the channel directories.
+pub fn is_private_dir(owner: u32, mode: u32, service_uid: u32) -> bool {
+    owner == service_uid && mode & 0o077 == 0
+}
+
 /// Creates `root` (0700) if it is missing, checks that it is a directory of this process's
 /// user closed to everyone else, and gives its canonical path.
 fn prepare_root(root: &Path, process_uid: u32) -> Result<PathBuf, ConfigError> {
@@ -125,7 +185,7 @@ fn prepare_root(root: &Path, process_uid: u32) -> Result<PathBuf, ConfigError> {
             source,
         })?;
     let meta = std::fs::metadata(root).map_err(inspect)?;
-    if !meta.is_dir() || meta.uid() != process_uid || meta.mode() & 0o077 != 0 {
+    if !meta.is_dir() || !is_private_dir(meta.uid(), meta.mode(), process_uid) {
         return Err(ConfigError::RootNotPrivate(root.to_owned()));
     }
     std::fs::canonicalize(root).map_err(inspect)
@@ -261,6 +321,21 @@ mod tests {
         // Every name of the guest's tz database is accepted.
         for tz in chrono_tz::TZ_VARIANTS {
             assert!(canonical_time_zone(tz.name()).is_some(), "{}", tz.name());
+        }
+    }
+
+    #[test]
+    fn a_private_dir_is_the_service_users_with_no_group_or_other_bit() {
+        assert!(is_private_dir(999, 0o700, 999));
+        assert!(
+            is_private_dir(999, 0o40700, 999),
+            "the file type bits do not matter"
+        );
+        assert!(is_private_dir(999, 0o500, 999));
+        assert!(!is_private_dir(1000, 0o700, 999), "another owner");
+        assert!(!is_private_dir(0, 0o700, 999), "root's");
+        for open in [0o710, 0o701, 0o750, 0o755, 0o707, 0o770] {
+            assert!(!is_private_dir(999, open, 999), "{open:o}");
         }
     }
 

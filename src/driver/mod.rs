@@ -13,6 +13,7 @@
 pub mod docker;
 #[cfg(not(feature = "testing"))]
 mod docker;
+pub(crate) use docker::create_body;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

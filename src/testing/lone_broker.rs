@@ -26,6 +26,32 @@ pub fn broker_policy(model_url: &str, key: &str) -> BrokerPolicy {
         peer_uid_check: true,
         model_request: Default::default(),
         compaction: None,
+        mcp_engine: Some(mcp_engine()),
+    }
+}
+
+/// The engine for container-confined MCP sessions of a broker test: the default engine,
+/// this process's uid:gid, `$ROUNDTABLE_RUNTIME` (e.g. `runsc`), no free-space floor, a
+/// fresh instance name and a fresh private data root under `/tmp` (kept: a test reads it).
+pub fn mcp_engine() -> crate::broker::McpEngine {
+    let data_root = tempfile::Builder::new()
+        .prefix("rtb-mcp-")
+        .tempdir_in("/tmp")
+        .unwrap()
+        .keep();
+    crate::broker::McpEngine {
+        docker_host: crate::driver::DockerOptions::default().host,
+        instance: format!("rtb-test-{}", uuid::Uuid::new_v4().simple()),
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+        data_root,
+        runtime: std::env::var("ROUNDTABLE_RUNTIME")
+            .ok()
+            .filter(|r| !r.is_empty()),
+        floor: crate::quota::Floor {
+            min_bytes: 0,
+            min_percent: 0,
+        },
     }
 }
 

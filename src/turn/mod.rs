@@ -362,6 +362,12 @@ impl Run<'_> {
             }
         };
         tokio::pin!(over_quota);
+        // The engine mounts the workspace by path: it must still name the directory this
+        // turn made and holds (a prepared container's was checked before its start, and at
+        // adoption against what this turn holds).
+        if !warm {
+            resources.check_mount_path()?;
+        }
         let run = resources.run(stdin, self.cancel.clone());
         tokio::pin!(run);
         let mut why: Option<TurnError> = None;
@@ -412,6 +418,27 @@ impl Run<'_> {
             *slot = Some(cold(sandbox, &request.channel)?);
         }
         let resources = slot.as_mut().expect("set above");
+        // A prepared container must be able to serve this turn (its workspace, its liveness);
+        // otherwise it is removed and this turn starts cold.
+        let checked = tokio::select! {
+            r = resources.check_waiting() => r?,
+            _ = stop.cancelled() => return Err(TurnError::Stopped),
+        };
+        if let Err(reason) = checked {
+            tracing::warn!(
+                container = %resources.spec().name,
+                reason = %reason,
+                "the prepared container cannot serve this turn; starting cold"
+            );
+            self.events
+                .emit(EventKind::Warm(WarmEvent::FellBack { reason }));
+            // The turn lets go of it first: removal is the fallback's, awaited.
+            if let Some(r) = slot.take() {
+                r.teardown_logged("remove prepared container").await;
+            }
+            *slot = Some(cold(sandbox, &request.channel)?);
+        }
+        let resources = slot.as_mut().expect("set above");
         let measured = tokio::select! {
             r = resources.host_workspace(floor.is_on()) => r?,
             _ = stop.cancelled() => return Err(TurnError::Stopped),
@@ -425,27 +452,6 @@ impl Run<'_> {
             })
             .await
             .map_err(|e| crate::quota::QuotaError::Measure(e.to_string()))??;
-        }
-        // A prepared container must still wait for its turn; otherwise it is removed and
-        // this turn starts cold.
-        let checked = tokio::select! {
-            r = resources.check_waiting() => r,
-            _ = stop.cancelled() => return Err(TurnError::Stopped),
-        };
-        if let Err(e) = checked {
-            tracing::warn!(
-                container = %resources.spec().name,
-                reason = %e,
-                "the prepared container cannot serve this turn; starting cold"
-            );
-            self.events.emit(EventKind::Warm(WarmEvent::FellBack {
-                reason: crate::one_line(&e),
-            }));
-            // The turn lets go of it first: removal is the fallback's, awaited.
-            if let Some(r) = slot.take() {
-                r.teardown_logged("remove prepared container").await;
-            }
-            *slot = Some(cold(sandbox, &request.channel)?);
         }
         let resources = slot.as_mut().expect("set above");
         let ctx = self.turn_context();

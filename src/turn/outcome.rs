@@ -34,6 +34,25 @@ pub enum TurnError {
         /// Why.
         source: std::io::Error,
     },
+    /// The channel's existing workspace is not a private directory of the service user.
+    #[error("workspace {path} must be a directory of the service user (uid {uid}) with no group or other permission bits: found uid {owner}, mode {mode:o}")]
+    WorkspaceNotPrivate {
+        /// The workspace.
+        path: PathBuf,
+        /// The service user.
+        uid: u32,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The workspace's path no longer names the directory the turn made and holds: the
+    /// workspace root (or the directory) was moved or replaced since.
+    #[error("workspace {path} no longer names the directory made for the turn (the workspace root was moved or replaced)")]
+    WorkspaceReplaced {
+        /// The workspace.
+        path: PathBuf,
+    },
     /// The turn's run dir could not be created.
     #[error("create run dir under {path}")]
     CreateRunDir {
@@ -163,6 +182,8 @@ impl TurnError {
             TurnError::Driver(DriverError::ImageMissing { .. }) => TurnFailure::ImageMissing,
             TurnError::Driver(_)
             | TurnError::CreateWorkspace { .. }
+            | TurnError::WorkspaceNotPrivate { .. }
+            | TurnError::WorkspaceReplaced { .. }
             | TurnError::CreateRunDir { .. }
             | TurnError::SocketPathTooLong(_)
             | TurnError::Broker(_) => TurnFailure::Internal,

@@ -9,7 +9,6 @@
 //! sweep reads) is changed here alone.
 
 use std::collections::{BTreeMap, HashSet};
-use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -21,6 +20,7 @@ use crate::driver::{
     BrokerTransport, ContainerSpec, DriverError, RunOutcome, StartedContainer, WorkspaceHome,
     LABEL_CHANNEL, LABEL_RUNTIME, LABEL_TURN,
 };
+use crate::quota::Workspace;
 use crate::{ChannelId, Sandbox};
 
 /// The broker's socket in a turn's run dir (the guest sees it at
@@ -67,6 +67,9 @@ pub(crate) struct TurnResources {
     channel: ChannelId,
     turn_id: String,
     spec: ContainerSpec,
+    /// The workspace directory, held open (made relative to the workspace root's descriptor
+    /// held since startup), when the host keeps it ([`WorkspaceHome::HostDir`]).
+    workspace: Option<Arc<Workspace>>,
     /// Registered as live while `Some`; removed by the teardown.
     run_dir: Option<PathBuf>,
     /// The container's name is registered as live while true.
@@ -93,15 +96,17 @@ impl TurnResources {
         let config = sandbox.config();
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
         let workspace_dir = config.workspace_root.join(channel.segment());
-        if sandbox.driver().workspace_home() == WorkspaceHome::HostDir {
-            make_workspace(&workspace_dir)?;
-        }
+        let workspace = match sandbox.driver().workspace_home() {
+            WorkspaceHome::HostDir => Some(Arc::new(make_workspace(sandbox, channel.segment())?)),
+            _ => None,
+        };
         let name = format!("roundtable-sandbox-{}-{}", channel.short(), &turn_id[..8]);
         let mut owner = Self {
             sandbox: sandbox.clone(),
             channel: channel.clone(),
             turn_id,
             spec: container_spec(sandbox, name, channel, &workspace_dir),
+            workspace,
             run_dir: None,
             registered: false,
             started: false,
@@ -178,24 +183,46 @@ impl TurnResources {
     /// Starts the container before its turn (warm preparation), its guest waiting on
     /// stdin. Not abandoned half-way: an engine call dropped in flight may still create the
     /// container after a removal meant for it.
-    pub(crate) async fn start(&mut self) -> Result<(), DriverError> {
+    pub(crate) async fn start(&mut self) -> Result<(), TurnError> {
+        self.check_mount_path()?;
         self.started = true;
         let driver = self.sandbox.driver().clone();
         self.handle = Some(driver.start(&self.spec, CancellationToken::new()).await?);
         Ok(())
     }
 
-    /// Checks that the prepared container still waits for its turn (see
-    /// [`StartedContainer::check`]); a cold turn has nothing to check.
-    pub(crate) async fn check_waiting(&mut self) -> Result<(), DriverError> {
-        match &mut self.handle {
-            Some(handle) => handle.check().await,
+    /// The engine mounts the workspace by path: just before the container is created, the
+    /// path must still name the directory these resources made and hold.
+    pub(crate) fn check_mount_path(&self) -> Result<(), TurnError> {
+        match &self.workspace {
+            Some(workspace) => check_mount_path(&self.spec.workspace_dir, workspace),
             None => Ok(()),
         }
     }
 
-    /// The workspace as the host's quota watcher measures it: its directory, held open
-    /// (every measure starts from this descriptor and never follows a guest path), and the
+    /// Checks that the prepared container can serve this turn (`Ok(Err(why))` when it
+    /// cannot; a cold turn has nothing to check): it serves only the workspace directory it
+    /// was made for — the workspace is made again now and compared by identity (a workspace
+    /// moved aside or deleted since is another directory, while the container's bind still
+    /// holds the old one) — and it must still wait for its turn
+    /// ([`StartedContainer::check`]). The workspace made now is the one the turn holds.
+    pub(crate) async fn check_waiting(&mut self) -> Result<Result<(), String>, TurnError> {
+        let Some(handle) = &mut self.handle else {
+            return Ok(Ok(()));
+        };
+        if let Some(prepared_for) = &self.workspace {
+            let now = make_workspace(&self.sandbox, self.channel.segment())?;
+            if now.id() != prepared_for.id() {
+                return Ok(Err(WORKSPACE_NOT_THE_PREPARED.to_owned()));
+            }
+            self.workspace = Some(Arc::new(now));
+        }
+        Ok(handle.check().await.map_err(|e| e.to_string()))
+    }
+
+    /// The workspace as the host's quota watcher measures it: its directory, held open since
+    /// it was made (every measure starts from this descriptor and never follows a guest
+    /// path), and the
     /// filesystems the free-space floor guards (`&mut`: the turn's future holds it across
     /// the engine's answer, and the prepared container's handle is not `Sync`). `None` when the backend keeps the
     /// workspace elsewhere ([`WorkspaceHome::Backend`]): the host measures nothing.
@@ -203,15 +230,9 @@ impl TurnResources {
         &mut self,
         floor_on: bool,
     ) -> Result<Option<(Arc<crate::quota::Workspace>, Vec<crate::quota::Guarded>)>, TurnError> {
-        if self.sandbox.driver().workspace_home() != WorkspaceHome::HostDir {
+        let Some(workspace) = self.workspace.clone() else {
             return Ok(None);
-        }
-        // A workspace the guest locked (`chmod 000 /workspace`) cannot be measured.
-        let workspace = Arc::new(
-            crate::quota::Workspace::open(&self.spec.workspace_dir).map_err(|e| {
-                crate::quota::QuotaError::Measure(format!("open the workspace: {e}"))
-            })?,
-        );
+        };
         let mut guarded = vec![crate::quota::Guarded {
             what: "the workspaces",
             path: self.sandbox.config().workspace_root.clone(),
@@ -347,6 +368,7 @@ impl Drop for TurnResources {
             channel: self.channel.clone(),
             turn_id: std::mem::take(&mut self.turn_id),
             spec: self.spec.clone(),
+            workspace: self.workspace.take(),
             run_dir: self.run_dir.take(),
             registered: std::mem::take(&mut self.registered),
             started: std::mem::take(&mut self.started),
@@ -372,25 +394,68 @@ impl Drop for TurnResources {
     }
 }
 
-/// Makes the channel's workspace dir (0700); a planted link or file in its place is
-/// refused, never followed.
-fn make_workspace(dir: &Path) -> Result<(), TurnError> {
-    let err = |source| TurnError::CreateWorkspace {
-        path: dir.to_owned(),
-        source,
+/// Why a prepared container is not adopted when the turn's workspace is not its own.
+const WORKSPACE_NOT_THE_PREPARED: &str =
+    "its workspace directory was moved or deleted since it was prepared (the turn's is another)";
+
+/// Makes the channel's workspace (`mkdirat` 0700) and opens it (`O_NOFOLLOW | O_DIRECTORY`),
+/// both relative to the workspace root's descriptor held since startup (never through the
+/// root's path). An existing directory must be the service user's with no group or other
+/// bit ([`crate::config::is_private_dir`]): one some other user made, or that others can
+/// read, is refused. A workspace the guest locked (`chmod 000 /workspace`) cannot be
+/// opened, so cannot be measured: a quota error, as every unmeasurable workspace.
+fn make_workspace(sandbox: &Sandbox, segment: &str) -> Result<Workspace, TurnError> {
+    use rustix::fs::{AtFlags, FileType, Mode};
+    let config = sandbox.config();
+    let root = sandbox.workspace_root_lock().dir();
+    let path = config.workspace_root.join(segment);
+    let err = |e: rustix::io::Errno| TurnError::CreateWorkspace {
+        path: path.clone(),
+        source: e.into(),
     };
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            // Never follow a link planted in place of the workspace.
-            let meta = std::fs::symlink_metadata(dir).map_err(err)?;
-            if meta.is_dir() {
-                Ok(())
-            } else {
-                Err(err(std::io::Error::other("not a directory")))
-            }
-        }
-        Err(e) => Err(err(e)),
+    match rustix::fs::mkdirat(root, segment, Mode::from_raw_mode(0o700)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => return Err(err(e)),
+    }
+    // Never follow a link planted in place of the workspace.
+    let st = rustix::fs::statat(root, segment, AtFlags::SYMLINK_NOFOLLOW).map_err(err)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+        return Err(TurnError::CreateWorkspace {
+            path,
+            source: std::io::Error::other("not a directory"),
+        });
+    }
+    let mode = st.st_mode as u32 & 0o7777;
+    if !crate::config::is_private_dir(st.st_uid, mode, config.uid) {
+        return Err(TurnError::WorkspaceNotPrivate {
+            path,
+            uid: config.uid,
+            owner: st.st_uid,
+            mode,
+        });
+    }
+    let workspace = Workspace::open_at(root, segment)
+        .map_err(|e| crate::quota::QuotaError::Measure(format!("open the workspace: {e}")))?;
+    #[allow(clippy::unnecessary_cast)]
+    if workspace.id() != (st.st_dev as u64, st.st_ino as u64) {
+        // Replaced between the check and the open (only a writer of the root can).
+        return Err(TurnError::WorkspaceReplaced { path });
+    }
+    Ok(workspace)
+}
+
+/// Checks that `path`, the workspace's path as the engine will resolve it for the bind
+/// mount, still names `workspace` (same device and inode). What remains between this check
+/// and the engine's own lookup needs write access to a directory on the path, which the
+/// startup check refuses to anyone but root and the service user
+/// ([`crate::config::check_root_ancestors`]).
+fn check_mount_path(path: &Path, workspace: &Workspace) -> Result<(), TurnError> {
+    use std::os::unix::fs::MetadataExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if (meta.dev(), meta.ino()) == workspace.id() => Ok(()),
+        _ => Err(TurnError::WorkspaceReplaced {
+            path: path.to_owned(),
+        }),
     }
 }
 

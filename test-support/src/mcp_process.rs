@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::broker::{McpServer, McpTransport};
+use roundtable_sandbox::broker::{McpConfine, McpServer, McpTransport};
 
 /// The venv `scripts/mcp-venv.sh` makes (`$ROUNDTABLE_MCP_VENV`, else `<repo>/.venv-mcp`).
 pub fn venv() -> PathBuf {
@@ -28,7 +28,7 @@ pub fn venv_bin(name: &str) -> PathBuf {
 /// which writes the server's pid to `dir/pid-<db>` first; its database is `dir/<db>.db`.
 /// `db` may hold `{channel}`.
 pub fn sqlite_server(dir: &Path, db: &str, tools: &[&str]) -> McpServer {
-    McpServer::new(
+    let mut config = McpServer::new(
         "sqlite",
         McpTransport::Stdio {
             command: "sh".into(),
@@ -43,7 +43,32 @@ pub fn sqlite_server(dir: &Path, db: &str, tools: &[&str]) -> McpServer {
             env: Default::default(),
         },
         tools,
-    )
+    );
+    // A host child: the tests that use it watch its host pid (sessions stopped, reaped).
+    config.confine = McpConfine::Host;
+    config
+}
+
+/// The MCP servers' image (`scripts/build-mcp-image.sh`; `$ROUNDTABLE_MCP_IMAGE`).
+pub fn mcp_image() -> String {
+    std::env::var("ROUNDTABLE_MCP_IMAGE").unwrap_or_else(|_| "roundtable-sandbox-mcp:latest".into())
+}
+
+/// `mcp-server-sqlite` as the MCP server `sqlite`, each session in its own container of
+/// [`mcp_image`] (the default confinement), its database `/data/db.sqlite` (its own data
+/// dir), `tools` allowed.
+pub fn sqlite_container(tools: &[&str]) -> McpServer {
+    let mut config = McpServer::new(
+        "sqlite",
+        McpTransport::Stdio {
+            command: "mcp-server-sqlite".into(),
+            args: vec!["--db-path".into(), "/data/db.sqlite".into()],
+            env: Default::default(),
+        },
+        tools,
+    );
+    config.image = Some(mcp_image());
+    config
 }
 
 /// The pid a server's `sh` wrapper wrote to `file`.

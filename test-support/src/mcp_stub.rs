@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use roundtable_sandbox::broker::{McpServer, McpTransport};
+use roundtable_sandbox::broker::{McpConfine, McpServer, McpTransport};
 
 /// The stub server (no dependencies but python3), its files in `dir`, `tools` allow-listed,
 /// with the default scope (`channel` for stdio).
@@ -18,7 +18,7 @@ pub fn stub_server_with(dir: &Path, tools: &[&str], extra: &[&str]) -> McpServer
         .display()
         .to_string()];
     args.extend(extra.iter().map(|s| s.to_string()));
-    McpServer::new(
+    let mut config = McpServer::new(
         "stub",
         McpTransport::Stdio {
             command: "python3".into(),
@@ -26,5 +26,8 @@ pub fn stub_server_with(dir: &Path, tools: &[&str], extra: &[&str]) -> McpServer
             env: [("STUB_DIR".to_owned(), dir.display().to_string())].into(),
         },
         tools,
-    )
+    );
+    // A host child: the tests that use it watch its host pid and files.
+    config.confine = McpConfine::Host;
+    config
 }

@@ -56,6 +56,10 @@ pub enum Step {
     EchoKeyStream,
     /// `200 text/event-stream`: these chunks, then the connection is cut mid-body.
     StreamThenFail(Vec<String>),
+    /// `200` completion whose content is `n` bytes of `x` (a huge answer, e.g. 4 MB).
+    Huge(usize),
+    /// Waits this long, then answers with the step.
+    Delayed(Duration, Box<Step>),
 }
 
 impl Step {
@@ -77,6 +81,11 @@ impl Step {
                 "function": {"name": name, "arguments": arguments.to_string()}
             }]
         })))
+    }
+
+    /// `step` answered after `delay` (the request counts as in flight meanwhile).
+    pub fn delayed(delay: Duration, step: Step) -> Step {
+        Step::Delayed(delay, Box::new(step))
     }
 
     /// A streamed completion: one SSE event per part, then `[DONE]`.
@@ -147,6 +156,26 @@ impl Recorded {
 struct Shared {
     steps: Mutex<VecDeque<Step>>,
     requests: Mutex<Vec<Recorded>>,
+    /// Requests being answered now, and the most there ever were at once.
+    in_flight: Mutex<(usize, usize)>,
+}
+
+/// Counts a request as in flight until dropped (an abandoned request included).
+struct InFlight<'a>(&'a Shared);
+
+impl<'a> InFlight<'a> {
+    fn new(shared: &'a Shared) -> Self {
+        let mut n = shared.in_flight.lock().unwrap();
+        n.0 += 1;
+        n.1 = n.1.max(n.0);
+        Self(shared)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.lock().unwrap().0 -= 1;
+    }
 }
 
 /// The scripted server; stops when dropped.
@@ -167,6 +196,7 @@ impl ScriptedModel {
         let shared = Arc::new(Shared {
             steps: Mutex::new(script.into()),
             requests: Mutex::new(Vec::new()),
+            in_flight: Mutex::new((0, 0)),
         });
         let accept_shared = shared.clone();
         let task = tokio::spawn(async move {
@@ -203,6 +233,11 @@ impl ScriptedModel {
     /// The requests received so far.
     pub fn requests(&self) -> Vec<Recorded> {
         self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// The most requests that were being answered at once so far.
+    pub fn peak_in_flight(&self) -> usize {
+        self.shared.in_flight.lock().unwrap().1
     }
 
     /// Appends a step to the script.
@@ -251,6 +286,7 @@ fn sse(body: Body) -> Response<Body> {
 }
 
 async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
+    let _in_flight = InFlight::new(shared);
     let method = req.method().to_string();
     let path = req.uri().path().to_owned();
     let headers: Vec<(String, String)> = req
@@ -280,7 +316,11 @@ async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
         headers,
         body,
     });
-    let step = shared.steps.lock().unwrap().pop_front();
+    let mut step = shared.steps.lock().unwrap().pop_front();
+    while let Some(Step::Delayed(delay, inner)) = step {
+        tokio::time::sleep(delay).await;
+        step = Some(*inner);
+    }
     match step {
         None => full(500, "application/json", r#"{"error":"script exhausted"}"#),
         Some(Step::Json(v)) => full(200, "application/json", v.to_string()),
@@ -347,6 +387,11 @@ async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
             });
             sse(StreamBody::new(stream).boxed())
         }
+        Some(Step::Huge(n)) => {
+            let v = completion(serde_json::json!({"role": "assistant", "content": "x".repeat(n)}));
+            full(200, "application/json", v.to_string())
+        }
+        Some(Step::Delayed(..)) => unreachable!("unwrapped above"),
         Some(Step::EchoKeyStream) => {
             let mid = auth.len() / 2 + 3;
             let (a, b) = auth.split_at(mid.min(auth.len()));

@@ -3,8 +3,8 @@
 //! a tiny stdio stub in `tests/support/mcp_stub.py`), limits, peer check, cancellation.
 //!
 //! One test binary, one module per topic: `model` (the model proxy), `tools` (host tools),
-//! `limits`, `peer` (peer check, cancellation), `policy`, `mcp` (stdio servers),
-//! `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
+//! `limits`, `peer` (peer check, cancellation), `policy`, `mcp` (stdio servers as host children),
+//! `mcp_confined` (stdio servers in their own containers, the default), `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
 //! the fixtures they share.
 
 use roundtable_sandbox_test_support::broker_client as client;
@@ -100,6 +100,11 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
         },
         scope: None,
         max_sessions: None,
+        // A host child: these tests watch the server's host pid (reaping, restarts).
+        confine: roundtable_sandbox::broker::McpConfine::Host,
+        image: None,
+        network: false,
+        limits: Default::default(),
         tools: tools.iter().map(|s| s.to_string()).collect(),
     }
 }
@@ -200,6 +205,7 @@ mod events;
 mod limits;
 mod logs;
 mod mcp;
+mod mcp_confined;
 mod mcp_http;
 mod mcp_scopes;
 mod model;

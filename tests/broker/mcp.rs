@@ -242,6 +242,10 @@ async fn mcp_allow_list_naming_a_missing_tool_fails_setup_and_leaves_no_child() 
         },
         scope: None,
         max_sessions: None,
+        confine: roundtable_sandbox::broker::McpConfine::Host,
+        image: None,
+        network: false,
+        limits: Default::default(),
         tools: vec!["x".into()],
     }];
     let err = Broker::new(p).await.unwrap_err();

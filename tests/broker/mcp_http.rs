@@ -52,6 +52,10 @@ impl HttpMcp {
             },
             scope: None,
             max_sessions: None,
+            confine: Default::default(),
+            image: None,
+            network: false,
+            limits: Default::default(),
             tools: vec!["echo".into()],
         }
     }

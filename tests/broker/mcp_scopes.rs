@@ -289,7 +289,8 @@ async fn mcp_channel_sessions_are_bounded_the_least_recently_used_stopped() {
         let _ = call.await;
     }
     // Free again: the new channel gets a session.
-    assert_eq!(echo("#c9").await.json()["ok"], true);
+    let a = echo("#c9").await;
+    assert_eq!(a.json()["ok"], true, "{}", a.text());
     assert_eq!(broker.mcp_sessions(), 2);
     broker.shutdown().await;
 }

@@ -44,6 +44,10 @@ async fn the_policy_is_checked_at_setup() {
         },
         scope: None,
         max_sessions: None,
+        confine: Default::default(),
+        image: Some("roundtable-sandbox-mcp:latest".into()),
+        network: false,
+        limits: Default::default(),
         tools: vec![],
     }];
     assert_eq!(
@@ -59,6 +63,41 @@ async fn the_policy_is_checked_at_setup() {
     p.mcp.push(p.mcp[0].clone());
     assert_eq!(err(p.clone()), "MCP server time: configured twice");
     p.mcp.pop();
+    // A stdio server runs in a container unless told otherwise: it needs an image.
+    p.mcp[0].image = None;
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = "host" to run it unconfined on the host"#
+    );
+    p.mcp[0].image = Some("bad image".into());
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: invalid image "bad image""#
+    );
+    p.mcp[0].image = Some("roundtable-sandbox-mcp:latest".into());
+    p.mcp[0].limits.memory_mb = 8;
+    assert_eq!(
+        err(p.clone()),
+        "MCP server time: limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): McpLimits { memory_mb: 8, cpus: 0.5, pids: 64, tmpfs_mb: 16, data_mb: 64, data_files: 10000 }"
+    );
+    p.mcp[0].limits = Default::default();
+    p.mcp[0].confine = roundtable_sandbox::broker::McpConfine::Host;
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: image is set but confine = "host" runs the server on the host"#
+    );
+    p.mcp[0].image = None;
+    p.mcp[0].network = true;
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: network and limits apply only to confine = "container""#
+    );
+    p.mcp[0].network = false;
+    p.mcp[0].confine = Default::default();
+    assert_eq!(
+        err(p.clone()),
+        r#"MCP server time: a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = "host" to run it unconfined on the host"#
+    );
     p.mcp[0].transport = McpTransport::Http {
         url: "http://mcp.example.com/mcp".into(),
         headers: Default::default(),
@@ -70,10 +109,18 @@ async fn the_policy_is_checked_at_setup() {
     );
     // Each limit out of range, alone.
     type Set = fn(&mut BrokerLimits);
-    let limits: [(Set, &str); 4] = [
+    let limits: [(Set, &str); 6] = [
         (
             |l| l.max_model_calls = 0,
             "invalid broker limits: max_model_calls must be 1 to 10000",
+        ),
+        (
+            |l| l.max_compactions = 0,
+            "invalid broker limits: max_compactions must be 1 to 1000",
+        ),
+        (
+            |l| l.max_compactions = 1001,
+            "invalid broker limits: max_compactions must be 1 to 1000",
         ),
         (
             |l| l.max_calls_in_flight = 0,
@@ -98,6 +145,7 @@ async fn the_policy_is_checked_at_setup() {
     assert!(parsed.is_err());
     let parsed: BrokerLimits = toml::from_str("call_timeout = 2.5\nmax_tool_calls = 3").unwrap();
     assert_eq!(parsed.call_timeout, Duration::from_millis(2500));
+    assert_eq!(parsed.max_compactions, 4, "the default");
     assert_eq!(parsed.max_tool_calls, 3);
     assert!(matches!(
         Broker::new(policy("http://127.0.0.1:9/v1"))

@@ -4,16 +4,38 @@ use std::path::{Path, PathBuf};
 
 /// A config file that only sets the free-space floor (the flags set the rest): the shared
 /// test machine's disk is often nearly full, and the default floor (5 %) would refuse turns: no floor.
+///
+/// Its runtime's containers carry the label `roundtable-sandbox=<instance>` of
+/// [`instance_of`]`(dir)`, so a test lists its own containers, never another runtime's on
+/// the same engine.
 pub fn floor_config(dir: &Path) -> PathBuf {
     let path = dir.join("floor.toml");
     std::fs::write(
         &path,
-        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
-         workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
+        format!(
+            "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
+             workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
+             instance = \"{}\"\n[limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
+            instance_of(dir)
+        ),
     )
     .unwrap();
     path
+}
+
+/// The instance name [`floor_config`] gives the runtime of the test using `dir`: unique on
+/// the host (the process id and the dir's own name, lowercased to the allowed alphabet).
+pub fn instance_of(dir: &Path) -> String {
+    let name: String = dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let mut instance = format!("ex-{}-{name}", std::process::id());
+    instance.truncate(32);
+    instance
 }
 
 /// A private scratch dir under `/tmp` (removed when dropped); panics when run as root (the

@@ -1,0 +1,172 @@
+//! Text a guest or a model made, made safe for a person's screen.
+//!
+//! Everything a guest or a model wrote is hostile to the terminal or chat client it is shown
+//! in: an `ESC ] 52` sequence writes the clipboard, `ESC ] 0` sets the window title, a `CSI`
+//! erases the line, a carriage return or a line break starts a line that looks like the
+//! program's own, a bidi override reorders what follows. This module is the one place the
+//! project's programs (the CLI and both example bots) make such text visible before they
+//! print or post it.
+//!
+//! What is escaped ([`is_escaped`]): every C0 control (`U+0000`–`U+001F`, tab and line
+//! breaks included), DEL (`U+007F`), every C1 control (`U+0080`–`U+009F`: 8-bit `CSI`,
+//! `OSC`, `ST`…), the line and paragraph separators (`U+2028`, `U+2029`) and the Unicode
+//! bidi controls (`U+061C`, `U+200E`, `U+200F`, the embeddings and overrides
+//! `U+202A`–`U+202E`, the isolates `U+2066`–`U+2069`). Each becomes the text `\u{HEX}`
+//! (lowercase hex, Rust's notation): ESC is shown as `\u{1b}`, 8-bit CSI as `\u{9b}`. Every
+//! other character is kept as it is, so ordinary text (any script, emoji) reads unchanged.
+//!
+//! - [`escape`]: one string, for one line of output;
+//! - [`lines`]: a multi-line text split at its line breaks, each line escaped, for a
+//!   program that gives every line of a reply its own prefix (so a line of the reply cannot
+//!   pass for one of the program's own);
+//! - [`json`]: a JSON document printed for a person (`roundtable-sandbox turn`): JSON
+//!   escapes C0 but not the rest; this escapes those too as `\uXXXX`, the same document.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
+/// Whether `c` is shown as an escape rather than as itself (see the module doc).
+pub fn is_escaped(c: char) -> bool {
+    matches!(c,
+        '\u{0}'..='\u{1f}'
+        | '\u{7f}'..='\u{9f}'
+        | '\u{61c}'
+        | '\u{200e}'
+        | '\u{200f}'
+        | '\u{2028}'..='\u{202e}'
+        | '\u{2066}'..='\u{2069}')
+}
+
+/// `text` with every [`is_escaped`] character written as `\u{HEX}`; borrowed when there is
+/// none.
+pub fn escape(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(is_escaped) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if is_escaped(c) {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// The lines of `text` (split at `\n`, a `\r\n` counting as one break), each escaped: a
+/// lone `\r`, a `U+2028` or any other control inside a line is shown, never obeyed. An
+/// empty text is one empty line; a final line break adds no empty line.
+pub fn lines(text: &str) -> Vec<Cow<'_, str>> {
+    let mut out: Vec<Cow<'_, str>> = text
+        .split_inclusive('\n')
+        .map(|l| match l.strip_suffix('\n') {
+            Some(l) => escape(l.strip_suffix('\r').unwrap_or(l)),
+            None => escape(l),
+        })
+        .collect();
+    if out.is_empty() {
+        out.push(Cow::Borrowed(""));
+    }
+    out
+}
+
+/// `value` as pretty-printed JSON with every [`is_escaped`] character inside its strings
+/// written as a JSON `\uXXXX` escape (the C0 ones already are): the same document, safe to
+/// print.
+pub fn json(value: &impl serde::Serialize) -> serde_json::Result<String> {
+    let text = serde_json::to_string_pretty(value)?;
+    if !text.chars().any(is_escaped_in_json) {
+        return Ok(text);
+    }
+    let mut out = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if is_escaped_in_json(c) {
+            // Every such character is in the BMP: one `\uXXXX`.
+            let _ = write!(out, "\\u{:04x}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Ok(out)
+}
+
+/// The escaped characters serde_json leaves raw: all of them but C0, which it escapes (the
+/// only C0 characters left in its output are the pretty printer's own newlines and spaces).
+fn is_escaped_in_json(c: char) -> bool {
+    is_escaped(c) && c > '\u{1f}'
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_control_is_made_visible() {
+        for c in (0u32..0x20).chain(0x7f..0xa0) {
+            let c = char::from_u32(c).unwrap();
+            let shown = escape(&c.to_string()).into_owned();
+            assert_eq!(shown, format!("\\u{{{:x}}}", c as u32));
+            assert!(!shown.chars().any(char::is_control), "{shown:?}");
+        }
+        for c in [
+            '\u{61c}', '\u{200e}', '\u{200f}', '\u{2028}', '\u{2029}', '\u{202a}', '\u{202b}',
+            '\u{202c}', '\u{202d}', '\u{202e}', '\u{2066}', '\u{2067}', '\u{2068}', '\u{2069}',
+        ] {
+            assert!(is_escaped(c), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn the_review_s_sequences_are_shown_not_obeyed() {
+        let hostile = "a\u{1b}]52;c;aGk=\u{7}b\u{1b}]0;owned\u{7}\u{1b}[2K\r[#ops] reset: x\u{9b}31m\u{9d}0;t\u{9c}\u{7f}\u{202e}cba";
+        assert_eq!(
+            escape(hostile),
+            "a\\u{1b}]52;c;aGk=\\u{7}b\\u{1b}]0;owned\\u{7}\\u{1b}[2K\\u{d}[#ops] reset: x\\u{9b}31m\\u{9d}0;t\\u{9c}\\u{7f}\\u{202e}cba"
+        );
+    }
+
+    #[test]
+    fn ordinary_text_is_kept_and_borrowed() {
+        for text in [
+            "hello",
+            "é ü 日本語 🎲",
+            "tab-free `code` \\u{1b} as text",
+            "",
+        ] {
+            assert!(matches!(escape(text), Cow::Borrowed(t) if t == text));
+        }
+        // The characters around the escaped ranges are kept.
+        assert_eq!(
+            escape("\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}"),
+            "\u{a0}\u{2027}\u{202f}\u{2065}\u{206a}"
+        );
+    }
+
+    #[test]
+    fn lines_split_at_breaks_and_escape_the_rest() {
+        assert_eq!(lines("one\r\ntwo\nthree\n"), ["one", "two", "three"]);
+        assert_eq!(lines("a\rb\u{2028}c\r"), ["a\\u{d}b\\u{2028}c\\u{d}"]);
+        assert_eq!(lines(""), [""]);
+        assert_eq!(lines("\n\nx"), ["", "", "x"]);
+    }
+
+    #[test]
+    fn json_stays_the_same_document() {
+        let value =
+            serde_json::json!({"text": "\u{1b}]0;t\u{7}\u{9b}2J\u{9d}\u{9c}\u{7f}\u{202e}é\n"});
+        let shown = json(&value).unwrap();
+        assert!(
+            !shown
+                .chars()
+                .any(|c| is_escaped(c) && c != '\n' && c != ' '),
+            "{shown:?}"
+        );
+        assert!(
+            shown.contains(r"\u009b2J\u009d\u009c\u007f\u202eé"),
+            "{shown}"
+        );
+        let back: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        assert_eq!(back, value);
+    }
+}

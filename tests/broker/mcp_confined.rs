@@ -1,0 +1,625 @@
+//! Container-confined stdio MCP sessions (the default): real `mcp-server-sqlite` in the
+//! image `scripts/build-mcp-image.sh` builds, each session its own container. The review's
+//! sqlite attack rerun, the confinement seen from inside, the data quota, the memory cap,
+//! a call past its deadline, the sweep, release and shutdown, a killed session restarted.
+
+use super::*;
+use roundtable_sandbox::broker::{McpConfine, McpEngine, McpLimits};
+use roundtable_sandbox_test_support::mcp_process::{mcp_image, sqlite_container};
+
+const SQL_TOOLS: &[&str] = &["create_table", "write_query", "read_query", "list_tables"];
+
+/// The policy's engine (a fresh instance and data root per policy).
+fn engine(p: &BrokerPolicy) -> McpEngine {
+    p.mcp_engine.clone().expect("the test policy has an engine")
+}
+
+/// `mcp-server-sqlite` in its container, on `/data/db.sqlite`.
+fn sqlite() -> McpServer {
+    sqlite_container(SQL_TOOLS)
+}
+
+/// A call's answer.
+async fn call(turn: &BrokerTurn, tool: &str, query: &str) -> client::Answer {
+    post_json(
+        turn.socket(),
+        &format!("/v1/mcp/sqlite/{tool}"),
+        &json!({ "query": query }),
+    )
+    .await
+}
+
+/// A call that must succeed: its result's text.
+async fn sql(turn: &BrokerTurn, tool: &str, query: &str) -> String {
+    let a = call(turn, tool, query).await;
+    assert_eq!(a.status, 200, "{tool} {query}: {}", a.text());
+    assert_eq!(a.json()["ok"], true, "{tool} {query}: {}", a.text());
+    a.json()["content"].as_str().unwrap().to_owned()
+}
+
+/// This instance's containers (running or not), by the engine's label.
+fn containers(engine: &McpEngine) -> Vec<String> {
+    let out = std::process::Command::new("docker")
+        .args([
+            "ps",
+            "-a",
+            "--format",
+            "{{.Names}}",
+            "--filter",
+            &format!("label=roundtable-sandbox={}", engine.instance),
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Waits until the instance has exactly `n` containers; panics after 30 s.
+async fn wait_containers(engine: &McpEngine, n: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = containers(engine);
+        if now.len() == n {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "expected {n} MCP containers, found {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn docker(args: &[&str]) -> String {
+    let out = std::process::Command::new("docker")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "docker {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// The files under `dir`, relative, sorted.
+fn files_under(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            out.push(p.strip_prefix(dir).unwrap().display().to_string());
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The review's attack, rerun against the default (container) confinement: `#bob` learns
+/// no host path, and neither `VACUUM INTO` another channel's database, another channel's
+/// data dir nor any host path writes anything; `#carol`'s first read finds no row of bob's.
+#[tokio::test]
+async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![sqlite()];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let root = engine.data_root.clone();
+    let alice_dir = root.join("sqlite").join(channel_segment("#alice"));
+    let carol_dir = root.join("sqlite").join(channel_segment("#carol"));
+
+    let alice = start_turn_in(&broker, "#alice").await;
+    sql(&alice, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    sql(
+        &alice,
+        "write_query",
+        "INSERT INTO notes VALUES ('alice-private-note')",
+    )
+    .await;
+    let alice_db = alice_dir.join("db.sqlite");
+    let alice_before = std::fs::read(&alice_db).unwrap();
+
+    let bob = start_turn_in(&broker, "#bob").await;
+    // What the database says of itself names only the container's own path.
+    let list = sql(&bob, "read_query", "SELECT file FROM pragma_database_list").await;
+    assert!(list.contains("/data/db.sqlite"), "{list}");
+    assert!(!list.contains(&root.display().to_string()), "{list}");
+    // Plant a row in bob's own database (allowed: it is his).
+    sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    sql(
+        &bob,
+        "write_query",
+        "INSERT INTO notes VALUES ('bob-planted')",
+    )
+    .await;
+    // Every host path a guest could learn or guess, and the container paths around /data.
+    let outside = Path::new("/var/tmp").join(format!("rtb-escape-{}.db", std::process::id()));
+    let targets = [
+        alice_db.display().to_string(),
+        carol_dir.join("db.sqlite").display().to_string(),
+        root.join("sqlite").join("planted.db").display().to_string(),
+        outside.display().to_string(),
+        "/data/../alice.db".into(),
+        "/planted.db".into(),
+        "/opt/planted.db".into(),
+    ];
+    for target in &targets {
+        let a = call(&bob, "write_query", &format!("VACUUM INTO '{target}'")).await;
+        assert_eq!(a.status, 200, "{target}: {}", a.text());
+        let text = a.text();
+        assert!(
+            text.contains("unable to open") || text.contains("readonly") || text.contains("error"),
+            "VACUUM INTO {target} must fail: {text}"
+        );
+    }
+    assert!(!outside.exists());
+    assert!(
+        !carol_dir.exists(),
+        "carol's data dir is made on her first call only"
+    );
+    assert_eq!(std::fs::read(&alice_db).unwrap(), alice_before);
+    // Alice's data is hers, unchanged.
+    let notes = sql(&alice, "read_query", "SELECT body FROM notes").await;
+    assert!(
+        notes.contains("alice-private-note") && !notes.contains("bob"),
+        "{notes}"
+    );
+    // Carol's first read: a fresh database, none of bob's rows.
+    let carol = start_turn_in(&broker, "#carol").await;
+    let a = call(&carol, "read_query", "SELECT body FROM notes").await;
+    assert_eq!(
+        a.json(),
+        json!({"ok": true, "content": "Database error: no such table: notes"})
+    );
+    // On the host: each channel's dir holds its own database, nothing else was written.
+    let files = files_under(&root.join("sqlite"));
+    for f in &files {
+        let top = f.split('/').next().unwrap();
+        assert!(
+            [
+                channel_segment("#alice"),
+                channel_segment("#bob"),
+                channel_segment("#carol"),
+                PROBE_SEGMENT.to_owned()
+            ]
+            .contains(&top.to_owned()),
+            "unexpected {f} in {files:?}"
+        );
+    }
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// The same attack on a host child (`confine = "host"`, the review's setup): it reaches
+/// another channel's file. Kept as the reason `explain` and `doctor` flag that setting.
+#[tokio::test]
+async fn mcp_sqlite_attack_reproduced_on_a_host_child() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![mcp_process::sqlite_server(
+        dir.path(),
+        "{channel}",
+        SQL_TOOLS,
+    )];
+    assert_eq!(p.mcp[0].confine, McpConfine::Host);
+    let broker = start_broker(p).await;
+    let bob = start_turn_in(&broker, "#bob").await;
+    let list = sql(&bob, "read_query", "SELECT file FROM pragma_database_list").await;
+    assert!(list.contains(&dir.path().display().to_string()), "{list}");
+    sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    sql(
+        &bob,
+        "write_query",
+        "INSERT INTO notes VALUES ('bob-planted')",
+    )
+    .await;
+    let carol_db = dir.path().join(format!("{}.db", channel_segment("#carol")));
+    sql(
+        &bob,
+        "write_query",
+        &format!("VACUUM INTO '{}'", carol_db.display()),
+    )
+    .await;
+    let carol = start_turn_in(&broker, "#carol").await;
+    let notes = sql(&carol, "read_query", "SELECT body FROM notes").await;
+    assert!(notes.contains("bob-planted"), "{notes}");
+    broker.shutdown().await;
+}
+
+/// An MCP server (python3 alone, inline) whose one tool reports what its process sees.
+fn facts_server() -> McpServer {
+    const SCRIPT: &str = r#"
+import json, os, sys
+def facts():
+    st = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
+    ifs = [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]]
+    def can_write(path):
+        try:
+            with open(path, "w") as f: f.write("x")
+            os.unlink(path); return True
+        except OSError: return False
+    def read(path):
+        try: return open(path).read().strip()
+        except OSError as e: return "error: %s" % e
+    return {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+            "Groups": st["Groups"].strip(), "Seccomp": st.get("Seccomp", "?").strip(),
+            "NoNewPrivs": st.get("NoNewPrivs", "?").strip(), "CapEff": st["CapEff"].strip(),
+            "interfaces": ifs, "root_writable": can_write("/probe"),
+            "opt_writable": can_write("/opt/probe"), "data_writable": can_write("/data/probe"),
+            "docker_sock": os.path.exists("/var/run/docker.sock") or os.path.exists("/run/docker.sock"),
+            "memory_max": read("/sys/fs/cgroup/memory.max") if os.path.exists("/sys/fs/cgroup/memory.max") else read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+            "pids_max": read("/sys/fs/cgroup/pids.max") if os.path.exists("/sys/fs/cgroup/pids.max") else read("/sys/fs/cgroup/pids/pids.max"),
+            "mounts": [l.split()[4] for l in open("/proc/self/mountinfo")]}
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m: continue
+    if m["method"] == "initialize":
+        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
+             "serverInfo": {"name": "facts", "version": "1"}}
+    elif m["method"] == "tools/list":
+        r = {"tools": [{"name": "facts", "description": "what the process sees",
+                        "inputSchema": {"type": "object", "properties": {}}}]}
+    elif m["method"] == "tools/call":
+        r = {"content": [{"type": "text", "text": json.dumps(facts())}]}
+    else:
+        r = {}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
+    sys.stdout.flush()
+"#;
+    let mut config = McpServer::new(
+        "facts",
+        McpTransport::Stdio {
+            command: "python3".into(),
+            args: vec!["-c".into(), SCRIPT.into()],
+            env: Default::default(),
+        },
+        &["facts"],
+    );
+    config.image = Some(mcp_image());
+    config
+}
+
+/// What the MCP session's own process sees: the service uid:gid and no other group (no
+/// `docker`), seccomp filtering, no-new-privileges, no capability, no network but `lo`,
+/// a read-only root, only `/data` (and the `/tmp` tmpfs) writable, no engine socket, the
+/// memory and pids caps in its cgroup.
+#[tokio::test]
+async fn mcp_container_is_confined_as_the_guest_is() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut facts = facts_server();
+    facts.limits = McpLimits {
+        memory_mb: 96,
+        pids: 32,
+        ..McpLimits::default()
+    };
+    p.mcp = vec![facts];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    let a = post_json(turn.socket(), "/v1/mcp/facts/facts", &json!({})).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
+    eprintln!("MCP container facts: {f}");
+    let (uid, gid) = (engine.uid, engine.gid);
+    assert_eq!(f["uid"], uid);
+    assert_eq!(f["gid"], gid);
+    assert_eq!(f["Groups"], gid.to_string(), "no supplementary group: {f}");
+    let docker_gid = nix::unistd::Group::from_name("docker")
+        .unwrap()
+        .map(|g| g.gid.as_raw());
+    if let Some(d) = docker_gid {
+        assert!(!f["groups"].as_array().unwrap().contains(&json!(d)), "{f}");
+    }
+    assert_eq!(f["CapEff"], "0000000000000000", "{f}");
+    if engine.runtime.as_deref() != Some("runsc") {
+        // Under gVisor the process sees the Sentry's kernel, which reports neither (the
+        // Sentry itself runs under the engine's seccomp profile, no-new-privileges set).
+        assert_eq!(f["NoNewPrivs"], "1", "{f}");
+        assert_eq!(f["Seccomp"], "2", "{f}");
+        assert_eq!(f["memory_max"], (96u64 << 20).to_string(), "{f}");
+        assert_eq!(f["pids_max"], "32", "{f}");
+    }
+    assert_eq!(f["interfaces"], json!(["lo"]), "{f}");
+    assert_eq!(f["root_writable"], false, "{f}");
+    assert_eq!(f["opt_writable"], false, "{f}");
+    assert_eq!(f["data_writable"], true, "{f}");
+    assert_eq!(f["docker_sock"], false, "{f}");
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+
+    // `network = true` is the one way to give a session a network.
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut facts = facts_server();
+    facts.network = true;
+    p.mcp = vec![facts];
+    let engine = self::engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    let a = post_json(turn.socket(), "/v1/mcp/facts/facts", &json!({})).await;
+    let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
+    let interfaces = f["interfaces"].as_array().unwrap();
+    if engine.runtime.as_deref() == Some("runsc") {
+        // The project registers runsc with `--network=none` (scripts/setup-gvisor.sh).
+        assert_eq!(f["interfaces"], json!(["lo"]), "{f}");
+    } else {
+        assert!(interfaces.len() > 1, "{f}");
+    }
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// The data dir is held to its quota: one file cannot pass it (`ulimit fsize`), and files
+/// that together pass it stop the session and refuse the channel's calls with a clear error.
+#[tokio::test]
+async fn mcp_data_flood_past_the_quota_is_stopped_and_refused() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut server = sqlite();
+    server.limits.data_mb = 16;
+    p.mcp = vec![server];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    sql(&turn, "create_table", "CREATE TABLE t (b BLOB)").await;
+    let blobs = |n: u32| {
+        format!(
+            "INSERT INTO t SELECT randomblob(1000000) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<{n}) SELECT x FROM c)"
+        )
+    };
+    // 40 MB in one file: the kernel stops the write at 16 MiB.
+    let big = sql(&turn, "write_query", &blobs(40)).await;
+    assert!(big.contains("Database error"), "{big}");
+    let dir = engine
+        .data_root
+        .join("sqlite")
+        .join(channel_segment("chan-1"));
+    let db_len = std::fs::metadata(dir.join("db.sqlite")).unwrap().len();
+    assert!(db_len <= 16 << 20, "{db_len}");
+    // What it left may already be over the quota; an operator frees the space.
+    for f in files_under(&dir) {
+        std::fs::remove_file(dir.join(f)).unwrap();
+    }
+    sql(&turn, "create_table", "CREATE TABLE t (b BLOB)").await;
+    // 6 MB, then copies of it: past 16 MiB in all.
+    sql(&turn, "write_query", &blobs(6)).await;
+    let mut refused = None;
+    for i in 0..4 {
+        let a = call(
+            &turn,
+            "write_query",
+            &format!("VACUUM INTO '/data/copy{i}.db'"),
+        )
+        .await;
+        if a.status == 507 {
+            refused = Some(a.error());
+            break;
+        }
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let refused = refused.expect("the quota refused a call");
+    assert!(
+        refused.starts_with("MCP server sqlite: this channel's data is over its quota ("),
+        "{refused}"
+    );
+    assert!(refused.contains("the limit is 16 MiB"), "{refused}");
+    wait_containers(&engine, 0).await;
+    // Refused until space is freed; no container is started for it.
+    let a = call(&turn, "read_query", "SELECT 1").await;
+    assert_eq!(a.status, 507, "{}", a.text());
+    assert_eq!(containers(&engine).len(), 0);
+    for i in 0..4 {
+        let _ = std::fs::remove_file(dir.join(format!("copy{i}.db")));
+    }
+    let ok = sql(&turn, "read_query", "SELECT count(*) AS n FROM t").await;
+    assert!(ok.contains("'n': 6"), "{ok}");
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// A query that takes the session past its memory cap: the kernel kills it, the call gets
+/// a clear error, the next call restarts the session.
+#[tokio::test]
+async fn mcp_session_past_its_memory_cap_is_killed_then_restarted() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut server = sqlite();
+    server.limits.memory_mb = 128;
+    p.mcp = vec![server];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    assert!(sql(&turn, "read_query", "SELECT 1 AS one")
+        .await
+        .contains("'one': 1"));
+    let a = call(
+        &turn,
+        "read_query",
+        "SELECT x, zeroblob(10000000) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<100) SELECT x FROM c)",
+    )
+    .await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert_eq!(
+        a.error(),
+        "MCP server sqlite ran out of memory during the call (its limit is 128 MiB) and was stopped; the next call restarts it"
+    );
+    wait_containers(&engine, 0).await;
+    assert!(sql(&turn, "read_query", "SELECT 2 AS two")
+        .await
+        .contains("'two': 2"));
+    assert_eq!(containers(&engine).len(), 1);
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// A call past its deadline stops its session: the container that runs an endless
+/// recursive query is gone, no core stays busy; the next call restarts the session.
+#[tokio::test]
+async fn mcp_call_timing_out_stops_the_container() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    // Long enough for a cold session start on a loaded machine (the deadline covers it).
+    p.limits.call_timeout = Duration::from_secs(10);
+    p.mcp = vec![sqlite()];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    sql(&turn, "read_query", "SELECT 1 AS one").await;
+    let running = wait_containers(&engine, 1).await;
+    let started = Instant::now();
+    let a = call(
+        &turn,
+        "read_query",
+        "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c)",
+    )
+    .await;
+    assert_eq!(a.status, 504, "{}", a.text());
+    assert_eq!(
+        a.error(),
+        "tool call timed out after 10s; the MCP session was stopped"
+    );
+    // Stopped before the answer: the container is gone at once.
+    assert_eq!(containers(&engine), Vec::<String>::new(), "{running:?}");
+    eprintln!(
+        "MCP call timeout to container gone: {:?}",
+        started.elapsed()
+    );
+    assert!(sql(&turn, "read_query", "SELECT 2 AS two")
+        .await
+        .contains("'two': 2"));
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// A turn cancelled mid-call stops the session as well (the call's work does not outlive
+/// the turn).
+#[tokio::test]
+async fn mcp_call_cancelled_with_the_turn_stops_the_container() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![sqlite()];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    sql(&turn, "read_query", "SELECT 1 AS one").await;
+    let socket = turn.socket().to_owned();
+    let pending = tokio::spawn(async move {
+        post_json_result(
+            &socket,
+            "/v1/mcp/sqlite/read_query",
+            &json!({"query": "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c)"}),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    turn.cancel.cancel();
+    let _ = pending.await;
+    wait_containers(&engine, 0).await;
+    drop(turn);
+    broker.shutdown().await;
+}
+
+/// Sessions' containers: one per channel, removed when the channel retires and at
+/// shutdown; one killed from outside is restarted on the next call, on the same data;
+/// leftovers of a crashed runtime (this instance, data under this data root) are swept at
+/// startup, another runtime's are kept.
+#[tokio::test]
+async fn mcp_containers_follow_the_sessions_and_leftovers_are_swept() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![sqlite()];
+    let engine = engine(&p);
+    let started = Instant::now();
+    let broker = start_broker(p.clone()).await;
+    let startup = started.elapsed();
+    // The probe session that pinned the tools is gone.
+    wait_containers(&engine, 0).await;
+    let alpha = start_turn_in(&broker, "#alpha").await;
+    let started = Instant::now();
+    sql(&alpha, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    let first_call = started.elapsed();
+    let started = Instant::now();
+    sql(
+        &alpha,
+        "write_query",
+        "INSERT INTO notes VALUES ('alpha-note')",
+    )
+    .await;
+    let later_call = started.elapsed();
+    eprintln!(
+        "mcp-server-sqlite container session: broker start (start + handshake + list + stop) {startup:?}, first call {first_call:?}, a later call {later_call:?}"
+    );
+    let beta = start_turn_in(&broker, "#beta").await;
+    sql(&beta, "read_query", "SELECT 1 AS one").await;
+    let both = wait_containers(&engine, 2).await;
+    assert!(
+        both.iter().all(|n| n.starts_with("rtb-mcp-sqlite-")),
+        "{both:?}"
+    );
+    // Killed from outside: restarted on the next call, on the channel's own data.
+    let alpha_tag = &channel_segment("#alpha")[..12];
+    let alpha_container = both.iter().find(|n| n.contains(alpha_tag)).unwrap().clone();
+    docker(&["kill", &alpha_container]);
+    let mut notes = call(&alpha, "read_query", "SELECT body FROM notes").await;
+    if notes.status != 200 {
+        // The kill was seen by this call: the next one restarts.
+        assert_eq!(notes.status, 502, "{}", notes.text());
+        notes = call(&alpha, "read_query", "SELECT body FROM notes").await;
+    }
+    assert!(notes.text().contains("alpha-note"), "{}", notes.text());
+    // The killed one was removed when its session was replaced by a new one.
+    let now = wait_containers(&engine, 2).await;
+    assert!(!now.contains(&alpha_container), "{now:?}");
+    // Released: the channel's container is removed.
+    broker.release_channel("#alpha").await;
+    let left = wait_containers(&engine, 1).await;
+    assert!(!left.iter().any(|n| n.contains(alpha_tag)), "{left:?}");
+    // A crash (no shutdown): the broker is forgotten with its sessions' containers.
+    std::mem::forget(beta);
+    std::mem::forget(broker);
+    // Another runtime's container with this instance name but its data elsewhere.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let foreign = docker(&[
+        "create",
+        "--label",
+        &format!("roundtable-sandbox={}", engine.instance),
+        "--label",
+        "roundtable-sandbox.mcp=sqlite",
+        "--network",
+        "none",
+        "-v",
+        &format!("{}:/data", elsewhere.path().display()),
+        &mcp_image(),
+        "true",
+    ]);
+    let broker = start_broker(p).await;
+    let left = wait_containers(&engine, 1).await;
+    assert_eq!(left.len(), 1);
+    assert!(foreign.starts_with(&docker(&["inspect", "-f", "{{.Id}}", &left[0]])[..12]));
+    docker(&["rm", "-f", &foreign]);
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// A server whose image is missing fails the broker's start with the fix; a stdio server
+/// with no engine configured cannot start either.
+#[tokio::test]
+async fn mcp_container_setup_errors_name_the_fix() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut server = sqlite();
+    server.image = Some("roundtable-mcp-missing:none".into());
+    p.mcp = vec![server];
+    let engine = engine(&p);
+    let err = Broker::new(p.clone()).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "MCP server sqlite could not be started: MCP image roundtable-mcp-missing:none not found (build it: scripts/build-mcp-image.sh)"
+    );
+    wait_containers(&engine, 0).await;
+    p.mcp = vec![sqlite()];
+    p.mcp_engine = None;
+    let err = Broker::new(p).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "MCP server sqlite could not be started: it runs in a container but the broker has no container engine"
+    );
+}
