@@ -157,16 +157,12 @@ impl Sandbox {
             lock::RootLock::acquire(&resolved.run_root)?,
             lock::RootLock::acquire(&resolved.workspace_root)?,
         ];
-        let broker = Broker::new(config.runtime_broker_policy(&resolved)).await?;
+        let broker = Broker::start(resolved.broker.clone()).await?;
         let events = Arc::new(events::EventHub::new(config.observer.clone()));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
-                let mut options = driver::DockerOptions::default();
-                if let Some(host) = &config.docker_host {
-                    options.host = host.clone();
-                }
-                Arc::new(DockerDriver::new(options).with_events(events.clone()))
+                Arc::new(DockerDriver::new(resolved.docker.clone()).with_events(events.clone()))
             }
         };
         let warm = resolved.warm;

@@ -971,29 +971,35 @@ impl fmt::Debug for Broker {
 }
 
 impl Broker {
-    testing_pub! {
-            /// Validates the policy and prepares the shared parts: the upstream client, the
-        /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
-        /// tools checked and pinned).
-        async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
-            validate_policy(&policy)?;
-            let upstream = model::Upstream::new(&policy)?;
-            let compactor = compact::Compactor::new(&policy)?;
-            let tools = tools::HostTools::new(&policy.tools)?;
-            let mcp = mcp::McpPool::start(
-                &policy.mcp,
-                policy.limits.call_timeout,
-                policy.mcp_engine.as_ref(),
-            )
-            .await?;
-            Ok(Self {
-                policy,
-                upstream,
-                compactor,
-                tools,
-                mcp,
-            })
-        }
+    /// Validates the policy and prepares the shared parts: the upstream client, the
+    /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
+    /// tools checked and pinned). For a broker driven alone (this workspace's tests, the
+    /// bench): a runtime's broker starts from the policy its configuration validated.
+    #[cfg(feature = "testing")]
+    pub async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
+        validate_policy(&policy)?;
+        Self::start(policy).await
+    }
+
+    /// Prepares the shared parts of a broker whose policy was validated already (by
+    /// [`crate::Config::resolve`], which built it): validated once.
+    pub(crate) async fn start(policy: BrokerPolicy) -> Result<Self, BrokerError> {
+        let upstream = model::Upstream::new(&policy)?;
+        let compactor = compact::Compactor::new(&policy)?;
+        let tools = tools::HostTools::new(&policy.tools)?;
+        let mcp = mcp::McpPool::start(
+            &policy.mcp,
+            policy.limits.call_timeout,
+            policy.mcp_engine.as_ref(),
+        )
+        .await?;
+        Ok(Self {
+            policy,
+            upstream,
+            compactor,
+            tools,
+            mcp,
+        })
     }
 
     /// The tool specs handed to each turn: host tools, then the allow-listed MCP tools with

@@ -236,16 +236,23 @@ impl Config {
         }
     }
 
+    /// The Docker driver's options this configuration implies (its endpoint): the one place
+    /// they are derived, for the runtime ([`ResolvedConfig::docker`]) and the CLI.
+    pub fn docker_options(&self) -> crate::driver::DockerOptions {
+        let mut options = crate::driver::DockerOptions::default();
+        if let Some(host) = &self.docker_host {
+            options.host = host.clone();
+        }
+        options
+    }
+
     /// The broker's policy for the runtime of `resolved`: container-confined MCP sessions
     /// run through the same engine, identity and runtime as the guests, their data under
     /// [`MCP_DATA_DIR`] of the workspace root, held to the workspaces' free-space floor.
     pub(crate) fn runtime_broker_policy(&self, resolved: &ResolvedConfig) -> BrokerPolicy {
         let mut policy = self.broker_policy(resolved.uid);
         policy.mcp_engine = Some(crate::broker::McpEngine {
-            docker_host: self
-                .docker_host
-                .clone()
-                .unwrap_or_else(|| crate::driver::DockerOptions::default().host),
+            docker_host: resolved.docker.host.clone(),
             instance: resolved.instance.clone(),
             uid: resolved.uid,
             gid: resolved.gid,
@@ -398,4 +405,8 @@ pub struct ResolvedConfig {
     pub runtime: Option<String>,
     /// Prepared containers (`[warm]`, validated).
     pub warm: WarmSettings,
+    /// The Docker driver's options ([`Config::docker_options`]).
+    pub docker: crate::driver::DockerOptions,
+    /// The broker's policy, built and validated once here (with the runtime's MCP engine).
+    pub(crate) broker: BrokerPolicy,
 }

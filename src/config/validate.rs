@@ -59,7 +59,8 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
             return Err(ConfigError::PeerUidCheckUnderRuntime(runtime.clone()));
         }
     }
-    broker::validate_policy(&config.broker_policy(uid))?;
+    let policy = config.broker_policy(uid);
+    broker::validate_policy(&policy)?;
     if let Some(instance) = &config.instance {
         if !valid_instance(instance) {
             return Err(ConfigError::InvalidInstance(instance.clone()));
@@ -89,7 +90,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         .instance
         .clone()
         .unwrap_or_else(|| default_instance(&run_root));
-    Ok(ResolvedConfig {
+    let mut resolved = ResolvedConfig {
         run_root,
         workspace_root,
         uid,
@@ -109,7 +110,12 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         command: config.command.clone(),
         runtime: config.runtime.clone(),
         warm: config.warm,
-    })
+        docker: config.docker_options(),
+        broker: policy,
+    };
+    // The policy validated above, with the runtime's engine for confined MCP sessions.
+    resolved.broker = config.runtime_broker_policy(&resolved);
+    Ok(resolved)
 }
 
 /// Checks every directory above `root` (the canonical path of its nearest existing part;

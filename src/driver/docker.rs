@@ -111,39 +111,42 @@ impl DockerDriver {
         self
     }
 
-    /// The engine's client, connected and version-negotiated on first use.
-    pub async fn client(&self) -> Result<&Docker, DriverError> {
-        self.docker
-            .get_or_try_init(|| async {
-                let path = self.options.host.trim_start_matches("unix://");
-                // bollard's own timeout would cut the wait and attach streams: ours apply per call.
-                let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
-                    .map_err(|e| unreachable_error(&e))?;
-                let negotiated =
-                    tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
-                        .await
-                        .map_err(|_| DriverError::DaemonUnreachable {
+    testing_pub! {
+        /// The engine's client, connected and version-negotiated on first use (an engine
+        /// type: public to this workspace's tests and bench only, never the embedding API).
+        async fn client(&self) -> Result<&Docker, DriverError> {
+            self.docker
+                .get_or_try_init(|| async {
+                    let path = self.options.host.trim_start_matches("unix://");
+                    // bollard's own timeout would cut the wait and attach streams: ours apply per call.
+                    let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
+                        .map_err(|e| unreachable_error(&e))?;
+                    let negotiated =
+                        tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
+                            .await
+                            .map_err(|_| DriverError::DaemonUnreachable {
+                                engine: ENGINE,
+                                reason: format!(
+                                    "no answer from {} within {:?}",
+                                    self.options.host, self.options.call_timeout
+                                ),
+                            })?
+                            .map_err(|e| unreachable_error(&e))?;
+                    // Never go below the API that has every field this driver sets.
+                    let v = negotiated.client_version();
+                    if (v.major_version, v.minor_version) < (1, 41) {
+                        return Err(DriverError::DaemonUnreachable {
                             engine: ENGINE,
                             reason: format!(
-                                "no answer from {} within {:?}",
-                                self.options.host, self.options.call_timeout
+                                "engine API {}.{} is older than 1.41",
+                                v.major_version, v.minor_version
                             ),
-                        })?
-                        .map_err(|e| unreachable_error(&e))?;
-                // Never go below the API that has every field this driver sets.
-                let v = negotiated.client_version();
-                if (v.major_version, v.minor_version) < (1, 41) {
-                    return Err(DriverError::DaemonUnreachable {
-                        engine: ENGINE,
-                        reason: format!(
-                            "engine API {}.{} is older than 1.41",
-                            v.major_version, v.minor_version
-                        ),
-                    });
-                }
-                Ok(negotiated)
-            })
-            .await
+                        });
+                    }
+                    Ok(negotiated)
+                })
+                .await
+        }
     }
 
     /// The engine's version string (for `doctor`).

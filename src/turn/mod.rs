@@ -219,17 +219,17 @@ pub async fn run_admitted(
         reset = turn.request.reset,
         warm = resources.is_some()
     );
-    Run {
+    let run = Run {
         sandbox,
         request: &turn.request,
         deadline: turn.deadline,
         events,
         stopped_for: turn.stopped_for.clone(),
         cancel: turn.request.stop.child_token(),
-    }
-    .run(resources, on_reply)
-    .instrument(span)
-    .await
+    };
+    // On the heap: the run's state is large in a debug build, and the callers' futures
+    // (the actor layer's turn task) are built and moved on the stack.
+    Box::pin(run.run(resources, on_reply).instrument(span)).await
 }
 
 /// One turn's run: what it was asked, its deadline, its events (its phase observer among
