@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use roundtable_sandbox_protocol::Usage;
 
-use crate::turn::{TurnFailure, TurnPhase};
+use crate::turn::kinds::{PhaseObserver, TurnFailure, TurnPhase};
 use crate::ChannelId;
 
 /// Receives every [`Event`] of a runtime (see the [module](self)).
@@ -259,7 +259,7 @@ pub struct TurnEvents {
     hub: Arc<EventHub>,
     turn: u64,
     channel: ChannelId,
-    phases: Option<crate::PhaseObserver>,
+    phases: Option<PhaseObserver>,
 }
 
 impl std::fmt::Debug for TurnEvents {
@@ -276,7 +276,7 @@ impl TurnEvents {
         hub: Arc<EventHub>,
         turn: u64,
         channel: ChannelId,
-        phases: Option<crate::PhaseObserver>,
+        phases: Option<PhaseObserver>,
     ) -> Self {
         Self {
             hub,

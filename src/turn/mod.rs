@@ -9,7 +9,8 @@
 //!   and for a prepared container ([`crate::warm`]);
 //! - `prepared`: [`PreparedTurn`], those resources started ahead of their turn;
 //! - `judge`: what a run did, mapped to a reply once for every backend;
-//! - `outcome`: the turn's errors, their kinds ([`TurnFailure`]) and [`TurnOutcome`].
+//! - `outcome`: the turn's errors and [`TurnOutcome`];
+//! - `kinds`: [`TurnPhase`] and [`TurnFailure`], a leaf the event seam names them from.
 //!
 //! The run (this module) adopts the resources (a prepared container's, or a cold turn's),
 //! checks the workspace's quota and the free-space floor, binds the broker, runs the
@@ -24,6 +25,7 @@
 //! every path.
 
 mod judge;
+pub(crate) mod kinds;
 mod outcome;
 mod prepared;
 pub(crate) mod resources;
@@ -43,7 +45,8 @@ use crate::Sandbox;
 #[cfg(feature = "testing")]
 pub use judge::judge;
 pub use judge::{parse_reply, GUEST_ERROR_PREFIX};
-pub use outcome::{ReplyError, TurnError, TurnFailure, TurnOutcome};
+pub use kinds::{PhaseObserver, TurnFailure, TurnPhase};
+pub use outcome::{ReplyError, TurnError, TurnOutcome};
 pub use prepared::PreparedTurn;
 use resources::{Start, TurnResources};
 pub use resources::{LABEL_PREPARED, SOCKET_FILE};
@@ -118,32 +121,6 @@ impl Sandbox {
         }
     }
 }
-
-/// Where a turn is; reported to an optional observer (progress display, tests). New phases
-/// may come: match with a `_` arm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum TurnPhase {
-    /// Creating the workspace and run dir, checking quota and floor.
-    Preparing,
-    /// The broker listens on the turn's socket.
-    BrokerListening,
-    /// The container runs.
-    ContainerRunning,
-    /// The broker forwards a model call (reported at each call).
-    ModelCall,
-    /// The broker runs a host or MCP tool (reported at each call).
-    ToolCall,
-    /// The reply is known.
-    Replied,
-    /// The container, listener and run dir are being removed.
-    TearingDown,
-    /// Everything is removed.
-    Done,
-}
-
-/// Receives phase changes of a turn.
-pub type PhaseObserver = Arc<dyn Fn(TurnPhase) + Send + Sync>;
 
 /// Runs one turn. `on_reply` sees the reply before any cleanup; the same reply is returned
 /// after cleanup. Never panics on a failing part; every failure is an `{ok:false}` reply.
