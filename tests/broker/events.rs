@@ -16,6 +16,23 @@ async fn observed(p: BrokerPolicy) -> (BrokerTurn, Recorder) {
     (turn, seen)
 }
 
+/// A raw connection to the turn's socket that has sent `bytes`.
+async fn raw(socket: &Path, bytes: &[u8]) -> tokio::net::UnixStream {
+    let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    stream
+}
+
+/// The start of what the broker answers on `stream`.
+async fn head(stream: &mut tokio::net::UnixStream) -> String {
+    let mut buf = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
 #[tokio::test]
 async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
     let model = ScriptedModel::start(vec![Step::text("a"), Step::text("b")]).await;
@@ -163,37 +180,19 @@ async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
     p.limits.max_connections = 1;
     p.limits.max_calls_in_flight = 1;
     let (turn, seen) = observed(p).await;
-    let _first = tokio::net::UnixStream::connect(turn.socket())
-        .await
-        .unwrap();
+    let _first = raw(turn.socket(), b"").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut second = tokio::net::UnixStream::connect(turn.socket())
-        .await
-        .unwrap();
-    let mut head = vec![0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(5), second.read(&mut head))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 503"));
+    let mut second = raw(turn.socket(), b"").await;
+    assert!(head(&mut second).await.starts_with("HTTP/1.1 503"));
     assert_eq!(seen.refusals(), vec![(503, Refusal::Connections)]);
 
     // A body that does not arrive within `call_timeout`.
     let mut p = base();
     p.limits.call_timeout = Duration::from_millis(300);
     let (turn, seen) = observed(p).await;
-    let mut stream = tokio::net::UnixStream::connect(turn.socket())
-        .await
-        .unwrap();
-    stream
-        .write_all(b"POST /v1/tools/weather HTTP/1.1\r\nhost: b\r\ncontent-length: 100\r\n\r\n{")
-        .await
-        .unwrap();
-    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut head))
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 408"));
+    let head_only = b"POST /v1/tools/weather HTTP/1.1\r\nhost: b\r\ncontent-length: 100\r\n\r\n{";
+    let mut stream = raw(turn.socket(), head_only).await;
+    assert!(head(&mut stream).await.starts_with("HTTP/1.1 408"));
     assert_eq!(seen.refusals(), vec![(408, Refusal::BodyTimeout)]);
 }
 
