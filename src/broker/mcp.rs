@@ -453,6 +453,7 @@ impl McpPool {
     }
 
     /// The sessions alive now (a shared server's counts once), across servers.
+    #[cfg(feature = "testing")]
     pub(crate) fn live_sessions(&self) -> usize {
         self.servers.values().map(|s| s.table().live.len()).sum()
     }

@@ -1080,7 +1080,9 @@ impl Broker {
         Box::pin(mcp::close_sessions(sessions))
     }
 
-    /// MCP sessions alive now, across servers (a shared server's session counts once).
+    /// MCP sessions alive now, across servers (a shared server's session counts once; for
+    /// this workspace's tests).
+    #[cfg(feature = "testing")]
     pub fn mcp_sessions(&self) -> usize {
         self.mcp.live_sessions()
     }

@@ -666,14 +666,16 @@ fn keep_containers() -> bool {
 }
 
 impl DockerDriver {
+    testing_pub! {
     /// Names of containers whose removal failed and is still to be retried.
-    pub fn pending_removals(&self) -> Vec<String> {
+    fn pending_removals(&self) -> Vec<String> {
         self.pending_removal
             .lock()
             .unwrap()
             .iter()
             .cloned()
             .collect()
+    }
     }
 
     /// Retries every removal that failed before (kept for later if it fails again).

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+#[cfg(feature = "testing")]
 use roundtable_sandbox_protocol::Reply;
 use tokio_util::sync::CancellationToken;
 
@@ -187,6 +188,7 @@ pub struct RunOutcome {
 
 impl RunOutcome {
     /// A run that printed `reply` as its stdout and exited 0 (for fakes and tests).
+    #[cfg(feature = "testing")]
     pub fn replied(reply: &Reply) -> Self {
         Self {
             stdout: serde_json::to_vec(reply).expect("a reply always serialises"),
