@@ -150,7 +150,7 @@ fn phase_text(phase: TurnPhase) -> Option<&'static str> {
         TurnPhase::ToolCall => "the agent called a host tool",
         TurnPhase::Replied => "the agent replied",
         TurnPhase::TearingDown => "removing the container",
-        TurnPhase::Done => return None,
+        _ => return None,
     })
 }
 

@@ -49,11 +49,11 @@ mod channel;
 pub mod config;
 pub mod display;
 pub mod driver;
+pub mod events;
 pub mod image;
 pub mod lock;
 #[cfg(feature = "cli")]
 pub mod offline;
-mod prepared;
 pub mod quota;
 #[cfg(feature = "cli")]
 pub mod settings;
@@ -63,12 +63,13 @@ pub mod testing;
 pub mod turn;
 pub mod warm;
 
-use std::collections::HashSet;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use turn::resources::LiveTurns;
 
 pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
 pub use budgets::{BudgetRefusal, BudgetSettings, HostUsage};
+pub use channel::ChannelId;
 pub use config::{Config, ConfigError, Limits, ResolvedConfig};
 pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
 pub use roundtable_sandbox_protocol as protocol;
@@ -95,18 +96,13 @@ struct Inner {
     live: Arc<Mutex<LiveTurns>>,
     /// The prepared containers' permits (`warm.max`).
     warm: warm::WarmPool,
+    /// Where every event goes (see [`events`]).
+    events: Arc<events::EventHub>,
     /// The run root's and the workspace root's locks (and directory descriptors), held for
     /// the runtime's life.
     locks: [lock::RootLock; 2],
     /// The budgets' counters and their state file (`[budgets] state_file`).
     budgets: Option<Arc<budgets::BudgetBook>>,
-}
-
-/// The run dirs and containers of this runtime's turns in flight.
-#[derive(Debug, Default)]
-pub(crate) struct LiveTurns {
-    pub(crate) run_dirs: HashSet<PathBuf>,
-    pub(crate) containers: HashSet<String>,
 }
 
 /// Errors of starting a runtime.
@@ -180,15 +176,12 @@ impl Sandbox {
             )?),
             None => budgets::BudgetBook::open(&resolved.budgets, &resolved.time_zone)?,
         };
-        let broker = Broker::new(config.runtime_broker_policy(&resolved)).await?;
+        let broker = Broker::start(resolved.broker.clone()).await?;
+        let events = Arc::new(events::EventHub::new(config.observer.clone()));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
-                let mut options = driver::DockerOptions::default();
-                if let Some(host) = &config.docker_host {
-                    options.host = host.clone();
-                }
-                Arc::new(DockerDriver::new(options))
+                Arc::new(DockerDriver::new(resolved.docker.clone()).with_events(events.clone()))
             }
         };
         let warm = resolved.warm;
@@ -199,6 +192,7 @@ impl Sandbox {
                 driver,
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
+                events,
                 locks,
                 budgets,
             }),
@@ -223,6 +217,17 @@ impl Sandbox {
     /// The container driver.
     pub fn driver(&self) -> &Arc<dyn ContainerDriver> {
         &self.inner.driver
+    }
+
+    /// Where the runtime's events go.
+    pub(crate) fn events(&self) -> &Arc<events::EventHub> {
+        &self.inner.events
+    }
+
+    /// Sends one event of the runtime's (the actor layer's own: a queued message, a wait
+    /// for a slot, a refusal's end).
+    pub fn emit(&self, turn: Option<u64>, channel: Option<&ChannelId>, kind: events::EventKind) {
+        self.inner.events.emit(turn, channel, kind);
     }
 
     /// The workspace root's lock, with its directory held since startup.
@@ -257,7 +262,7 @@ impl Sandbox {
 
     /// Stops the channel's MCP sessions (see [`Broker::release_channel`]): taken out at
     /// once, closed by the returned future.
-    pub fn release_channel(&self, channel: &str) -> broker::BoxFuture<'static, ()> {
+    pub fn release_channel(&self, channel: impl Into<ChannelId>) -> broker::BoxFuture<'static, ()> {
         self.inner.broker.release_channel(channel)
     }
 

@@ -29,8 +29,7 @@ pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
     let is_live = move |name: &str| {
         live.lock()
             .unwrap_or_else(|e| e.into_inner())
-            .containers
-            .contains(name)
+            .has_container(name)
     };
     let scope = SweepScope {
         instance: &config.instance,
@@ -52,7 +51,7 @@ pub async fn sweep(sandbox: &Sandbox) -> SweepReport {
                     continue;
                 }
                 let path = entry.path();
-                if live.run_dirs.contains(&path) {
+                if live.has_run_dir(&path) {
                     continue;
                 }
                 match std::fs::remove_dir_all(&path) {

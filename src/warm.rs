@@ -3,7 +3,8 @@
 //!
 //! [`Sandbox::prepare_turn`] makes the channel's workspace and a fresh run dir, and starts
 //! the container with the turn's sealed spec (labelled [`LABEL_PREPARED`]) through
-//! [`ContainerDriver::start`](crate::driver::ContainerDriver::start). Nothing is bound to
+//! [`ContainerDriver::start`](crate::driver::ContainerDriver::start), from the same
+//! [`TurnResources`](crate::turn) a cold turn builds. Nothing is bound to
 //! it: the run dir holds no socket, so a connection from the container before its turn is
 //! refused (`ENOENT`), and it has seen no key and no turn. The turn that adopts it
 //! ([`crate::turn::run_turn_prepared`]) checks it still waits, checks the quota as a cold
@@ -22,31 +23,24 @@
 //! adopted is removed by [`PreparedTurn::discard`], or by its drop in the background; the
 //! startup sweep finds it by the runtime's label like any turn's container.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::config::WarmSettings;
-pub use crate::prepared::PreparedTurn;
-use crate::prepared::{remove_run_dir, Prepared};
+use crate::events::{EventKind, WarmEvent};
+use crate::turn::resources::{Start, TurnResources};
 use crate::turn::TurnError;
+pub use crate::turn::{PreparedTurn, LABEL_PREPARED};
 use crate::Sandbox;
-
-/// Label set (to `1`) on every prepared container: it was started before its turn.
-pub const LABEL_PREPARED: &str = "roundtable-sandbox.prepared";
 
 /// The runtime's prepared containers: one permit each, up to `warm.max`.
 #[derive(Debug)]
 pub(crate) struct WarmPool {
     permits: Arc<Semaphore>,
     max: usize,
-    /// Turns served by a prepared container, and turns whose prepared container could not
-    /// serve (they started cold).
-    pub(crate) adopted: std::sync::atomic::AtomicU64,
-    pub(crate) fell_back: std::sync::atomic::AtomicU64,
 }
 
 impl WarmPool {
@@ -55,8 +49,6 @@ impl WarmPool {
         Self {
             permits: Arc::new(Semaphore::new(max)),
             max,
-            adopted: Default::default(),
-            fell_back: Default::default(),
         }
     }
 }
@@ -68,17 +60,10 @@ impl Sandbox {
     }
 
     /// Turns served by a prepared container, and turns whose prepared container could not
-    /// serve them (they started cold), since start.
+    /// serve them (they started cold), since start: a count of the
+    /// [`WarmEvent`](crate::events::WarmEvent)s `Adopted` and `FellBack`.
     pub fn warm_counts(&self) -> (u64, u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let w = &self.inner.warm;
-        (w.adopted.load(Relaxed), w.fell_back.load(Relaxed))
-    }
-
-    pub(crate) fn count_warm(&self, adopted: bool) {
-        let w = &self.inner.warm;
-        let counter = if adopted { &w.adopted } else { &w.fell_back };
-        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.events().warm_counts()
     }
 
     /// Prepared containers alive now (waiting, or being prepared or removed).
@@ -103,7 +88,7 @@ impl Sandbox {
     /// and the result is `Err` with [`crate::driver::DriverError::Cancelled`].
     pub async fn prepare_turn(
         &self,
-        channel: &str,
+        channel: impl Into<crate::ChannelId>,
         cancel: CancellationToken,
     ) -> Result<Option<PreparedTurn>, TurnError> {
         if !self.warm_enabled() {
@@ -112,51 +97,22 @@ impl Sandbox {
         let Ok(permit) = self.inner.warm.permits.clone().try_acquire_owned() else {
             return Ok(None);
         };
-        let config = self.config();
-        let segment = crate::turn::channel_segment(channel);
-        let turn_id = uuid::Uuid::new_v4().simple().to_string();
-        let workspace_dir = config.workspace_root.join(&segment);
-        // The directory it is made for, by identity: the adopting turn compares it with the
-        // one it holds (a workspace moved aside or deleted meanwhile is another).
-        let workspace = crate::turn::make_workspace(self, &segment)?;
-        crate::turn::check_mount_path(&workspace_dir, &workspace)?;
-        let workspace = workspace.id();
-        let name = crate::turn::container_name(&segment, &turn_id);
-        let dir = crate::turn::make_run_dir(self)?;
-        self.live_turns().containers.insert(name.clone());
-        let mut spec =
-            crate::turn::container_spec(self, &name, &segment, &turn_id, &dir, &workspace_dir);
-        spec.labels = spec
-            .labels
-            .into_iter()
-            .chain([(LABEL_PREPARED.to_owned(), "1".to_owned())])
-            .collect::<BTreeMap<_, _>>();
+        let channel: crate::ChannelId = channel.into();
+        let mut resources = TurnResources::new(self, &channel, Start::Prepared)?;
         // Not abandoned half-way: an engine call dropped in flight may still create the
         // container after a removal meant for it. Cancelled, it is removed once started.
-        let started = match self.driver().start(&spec, CancellationToken::new()).await {
-            Ok(_) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled),
+        let started = match resources.start().await {
+            Ok(()) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled.into()),
             other => other,
         };
         match started {
-            Ok(started) => Ok(Some(PreparedTurn {
-                inner: Some(Prepared {
-                    sandbox: self.clone(),
-                    channel: channel.to_owned(),
-                    turn_id,
-                    spec,
-                    workspace,
-                    started,
-                    prepared_at: Instant::now(),
-                    _permit: permit,
-                }),
-            })),
+            Ok(()) => {
+                self.emit(None, Some(&channel), EventKind::Warm(WarmEvent::Prepared));
+                Ok(Some(PreparedTurn::new(resources, permit)))
+            }
             Err(e) => {
-                if let Err(e) = self.driver().remove(&name).await {
-                    tracing::warn!(container = %name, error = %e, "remove failed preparation");
-                }
-                remove_run_dir(self, &dir);
-                self.live_turns().containers.remove(&name);
-                Err(e.into())
+                resources.teardown_logged("remove failed preparation").await;
+                Err(e)
             }
         }
     }

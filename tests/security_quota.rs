@@ -376,7 +376,11 @@ async fn attack_the_measurer(channel: &str, args: &[&str]) {
     } else {
         assert!(error.starts_with(OVER), "{error}");
     }
-    assert!(took < Duration::from_secs(30), "{took:?}");
+    // Stopped by the quota's watcher, not by the turn's deadline (40 s): that would end it
+    // "turn timed out after 40s", which neither branch above accepts. `took` (printed above)
+    // also counts the teardown, which under gVisor on a loaded machine alone took 10 s and
+    // more: a wall-clock bound here would test the machine, not the control.
+    assert!(!error.contains("timed out"), "{error} after {took:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

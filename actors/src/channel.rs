@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::PreparedTurn;
-use roundtable_sandbox::TurnOutcome;
+use roundtable_sandbox::events::EventKind;
+use roundtable_sandbox::{ChannelId, PreparedTurn};
+use roundtable_sandbox::{TurnFailure, TurnOutcome, TurnRequest};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -20,7 +21,7 @@ use crate::internal::{
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
-use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxActorError, Stop};
+use crate::{ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop};
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, decides each
 /// turn's reset flag from the stamp its message got on arrival (a reset applies to the
@@ -33,7 +34,7 @@ use crate::{ChannelState, ChannelStatus, GuestMessage, ProgressEvent, SandboxAct
 /// generation lives in a cell the supervisor keeps. An idle actor asks to be retired after
 /// `idle_timeout`.
 pub(crate) struct ChannelActor {
-    key: String,
+    channel: ChannelId,
     shared: Arc<Shared>,
     reset: ResetGeneration,
     supervisor: SupervisorLink,
@@ -108,16 +109,15 @@ impl Drop for ActiveTurn {
 
 impl ChannelActor {
     pub(crate) fn new(
-        key: String,
+        channel: ChannelId,
         shared: Arc<Shared>,
         reset: ResetGeneration,
         supervisor: SupervisorLink,
         actor_id: u64,
     ) -> Self {
-        let segment = roundtable_sandbox::turn::channel_segment(&key);
-        let span = tracing::info_span!("channel", channel = &segment[..16], actor = actor_id);
+        let span = tracing::info_span!("channel", channel = channel.short(), actor = actor_id);
         Self {
-            key,
+            channel,
             shared,
             reset,
             supervisor,
@@ -137,6 +137,17 @@ impl ChannelActor {
         }
     }
 
+    /// Where a message's events and progress go (`turn` 0: only queued).
+    fn sink(&self, turn: u64, recipient: Option<Recipient<crate::TurnProgress>>) -> ProgressSink {
+        ProgressSink {
+            sandbox: self.shared.sandbox.clone(),
+            channel: self.channel.clone(),
+            turn,
+            recipient,
+            callback: self.shared.progress.clone(),
+        }
+    }
+
     /// Prepares the container of the channel's next turn in the background, unless one is
     /// prepared or being prepared, the channel is shutting down, or warm turns are off.
     fn prepare_next(&mut self, ctx: &mut Context<Self>) {
@@ -152,7 +163,7 @@ impl ChannelActor {
         let cancel = CancellationToken::new();
         self.preparing = Some((seq, cancel.clone()));
         let stamp = self.reset.stamp();
-        let (sandbox, key) = (self.shared.sandbox.clone(), self.key.clone());
+        let (sandbox, key) = (self.shared.sandbox.clone(), self.channel.clone());
         let task = actix_rt::spawn(
             async move { sandbox.prepare_turn(&key, cancel).await }.instrument(self.span.clone()),
         );
@@ -277,24 +288,21 @@ impl ChannelActor {
         Enqueue { message, stamp }: Enqueue,
         ctx: &mut Context<Self>,
     ) -> Result<oneshot::Receiver<Result<TurnOutcome, SandboxActorError>>, SandboxActorError> {
+        let sink = self.sink(0, message.progress.clone());
         if self.shutting_down {
+            sink.ended(TurnFailure::ShuttingDown);
             return Err(SandboxActorError::ShuttingDown);
         }
         if self.active.is_some() && self.queue.len() >= self.shared.queue_limit {
             tracing::info!(waiting = self.queue.len(), "busy: message refused");
+            sink.ended(TurnFailure::Busy);
             return Err(SandboxActorError::Busy {
                 waiting: self.queue.len(),
             });
         }
         let ahead = self.queue.len() + usize::from(self.active.is_some());
         if ahead > 0 {
-            ProgressSink {
-                channel: self.key.clone(),
-                turn: 0,
-                recipient: message.progress.clone(),
-                callback: self.shared.progress.clone(),
-            }
-            .emit(ProgressEvent::Queued { ahead });
+            sink.emit(EventKind::Queued { depth: ahead });
         }
         let (responder, answer) = oneshot::channel();
         self.queue.push_back(Pending {
@@ -326,7 +334,6 @@ impl ChannelActor {
         if let Some(timer) = self.idle_timer.take() {
             ctx.cancel_future(timer);
         }
-        let id = self.shared.next_turn_id();
         // Decided at admission, before anything yields, from the message's stamp: a reset
         // that arrived after the message (while it was queued, or from now on while it
         // runs) stays pending for a later message.
@@ -338,22 +345,24 @@ impl ChannelActor {
         let reset = self.reset.resets(stamp);
         let admitted = Instant::now();
         let control = TurnControl::default();
-        let progress = ProgressSink {
-            channel: self.key.clone(),
-            turn: id,
-            recipient: message.progress,
-            callback: self.shared.progress.clone(),
-        };
+        // The core admits it: its number, and its deadline (admission + turn timeout).
+        let turn = self.shared.sandbox.admit(TurnRequest {
+            channel: self.channel.clone(),
+            speaker: message.speaker,
+            text: message.text,
+            reset,
+            stop: control.stop_token(),
+            admitted: Some(admitted),
+        });
+        let id = turn.number();
+        let progress = self.sink(id, message.progress);
         let prepared = self.take_prepared(ctx);
         let job = TurnJob {
             prepared,
             shared: self.shared.clone(),
-            speaker: message.speaker,
-            text: message.text,
+            turn,
             stamp,
-            reset,
             resets: self.reset.clone(),
-            admitted,
             responder,
             progress,
         };
@@ -384,7 +393,7 @@ impl ChannelActor {
             act.idle_timer = None;
             if act.is_idle() && !act.shutting_down {
                 act.supervisor.idle.do_send(ChannelIdle {
-                    channel: act.key.clone(),
+                    channel: act.channel.clone(),
                     actor_id: act.actor_id,
                     received: act.received,
                 });
@@ -394,7 +403,7 @@ impl ChannelActor {
 
     fn status(&self) -> ChannelStatus {
         ChannelStatus {
-            channel: self.key.clone(),
+            channel: self.channel.key().to_owned(),
             state: self
                 .active
                 .as_ref()
@@ -445,7 +454,7 @@ impl actix::Supervised for ChannelActor {
         self.idle_timer = None;
         tracing::warn!(parent: &self.span, restarts = self.restarts, "channel actor restarted");
         self.supervisor.restarted.do_send(ChannelRestartedNotice {
-            channel: self.key.clone(),
+            channel: self.channel.clone(),
         });
     }
 }
@@ -460,7 +469,11 @@ impl Handler<Enqueue> for ChannelActor {
                 Box::pin(async move { answer.await.unwrap_or(Err(SandboxActorError::TurnLost)) })
             }
             Some(Err(e)) => Box::pin(std::future::ready(Err(e))),
-            None => Box::pin(std::future::ready(Err(SandboxActorError::ChannelRestarted))),
+            None => {
+                // The handler panicked before the message was queued: refused.
+                self.sink(0, None).ended(TurnFailure::ChannelRestarted);
+                Box::pin(std::future::ready(Err(SandboxActorError::ChannelRestarted)))
+            }
         }
     }
 }
@@ -532,7 +545,9 @@ impl Handler<ShutdownChannel> for ChannelActor {
             }
             act.drop_prepared(ctx, "shutting down");
             let mut report = ChannelShutdown::default();
-            for pending in act.queue.drain(..) {
+            for pending in std::mem::take(&mut act.queue) {
+                act.sink(0, pending.message.progress.clone())
+                    .ended(TurnFailure::ShuttingDown);
                 if pending
                     .responder
                     .send(Err(SandboxActorError::ShuttingDown))

@@ -26,7 +26,7 @@ pub(crate) struct ChannelLink {
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub(crate) struct ChannelIdle {
-    pub(crate) channel: String,
+    pub(crate) channel: roundtable_sandbox::ChannelId,
     pub(crate) actor_id: u64,
     pub(crate) received: u64,
 }
@@ -35,7 +35,7 @@ pub(crate) struct ChannelIdle {
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub(crate) struct ChannelRestartedNotice {
-    pub(crate) channel: String,
+    pub(crate) channel: roundtable_sandbox::ChannelId,
 }
 
 /// From the turn actor, before teardown: the turn answered.

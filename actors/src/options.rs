@@ -28,8 +28,13 @@ pub struct SupervisorOptions {
     pub idle_timeout: Duration,
     /// Run the orphan sweep at start (default true).
     pub sweep_on_start: bool,
-    /// Progress of every turn, e.g. for a status line ("starting container…").
+    /// Progress of every turn, e.g. for a status line ("starting container…"): a view of
+    /// the runtime's events.
     pub progress: Option<ProgressCallback>,
+    /// Every event of the runtime and of this layer (see [`roundtable_sandbox::events`]):
+    /// installed on the core's configuration when the supervisor starts (in place of
+    /// `config.observer`).
+    pub observer: Option<roundtable_sandbox::events::Observer>,
 }
 
 impl std::fmt::Debug for SupervisorOptions {
@@ -41,6 +46,7 @@ impl std::fmt::Debug for SupervisorOptions {
             .field("idle_timeout", &self.idle_timeout)
             .field("sweep_on_start", &self.sweep_on_start)
             .field("progress", &self.progress.as_ref().map(|_| "callback"))
+            .field("observer", &self.observer.as_ref().map(|_| "observer"))
             .finish()
     }
 }
@@ -62,6 +68,7 @@ impl SupervisorOptions {
             idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
             sweep_on_start: true,
             progress: None,
+            observer: None,
         }
     }
 

@@ -1,7 +1,7 @@
 //! What every actor of one supervisor shares: the runtime, the container cap and the
 //! layer's settings and counters.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +23,6 @@ pub(crate) struct Shared {
     pub(crate) warm_ttl: Duration,
     pub(crate) progress: Option<ProgressCallback>,
     waiting_for_slot: AtomicUsize,
-    next_turn: AtomicU64,
 }
 
 impl Shared {
@@ -39,17 +38,12 @@ impl Shared {
             warm_ttl,
             progress: config.progress.clone(),
             waiting_for_slot: AtomicUsize::new(0),
-            next_turn: AtomicU64::new(0),
         }
     }
 
     /// Turns waiting for a container slot now.
     pub(crate) fn waiting_for_slot(&self) -> usize {
         self.waiting_for_slot.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn next_turn_id(&self) -> u64 {
-        self.next_turn.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Counts a turn waiting for a slot while the guard lives.

@@ -71,7 +71,11 @@ impl SandboxSupervisor {
         config: SupervisorOptions,
     ) -> Result<(Addr<Self>, SweepReport), SandboxActorError> {
         config.validate()?;
-        let sandbox = Sandbox::new(config.config.clone()).await?;
+        let mut core = config.config.clone();
+        if let Some(observer) = &config.observer {
+            core.observer = Some(observer.clone());
+        }
+        let sandbox = Sandbox::new(core).await?;
         let report = if config.sweep_on_start {
             sandbox.sweep().await
         } else {
@@ -131,7 +135,13 @@ impl SandboxSupervisor {
             };
             let (shared, owned_key) = (self.shared.clone(), key.to_owned());
             let addr = actix::Supervisor::start(move |_| {
-                ChannelActor::new(owned_key, shared, reset, supervisor, actor_id)
+                ChannelActor::new(
+                    roundtable_sandbox::ChannelId::new(&owned_key),
+                    shared,
+                    reset,
+                    supervisor,
+                    actor_id,
+                )
             });
             self.channels.insert(
                 key.to_owned(),
@@ -155,6 +165,14 @@ impl Handler<GuestMessage> for SandboxSupervisor {
 
     fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
         if self.shutdown.is_some() {
+            self.shared.sandbox.emit(
+                None,
+                Some(&roundtable_sandbox::ChannelId::new(&message.channel)),
+                roundtable_sandbox::events::EventKind::Ended {
+                    failure: Some(roundtable_sandbox::TurnFailure::ShuttingDown),
+                    warm: false,
+                },
+            );
             return Box::pin(std::future::ready(Err(SandboxActorError::ShuttingDown)));
         }
         // The message's place among the channel's resets, in mailbox order (see `reset`).
@@ -218,13 +236,13 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         }
         let current = self
             .channels
-            .get(&msg.channel)
+            .get(msg.channel.key())
             .is_some_and(|entry| entry.actor_id == msg.actor_id && entry.forwarded == msg.received);
         if !current {
             // A message is on its way to it (it will go idle again later), or it was replaced.
             return;
         }
-        if let Some(entry) = self.channels.remove(&msg.channel) {
+        if let Some(entry) = self.channels.remove(msg.channel.key()) {
             entry.addr.do_send(Retire);
         }
         // The channel's MCP sessions go with it: taken out of the pool now (before any later
@@ -232,10 +250,10 @@ impl Handler<ChannelIdle> for SandboxSupervisor {
         actix_rt::spawn(self.shared.sandbox.release_channel(&msg.channel));
         if self
             .resets
-            .get(&msg.channel)
+            .get(msg.channel.key())
             .is_some_and(|g| g.pending() == 0)
         {
-            self.resets.remove(&msg.channel);
+            self.resets.remove(msg.channel.key());
         }
         self.retired += 1;
     }
@@ -246,9 +264,8 @@ impl Handler<ChannelRestartedNotice> for SandboxSupervisor {
 
     fn handle(&mut self, msg: ChannelRestartedNotice, _: &mut Self::Context) {
         self.restarts += 1;
-        let segment = roundtable_sandbox::turn::channel_segment(&msg.channel);
         tracing::warn!(
-            channel = &segment[..16],
+            channel = msg.channel.short(),
             "channel actor restarted after a panic"
         );
     }

@@ -1,15 +1,16 @@
 //! The [`TurnActor`]: one turn, from admission to the end of its teardown.
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use actix::prelude::*;
+use roundtable_sandbox::events::EventKind;
 use roundtable_sandbox::turn::TurnError;
+use roundtable_sandbox::turn::{run_admitted, AdmittedTurn};
 use roundtable_sandbox::{
-    run_turn_prepared, PhaseObserver, PreparedTurn, Reply, Speaker, TurnFailure, TurnOutcome,
-    TurnPhase, TurnRequest,
+    ChannelId, PhaseObserver, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase,
 };
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
@@ -32,21 +33,24 @@ pub(crate) struct TurnControl(Arc<ControlInner>);
 struct ControlInner {
     stop: CancellationToken,
     abort: OnceLock<AbortReason>,
-    /// 0: admitted; 1: waiting for a slot; 2 + n: the core's phase n.
-    phase: AtomicU8,
+    /// The abort's kind, for the core's `Ended` event (the kind its caller gets).
+    stopped_for: Arc<OnceLock<TurnFailure>>,
+    /// Where the turn is: the core's phase itself, kept as it is reported.
+    phase: Mutex<Stage>,
     replied: AtomicBool,
 }
 
-const PHASES: [TurnPhase; 8] = [
-    TurnPhase::Preparing,
-    TurnPhase::BrokerListening,
-    TurnPhase::ContainerRunning,
-    TurnPhase::ModelCall,
-    TurnPhase::ToolCall,
-    TurnPhase::Replied,
-    TurnPhase::TearingDown,
-    TurnPhase::Done,
-];
+/// A turn's stage as its channel reports it.
+#[derive(Debug, Clone, Copy, Default)]
+enum Stage {
+    /// Admitted, not yet waiting or running.
+    #[default]
+    Admitted,
+    /// Waiting for a container slot.
+    WaitingForSlot,
+    /// In the core, at this phase.
+    Running(TurnPhase),
+}
 
 impl TurnControl {
     /// Stops the turn; returns whether it was still active (admitted, not yet answered,
@@ -60,20 +64,25 @@ impl TurnControl {
     /// Stops the turn for a reason of the layer; its caller gets that reason's error.
     pub(crate) fn abort(&self, reason: AbortReason) {
         let _ = self.0.abort.set(reason);
+        let _ = self.0.stopped_for.set(reason.into_error().failure());
         self.0.stop.cancel();
+    }
+
+    /// The token that stops the turn.
+    pub(crate) fn stop_token(&self) -> CancellationToken {
+        self.0.stop.clone()
     }
 
     pub(crate) fn replied(&self) -> bool {
         self.0.replied.load(Ordering::SeqCst)
     }
 
-    fn set_phase(&self, phase: u8) {
-        self.0.phase.store(phase, Ordering::SeqCst);
-    }
-
-    fn set_turn_phase(&self, phase: TurnPhase) {
-        let n = PHASES.iter().position(|p| *p == phase).unwrap_or(0) as u8;
-        self.set_phase(2 + n);
+    fn set_stage(&self, stage: Stage) {
+        *self
+            .0
+            .phase
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = stage;
     }
 
     /// The channel's state as this turn makes it.
@@ -81,35 +90,54 @@ impl TurnControl {
         if self.0.stop.is_cancelled() && !self.replied() {
             return ChannelState::Stopping;
         }
-        match self.0.phase.load(Ordering::SeqCst) {
-            0 => ChannelState::Running(TurnPhase::Preparing),
-            1 => ChannelState::WaitingForSlot,
-            n => ChannelState::Running(
-                PHASES
-                    .get(usize::from(n - 2))
-                    .copied()
-                    .unwrap_or(TurnPhase::Done),
-            ),
+        let stage = *self
+            .0
+            .phase
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match stage {
+            Stage::Admitted => ChannelState::Running(TurnPhase::Preparing),
+            Stage::WaitingForSlot => ChannelState::WaitingForSlot,
+            Stage::Running(phase) => ChannelState::Running(phase),
         }
     }
 }
 
-/// Sends a message's progress to its recipient and to the supervisor-wide callback.
+/// A message's progress, as a view of the runtime's events: sends each event to the
+/// runtime's observer and its progress (if it has one) to the message's recipient and to
+/// the supervisor-wide callback.
 #[derive(Clone)]
 pub(crate) struct ProgressSink {
-    pub(crate) channel: String,
+    pub(crate) sandbox: roundtable_sandbox::Sandbox,
+    pub(crate) channel: ChannelId,
+    /// The turn's number; 0 while the message is only queued.
     pub(crate) turn: u64,
     pub(crate) recipient: Option<Recipient<TurnProgress>>,
     pub(crate) callback: Option<ProgressCallback>,
 }
 
 impl ProgressSink {
-    pub(crate) fn emit(&self, event: ProgressEvent) {
+    /// Sends one event of this layer's to the runtime's observer, and its progress.
+    pub(crate) fn emit(&self, kind: EventKind) {
+        let turn = (self.turn > 0).then_some(self.turn);
+        self.progress(&kind);
+        self.sandbox.emit(turn, Some(&self.channel), kind);
+    }
+
+    /// The progress an event makes, if it makes one (the core's phases come here through
+    /// the turn's phase observer, itself a view of its `Phase` events).
+    pub(crate) fn progress(&self, kind: &EventKind) {
+        let event = match kind {
+            EventKind::Queued { depth } => ProgressEvent::Queued { ahead: *depth },
+            EventKind::WaitingForSlot => ProgressEvent::WaitingForSlot,
+            EventKind::Phase(phase) => ProgressEvent::Phase(*phase),
+            _ => return,
+        };
         if self.recipient.is_none() && self.callback.is_none() {
             return;
         }
         let progress = TurnProgress {
-            channel: self.channel.clone(),
+            channel: self.channel.key().to_owned(),
             turn: self.turn,
             event,
         };
@@ -122,20 +150,25 @@ impl ProgressSink {
             recipient.do_send(progress);
         }
     }
+
+    /// The end of a message the layer answered itself (a refusal, a turn that never
+    /// reached the core): one `Ended` event, of the kind the caller gets.
+    pub(crate) fn ended(&self, failure: TurnFailure) {
+        self.emit(EventKind::Ended {
+            failure: Some(failure),
+            warm: false,
+        });
+    }
 }
 
 /// Everything a turn needs, handed over by its channel at admission.
 pub(crate) struct TurnJob {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) speaker: Speaker,
-    pub(crate) text: String,
+    /// The turn as the core admitted it (its reset flag and deadline fixed then).
+    pub(crate) turn: AdmittedTurn,
     /// The message's stamp among the channel's resets.
     pub(crate) stamp: Stamp,
-    /// Whether the turn starts a fresh session (decided at admission).
-    pub(crate) reset: bool,
     pub(crate) resets: ResetGeneration,
-    /// When the channel admitted the turn: its timeout counts from here.
-    pub(crate) admitted: Instant,
     pub(crate) responder: Responder,
     pub(crate) progress: ProgressSink,
     /// The container prepared for this turn, if the channel had one (see
@@ -199,6 +232,7 @@ impl Actor for TurnActor {
             return;
         };
         let responder = Arc::new(Mutex::new(Some(job.responder)));
+        let progress = job.progress.clone();
         let delivery = Delivery {
             turn: self.id,
             responder: responder.clone(),
@@ -207,17 +241,11 @@ impl Actor for TurnActor {
             stamp: job.stamp,
             channel: self.channel.clone(),
         };
-        let request = TurnRequest {
-            channel: job.progress.channel.clone(),
-            speaker: job.speaker,
-            text: job.text,
-            reset: job.reset,
-            stop: self.control.0.stop.clone(),
-            admitted: Some(job.admitted),
-        };
+        let mut turn = job.turn;
+        turn.stop_reason(self.control.0.stopped_for.clone());
         let work = run_job(
             job.shared,
-            request,
+            turn,
             job.prepared,
             job.progress,
             self.control.clone(),
@@ -237,6 +265,8 @@ impl Actor for TurnActor {
                     };
                     act.control.0.replied.store(true, Ordering::SeqCst);
                     if let Some(tx) = take(&responder) {
+                        // The core never answered: the layer's answer is the turn's end.
+                        progress.ended(error.failure());
                         let _ = tx.send(Err(error));
                     }
                 }
@@ -283,6 +313,18 @@ struct Delivery {
 }
 
 impl Delivery {
+    /// Delivers the outcome of a turn that never reached the core, and reports its end.
+    fn end(&self, outcome: &TurnOutcome, progress: &ProgressSink) {
+        let failure = match self.control.0.abort.get() {
+            Some(reason) if !outcome.reply.ok => Some(reason.into_error().failure()),
+            _ => outcome.failure,
+        };
+        if let Some(failure) = failure {
+            progress.ended(failure);
+        }
+        self.deliver(outcome);
+    }
+
     fn deliver(&self, outcome: &TurnOutcome) {
         let reply = &outcome.reply;
         self.control.0.replied.store(true, Ordering::SeqCst);
@@ -305,33 +347,33 @@ impl Delivery {
 
 async fn run_job(
     shared: Arc<Shared>,
-    request: TurnRequest,
+    turn: AdmittedTurn,
     prepared: Option<PreparedTurn>,
     progress: ProgressSink,
     control: TurnControl,
     delivery: Delivery,
 ) {
     let stopped = || {
-        delivery.deliver(&TurnOutcome::failed(&TurnError::Stopped));
-        progress.emit(ProgressEvent::Phase(TurnPhase::Done));
+        delivery.end(&TurnOutcome::failed(&TurnError::Stopped), &progress);
+        progress.emit(EventKind::Phase(TurnPhase::Done));
     };
-    let token = request.stop.clone();
+    let token = turn.request().stop.clone();
     if token.is_cancelled() {
         return stopped();
     }
     // A container slot under the global cap. The semaphore is FIFO and each channel has at
     // most one turn waiting, so waiting channels are served in turn. The wait counts
-    // against the turn's timeout, which runs from admission (as the TypeScript package arms its timer in
-    // `runTurn`, before anything else).
+    // against the turn's timeout, which runs from admission (as the TypeScript package arms
+    // its timer in `runTurn`, before anything else): the deadline is the admitted turn's.
     let timeout = shared.sandbox.config().turn_timeout;
-    let admitted = request.admitted.unwrap_or_else(Instant::now);
-    let deadline = tokio::time::Instant::from_std(admitted) + timeout;
+    let deadline = tokio::time::Instant::from_std(turn.deadline());
     let limiter = shared.limiter.clone();
     let _permit = match limiter.clone().try_acquire_owned() {
         Ok(permit) => permit,
         Err(_) => {
-            control.set_phase(1);
-            progress.emit(ProgressEvent::WaitingForSlot);
+            control.set_stage(Stage::WaitingForSlot);
+            progress.emit(EventKind::WaitingForSlot);
+            let waiting = Instant::now();
             let _waiting = shared.waiting_guard();
             tokio::select! {
                 biased;
@@ -341,36 +383,41 @@ async fn run_job(
                         timeout,
                         slots: shared.max_containers,
                     };
-                    tracing::info!(error = %error, "turn failed");
-                    delivery.deliver(&TurnOutcome::failed(&error));
-                    progress.emit(ProgressEvent::Phase(TurnPhase::Done));
+                    tracing::info!(error = %error, kind = ?error.failure(), "turn failed");
+                    delivery.end(&TurnOutcome::failed(&error), &progress);
+                    progress.emit(EventKind::Phase(TurnPhase::Done));
                     return;
                 }
                 permit = limiter.acquire_owned() => match permit {
-                    Ok(permit) => permit,
+                    Ok(permit) => {
+                        progress.emit(EventKind::WaitedForSlot { waited: waiting.elapsed() });
+                        permit
+                    }
                     Err(_) => {
-                        delivery.deliver(&TurnOutcome {
+                        delivery.end(&TurnOutcome {
                             reply: Reply::error("the container limiter is closed"),
                             failure: Some(TurnFailure::Internal),
                             usage: Default::default(),
-                        });
+                        }, &progress);
                         return;
                     }
                 },
             }
         }
     };
+    // The core's phases, as its turn's events show them: the channel's state and the
+    // message's progress.
     let observer: PhaseObserver = {
         let control = control.clone();
         let progress = progress.clone();
         Arc::new(move |phase| {
-            control.set_turn_phase(phase);
-            progress.emit(ProgressEvent::Phase(phase));
+            control.set_stage(Stage::Running(phase));
+            progress.progress(&EventKind::Phase(phase));
         })
     };
-    run_turn_prepared(
+    run_admitted(
         &shared.sandbox,
-        request,
+        turn,
         prepared,
         |reply| delivery.deliver(reply),
         Some(observer),

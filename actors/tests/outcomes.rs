@@ -6,7 +6,12 @@
 use std::time::Duration;
 
 use actix::prelude::*;
+use std::sync::Arc;
+
+use roundtable_sandbox::events::EventKind;
+use roundtable_sandbox::testing::Recorder;
 use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::ChannelId;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 
@@ -66,7 +71,8 @@ fn assert_nothing_left(env: &Env) {
 #[actix_rt::test]
 async fn what_the_container_did_is_typed_once_by_the_turn() {
     let env = Env::new();
-    let addr = SandboxSupervisor::start(settings(&env, Duration::from_secs(60)))
+    let rec = Recorder::default();
+    let addr = SandboxSupervisor::start(observed(&env, Duration::from_secs(60), &rec))
         .await
         .unwrap();
     assert_eq!(ran(&addr, "#ok", "hello").await, (None, String::new()));
@@ -112,12 +118,58 @@ async fn what_the_container_did_is_typed_once_by_the_turn() {
     let refused = send(&addr, "#late", "hello").await.unwrap().unwrap_err();
     assert_eq!(refused.failure(), TurnFailure::ShuttingDown, "{refused}");
     assert_nothing_left(&env);
+    // Each turn's one end, of its kind.
+    for (channel, kind) in [
+        ("#ok", None),
+        ("#oom", Some(TurnFailure::OutOfMemory)),
+        ("#guest", Some(TurnFailure::GuestError)),
+        ("#garbage", Some(TurnFailure::MalformedOutput)),
+        ("#exit", Some(TurnFailure::GuestExit)),
+        ("#big", Some(TurnFailure::OverQuota)),
+        ("#late", Some(TurnFailure::ShuttingDown)),
+    ] {
+        assert_one_end(&rec, channel, kind);
+    }
+    // A cold turn's events: admitted first, its phases, its end (not warm).
+    let kinds: Vec<EventKind> = rec.of("#ok").into_iter().map(|e| e.kind).collect();
+    assert_eq!(kinds.first(), Some(&EventKind::Admitted), "{kinds:?}");
+    for phase in [
+        TurnPhase::Preparing,
+        TurnPhase::BrokerListening,
+        TurnPhase::ContainerRunning,
+        TurnPhase::Replied,
+        TurnPhase::TearingDown,
+        TurnPhase::Done,
+    ] {
+        assert!(
+            kinds.contains(&EventKind::Phase(phase)),
+            "{phase:?}: {kinds:?}"
+        );
+    }
+    assert!(kinds.contains(&EventKind::Ended {
+        failure: None,
+        warm: false
+    }));
+    // The engine's calls, by operation.
+    let engine: Vec<&'static str> = rec
+        .all()
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Engine { op, .. } => Some(op),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        engine.contains(&"create") && engine.contains(&"remove"),
+        "{engine:?}"
+    );
 }
 
 #[actix_rt::test]
 async fn timeout_stop_and_busy_are_typed() {
     let env = Env::new();
-    let addr = SandboxSupervisor::start(settings(&env, Duration::from_secs(8)))
+    let rec = Recorder::default();
+    let addr = SandboxSupervisor::start(observed(&env, Duration::from_secs(8), &rec))
         .await
         .unwrap();
     let timed_out = send(&addr, "#slow", "sleep forever");
@@ -144,6 +196,19 @@ async fn timeout_stop_and_busy_are_typed() {
     );
     until_idle(&addr).await;
     assert_nothing_left(&env);
+    // One end each, of the kind the caller got: #stop's stopped turn, its busy refusal and
+    // its queued turn that ran; the queue depth and the timeout.
+    let mut ends = rec.ends("#stop");
+    ends.sort_by_key(|f| format!("{f:?}"));
+    assert_eq!(
+        ends,
+        vec![None, Some(TurnFailure::Busy), Some(TurnFailure::Stopped)]
+    );
+    assert!(rec
+        .of("#stop")
+        .iter()
+        .any(|e| e.kind == EventKind::Queued { depth: 1 }));
+    assert_one_end(&rec, "#slow", Some(TurnFailure::Timeout));
 }
 
 #[actix_rt::test]
@@ -155,7 +220,8 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
         .create(&ws)
         .unwrap();
     std::fs::write(ws.join("old"), vec![0u8; 2 << 20]).unwrap();
-    let addr = SandboxSupervisor::start(settings(&env, Duration::from_secs(60)))
+    let rec = Recorder::default();
+    let addr = SandboxSupervisor::start(observed(&env, Duration::from_secs(60), &rec))
         .await
         .unwrap();
     let (kind, error) = ran(&addr, "#full", "hello").await;
@@ -171,7 +237,7 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
     // A floor of 90 % free: the test machine's filesystems are never that empty. (Each
     // runtime gets its own roots: one runtime per root.)
     let env = Env::new();
-    let mut floor = settings(&env, Duration::from_secs(60));
+    let mut floor = observed(&env, Duration::from_secs(60), &rec);
     floor.config.limits.disk_floor_percent = 90;
     let addr = SandboxSupervisor::start(floor).await.unwrap();
     let (kind, error) = ran(&addr, "#floor", "hello").await;
@@ -182,7 +248,7 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
     assert_nothing_left(&env);
 
     let env = Env::new();
-    let mut dead = settings(&env, Duration::from_secs(60));
+    let mut dead = observed(&env, Duration::from_secs(60), &rec);
     dead.config.docker_host = Some(format!(
         "unix://{}/no-docker.sock",
         env.dir.path().display()
@@ -194,4 +260,129 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
     assert!(error.starts_with("docker daemon unreachable: "), "{error}");
     addr.send(Shutdown).await.unwrap();
     assert_nothing_left(&env);
+    for (channel, kind) in [
+        ("#full", TurnFailure::OverQuota),
+        ("#floor", TurnFailure::DiskFloor),
+        ("#dead", TurnFailure::EngineUnavailable),
+    ] {
+        assert_one_end(&rec, channel, Some(kind));
+    }
+}
+
+// ---------------------------------------------------------------- the event seam
+//
+// Every kind of failure a turn can end with, driven through the same real parts (the actor
+// layer's own kinds through the supervisor; the wait for a slot with the fake driver, whose
+// run holds the one slot past the waiter's deadline), yields exactly one `Ended` event of
+// its kind for its channel, with the turn's other events (admitted, phases, queue depth,
+// the wait for a slot, the engine's calls).
+
+/// [`settings`] with `rec` observing the runtime.
+fn observed(env: &Env, timeout: Duration, rec: &Recorder) -> SupervisorOptions {
+    let mut s = settings(env, timeout);
+    s.observer = Some(rec.observer());
+    s
+}
+
+/// Exactly one `Ended` event for the channel, of this kind.
+fn assert_one_end(rec: &Recorder, channel: &str, failure: Option<TurnFailure>) {
+    assert_eq!(
+        rec.ends(channel),
+        vec![failure],
+        "{channel}: {:?}",
+        rec.of(channel)
+    );
+}
+
+#[actix_rt::test]
+async fn internal_restart_and_missing_image_yield_one_end_each() {
+    let env = Env::new();
+    let rec = Recorder::default();
+    let addr = SandboxSupervisor::start(observed(&env, Duration::from_secs(60), &rec))
+        .await
+        .unwrap();
+    // A channel's workspace that is a file: the host cannot prepare the turn.
+    std::fs::write(
+        env.workspace_root
+            .join(ChannelId::new("#internal").segment()),
+        b"x",
+    )
+    .unwrap();
+    let outcome = send(&addr, "#internal", "hello").await.unwrap().unwrap();
+    assert_eq!(outcome.failure, Some(TurnFailure::Internal), "{outcome:?}");
+    assert_one_end(&rec, "#internal", Some(TurnFailure::Internal));
+
+    // The channel's actor panics mid-turn: the caller and the event say ChannelRestarted.
+    let turn = send(&addr, "#restart", "sleep long");
+    until_container_running(&addr, "#restart").await;
+    assert!(addr
+        .send(InjectPanic {
+            channel: "#restart".into()
+        })
+        .await
+        .unwrap());
+    let answer = turn.await.unwrap();
+    assert!(
+        matches!(answer, Err(SandboxActorError::ChannelRestarted)),
+        "{answer:?}"
+    );
+    until_idle(&addr).await;
+    assert_one_end(&rec, "#restart", Some(TurnFailure::ChannelRestarted));
+    addr.send(Shutdown).await.unwrap();
+    assert_nothing_left(&env);
+
+    let env = Env::new();
+    let mut missing = observed(&env, Duration::from_secs(60), &rec);
+    missing.config.image = "roundtable-sandbox-never-built:none".into();
+    let addr = SandboxSupervisor::start(missing).await.unwrap();
+    let outcome = send(&addr, "#image", "hello").await.unwrap().unwrap();
+    assert_eq!(
+        outcome.failure,
+        Some(TurnFailure::ImageMissing),
+        "{outcome:?}"
+    );
+    assert_one_end(&rec, "#image", Some(TurnFailure::ImageMissing));
+    addr.send(Shutdown).await.unwrap();
+    assert_nothing_left(&env);
+}
+
+/// The wait for a container slot is the actor layer's logic: the fake driver holds the one
+/// slot past the waiter's deadline (its run ignores the cancellation until released).
+#[actix_rt::test]
+async fn a_slot_timeout_yields_one_end_and_the_wait_is_reported() {
+    let env = Env::new();
+    let rec = Recorder::default();
+    let driver = FakeDriver::new();
+    let mut options = fake_supervisor(&env, &driver, &Arc::new(WhoAmI::default()));
+    options.max_containers = 1;
+    options.config.turn_timeout = Some(Duration::from_secs(2));
+    options.observer = Some(rec.observer());
+    let addr = SandboxSupervisor::start(options).await.unwrap();
+    let held = send(&addr, "#hold", "stubborn");
+    status_until(&addr, "holding the slot", |_| driver.running() == 1).await;
+    let slot = send(&addr, "#slot", "hello").await.unwrap().unwrap();
+    assert_eq!(slot.failure, Some(TurnFailure::SlotTimeout), "{slot:?}");
+    assert_one_end(&rec, "#slot", Some(TurnFailure::SlotTimeout));
+    assert!(rec
+        .of("#slot")
+        .iter()
+        .any(|e| e.kind == EventKind::WaitingForSlot));
+    driver.release(1);
+    let held = held.await.unwrap().unwrap();
+    assert_eq!(held.failure, Some(TurnFailure::Timeout), "{held:?}");
+    assert_one_end(&rec, "#hold", Some(TurnFailure::Timeout));
+    // The next turn gets the slot after a wait, which is reported with its length.
+    let held = send(&addr, "#hold", "stubborn");
+    status_until(&addr, "holding the slot", |_| driver.running() == 1).await;
+    let next = send(&addr, "#next", "hello");
+    status_until(&addr, "waiting", |s| s.totals.waiting_for_slot >= 1).await;
+    driver.release(1);
+    held.await.unwrap().unwrap();
+    assert_eq!(next.await.unwrap().unwrap().failure, None);
+    assert!(rec
+        .of("#next")
+        .iter()
+        .any(|e| matches!(e.kind, EventKind::WaitedForSlot { .. })));
+    until_idle(&addr).await;
+    addr.send(Shutdown).await.unwrap();
 }

@@ -18,7 +18,6 @@ use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
 use roundtable_sandbox::config::{Config, ConfigError, MAX_SOCKET_PATH, SOCKET_SUFFIX};
-use roundtable_sandbox::driver::DockerOptions;
 use roundtable_sandbox::image::{self, ImageSource};
 use roundtable_sandbox::quota::{self, Floor};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
@@ -332,10 +331,7 @@ fn runtime_check(
 }
 
 fn driver_for(config: &Config) -> DockerDriver {
-    let mut options = DockerOptions::default();
-    if let Some(host) = &config.docker_host {
-        options.host = host.clone();
-    }
+    let mut options = config.docker_options();
     options.call_timeout = std::time::Duration::from_secs(5);
     DockerDriver::new(options)
 }
@@ -749,7 +745,7 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
     let sandbox = Sandbox::new(config).await?;
     let reply = sandbox
         .run_turn(TurnRequest {
-            channel,
+            channel: channel.into(),
             speaker,
             text: words.join(" "),
             reset,

@@ -99,7 +99,7 @@ fuzz_target!(|data: &[u8]| {
         },
         cancel: tokio_util::sync::CancellationToken::new(),
         events: None,
-            account: None,
+        account: None,
     };
     let listener = s.rt.block_on(s.broker.listen(&socket, ctx)).unwrap();
     let mut stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();

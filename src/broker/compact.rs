@@ -44,11 +44,11 @@ use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::http::{error_response, json_response, Response, Turn};
 use super::http::{holding, json_values_over, MAX_ARGUMENT_VALUES};
+use super::http::{json_response, Response, Turn};
 use super::model::{chat_url, read_capped};
 use super::redact::Secrets;
-use super::{ApiKey, BrokerError, BrokerEvent, BrokerPolicy, CompactionModel};
+use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
 
 /// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
 /// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
@@ -155,9 +155,14 @@ fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
 /// past `max_compactions` (`429`, the guest then builds the plain summary itself).
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let warnings = &turn.warnings;
-    let refuse = |status: StatusCode, reason: &str| {
+    // A refusal by one of the turn's limits, marked with it; any other is the compactor's
+    // own (its caps and rules).
+    let refuse_by = |status: StatusCode, limit, reason: &str| {
         warnings.refused(reason);
-        error_response(status, reason)
+        super::http::refuse(status, limit, reason)
+    };
+    let refuse = |status: StatusCode, reason: &str| {
+        refuse_by(status, crate::events::Refusal::Compaction, reason)
     };
     if req.method() != Method::POST {
         return refuse(
@@ -178,8 +183,9 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     }
     // A place among the calls in flight, held until the answer is sent (as for a chat call).
     let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
-        return refuse(
+        return refuse_by(
             StatusCode::TOO_MANY_REQUESTS,
+            crate::events::Refusal::CallsInFlight,
             &format!(
                 "too many calls in flight in this turn (limit {})",
                 limits.max_calls_in_flight
@@ -197,8 +203,9 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     // A turn whose model calls are used up gets no more compactions: each upstream call
     // counts against them, and the plain summary is not served forever.
     if turn.model_calls.load(Ordering::SeqCst) >= limits.max_model_calls {
-        return refuse(
+        return refuse_by(
             StatusCode::TOO_MANY_REQUESTS,
+            crate::events::Refusal::ModelCalls,
             &format!(
                 "too many model calls in this turn (limit {})",
                 limits.max_model_calls
@@ -248,7 +255,11 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
         Ok(Ok(r)) => r,
         Ok(Err(refusal)) => {
             warnings.refused(refusal.reason);
-            return error_response(refusal.status, &refusal.message);
+            return super::http::refuse(
+                refusal.status,
+                crate::events::Refusal::Compaction,
+                &refusal.message,
+            );
         }
         Err(_) => {
             return refuse(
@@ -390,9 +401,10 @@ async fn call(
         }
     }
     usage.model_calls += 1;
-    if let Some(events) = &turn.ctx.events {
-        events(BrokerEvent::ModelCall);
-    }
+    crate::events::emit(
+        &turn.ctx.events,
+        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
+    );
     /// The summary request, written straight from its parts (no JSON value built).
     #[derive(serde::Serialize)]
     struct Summarise<'a> {

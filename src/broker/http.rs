@@ -18,6 +18,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{Broker, TurnContext};
+use crate::events::Refusal;
 
 /// The response body type of the broker.
 pub(crate) type Body = UnsyncBoxBody<Bytes, std::io::Error>;
@@ -57,8 +58,32 @@ pub(crate) fn json_response(status: StatusCode, value: &impl Serialize) -> Respo
         .expect("a valid response")
 }
 
-/// A refusal: `{"error": msg}`.
+/// A refusal: `{"error": msg}`, marked as the broker's own refusal of the kind its status
+/// names (see [`refuse`] for one of a named limit).
 pub(crate) fn error_response(status: StatusCode, msg: &str) -> Response {
+    let limit = match status {
+        StatusCode::NOT_FOUND => Refusal::UnknownRoute,
+        StatusCode::METHOD_NOT_ALLOWED => Refusal::Method,
+        StatusCode::PAYLOAD_TOO_LARGE => Refusal::RequestBytes,
+        StatusCode::SERVICE_UNAVAILABLE => Refusal::Cancelled,
+        StatusCode::REQUEST_TIMEOUT => Refusal::BodyTimeout,
+        s if s.is_client_error() => Refusal::Malformed,
+        _ => Refusal::Internal,
+    };
+    refuse(status, limit, msg)
+}
+
+/// A refusal by `limit`: `{"error": msg}`, marked ([`Refused`]) so the server reports it as
+/// one [`BrokerEvent::Refused`](crate::events::BrokerEvent::Refused).
+pub(crate) fn refuse(status: StatusCode, limit: Refusal, msg: &str) -> Response {
+    let mut response = failure(status, msg);
+    response.extensions_mut().insert(Refused(limit));
+    response
+}
+
+/// A failure of the call itself (a tool that failed or timed out): `{"error": msg}`, not a
+/// refusal.
+pub(crate) fn failure(status: StatusCode, msg: &str) -> Response {
     json_response(
         status,
         &ErrorBody {
@@ -67,6 +92,9 @@ pub(crate) fn error_response(status: StatusCode, msg: &str) -> Response {
     )
 }
 
+/// The mark of a broker refusal on its response: the limit that refused.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Refused(pub(crate) Refusal);
 /// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
 /// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
 pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;

@@ -39,7 +39,7 @@ use roundtable_sandbox_protocol::{McpServerSpec, ToolSpec};
 use tokio::io::AsyncBufReadExt;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, Response};
+use super::http::{error_response, failure, refuse, Response};
 use super::mcp_container::{self, Container, McpEngine};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
@@ -47,6 +47,7 @@ use super::{
     TurnContext,
 };
 use crate::driver::DockerDriver;
+use crate::events::Refusal;
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
 const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR"];
@@ -452,6 +453,7 @@ impl McpPool {
     }
 
     /// The sessions alive now (a shared server's counts once), across servers.
+    #[cfg(feature = "testing")]
     pub(crate) fn live_sessions(&self) -> usize {
         self.servers.values().map(|s| s.table().live.len()).sum()
     }
@@ -478,12 +480,12 @@ impl McpPool {
         };
         let value = serde_json::Value::Object(args);
         if let Err(msg) = check_args(&pin.validator, &value) {
-            return error_response(StatusCode::BAD_REQUEST, &msg);
+            return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg);
         }
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
         };
-        let segment = crate::channel::channel_segment(&ctx.channel);
+        let segment = ctx.channel.segment().to_owned();
         let mut meta = serde_json::Map::new();
         meta.insert(META_CHANNEL.into(), segment.clone().into());
         meta.insert(
@@ -588,7 +590,7 @@ impl McpPool {
         match outcome {
             Err(_) => {
                 guard.end_now().await;
-                error_response(
+                failure(
                     StatusCode::GATEWAY_TIMEOUT,
                     &format!("tool call timed out after {timeout:?}; the MCP session was stopped"),
                 )
@@ -596,12 +598,12 @@ impl McpPool {
             Ok(r) => {
                 guard.armed = false;
                 match r {
-                    Err(CallError::Failed(msg)) => error_response(StatusCode::BAD_GATEWAY, &msg),
+                    Err(CallError::Failed(msg)) => failure(StatusCode::BAD_GATEWAY, &msg),
                     Err(CallError::Quota(msg)) => {
-                        error_response(StatusCode::INSUFFICIENT_STORAGE, &msg)
+                        refuse(StatusCode::INSUFFICIENT_STORAGE, Refusal::McpQuota, &msg)
                     }
                     Err(CallError::Busy(msg)) => {
-                        error_response(StatusCode::SERVICE_UNAVAILABLE, &msg)
+                        refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
                     }
                     Err(CallError::Tool(msg)) => {
                         tool_result(Err(format!("MCP error: {msg}")), policy)

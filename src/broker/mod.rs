@@ -884,13 +884,14 @@ testing_pub! {
     #[derive(Clone)]
     struct TurnContext {
         /// The turn's channel.
-        pub channel: String,
+        pub channel: crate::ChannelId,
         /// Who wrote the turn's message.
         pub speaker: Speaker,
         /// Fired when the turn ends.
         pub cancel: CancellationToken,
-        /// Told of each call the broker starts (for progress displays); never of its content.
-        pub events: Option<BrokerEvents>,
+        /// The turn's events: each call and each refusal (never their content); `None` for
+        /// a broker driven alone.
+        pub events: Option<crate::events::TurnEvents>,
         /// The turn's usage count and budgets (`None`: nothing counted, nothing refused).
         pub account: Option<Arc<crate::budgets::TurnAccount>>,
     }
@@ -902,23 +903,11 @@ impl fmt::Debug for TurnContext {
             .field("channel", &self.channel)
             .field("speaker", &self.speaker)
             .field("cancel", &self.cancel)
-            .field("events", &self.events.as_ref().map(|_| "callback"))
+            .field("events", &self.events)
             .field("account", &self.account)
             .finish()
     }
 }
-
-/// What the broker is doing for a turn.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BrokerEvent {
-    /// A model call is forwarded upstream.
-    ModelCall,
-    /// A host or MCP tool is called.
-    ToolCall,
-}
-
-/// Receives [`BrokerEvent`]s; called on the connection's task, so it must return quickly.
-pub type BrokerEvents = Arc<dyn Fn(BrokerEvent) + Send + Sync>;
 
 testing_pub! {
     /// Checks the policy without any side effect (no process started, no connection made):
@@ -985,29 +974,35 @@ impl fmt::Debug for Broker {
 }
 
 impl Broker {
-    testing_pub! {
-            /// Validates the policy and prepares the shared parts: the upstream client, the
-        /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
-        /// tools checked and pinned).
-        async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
-            validate_policy(&policy)?;
-            let upstream = model::Upstream::new(&policy)?;
-            let compactor = compact::Compactor::new(&policy)?;
-            let tools = tools::HostTools::new(&policy.tools)?;
-            let mcp = mcp::McpPool::start(
-                &policy.mcp,
-                policy.limits.call_timeout,
-                policy.mcp_engine.as_ref(),
-            )
-            .await?;
-            Ok(Self {
-                policy,
-                upstream,
-                compactor,
-                tools,
-                mcp,
-            })
-        }
+    /// Validates the policy and prepares the shared parts: the upstream client, the
+    /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
+    /// tools checked and pinned). For a broker driven alone (this workspace's tests, the
+    /// bench): a runtime's broker starts from the policy its configuration validated.
+    #[cfg(feature = "testing")]
+    pub async fn new(policy: BrokerPolicy) -> Result<Self, BrokerError> {
+        validate_policy(&policy)?;
+        Self::start(policy).await
+    }
+
+    /// Prepares the shared parts of a broker whose policy was validated already (by
+    /// [`crate::Config::resolve`], which built it): validated once.
+    pub(crate) async fn start(policy: BrokerPolicy) -> Result<Self, BrokerError> {
+        let upstream = model::Upstream::new(&policy)?;
+        let compactor = compact::Compactor::new(&policy)?;
+        let tools = tools::HostTools::new(&policy.tools)?;
+        let mcp = mcp::McpPool::start(
+            &policy.mcp,
+            policy.limits.call_timeout,
+            policy.mcp_engine.as_ref(),
+        )
+        .await?;
+        Ok(Self {
+            policy,
+            upstream,
+            compactor,
+            tools,
+            mcp,
+        })
     }
 
     /// The tool specs handed to each turn: host tools, then the allow-listed MCP tools with
@@ -1077,8 +1072,8 @@ impl Broker {
     /// returned future closes them (stdin closed, then SIGTERM, then SIGKILL; reaped).
     /// The actor layer calls it when it retires an idle channel. Without it a channel's
     /// sessions live until `max_sessions` makes room for others, or until shutdown.
-    pub fn release_channel(&self, channel: &str) -> BoxFuture<'static, ()> {
-        let sessions = self.mcp.release(&crate::channel::channel_segment(channel));
+    pub fn release_channel(&self, channel: impl Into<crate::ChannelId>) -> BoxFuture<'static, ()> {
+        let sessions = self.mcp.release(channel.into().segment());
         if !sessions.is_empty() {
             tracing::debug!(
                 sessions = sessions.len(),
@@ -1088,7 +1083,9 @@ impl Broker {
         Box::pin(mcp::close_sessions(sessions))
     }
 
-    /// MCP sessions alive now, across servers (a shared server's session counts once).
+    /// MCP sessions alive now, across servers (a shared server's session counts once; for
+    /// this workspace's tests).
+    #[cfg(feature = "testing")]
     pub fn mcp_sessions(&self) -> usize {
         self.mcp.live_sessions()
     }

@@ -411,12 +411,17 @@ impl Upstream {
                 if let Some(a) = &account {
                     charge_whole(a, sent_bytes, &bytes);
                 }
+                let usage = upstream_usage(&bytes);
                 let out = redact_whole(&secrets, bytes);
-                hyper::Response::builder()
+                let mut response = hyper::Response::builder()
                     .status(StatusCode::OK)
                     .header(CONTENT_TYPE, "application/json")
                     .body(super::http::full(out))
-                    .expect("a valid response")
+                    .expect("a valid response");
+                if let Some(usage) = usage {
+                    response.extensions_mut().insert(usage);
+                }
+                response
             }
             Whole::Body(status, bytes, truncated) => {
                 // Redacted before it is cut: a secret straddling the read's end (its start
@@ -740,6 +745,27 @@ fn data_chunk(event: &[u8]) -> Option<ChunkShape> {
         return None;
     }
     serde_json::from_str::<ChunkShape>(json).ok()
+}
+
+/// The token usage a whole chat completion reports (`usage.prompt_tokens`,
+/// `usage.completion_tokens`), for the turn's events; `None` when it says nothing.
+fn upstream_usage(body: &[u8]) -> Option<roundtable_sandbox_protocol::Usage> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        usage: Option<Counts>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Counts {
+        prompt_tokens: Option<u64>,
+        completion_tokens: Option<u64>,
+    }
+    let counts = serde_json::from_slice::<Answer>(body).ok()?.usage?;
+    Some(roundtable_sandbox_protocol::Usage {
+        model_calls: 1,
+        prompt_tokens: counts.prompt_tokens,
+        completion_tokens: counts.completion_tokens,
+        ..Default::default()
+    })
 }
 
 /// A whole answer with every secret replaced; an answer that ends with the start of a

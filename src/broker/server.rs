@@ -31,9 +31,13 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, holding, json_values_over, Response, Turn, MAX_ARGUMENT_VALUES};
+use super::http::{
+    error_response, holding, json_values_over, refuse, Refused, Response, Turn, MAX_ARGUMENT_VALUES,
+};
 use super::{Broker, TurnContext};
 use crate::driver::GuestStream;
+use crate::events::{BrokerEvent, EventKind, Refusal};
+use crate::TurnPhase;
 
 /// How long a client may take to send a request head.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -58,7 +62,7 @@ enum Accepted {
 }
 
 impl Acceptor {
-    async fn accept(&mut self, peer_uid: Option<u32>) -> Accepted {
+    async fn accept(&mut self, peer_uid: Option<u32>, ctx: &TurnContext) -> Accepted {
         match self {
             Acceptor::Unix(listener) => {
                 let stream = match listener.accept().await {
@@ -80,6 +84,8 @@ impl Acceptor {
                             worker_uid = peer_uid,
                             "broker refused a peer"
                         );
+                        // Closed without an answer; reported as the 403 it amounts to.
+                        refused(ctx, StatusCode::FORBIDDEN, Refusal::PeerUid);
                         Accepted::Skip
                     }
                     Err(e) => {
@@ -130,7 +136,7 @@ pub(crate) async fn serve(
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
-            accepted = acceptor.accept(peer_uid), if !closed => accepted,
+            accepted = acceptor.accept(peer_uid, &turn.ctx), if !closed => accepted,
         };
         let stream = match accepted {
             Accepted::Stream(stream) => stream,
@@ -141,6 +147,11 @@ pub(crate) async fn serve(
             }
         };
         if connections.len() >= max_connections {
+            refused(
+                &turn.ctx,
+                StatusCode::SERVICE_UNAVAILABLE,
+                Refusal::Connections,
+            );
             if limit_logged.is_none_or(|t| t.elapsed() >= super::warn::WARN_WINDOW) {
                 tracing::warn!(
                     limit = max_connections,
@@ -170,7 +181,14 @@ pub(crate) async fn serve(
             let service_turn = turn.clone();
             let service = hyper::service::service_fn(move |req| {
                 let turn = service_turn.clone();
-                async move { Ok::<_, Infallible>(handle(&turn, req).await) }
+                async move {
+                    let mut response = handle(&turn, req).await;
+                    // Every refusal of the broker's own, reported once, here.
+                    if let Some(Refused(limit)) = response.extensions_mut().remove::<Refused>() {
+                        refused(&turn.ctx, response.status(), limit);
+                    }
+                    Ok::<_, Infallible>(response)
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -198,6 +216,16 @@ pub(crate) async fn serve(
             suppressed = limit_suppressed,
             "broker connection limit reached (lines suppressed in this turn)"
         );
+    }
+}
+
+/// Reports one refusal of the broker.
+fn refused(ctx: &TurnContext, status: StatusCode, limit: Refusal) {
+    if let Some(events) = &ctx.events {
+        events.broker(BrokerEvent::Refused {
+            status: status.as_u16(),
+            limit,
+        });
     }
 }
 
@@ -301,8 +329,9 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     // A place among the calls in flight, held until the answer is sent; a refusal here
     // does not use up the turn's call budget.
     let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
-        return error_response(
+        return refuse(
             StatusCode::TOO_MANY_REQUESTS,
+            Refusal::CallsInFlight,
             &format!(
                 "too many calls in flight in this turn (limit {})",
                 limits.max_calls_in_flight
@@ -310,13 +339,24 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
         );
     };
     // Count the call before any work is done for it.
-    let (counter, max, what) = match route {
-        Route::Chat => (&turn.model_calls, limits.max_model_calls, "model"),
-        _ => (&turn.tool_calls, limits.max_tool_calls, "tool"),
+    let (counter, max, what, limit) = match route {
+        Route::Chat => (
+            &turn.model_calls,
+            limits.max_model_calls,
+            "model",
+            Refusal::ModelCalls,
+        ),
+        _ => (
+            &turn.tool_calls,
+            limits.max_tool_calls,
+            "tool",
+            Refusal::ToolCalls,
+        ),
     };
     if counter.fetch_add(1, Ordering::SeqCst) >= max {
-        return error_response(
+        return refuse(
             StatusCode::TOO_MANY_REQUESTS,
+            limit,
             &format!("too many {what} calls in this turn (limit {max})"),
         );
     }
@@ -346,7 +386,7 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
     if let Route::Chat = route {
         let prepared = match super::model::prepare(&body, &policy.model, &policy.model_request) {
             Ok(p) => p,
-            Err(msg) => return error_response(StatusCode::BAD_REQUEST, &msg),
+            Err(msg) => return refuse(StatusCode::BAD_REQUEST, Refusal::ModelField, &msg),
         };
         // The guest's bytes are not held while the upstream answers.
         drop(body);
@@ -361,11 +401,10 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 return error_response(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
             }
         }
-        if let Some(events) = &turn.ctx.events {
-            events(super::BrokerEvent::ModelCall);
-        }
+        crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
         tracing::debug!("model call");
-        return turn
+        let started = std::time::Instant::now();
+        let mut response = turn
             .broker
             .upstream
             .chat(
@@ -376,10 +415,24 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 turn.ctx.account.clone(),
             )
             .await;
+        // Forwarded: whatever the upstream answered is the model call's outcome.
+        response.extensions_mut().remove::<Refused>();
+        let usage = response
+            .extensions_mut()
+            .remove::<roundtable_sandbox_protocol::Usage>();
+        if let Some(events) = &turn.ctx.events {
+            events.broker(BrokerEvent::ModelCall {
+                status: response.status().as_u16(),
+                latency: started.elapsed(),
+                usage,
+            });
+        }
+        return response;
     }
     if json_values_over(&body, MAX_ARGUMENT_VALUES) {
-        return error_response(
+        return refuse(
             StatusCode::BAD_REQUEST,
+            Refusal::ArgumentComplexity,
             &format!("tool arguments too complex (more than {MAX_ARGUMENT_VALUES} JSON values)"),
         );
     }
@@ -394,12 +447,36 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         );
     };
     drop(body);
-    if let Some(events) = &turn.ctx.events {
-        events(super::BrokerEvent::ToolCall);
+    crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ToolCall));
+    let started = std::time::Instant::now();
+    let (name, mcp) = match route {
+        Route::Mcp(server, tool) => (format!("{server}/{tool}"), true),
+        Route::Tool(name) => (name.to_owned(), false),
+        Route::Chat => unreachable!("answered above"),
+    };
+    let response = tool_call(turn, route, object).await;
+    // A refused call is reported as its refusal (by the service), a call made as a call.
+    if let (Some(events), None) = (&turn.ctx.events, response.extensions().get::<Refused>()) {
+        events.broker(BrokerEvent::ToolCall {
+            name,
+            mcp,
+            ok: response.status().is_success(),
+            latency: started.elapsed(),
+        });
     }
     if let Some(account) = &turn.ctx.account {
         account.count_tool_call();
     }
+    response
+}
+
+/// Runs one host or MCP tool call whose arguments are an object.
+async fn tool_call(
+    turn: &Turn,
+    route: Route<'_>,
+    object: serde_json::Map<String, serde_json::Value>,
+) -> Response {
+    let policy = &turn.broker.policy;
     // A key provider's key is redacted from tool results: have it before the first one.
     if policy.api_key.unfetched() {
         if let Err(e) = policy.api_key.resolve().await {

@@ -17,9 +17,10 @@ use hyper::StatusCode;
 use roundtable_sandbox_protocol::ToolCallResult;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{error_response, json_response, Response};
+use super::http::{error_response, failure, json_response, refuse, Response};
 use super::redact::Secrets;
 use super::{BrokerError, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
+use crate::events::Refusal;
 
 /// Compiles a tool's argument schema.
 pub(crate) fn compile_schema(
@@ -112,13 +113,13 @@ impl HostTools {
         };
         let args = serde_json::Value::Object(args);
         if let Err(msg) = check_args(validator, &args) {
-            return error_response(StatusCode::BAD_REQUEST, &msg);
+            return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg);
         }
         let cancel = stop.child_token();
         // Cancels the handler's token however this call ends (deadline, turn stop, drop).
         let _guard = cancel.clone().drop_guard();
         let call_ctx = ToolCallContext {
-            channel: ctx.channel.clone(),
+            channel: ctx.channel.key().to_owned(),
             speaker: ctx.speaker.clone(),
             cancel: cancel.clone(),
         };
@@ -133,7 +134,7 @@ impl HostTools {
         match outcome {
             Err(_) => {
                 tracing::info!(tool = name, "host tool timed out");
-                error_response(
+                failure(
                     StatusCode::GATEWAY_TIMEOUT,
                     &format!("tool call timed out after {timeout:?}"),
                 )

@@ -7,11 +7,6 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// The channel as the compactor's lines name it: the first 16 hex of its hash.
-fn channel_hash(channel: &str) -> String {
-    crate::channel::channel_segment(channel)[..16].to_owned()
-}
-
 /// How long one reason's warn line is not repeated in a turn.
 pub(super) const WARN_WINDOW: Duration = Duration::from_secs(10);
 /// The most reasons a turn tracks apart; any further one shares one entry.
@@ -26,9 +21,9 @@ pub(super) struct Warnings {
 }
 
 impl Warnings {
-    pub(super) fn new(channel: &str) -> Self {
+    pub(super) fn new(channel: &crate::ChannelId) -> Self {
         Self {
-            channel: channel_hash(channel),
+            channel: channel.short().to_owned(),
             seen: Mutex::new(HashMap::new()),
         }
     }
@@ -107,7 +102,7 @@ mod tests {
 
     #[test]
     fn warn_lines_are_rate_limited_per_reason() {
-        let w = Warnings::new("#c");
+        let w = Warnings::new(&"#c".into());
         assert_eq!(w.admit("refused", "a"), Some(0));
         assert_eq!(w.admit("refused", "a"), None);
         assert_eq!(w.admit("refused", "a"), None);

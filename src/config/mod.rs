@@ -111,6 +111,8 @@ pub struct Config {
     pub turn_timeout: Option<Duration>,
     /// A custom driver; `None` selects Docker.
     pub driver: Option<Arc<dyn ContainerDriver>>,
+    /// Receives every event of the runtime (see [`crate::events`]); installed once, here.
+    pub observer: Option<crate::events::Observer>,
     /// Offline tests only; production endpoints must use HTTPS.
     pub allow_http: bool,
     /// The broker's caps on what the guest may ask.
@@ -172,6 +174,7 @@ impl std::fmt::Debug for Config {
             .field("compaction", &self.compaction)
             .field("warm", &self.warm)
             .field("budgets", &self.budgets)
+            .field("observer", &self.observer.as_ref().map(|_| "observer"))
             .finish_non_exhaustive()
     }
 }
@@ -213,6 +216,7 @@ impl Config {
                 limits: Limits::default(),
                 turn_timeout: None,
                 driver: None,
+                observer: None,
                 allow_http: false,
                 broker_limits: BrokerLimits::default(),
                 instance: None,
@@ -249,16 +253,23 @@ impl Config {
         }
     }
 
+    /// The Docker driver's options this configuration implies (its endpoint): the one place
+    /// they are derived, for the runtime ([`ResolvedConfig::docker`]) and the CLI.
+    pub fn docker_options(&self) -> crate::driver::DockerOptions {
+        let mut options = crate::driver::DockerOptions::default();
+        if let Some(host) = &self.docker_host {
+            options.host = host.clone();
+        }
+        options
+    }
+
     /// The broker's policy for the runtime of `resolved`: container-confined MCP sessions
     /// run through the same engine, identity and runtime as the guests, their data under
     /// [`MCP_DATA_DIR`] of the workspace root, held to the workspaces' free-space floor.
     pub(crate) fn runtime_broker_policy(&self, resolved: &ResolvedConfig) -> BrokerPolicy {
         let mut policy = self.broker_policy(resolved.uid);
         policy.mcp_engine = Some(crate::broker::McpEngine {
-            docker_host: self
-                .docker_host
-                .clone()
-                .unwrap_or_else(|| crate::driver::DockerOptions::default().host),
+            docker_host: resolved.docker.host.clone(),
             instance: resolved.instance.clone(),
             uid: resolved.uid,
             gid: resolved.gid,
@@ -353,6 +364,8 @@ impl ConfigBuilder {
         turn_timeout: Duration;
         /// A custom container driver (instead of Docker).
         driver: Arc<dyn ContainerDriver>;
+        /// The runtime's event observer (see [`crate::events`]).
+        observer: crate::events::Observer;
         /// The instance name (label of this runtime's containers).
         instance: impl Into<String>;
         /// Model steps per turn.
@@ -419,4 +432,8 @@ pub struct ResolvedConfig {
     pub warm: WarmSettings,
     /// Budgets (`[budgets]`, validated).
     pub budgets: BudgetSettings,
+    /// The Docker driver's options ([`Config::docker_options`]).
+    pub docker: crate::driver::DockerOptions,
+    /// The broker's policy, built and validated once here (with the runtime's MCP engine).
+    pub(crate) broker: BrokerPolicy,
 }

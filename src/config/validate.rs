@@ -59,7 +59,8 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
             return Err(ConfigError::PeerUidCheckUnderRuntime(runtime.clone()));
         }
     }
-    broker::validate_policy(&config.broker_policy(uid))?;
+    let policy = config.broker_policy(uid);
+    broker::validate_policy(&policy)?;
     if let Some(instance) = &config.instance {
         if !valid_instance(instance) {
             return Err(ConfigError::InvalidInstance(instance.clone()));
@@ -92,7 +93,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         .instance
         .clone()
         .unwrap_or_else(|| default_instance(&run_root));
-    Ok(ResolvedConfig {
+    let mut resolved = ResolvedConfig {
         run_root,
         workspace_root,
         uid,
@@ -113,7 +114,12 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         runtime: config.runtime.clone(),
         warm: config.warm,
         budgets: config.budgets.clone(),
-    })
+        docker: config.docker_options(),
+        broker: policy,
+    };
+    // The policy validated above, with the runtime's engine for confined MCP sessions.
+    resolved.broker = config.runtime_broker_policy(&resolved);
+    Ok(resolved)
 }
 
 /// The `[budgets]` rules (a custom store stands for the state file).

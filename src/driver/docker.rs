@@ -79,6 +79,8 @@ pub struct DockerDriver {
     /// not host processes, so what they hold open is counted inside (see
     /// [`ContainerDriver::held_files`]).
     sandboxed: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    /// Where each engine call is reported (operation, latency), if the runtime observes.
+    events: Option<Arc<crate::events::EventHub>>,
 }
 
 /// Where a container's process list is read.
@@ -99,42 +101,52 @@ impl DockerDriver {
             process_files: Default::default(),
             data_root: Arc::new(OnceCell::new()),
             sandboxed: Default::default(),
+            events: None,
         }
     }
 
-    /// The engine's client, connected and version-negotiated on first use.
-    pub async fn client(&self) -> Result<&Docker, DriverError> {
-        self.docker
-            .get_or_try_init(|| async {
-                let path = self.options.host.trim_start_matches("unix://");
-                // bollard's own timeout would cut the wait and attach streams: ours apply per call.
-                let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
-                    .map_err(|e| unreachable_error(&e))?;
-                let negotiated =
-                    tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
-                        .await
-                        .map_err(|_| DriverError::DaemonUnreachable {
+    /// The driver reporting each engine call to the runtime's events.
+    pub(crate) fn with_events(mut self, events: Arc<crate::events::EventHub>) -> Self {
+        self.events = Some(events);
+        self
+    }
+
+    testing_pub! {
+        /// The engine's client, connected and version-negotiated on first use (an engine
+        /// type: public to this workspace's tests and bench only, never the embedding API).
+        async fn client(&self) -> Result<&Docker, DriverError> {
+            self.docker
+                .get_or_try_init(|| async {
+                    let path = self.options.host.trim_start_matches("unix://");
+                    // bollard's own timeout would cut the wait and attach streams: ours apply per call.
+                    let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
+                        .map_err(|e| unreachable_error(&e))?;
+                    let negotiated =
+                        tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
+                            .await
+                            .map_err(|_| DriverError::DaemonUnreachable {
+                                engine: ENGINE,
+                                reason: format!(
+                                    "no answer from {} within {:?}",
+                                    self.options.host, self.options.call_timeout
+                                ),
+                            })?
+                            .map_err(|e| unreachable_error(&e))?;
+                    // Never go below the API that has every field this driver sets.
+                    let v = negotiated.client_version();
+                    if (v.major_version, v.minor_version) < (1, 41) {
+                        return Err(DriverError::DaemonUnreachable {
                             engine: ENGINE,
                             reason: format!(
-                                "no answer from {} within {:?}",
-                                self.options.host, self.options.call_timeout
+                                "engine API {}.{} is older than 1.41",
+                                v.major_version, v.minor_version
                             ),
-                        })?
-                        .map_err(|e| unreachable_error(&e))?;
-                // Never go below the API that has every field this driver sets.
-                let v = negotiated.client_version();
-                if (v.major_version, v.minor_version) < (1, 41) {
-                    return Err(DriverError::DaemonUnreachable {
-                        engine: ENGINE,
-                        reason: format!(
-                            "engine API {}.{} is older than 1.41",
-                            v.major_version, v.minor_version
-                        ),
-                    });
-                }
-                Ok(negotiated)
-            })
-            .await
+                        });
+                    }
+                    Ok(negotiated)
+                })
+                .await
+        }
     }
 
     /// The engine's version string (for `doctor`).
@@ -207,7 +219,8 @@ impl DockerDriver {
         container: &str,
         fut: impl std::future::Future<Output = Result<T, BollardError>>,
     ) -> Result<T, DriverError> {
-        match tokio::time::timeout(self.options.call_timeout, fut).await {
+        let started = std::time::Instant::now();
+        let result = match tokio::time::timeout(self.options.call_timeout, fut).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(classify(op, container, e)),
             Err(_) => Err(DriverError::CallTimeout {
@@ -216,7 +229,19 @@ impl DockerDriver {
                 container: container.to_owned(),
                 after: self.options.call_timeout,
             }),
+        };
+        if let Some(events) = &self.events {
+            events.emit(
+                None,
+                None,
+                crate::events::EventKind::Engine {
+                    op,
+                    latency: started.elapsed(),
+                    ok: result.is_ok(),
+                },
+            );
         }
+        result
     }
 
     fn spawn_kill(&self, docker: &Docker, name: &str) {
@@ -641,14 +666,16 @@ fn keep_containers() -> bool {
 }
 
 impl DockerDriver {
+    testing_pub! {
     /// Names of containers whose removal failed and is still to be retried.
-    pub fn pending_removals(&self) -> Vec<String> {
+    fn pending_removals(&self) -> Vec<String> {
         self.pending_removal
             .lock()
             .unwrap()
             .iter()
             .cloned()
             .collect()
+    }
     }
 
     /// Retries every removal that failed before (kept for later if it fails again).

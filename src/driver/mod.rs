@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+#[cfg(feature = "testing")]
 use roundtable_sandbox_protocol::Reply;
 use tokio_util::sync::CancellationToken;
 
@@ -187,6 +188,7 @@ pub struct RunOutcome {
 
 impl RunOutcome {
     /// A run that printed `reply` as its stdout and exited 0 (for fakes and tests).
+    #[cfg(feature = "testing")]
     pub fn replied(reply: &Reply) -> Self {
         Self {
             stdout: serde_json::to_vec(reply).expect("a reply always serialises"),
@@ -425,11 +427,33 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         Box::pin(async { Ok(BrokerTransport::UnixSocket) })
     }
 
+    /// Where the turn's workspace lives, and so who measures it (asked at every turn and
+    /// preparation). The default, and the Docker driver's: [`WorkspaceHome::HostDir`], the
+    /// channel's directory under the workspace root, made and measured by the host.
+    fn workspace_home(&self) -> WorkspaceHome {
+        WorkspaceHome::HostDir
+    }
+
     /// The host directory where the engine stores images and container layers, whose
     /// filesystem the free-space floor guards (`None`: no such directory on this host, as
     /// for a fake or a remote backend). No default: a backend says which, so a floor is
     /// never skipped because a backend forgot it.
     fn data_root(&self) -> BoxFuture<'_, Result<Option<PathBuf>, DriverError>>;
+}
+
+/// Where a turn's workspace lives, and so who makes and measures it
+/// ([`ContainerDriver::workspace_home`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WorkspaceHome {
+    /// `workspace_root/<segment>` on this host, bind-mounted into the container: the host
+    /// makes it (0700, never through a link) and its quota watcher measures it by
+    /// descriptor, with the free-space floor of its filesystem.
+    HostDir,
+    /// Elsewhere (a volume of a backend whose containers are not on this host, see
+    /// docs/scale-out.md): the host makes and measures nothing; the backend keeps the
+    /// quota (`ContainerSpec::file_size_mb`) and ends a run that passes it.
+    Backend,
 }
 
 /// [`HeldFiles`] from a listing of the turn's host processes: a failed listing is

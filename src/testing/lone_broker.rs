@@ -76,7 +76,17 @@ pub struct BrokerTurn {
 impl BrokerTurn {
     /// Listens for a turn of `speaker` in `channel`.
     pub async fn start(broker: &Arc<Broker>, channel: &str, speaker: Speaker) -> Self {
-        Self::start_counted(broker, channel, speaker, None).await
+        Self::start_with(broker, channel, speaker, None, None).await
+    }
+
+    /// [`BrokerTurn::start`], the turn's events (turn number 1) going to `observer`.
+    pub async fn start_observed(
+        broker: &Arc<Broker>,
+        channel: &str,
+        speaker: Speaker,
+        observer: Option<crate::events::Observer>,
+    ) -> Self {
+        Self::start_with(broker, channel, speaker, observer, None).await
     }
 
     /// [`BrokerTurn::start`], the turn's usage counted (and its budgets checked) by
@@ -85,6 +95,16 @@ impl BrokerTurn {
         broker: &Arc<Broker>,
         channel: &str,
         speaker: Speaker,
+        account: Option<Arc<crate::budgets::TurnAccount>>,
+    ) -> Self {
+        Self::start_with(broker, channel, speaker, None, account).await
+    }
+
+    async fn start_with(
+        broker: &Arc<Broker>,
+        channel: &str,
+        speaker: Speaker,
+        observer: Option<crate::events::Observer>,
         account: Option<Arc<crate::budgets::TurnAccount>>,
     ) -> Self {
         let dir = tempfile::Builder::new()
@@ -97,8 +117,15 @@ impl BrokerTurn {
             channel: channel.into(),
             speaker,
             cancel: cancel.clone(),
-            events: None,
             account,
+            events: observer.map(|o| {
+                crate::events::TurnEvents::new(
+                    Arc::new(crate::events::EventHub::new(Some(o))),
+                    1,
+                    channel.into(),
+                    None,
+                )
+            }),
         };
         let listener = broker.listen(&socket, ctx).await.unwrap();
         Self {

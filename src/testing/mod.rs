@@ -32,3 +32,6 @@ pub use env::{
 };
 pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};
 pub use lone_broker::{broker_policy, start_broker, BrokerTurn};
+
+mod events;
+pub use events::Recorder;

@@ -201,6 +201,7 @@ impl HostTool for Waits {
     }
 }
 
+mod events;
 mod limits;
 mod logs;
 mod mcp;

@@ -1,0 +1,308 @@
+//! The one event seam: what the runtime does, as typed [`Event`]s with their instants, for
+//! metrics, budgets and progress displays.
+//!
+//! An [`Observer`] is installed once, on the [`Config`](crate::Config) the
+//! [`Sandbox`](crate::Sandbox) is built from (`Config::builder(..).observer(..)`, or the
+//! actor layer's `SupervisorOptions::observer`). It sees every turn's admission, its wait
+//! for a container slot, each phase and its end (the failure kind, or ok; warm or cold),
+//! the warm pool's preparations, adoptions, fallbacks and discards (each with its reason),
+//! every broker call (model: status, latency, the upstream's token usage; tool and MCP:
+//! name, outcome, latency) and every refusal of the broker (its status and the limit that
+//! refused), and the engine's calls (operation, latency). An event names the turn by its
+//! runtime-wide number and the channel by its short hash ([`ChannelId::short`]); it never
+//! carries guest text.
+//!
+//! The other views are built on it: a turn's [`PhaseObserver`](crate::PhaseObserver) sees
+//! its [`EventKind::Phase`]s, [`Sandbox::warm_counts`](crate::Sandbox::warm_counts) counts
+//! its [`WarmEvent::Adopted`]/[`WarmEvent::FellBack`], and the actor layer's progress is
+//! mapped from the same events.
+//!
+//! The observer is called on the thread that does the work (a turn's task, a broker
+//! connection's task): it must return quickly. A panic in it is caught and logged.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use roundtable_sandbox_protocol::Usage;
+
+use crate::turn::kinds::{PhaseObserver, TurnFailure, TurnPhase};
+use crate::ChannelId;
+
+/// Receives every [`Event`] of a runtime (see the [module](self)).
+pub type Observer = Arc<dyn Fn(&Event) + Send + Sync>;
+
+/// One thing the runtime did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// When.
+    pub at: Instant,
+    /// The turn's runtime-wide number ([`AdmittedTurn::number`](crate::turn::AdmittedTurn::number)),
+    /// when the event is a turn's.
+    pub turn: Option<u64>,
+    /// The channel's short hash ([`ChannelId::short`]), when the event is a channel's.
+    pub channel: Option<String>,
+    /// What happened.
+    pub kind: EventKind,
+}
+
+/// What happened. New kinds may come: match with a `_` arm.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum EventKind {
+    /// A turn was admitted (its deadline fixed).
+    Admitted,
+    /// A message waits behind the channel's running turn: `depth` turns ahead of it.
+    Queued {
+        /// Turns ahead of it (the running one included).
+        depth: usize,
+    },
+    /// Every container slot (the actor layer's global cap) is taken: the turn waits.
+    WaitingForSlot,
+    /// The turn got a container slot after waiting this long.
+    WaitedForSlot {
+        /// How long.
+        waited: Duration,
+    },
+    /// The turn reached a phase.
+    Phase(TurnPhase),
+    /// The turn ended (once per turn, and once per refused message): `None` when its
+    /// reply is the guest's own success.
+    Ended {
+        /// Why it did not succeed.
+        failure: Option<TurnFailure>,
+        /// Whether a prepared container served it.
+        warm: bool,
+    },
+    /// The warm pool.
+    Warm(WarmEvent),
+    /// The broker.
+    Broker(BrokerEvent),
+    /// One call to the container engine.
+    Engine {
+        /// The operation (`create`, `start`, `remove`, `inspect`, …).
+        op: &'static str,
+        /// How long it took.
+        latency: Duration,
+        /// Whether it succeeded.
+        ok: bool,
+    },
+}
+
+/// What the warm pool did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WarmEvent {
+    /// A container was prepared for the channel's next turn.
+    Prepared,
+    /// A turn adopted its prepared container.
+    Adopted,
+    /// The prepared container could not serve; the turn started cold.
+    FellBack {
+        /// Why (the host's error text: never guest text).
+        reason: String,
+    },
+    /// A prepared container was removed unused.
+    Discarded {
+        /// Why (`expired`, `reset since prepared`, `shutting down`, …).
+        reason: String,
+    },
+}
+
+/// What the broker did for a turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BrokerEvent {
+    /// A model call was answered (or failed upstream).
+    ModelCall {
+        /// The status the guest got.
+        status: u16,
+        /// From the forwarded request to the upstream's answer (its head, when streamed).
+        latency: Duration,
+        /// The upstream's token usage, when its answer was a whole JSON body that said.
+        usage: Option<Usage>,
+    },
+    /// A host or MCP tool was called.
+    ToolCall {
+        /// The tool (`server/tool` for MCP).
+        name: String,
+        /// Whether it is an MCP tool.
+        mcp: bool,
+        /// Whether it answered with a result (2xx).
+        ok: bool,
+        /// How long it took.
+        latency: Duration,
+    },
+    /// The broker refused a request (every 4xx/5xx it answers itself).
+    Refused {
+        /// The status.
+        status: u16,
+        /// The limit or rule that refused.
+        limit: Refusal,
+    },
+}
+
+/// The limit or rule behind a broker refusal. New kinds may come: match with a `_` arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// `max_calls_in_flight` (429).
+    CallsInFlight,
+    /// `max_connections` (503).
+    Connections,
+    /// `max_request_bytes` (413).
+    RequestBytes,
+    /// `max_model_calls` (429).
+    ModelCalls,
+    /// `max_tool_calls` (429).
+    ToolCalls,
+    /// Tool arguments past the JSON value cap (400).
+    ArgumentComplexity,
+    /// A model request field outside the allow-list (400).
+    ModelField,
+    /// A tool's arguments do not match its schema (400).
+    ToolArguments,
+    /// An unknown path, tool or MCP server (404).
+    UnknownRoute,
+    /// A method the path does not take (405).
+    Method,
+    /// A request the broker cannot read (malformed JSON, not an object, unreadable body).
+    Malformed,
+    /// The request's body did not arrive within `call_timeout` (408).
+    BodyTimeout,
+    /// The peer is not the worker uid (403).
+    PeerUid,
+    /// All of the MCP server's channel sessions are busy (503).
+    McpSessions,
+    /// A confined MCP session's container passed its storage quota (507).
+    McpQuota,
+    /// The turn was cancelled (503).
+    Cancelled,
+    /// The key could not be had (502).
+    Key,
+    /// A compaction request past its caps or rules (400/413).
+    Compaction,
+    /// Any other failure of the broker's own (500).
+    Internal,
+}
+
+/// Where a runtime's events go: the observer, and the counters built on the events.
+#[derive(Default)]
+pub(crate) struct EventHub {
+    observer: Option<Observer>,
+    next_turn: AtomicU64,
+    adopted: AtomicU64,
+    fell_back: AtomicU64,
+}
+
+impl std::fmt::Debug for EventHub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventHub")
+            .field("observer", &self.observer.as_ref().map(|_| "observer"))
+            .finish_non_exhaustive()
+    }
+}
+
+impl EventHub {
+    pub(crate) fn new(observer: Option<Observer>) -> Self {
+        Self {
+            observer,
+            ..Self::default()
+        }
+    }
+
+    /// The next turn's runtime-wide number (from 1).
+    pub(crate) fn next_turn(&self) -> u64 {
+        self.next_turn.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Turns served by a prepared container, and turns whose prepared container could not
+    /// serve (from the events).
+    pub(crate) fn warm_counts(&self) -> (u64, u64) {
+        (
+            self.adopted.load(Ordering::Relaxed),
+            self.fell_back.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Sends one event.
+    pub(crate) fn emit(&self, turn: Option<u64>, channel: Option<&ChannelId>, kind: EventKind) {
+        match &kind {
+            EventKind::Warm(WarmEvent::Adopted) => {
+                self.adopted.fetch_add(1, Ordering::Relaxed);
+            }
+            EventKind::Warm(WarmEvent::FellBack { .. }) => {
+                self.fell_back.fetch_add(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+        let Some(observer) = &self.observer else {
+            return;
+        };
+        let event = Event {
+            at: Instant::now(),
+            turn,
+            channel: channel.map(|c| c.short().to_owned()),
+            kind,
+        };
+        if std::panic::catch_unwind(AssertUnwindSafe(|| observer(&event))).is_err() {
+            tracing::warn!("the event observer panicked; the runtime goes on");
+        }
+    }
+}
+
+/// One turn's events: its number and channel stamped on each, its phase observer told of
+/// its phases. Cheap to clone; the broker holds one per turn.
+#[derive(Clone)]
+pub struct TurnEvents {
+    hub: Arc<EventHub>,
+    turn: u64,
+    channel: ChannelId,
+    phases: Option<PhaseObserver>,
+}
+
+impl std::fmt::Debug for TurnEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TurnEvents")
+            .field("turn", &self.turn)
+            .field("channel", &self.channel)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TurnEvents {
+    pub(crate) fn new(
+        hub: Arc<EventHub>,
+        turn: u64,
+        channel: ChannelId,
+        phases: Option<PhaseObserver>,
+    ) -> Self {
+        Self {
+            hub,
+            turn,
+            channel,
+            phases,
+        }
+    }
+
+    /// Sends one of the turn's events; a phase goes to its phase observer too.
+    pub(crate) fn emit(&self, kind: EventKind) {
+        if let (EventKind::Phase(phase), Some(phases)) = (&kind, &self.phases) {
+            phases(*phase);
+        }
+        self.hub.emit(Some(self.turn), Some(&self.channel), kind);
+    }
+
+    /// A broker event of the turn.
+    pub(crate) fn broker(&self, event: BrokerEvent) {
+        self.emit(EventKind::Broker(event));
+    }
+}
+
+/// A turn's events, or none (a broker driven alone).
+pub(crate) fn emit(events: &Option<TurnEvents>, kind: EventKind) {
+    if let Some(e) = events {
+        e.emit(kind);
+    }
+}

@@ -1,0 +1,236 @@
+//! The broker on the runtime's one event seam: every refusal it answers yields exactly one
+//! `Refused` event with its status and the limit that refused; a model call and a tool
+//! call yield one event each, with their outcome and latency (the model's token usage
+//! from the upstream's answer).
+
+use super::*;
+use roundtable_sandbox::events::{BrokerEvent, EventKind, Refusal};
+use roundtable_sandbox::testing::Recorder;
+
+/// A turn of a broker built from `p`, its events recorded.
+async fn observed(p: BrokerPolicy) -> (BrokerTurn, Recorder) {
+    let broker = start_broker(p).await;
+    let seen = Recorder::default();
+    let turn =
+        BrokerTurn::start_observed(&broker, "chan-1", speaker(), Some(seen.observer())).await;
+    (turn, seen)
+}
+
+/// A raw connection to the turn's socket that has sent `bytes`.
+async fn raw(socket: &Path, bytes: &[u8]) -> tokio::net::UnixStream {
+    let mut stream = tokio::net::UnixStream::connect(socket).await.unwrap();
+    stream.write_all(bytes).await.unwrap();
+    stream
+}
+
+/// The start of what the broker answers on `stream`.
+async fn head(stream: &mut tokio::net::UnixStream) -> String {
+    let mut buf = vec![0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[tokio::test]
+async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
+    let model = ScriptedModel::start(vec![Step::text("a"), Step::text("b")]).await;
+    let base = || {
+        let mut p = policy(&model.url());
+        p.tools = vec![Arc::new(Weather::default()), Arc::new(Waits::default())];
+        p
+    };
+    let weather = "/v1/tools/weather";
+    let oslo = json!({"city": "Oslo"}).to_string();
+    // One refusal per turn: the request, then the (status, limit) it must yield once.
+    type Case = (
+        BrokerPolicy,
+        &'static str,
+        &'static str,
+        String,
+        u16,
+        Refusal,
+    );
+    let mut p_bytes = base();
+    p_bytes.limits.max_request_bytes = 4096;
+    let cases: Vec<Case> = vec![
+        (
+            base(),
+            "POST",
+            "/v1/nothing",
+            String::new(),
+            404,
+            Refusal::UnknownRoute,
+        ),
+        (
+            base(),
+            "POST",
+            "/v1/tools/nosuch",
+            oslo.clone(),
+            404,
+            Refusal::UnknownRoute,
+        ),
+        (base(), "GET", weather, String::new(), 405, Refusal::Method),
+        (
+            p_bytes,
+            "POST",
+            weather,
+            "x".repeat(5000),
+            413,
+            Refusal::RequestBytes,
+        ),
+        (
+            base(),
+            "POST",
+            weather,
+            "[".repeat(70_000),
+            400,
+            Refusal::ArgumentComplexity,
+        ),
+        (
+            base(),
+            "POST",
+            CHAT,
+            json!({"messages": [], "route": "fallback"}).to_string(),
+            400,
+            Refusal::ModelField,
+        ),
+        (
+            base(),
+            "POST",
+            weather,
+            json!({"days": 2}).to_string(),
+            400,
+            Refusal::ToolArguments,
+        ),
+        (
+            base(),
+            "POST",
+            weather,
+            "{not json".into(),
+            400,
+            Refusal::Malformed,
+        ),
+        (
+            base(),
+            "POST",
+            "/v1/compact",
+            "{}".into(),
+            400,
+            Refusal::Compaction,
+        ),
+    ];
+    for (p, method, path, body, status, limit) in cases {
+        let (turn, seen) = observed(p).await;
+        let (got, _, _) = client::send(turn.socket(), method, path, &[], body)
+            .await
+            .unwrap();
+        assert_eq!(got, status, "{method} {path}");
+        assert_eq!(seen.refusals(), vec![(status, limit)], "{method} {path}");
+    }
+
+    // One call past the turn's model calls, one past its tool calls.
+    let mut p = base();
+    p.limits.max_model_calls = 1;
+    p.limits.max_tool_calls = 1;
+    let (turn, seen) = observed(p).await;
+    let s = turn.socket();
+    assert_eq!(post_json(s, CHAT, &chat_body(false)).await.status, 200);
+    assert_eq!(post_json(s, CHAT, &chat_body(false)).await.status, 429);
+    assert_eq!(seen.refusals(), vec![(429, Refusal::ModelCalls)]);
+    assert_eq!(
+        post(s, weather, &[], oslo.clone()).await.unwrap().status,
+        200
+    );
+    assert_eq!(
+        post(s, weather, &[], oslo.clone()).await.unwrap().status,
+        429
+    );
+    assert_eq!(
+        seen.refusals(),
+        vec![(429, Refusal::ModelCalls), (429, Refusal::ToolCalls)]
+    );
+
+    // A call past `max_calls_in_flight`: the one in flight holds its place.
+    let mut p = base();
+    p.limits.max_calls_in_flight = 1;
+    p.limits.max_tool_calls = 10_000;
+    let (turn, seen) = observed(p).await;
+    let socket = turn.socket().to_owned();
+    let held = tokio::spawn(async move { post(&socket, "/v1/tools/waits", &[], "{}").await });
+    let mut refused = None;
+    for _ in 0..500 {
+        // Weather answers at once when admitted (before the held call took the place).
+        let a = post(turn.socket(), weather, &[], oslo.clone())
+            .await
+            .unwrap();
+        if a.status == 429 {
+            refused = Some(a);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(refused.is_some(), "never refused");
+    assert_eq!(seen.refusals(), vec![(429, Refusal::CallsInFlight)]);
+    held.abort();
+
+    // A connection past `max_connections`: answered 503 raw and closed.
+    let mut p = base();
+    p.limits.max_connections = 1;
+    p.limits.max_calls_in_flight = 1;
+    let (turn, seen) = observed(p).await;
+    let _first = raw(turn.socket(), b"").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut second = raw(turn.socket(), b"").await;
+    assert!(head(&mut second).await.starts_with("HTTP/1.1 503"));
+    assert_eq!(seen.refusals(), vec![(503, Refusal::Connections)]);
+
+    // A body that does not arrive within `call_timeout`.
+    let mut p = base();
+    p.limits.call_timeout = Duration::from_millis(300);
+    let (turn, seen) = observed(p).await;
+    let head_only = b"POST /v1/tools/weather HTTP/1.1\r\nhost: b\r\ncontent-length: 100\r\n\r\n{";
+    let mut stream = raw(turn.socket(), head_only).await;
+    assert!(head(&mut stream).await.starts_with("HTTP/1.1 408"));
+    assert_eq!(seen.refusals(), vec![(408, Refusal::BodyTimeout)]);
+}
+
+#[tokio::test]
+async fn a_model_call_and_a_tool_call_yield_one_event_each() {
+    let model = ScriptedModel::start(vec![Step::text("a")]).await;
+    let mut p = policy(&model.url());
+    p.tools = vec![Arc::new(Weather::default())];
+    let (turn, seen) = observed(p).await;
+    assert_eq!(
+        post_json(turn.socket(), CHAT, &chat_body(false))
+            .await
+            .status,
+        200
+    );
+    let args = json!({"city": "Oslo"});
+    assert_eq!(
+        post_json(turn.socket(), "/v1/tools/weather", &args)
+            .await
+            .status,
+        200
+    );
+    let events = seen.broker();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(
+        matches!(&events[0], BrokerEvent::ModelCall { status: 200, usage: Some(u), .. }
+            if u.prompt_tokens == Some(1) && u.completion_tokens == Some(1)),
+        "{events:?}"
+    );
+    assert!(
+        matches!(&events[1], BrokerEvent::ToolCall { name, mcp: false, ok: true, .. } if name == "weather"),
+        "{events:?}"
+    );
+    // The phases the broker reports, for a progress display.
+    let phases = seen
+        .all()
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Phase(_)))
+        .count();
+    assert_eq!(phases, 2);
+}
