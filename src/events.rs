@@ -79,6 +79,14 @@ pub enum EventKind {
     Warm(WarmEvent),
     /// The broker.
     Broker(BrokerEvent),
+    /// A budget refused a turn before anything was made for it, or a model call of a
+    /// running turn (the guest's, or its compactor's): see [`crate::budgets`].
+    BudgetRefused {
+        /// Which budget.
+        budget: crate::budgets::Budget,
+        /// Whether the turn was running (a model call refused) rather than refused at its start.
+        mid_turn: bool,
+    },
     /// One call to the container engine.
     Engine {
         /// The operation (`create`, `start`, `remove`, `inspect`, …).
@@ -183,6 +191,8 @@ pub enum Refusal {
     Key,
     /// A compaction request past its caps or rules (400/413).
     Compaction,
+    /// A token budget of `[budgets]` (429).
+    Budget,
     /// Any other failure of the broker's own (500).
     Internal,
 }

@@ -397,6 +397,13 @@ async fn call(
     }
     if let Some(account) = &turn.ctx.account {
         if let Err(refusal) = account.check_call() {
+            crate::events::emit(
+                &turn.ctx.events,
+                crate::events::EventKind::BudgetRefused {
+                    budget: refusal.budget,
+                    mid_turn: true,
+                },
+            );
             return Err(format!("the {name} call is refused: {refusal}"));
         }
     }
@@ -446,6 +453,7 @@ async fn call(
         let (bytes, truncated) = read_capped(response, cap).await?;
         Ok::<_, reqwest::Error>((status, bytes, truncated))
     };
+    let started = std::time::Instant::now();
     let outcome = tokio::select! {
         r = tokio::time::timeout(timeout, exchange) => r,
         _ = turn.stop.cancelled() => return Err("the turn was stopped".to_owned()),
@@ -459,6 +467,19 @@ async fn call(
     };
     if let Some(account) = &turn.ctx.account {
         account.count_model_call();
+    }
+    // The compactor's upstream call is a model call of the turn's on the event seam.
+    let model_call = |usage: Option<roundtable_sandbox_protocol::Usage>| {
+        if let Some(events) = &turn.ctx.events {
+            events.broker(crate::events::BrokerEvent::ModelCall {
+                status: status.as_u16(),
+                latency: started.elapsed(),
+                usage,
+            });
+        }
+    };
+    if !status.is_success() || truncated {
+        model_call(None);
     }
     if !status.is_success() {
         return Err(format!("the {name} returned HTTP {}", status.as_u16()));
@@ -485,6 +506,13 @@ async fn call(
             ),
         }
     }
+    model_call(parsed.as_ref().and_then(|a| {
+        a.prompt.map(|p| roundtable_sandbox_protocol::Usage {
+            prompt_tokens: Some(p),
+            completion_tokens: a.completion,
+            ..Default::default()
+        })
+    }));
     let Some(Answer {
         content,
         prompt,

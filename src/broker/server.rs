@@ -398,7 +398,18 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                     budget = refusal.budget.key(),
                     "model call refused by a budget"
                 );
-                return error_response(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
+                crate::events::emit(
+                    &turn.ctx.events,
+                    EventKind::BudgetRefused {
+                        budget: refusal.budget,
+                        mid_turn: true,
+                    },
+                );
+                return refuse(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Refusal::Budget,
+                    &refusal.to_string(),
+                );
             }
         }
         crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
