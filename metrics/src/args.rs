@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use crate::{check_address, Metrics, MetricsError, MetricsServer};
 
-/// The metrics endpoint's flags: `#[command(flatten)]` them into a bot's command line.
+/// The metrics endpoint's flags: `#[command(flatten)]` them into a bot's command line
+/// (global: the CLI's `doctor` and `explain` take them too).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct MetricsArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics (a loopback address unless
@@ -14,12 +15,13 @@ pub struct MetricsArgs {
         long,
         value_name = "ADDR",
         num_args = 0..=1,
-        default_missing_value = "127.0.0.1:9464"
+        default_missing_value = "127.0.0.1:9464",
+        global = true
     )]
     pub metrics: Option<SocketAddr>,
     /// Allow --metrics on an address that is not loopback (the metrics then reach
     /// whoever reaches that address: put them behind a firewall)
-    #[arg(long, requires = "metrics")]
+    #[arg(long, requires = "metrics", global = true)]
     pub metrics_allow_remote: bool,
 }
 
