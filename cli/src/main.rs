@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
-use roundtable_sandbox::config::{Config, ConfigError, MAX_SOCKET_PATH, SOCKET_SUFFIX};
+use roundtable_sandbox::config::{is_private_dir, Config, ConfigError, MAX_SOCKET_PATH};
 use roundtable_sandbox::image::{self, ImageSource};
 use roundtable_sandbox::quota::{self, Floor};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
@@ -214,12 +214,16 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     )
                 }
             };
+            // The runtime's own rule (`is_private_dir`); the lines below say which part
+            // of it fails.
             if !meta.is_dir() {
                 fail(
                     name,
                     format!("{} is not a directory", path.display()),
                     "point it at a dedicated directory",
                 )
+            } else if is_private_dir(meta.uid(), meta.mode(), uid) {
+                pass(name, format!("{} (owner {uid}, mode 700)", path.display()))
             } else if meta.uid() != uid {
                 fail(
                     name,
@@ -230,7 +234,7 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     ),
                     format!("chown {uid} {}", path.display()),
                 )
-            } else if meta.mode() & 0o077 != 0 {
+            } else {
                 fail(
                     name,
                     format!(
@@ -240,8 +244,6 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     ),
                     format!("chmod 700 {}", path.display()),
                 )
-            } else {
-                pass(name, format!("{} (owner {uid}, mode 700)", path.display()))
             }
         }
     }
@@ -341,6 +343,24 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     let uid = nix::unistd::getuid().as_raw();
     let mut checks = Vec::new();
     checks.push(user_check(uid, nix::unistd::getgid().as_raw()));
+    // Every violation of the runtime's own rules (the startup validation in its
+    // every-violation mode; startup stops at the first), one line each, none when the
+    // configuration passes. What lies above a root is shown on the root's own line.
+    for violation in roundtable_sandbox::config::violations(&config) {
+        if matches!(
+            violation,
+            ConfigError::RootAncestorOwner { .. }
+                | ConfigError::RootAncestorWritable { .. }
+                | ConfigError::InspectRoot { .. }
+        ) {
+            continue;
+        }
+        checks.push(fail(
+            "config",
+            format!("{:#}", anyhow::Error::from(violation)),
+            "change the setting it names: the runtime refuses this configuration at startup",
+        ));
+    }
     let driver = driver_for(&config);
     let docker_ok = match driver.version().await {
         Ok(v) => {
@@ -443,19 +463,16 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
             });
         }
     }
-    let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
-    checks.push(if len > MAX_SOCKET_PATH {
-        fail(
-            "socket path",
-            format!(
-                "{}{SOCKET_SUFFIX} is {len} bytes, over {MAX_SOCKET_PATH}",
-                config.run_root.display()
+    checks.push(
+        match roundtable_sandbox::config::check_socket_path(&config.run_root) {
+            Err(e) => fail(
+                "socket path",
+                e.to_string(),
+                "choose a shorter run_root, e.g. /run/roundtable or /srv/rt/run",
             ),
-            "choose a shorter run_root, e.g. /run/roundtable or /srv/rt/run",
-        )
-    } else {
-        pass("socket path", format!("{len} of {MAX_SOCKET_PATH} bytes"))
-    });
+            Ok(len) => pass("socket path", format!("{len} of {MAX_SOCKET_PATH} bytes")),
+        },
+    );
     let failed = checks.iter().filter(|c| !c.ok).count();
     for c in &checks {
         println!(
@@ -528,8 +545,7 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     };
     let l = &config.limits;
     let b = &config.broker_limits;
-    let uid = config.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw());
-    let gid = config.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw());
+    let (uid, gid) = config.worker_identity();
     println!("image         {}", config.image);
     println!(
         "runtime       {}",
@@ -585,7 +601,7 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     .into_iter()
     .flatten()
     .collect();
-    let zone = config.time_zone.as_deref().unwrap_or("UTC");
+    let zone = config.effective_time_zone();
     match (&bg.state_file, set.is_empty()) {
         (None, _) => println!(
             "budgets       none; each turn's usage (tokens from the upstream's own counts) is logged, not kept"
@@ -603,10 +619,7 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
     }
     println!(
         "turn timeout  {} s",
-        config
-            .turn_timeout
-            .unwrap_or(roundtable_sandbox::config::DEFAULT_TURN_TIMEOUT)
-            .as_secs_f64()
+        config.effective_turn_timeout().as_secs_f64()
     );
     let key = match &config.api_key {
         ApiKey::None => "none",

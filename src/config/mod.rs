@@ -51,8 +51,8 @@ pub(crate) use file::read_env_secret;
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
 pub use validate::{
-    canonical_time_zone, check_root_ancestors, is_private_dir, valid_image_reference,
-    TIME_ZONE_SOURCE,
+    canonical_time_zone, check_root_ancestors, check_socket_path, is_private_dir,
+    valid_image_reference, violations, TIME_ZONE_SOURCE,
 };
 pub use warm::WarmSettings;
 
@@ -233,6 +233,26 @@ impl Config {
                 budget_store: None,
             },
         }
+    }
+
+    /// The time zone as configured, `UTC` when unset (not yet canonical: [`Config::resolve`]
+    /// canonicalises it).
+    pub fn effective_time_zone(&self) -> &str {
+        self.time_zone.as_deref().unwrap_or("UTC")
+    }
+
+    /// The turn timeout, [`DEFAULT_TURN_TIMEOUT`] when unset.
+    pub fn effective_turn_timeout(&self) -> Duration {
+        self.turn_timeout.unwrap_or(DEFAULT_TURN_TIMEOUT)
+    }
+
+    /// The worker's uid and gid: as configured, this process's when unset (the
+    /// [`ConfigError::Identity`] rule holds them to this process's, never root).
+    pub fn worker_identity(&self) -> (u32, u32) {
+        (
+            self.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw()),
+            self.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw()),
+        )
     }
 
     /// The broker policy this configuration implies, for a worker of uid `worker_uid`.
