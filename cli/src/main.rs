@@ -16,11 +16,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
-use roundtable_sandbox::config::{is_private_dir, Config, ConfigError, MAX_SOCKET_PATH};
-use roundtable_sandbox::image::{self, ImageSource};
-use roundtable_sandbox::quota::{self, Floor};
+use roundtable_sandbox::operator::{self, is_private_dir, Floor, ImageSource, MAX_SOCKET_PATH};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
+use roundtable_sandbox::{ApiKey, Config, ConfigError, McpScope, McpTransport};
 use roundtable_sandbox::{ContainerDriver, DockerDriver, Sandbox, Speaker, TurnRequest};
 
 /// The operator's tool for roundtable-sandbox: sealed, short-lived containers for the
@@ -180,7 +178,7 @@ fn fail(name: &'static str, detail: impl Into<String>, hint: impl Into<String>) 
 
 fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
     // What lies above the root: the runtime's own startup check.
-    if let Err(e) = roundtable_sandbox::config::check_root_ancestors(path, uid) {
+    if let Err(e) = roundtable_sandbox::operator::check_root_ancestors(path, uid) {
         let hint = match &e {
             ConfigError::RootAncestorWritable { ancestor, .. } => format!(
                 "chmod go-w {} (or choose a root whose every parent only root or this user can write)",
@@ -259,7 +257,7 @@ fn floor_check(name: &'static str, path: &Path, floor: &Floor) -> Check {
             None => break,
         }
     }
-    match quota::free_space(at) {
+    match operator::free_space(at) {
         Err(e) => fail(
             name,
             format!("{}: free space unknown: {e}", path.display()),
@@ -267,7 +265,7 @@ fn floor_check(name: &'static str, path: &Path, floor: &Floor) -> Check {
         ),
         Ok((free, total)) => {
             let min = floor.bytes_of(total);
-            let fs = quota::filesystem_type(at).unwrap_or_else(|_| "unknown type".into());
+            let fs = operator::filesystem_type(at).unwrap_or_else(|_| "unknown type".into());
             let detail = format!(
                 "{} ({fs}): {} MiB free of {} MiB; floor {} MiB",
                 path.display(),
@@ -321,7 +319,7 @@ fn runtime_check(
                 "{r} is not listed by the engine (it lists {})",
                 names.join(", ")
             ),
-            if r == roundtable_sandbox::config::GVISOR_RUNTIME {
+            if r == roundtable_sandbox::operator::GVISOR_RUNTIME {
                 "run scripts/setup.sh --gvisor as root (installs runsc, adds it to \
                  /etc/docker/daemon.json, reloads the engine with SIGHUP)"
             } else {
@@ -346,7 +344,7 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     // Every violation of the runtime's own rules (the startup validation in its
     // every-violation mode; startup stops at the first), one line each, none when the
     // configuration passes. What lies above a root is shown on the root's own line.
-    for violation in roundtable_sandbox::config::violations(&config) {
+    for violation in roundtable_sandbox::operator::violations(&config) {
         if matches!(
             violation,
             ConfigError::RootAncestorOwner { .. }
@@ -464,7 +462,7 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
         }
     }
     checks.push(
-        match roundtable_sandbox::config::check_socket_path(&config.run_root) {
+        match roundtable_sandbox::operator::check_socket_path(&config.run_root) {
             Err(e) => fail(
                 "socket path",
                 e.to_string(),
@@ -519,7 +517,7 @@ fn state_file_check(file: &Path) -> Check {
             ),
         };
     }
-    match roundtable_sandbox::budgets::SqliteStore::open(file) {
+    match roundtable_sandbox::operator::SqliteStore::open(file) {
         Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
         Err(e) => fail(
             NAME,
@@ -551,7 +549,7 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
         "runtime       {}",
         match config.runtime.as_deref() {
             None => "the engine's default (runc: the guest shares the host kernel)".to_owned(),
-            Some(r) if r == roundtable_sandbox::config::GVISOR_RUNTIME => {
+            Some(r) if r == roundtable_sandbox::operator::GVISOR_RUNTIME => {
                 format!("{r} (gVisor: a user-space kernel between the guest and the host)")
             }
             Some(r) => r.to_owned(),
@@ -713,7 +711,7 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
                     ml.cpus,
                     ml.pids,
                     show(&config.workspace_root),
-                    roundtable_sandbox::config::MCP_DATA_DIR,
+                    roundtable_sandbox::operator::MCP_DATA_DIR,
                     m.name,
                     ml.data_mb,
                     ml.data_files
@@ -799,7 +797,7 @@ async fn sweep(settings: &Settings) -> Result<ExitCode> {
 
 async fn image_build(source: ImageSource, tag: String) -> Result<ExitCode> {
     let driver = DockerDriver::default();
-    let id = image::build(&driver, &source, &tag).await?;
+    let id = operator::build_image(&driver, &source, &tag).await?;
     println!("built {tag} ({id})");
     Ok(ExitCode::SUCCESS)
 }

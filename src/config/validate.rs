@@ -372,6 +372,7 @@ pub fn canonical_time_zone(name: &str) -> Option<&'static str> {
 }
 
 /// Where [`canonical_time_zone`]'s table comes from (node, ICU and tz versions).
+#[cfg(feature = "testing")]
 pub const TIME_ZONE_SOURCE: &str = time_zones::SOURCE;
 
 /// [`canonical_time_zone`], refusing a zone the guest cannot show (ICU's `SystemV/*` ids,
