@@ -12,8 +12,8 @@
 
 #![forbid(unsafe_code)]
 
-use roundtable_sandbox::broker::BoxFuture;
 use roundtable_sandbox::display;
+use roundtable_sandbox::BoxFuture;
 use roundtable_sandbox::{HostTool, ToolCallContext};
 
 /// A host tool: rolls a die with the given number of sides. Runs on the host; the guest

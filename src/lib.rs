@@ -2,29 +2,50 @@
 //! host-side credential broker as its only door out.
 //!
 //! This crate is the core (no actix): it trusts the operator's configuration and nothing
-//! else. Its parts, by trust boundary:
-//! - [`config`]: the operator's settings, validated once ([`Config::resolve`]);
-//! - [`broker`]: the per-turn HTTP server on a unix socket that holds the key and the
-//!   allow-listed host and MCP tools (guest requests are hostile);
-//! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
-//! - [`turn`]: one turn's lifecycle and teardown;
-//! - [`budgets`]: the host's usage accounting and the `[budgets]` limits, durable in SQLite;
-//! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
-//! - [`sweep`]: removal of what a crashed runtime left behind;
-//! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
-//! - [`lock`]: one runtime per root (an exclusive lock held for the runtime's life);
-//! - [`image`]: the guest image, built FROM scratch from two static binaries;
-//! - [`display`]: guest- and model-made text made safe to show a person (controls escaped);
-//! - `offline` (feature `cli`): an embedded offline model for first runs and demos
-//!   (loopback only);
-//! - `settings` (feature `cli`): config file, flags and defaults for the project's programs.
+//! else. [`Sandbox`] ties its parts together; the actor layer (`roundtable-sandbox-actors`)
+//! drives it.
 //!
-//! Features: `cli` (the two modules above, for the CLI and the example bots) and `testing`
-//! (the fake driver and test environment, and engine- and broker-level hooks for this
-//! workspace's tests, the bench and the fuzz targets: `driver::docker`, a broker built and
-//! listened on alone, `turn::judge`).
+//! # The public surface
 //!
-//! [`Sandbox`] ties them together; the actor layer (`roundtable-sandbox-actors`) drives it.
+//! Without any feature, a bot author gets:
+//! - at the crate root, the embedding API: [`Sandbox`] and [`SandboxError`]; the
+//!   configuration ([`Config`], [`ConfigBuilder`], [`Limits`], [`WarmSettings`],
+//!   [`BudgetSettings`], [`BrokerLimits`], [`ModelRequestPolicy`], [`CompactionModel`],
+//!   [`ConfigError`], [`ResolvedConfig`]); what the broker holds for the guest ([`ApiKey`],
+//!   [`HostTool`] and its [`ToolCallContext`], [`McpServer`] and its parts); a turn
+//!   ([`TurnRequest`], [`Reply`], [`TurnOutcome`], [`TurnFailure`], [`TurnPhase`],
+//!   [`PhaseObserver`], [`PreparedTurn`], [`ChannelId`]); the budgets' book and store
+//!   ([`BudgetBook`], [`BudgetStore`]); and for the actor layer the admitted-turn entry
+//!   ([`AdmittedTurn`], [`run_admitted`], [`TurnError`]);
+//! - [`events`]: the one event seam (an [`Observer`] of every [`Event`]);
+//! - [`driver`]: the backend-neutral [`ContainerDriver`] trait and its types, for a second
+//!   backend, and the Docker driver's handle ([`DockerDriver`]: no engine type, bollard's
+//!   stay inside it);
+//! - [`display`]: guest- and model-made text made safe to show a person.
+//!
+//! Feature `cli` (the project's programs: the CLI and the example bots) adds `settings`
+//! (config file, flags and defaults), `offline` (an embedded offline model, loopback only)
+//! and `operator` (what `doctor`, `explain`, `sweep` and `image build` use: the config
+//! layer's rules, the free-space probes, the image build, the budgets' SQLite store).
+//!
+//! Every other module (`broker`, `budgets`, `config`, `image`, `lock`, `quota`, `sweep`,
+//! `turn`, `warm`) is `pub(crate)`, and `pub` only with the `testing` feature, which also
+//! adds `testing` (the fake driver and test environment) and engine- and broker-level
+//! hooks for this workspace's tests, the bench and the fuzz targets (`driver::docker`, a
+//! broker built and listened on alone, `turn::judge`). `testing` is never enabled by a
+//! build of the CLI or the bots (`test-support`, which enables it, is not a default
+//! member; `scripts/test.sh` checks), and CI lints those crates without it, so an item only
+//! tests use shows up as unused.
+//!
+//! The parts, by trust boundary: `config` (the operator's settings, validated once,
+//! [`Config::resolve`]); `broker` (the per-turn HTTP server on a unix socket that holds
+//! the key and the allow-listed host and MCP tools: guest requests are hostile); `driver`
+//! (guest output is hostile); `turn` (one turn's lifecycle and teardown); `budgets` (the
+//! host's usage accounting and the `[budgets]` limits, durable in SQLite); `quota` (the
+//! workspace size cap, measured by descriptor only, and the free-space floor); `sweep`
+//! (removal of what a crashed runtime left behind); `warm` (prepared containers for the
+//! channels' next turns); `lock` (one runtime per root); `image` (the guest image, built
+//! FROM scratch from two static binaries).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -43,42 +64,76 @@ macro_rules! testing_pub {
     };
 }
 
-pub mod broker;
-pub mod budgets;
+/// Declares modules `pub` with the `testing` feature and `pub(crate)` without it: their
+/// parts are reached by path by this workspace's tests, the bench and the fuzz targets;
+/// what a bot author needs of them is re-exported at the crate root, what the project's
+/// programs need in [`operator`] (feature `cli`).
+macro_rules! testing_mod {
+    ($($(#[$attr:meta])* $name:ident;)*) => {
+        $(
+            #[cfg(feature = "testing")]
+            $(#[$attr])*
+            pub mod $name;
+            #[cfg(not(feature = "testing"))]
+            $(#[$attr])*
+            pub(crate) mod $name;
+        )*
+    };
+}
+
+testing_mod! {
+    broker;
+    budgets;
+    config;
+    image;
+    lock;
+    quota;
+    sweep;
+    turn;
+    warm;
+}
 mod channel;
-pub mod config;
 pub mod display;
 pub mod driver;
 pub mod events;
-pub mod image;
-pub mod lock;
 #[cfg(feature = "cli")]
 pub mod offline;
-pub mod quota;
+#[cfg(feature = "cli")]
+pub mod operator;
 #[cfg(feature = "cli")]
 pub mod settings;
-pub mod sweep;
 #[cfg(feature = "testing")]
 pub mod testing;
-pub mod turn;
-pub mod warm;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use turn::resources::LiveTurns;
 
-pub use broker::{ApiKey, Broker, CompactionModel, HostTool, McpScope, McpServer, ToolCallContext};
-pub use budgets::{BudgetRefusal, BudgetSettings, HostUsage};
+// The embedding API: what a bot author uses (see the crate's documentation).
+pub use broker::{
+    ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, CompactionModel, HostTool, McpConfine,
+    McpLimits, McpScope, McpServer, McpTransport, ModelRequestPolicy, ProvidedKey, ToolCallContext,
+};
+pub use budgets::{
+    Budget, BudgetBook, BudgetRefusal, BudgetSettings, BudgetStore, CounterKey, HostUsage,
+    StoreError,
+};
 pub use channel::ChannelId;
-pub use config::{Config, ConfigError, Limits, ResolvedConfig};
-pub use driver::{ContainerDriver, DockerDriver, DriverError, RunOutcome};
+pub use config::{
+    BudgetStoreOpener, Config, ConfigBuilder, ConfigError, Limits, ResolvedConfig, WarmSettings,
+    DEFAULT_IMAGE, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
+};
+pub use driver::{ContainerDriver, DockerDriver, DockerOptions, DriverError, RunOutcome};
+pub use events::{Event, EventKind, Observer};
+pub use lock::LockError;
 pub use roundtable_sandbox_protocol as protocol;
 pub use roundtable_sandbox_protocol::{Reply, Speaker, Usage};
+pub use sweep::SweepReport;
 pub use turn::{
-    run_turn, run_turn_outcome, run_turn_prepared, PhaseObserver, TurnFailure, TurnOutcome,
-    TurnPhase, TurnRequest,
+    run_admitted, run_turn, run_turn_outcome, run_turn_prepared, AdmittedTurn, PhaseObserver,
+    TurnError, TurnFailure, TurnOutcome, TurnPhase, TurnRequest,
 };
-pub use warm::{PreparedTurn, WarmSettings};
+pub use warm::PreparedTurn;
 
 /// A configured runtime: the resolved configuration, the broker and the driver.
 /// Cheap to clone; share one per process.

@@ -60,9 +60,12 @@ pub enum LockError {
 /// A held root lock; dropping it releases the lock.
 #[derive(Debug)]
 pub struct RootLock {
+    #[cfg(any(test, feature = "testing"))]
     root: PathBuf,
     dir: OwnedFd,
+    #[cfg(any(test, feature = "testing"))]
     dev: u64,
+    #[cfg(any(test, feature = "testing"))]
     ino: u64,
     _file: nix::fcntl::Flock<File>,
 }
@@ -121,17 +124,21 @@ impl RootLock {
         file.rewind().map_err(err)?;
         writeln!(file, "{}", std::process::id()).map_err(err)?;
         Ok(Self {
+            #[cfg(any(test, feature = "testing"))]
             root: root.to_owned(),
             dir,
+            #[cfg(any(test, feature = "testing"))]
             #[allow(clippy::unnecessary_cast)]
             dev: st.st_dev as u64,
+            #[cfg(any(test, feature = "testing"))]
             #[allow(clippy::unnecessary_cast)]
             ino: st.st_ino as u64,
             _file: file,
         })
     }
 
-    /// The locked root.
+    /// The locked root (tests only).
+    #[cfg(any(test, feature = "testing"))]
     pub fn root(&self) -> &Path {
         &self.root
     }
@@ -142,7 +149,8 @@ impl RootLock {
         self.dir.as_fd()
     }
 
-    /// The held root's identity (device, inode).
+    /// The held root's identity (device, inode; tests only).
+    #[cfg(any(test, feature = "testing"))]
     pub fn id(&self) -> (u64, u64) {
         (self.dev, self.ino)
     }

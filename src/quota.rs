@@ -275,20 +275,9 @@ impl Workspace {
         Ok(Self { fd, dev, ino })
     }
 
-    /// The device the workspace is on.
-    pub fn dev(&self) -> u64 {
-        self.dev
-    }
-
     /// The workspace directory's identity (device, inode).
     pub fn id(&self) -> (u64, u64) {
         (self.dev, self.ino)
-    }
-
-    /// Its owner and mode bits, read from the held descriptor.
-    pub fn owner_and_mode(&self) -> std::io::Result<(u32, u32)> {
-        let st = rustix::fs::fstat(&self.fd)?;
-        Ok((st.st_uid, st.st_mode as u32 & 0o7777))
     }
 }
 

@@ -33,7 +33,9 @@ pub use crate::config::WarmSettings;
 use crate::events::{EventKind, WarmEvent};
 use crate::turn::resources::{Start, TurnResources};
 use crate::turn::TurnError;
-pub use crate::turn::{PreparedTurn, LABEL_PREPARED};
+pub use crate::turn::PreparedTurn;
+#[cfg(feature = "testing")]
+pub use crate::turn::LABEL_PREPARED;
 use crate::Sandbox;
 
 /// The runtime's prepared containers: one permit each, up to `warm.max`.

@@ -1066,3 +1066,36 @@ fn budget_rules_have_their_messages() {
         "{e}"
     );
 }
+
+/// Issue 22 item 3: `doctor`'s view is the startup validation in its every-violation
+/// mode, the same rules: a configuration with three violations gives all three, in the
+/// rules' order, and creates nothing; startup stops at the first of them.
+#[test]
+fn every_violation_is_collected_for_doctor_and_startup_names_the_first() {
+    let env = Env::new();
+    let mut c = env.config();
+    c.run_root = env.dir.path().join("never-made-run");
+    c.workspace_root = env.dir.path().join("never-made-ws");
+    c.image = "Not An Image".into();
+    c.limits.memory_mb = 15;
+    c.max_steps = Some(0);
+    let found: Vec<String> = roundtable_sandbox::config::violations(&c)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        found,
+        [
+            "invalid image reference: \"Not An Image\"",
+            "limits.memory_mb must be 16 to 1048576, got 15",
+            "max_steps must be 1 to 256, got 0",
+        ]
+    );
+    assert!(!c.run_root.exists() && !c.workspace_root.exists());
+    assert_eq!(err(&c), "invalid image reference: \"Not An Image\"");
+    assert!(!c.run_root.exists() && !c.workspace_root.exists());
+    // Every limit out of range, not only the first; a good configuration has none.
+    c.limits.pids = 7;
+    assert_eq!(roundtable_sandbox::config::violations(&c).len(), 4);
+    assert!(roundtable_sandbox::config::violations(&env.config()).is_empty());
+}

@@ -49,7 +49,7 @@ pub(crate) struct ChannelActor {
     shutting_down: bool,
     drained: Vec<oneshot::Sender<()>>,
     idle_timer: Option<SpawnHandle>,
-    /// The container prepared for the channel's next turn (see [`roundtable_sandbox::warm`]).
+    /// The container prepared for the channel's next turn (see [`roundtable_sandbox::PreparedTurn`]).
     warm: Option<WarmSlot>,
     /// A preparation in flight: its number and its cancellation.
     preparing: Option<(u64, CancellationToken)>,
@@ -182,7 +182,7 @@ impl ChannelActor {
         seq: u64,
         stamp: Stamp,
         result: Result<
-            Result<Option<PreparedTurn>, roundtable_sandbox::turn::TurnError>,
+            Result<Option<PreparedTurn>, roundtable_sandbox::TurnError>,
             tokio::task::JoinError,
         >,
         ctx: &mut Context<Self>,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use roundtable_sandbox::sweep::SweepReport;
+use roundtable_sandbox::SweepReport;
 use roundtable_sandbox::{Sandbox, TurnOutcome};
 use tokio::sync::watch;
 

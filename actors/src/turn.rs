@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use actix::prelude::*;
 use roundtable_sandbox::events::EventKind;
-use roundtable_sandbox::turn::TurnError;
-use roundtable_sandbox::turn::{run_admitted, AdmittedTurn};
+use roundtable_sandbox::TurnError;
+use roundtable_sandbox::{run_admitted, AdmittedTurn};
 use roundtable_sandbox::{
     ChannelId, PhaseObserver, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase,
 };
@@ -172,7 +172,7 @@ pub(crate) struct TurnJob {
     pub(crate) responder: Responder,
     pub(crate) progress: ProgressSink,
     /// The container prepared for this turn, if the channel had one (see
-    /// [`roundtable_sandbox::warm`]).
+    /// [`roundtable_sandbox::PreparedTurn`]).
     pub(crate) prepared: Option<PreparedTurn>,
 }
 

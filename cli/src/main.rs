@@ -16,11 +16,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use roundtable_sandbox::broker::{ApiKey, McpScope, McpTransport};
-use roundtable_sandbox::config::{Config, ConfigError, MAX_SOCKET_PATH, SOCKET_SUFFIX};
-use roundtable_sandbox::image::{self, ImageSource};
-use roundtable_sandbox::quota::{self, Floor};
+use roundtable_sandbox::operator::{self, is_private_dir, Floor, ImageSource, MAX_SOCKET_PATH};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
+use roundtable_sandbox::{ApiKey, Config, ConfigError, McpScope, McpTransport};
 use roundtable_sandbox::{ContainerDriver, DockerDriver, Sandbox, Speaker, TurnRequest};
 
 /// The operator's tool for roundtable-sandbox: sealed, short-lived containers for the
@@ -183,7 +181,7 @@ fn fail(name: &'static str, detail: impl Into<String>, hint: impl Into<String>) 
 
 fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
     // What lies above the root: the runtime's own startup check.
-    if let Err(e) = roundtable_sandbox::config::check_root_ancestors(path, uid) {
+    if let Err(e) = roundtable_sandbox::operator::check_root_ancestors(path, uid) {
         let hint = match &e {
             ConfigError::RootAncestorWritable { ancestor, .. } => format!(
                 "chmod go-w {} (or choose a root whose every parent only root or this user can write)",
@@ -217,12 +215,16 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     )
                 }
             };
+            // The runtime's own rule (`is_private_dir`); the lines below say which part
+            // of it fails.
             if !meta.is_dir() {
                 fail(
                     name,
                     format!("{} is not a directory", path.display()),
                     "point it at a dedicated directory",
                 )
+            } else if is_private_dir(meta.uid(), meta.mode(), uid) {
+                pass(name, format!("{} (owner {uid}, mode 700)", path.display()))
             } else if meta.uid() != uid {
                 fail(
                     name,
@@ -233,7 +235,7 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     ),
                     format!("chown {uid} {}", path.display()),
                 )
-            } else if meta.mode() & 0o077 != 0 {
+            } else {
                 fail(
                     name,
                     format!(
@@ -243,8 +245,6 @@ fn check_root(name: &'static str, path: &Path, uid: u32) -> Check {
                     ),
                     format!("chmod 700 {}", path.display()),
                 )
-            } else {
-                pass(name, format!("{} (owner {uid}, mode 700)", path.display()))
             }
         }
     }
@@ -260,7 +260,7 @@ fn floor_check(name: &'static str, path: &Path, floor: &Floor) -> Check {
             None => break,
         }
     }
-    match quota::free_space(at) {
+    match operator::free_space(at) {
         Err(e) => fail(
             name,
             format!("{}: free space unknown: {e}", path.display()),
@@ -268,7 +268,7 @@ fn floor_check(name: &'static str, path: &Path, floor: &Floor) -> Check {
         ),
         Ok((free, total)) => {
             let min = floor.bytes_of(total);
-            let fs = quota::filesystem_type(at).unwrap_or_else(|_| "unknown type".into());
+            let fs = operator::filesystem_type(at).unwrap_or_else(|_| "unknown type".into());
             let detail = format!(
                 "{} ({fs}): {} MiB free of {} MiB; floor {} MiB",
                 path.display(),
@@ -322,7 +322,7 @@ fn runtime_check(
                 "{r} is not listed by the engine (it lists {})",
                 names.join(", ")
             ),
-            if r == roundtable_sandbox::config::GVISOR_RUNTIME {
+            if r == roundtable_sandbox::operator::GVISOR_RUNTIME {
                 "run scripts/setup.sh --gvisor as root (installs runsc, adds it to \
                  /etc/docker/daemon.json, reloads the engine with SIGHUP)"
             } else {
@@ -347,6 +347,24 @@ async fn doctor(
     let uid = nix::unistd::getuid().as_raw();
     let mut checks = Vec::new();
     checks.push(user_check(uid, nix::unistd::getgid().as_raw()));
+    // Every violation of the runtime's own rules (the startup validation in its
+    // every-violation mode; startup stops at the first), one line each, none when the
+    // configuration passes. What lies above a root is shown on the root's own line.
+    for violation in roundtable_sandbox::operator::violations(&config) {
+        if matches!(
+            violation,
+            ConfigError::RootAncestorOwner { .. }
+                | ConfigError::RootAncestorWritable { .. }
+                | ConfigError::InspectRoot { .. }
+        ) {
+            continue;
+        }
+        checks.push(fail(
+            "config",
+            format!("{:#}", anyhow::Error::from(violation)),
+            "change the setting it names: the runtime refuses this configuration at startup",
+        ));
+    }
     let driver = driver_for(&config);
     let docker_ok = match driver.version().await {
         Ok(v) => {
@@ -452,19 +470,16 @@ async fn doctor(
             });
         }
     }
-    let len = config.run_root.as_os_str().len() + SOCKET_SUFFIX.len();
-    checks.push(if len > MAX_SOCKET_PATH {
-        fail(
-            "socket path",
-            format!(
-                "{}{SOCKET_SUFFIX} is {len} bytes, over {MAX_SOCKET_PATH}",
-                config.run_root.display()
+    checks.push(
+        match roundtable_sandbox::operator::check_socket_path(&config.run_root) {
+            Err(e) => fail(
+                "socket path",
+                e.to_string(),
+                "choose a shorter run_root, e.g. /run/roundtable or /srv/rt/run",
             ),
-            "choose a shorter run_root, e.g. /run/roundtable or /srv/rt/run",
-        )
-    } else {
-        pass("socket path", format!("{len} of {MAX_SOCKET_PATH} bytes"))
-    });
+            Ok(len) => pass("socket path", format!("{len} of {MAX_SOCKET_PATH} bytes")),
+        },
+    );
     let failed = checks.iter().filter(|c| !c.ok).count();
     for c in &checks {
         println!(
@@ -511,7 +526,7 @@ fn state_file_check(file: &Path) -> Check {
             ),
         };
     }
-    match roundtable_sandbox::budgets::SqliteStore::open(file) {
+    match roundtable_sandbox::operator::SqliteStore::open(file) {
         Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
         Err(e) => fail(
             NAME,
@@ -568,14 +583,13 @@ async fn explain(
     };
     let l = &config.limits;
     let b = &config.broker_limits;
-    let uid = config.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw());
-    let gid = config.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw());
+    let (uid, gid) = config.worker_identity();
     println!("image         {}", config.image);
     println!(
         "runtime       {}",
         match config.runtime.as_deref() {
             None => "the engine's default (runc: the guest shares the host kernel)".to_owned(),
-            Some(r) if r == roundtable_sandbox::config::GVISOR_RUNTIME => {
+            Some(r) if r == roundtable_sandbox::operator::GVISOR_RUNTIME => {
                 format!("{r} (gVisor: a user-space kernel between the guest and the host)")
             }
             Some(r) => r.to_owned(),
@@ -625,7 +639,7 @@ async fn explain(
     .into_iter()
     .flatten()
     .collect();
-    let zone = config.time_zone.as_deref().unwrap_or("UTC");
+    let zone = config.effective_time_zone();
     match (&bg.state_file, set.is_empty()) {
         (None, _) => println!(
             "budgets       none; each turn's usage (tokens from the upstream's own counts) is logged, not kept"
@@ -654,10 +668,7 @@ async fn explain(
     );
     println!(
         "turn timeout  {} s",
-        config
-            .turn_timeout
-            .unwrap_or(roundtable_sandbox::config::DEFAULT_TURN_TIMEOUT)
-            .as_secs_f64()
+        config.effective_turn_timeout().as_secs_f64()
     );
     let key = match &config.api_key {
         ApiKey::None => "none",
@@ -751,7 +762,7 @@ async fn explain(
                     ml.cpus,
                     ml.pids,
                     show(&config.workspace_root),
-                    roundtable_sandbox::config::MCP_DATA_DIR,
+                    roundtable_sandbox::operator::MCP_DATA_DIR,
                     m.name,
                     ml.data_mb,
                     ml.data_files
@@ -837,7 +848,7 @@ async fn sweep(settings: &Settings) -> Result<ExitCode> {
 
 async fn image_build(source: ImageSource, tag: String) -> Result<ExitCode> {
     let driver = DockerDriver::default();
-    let id = image::build(&driver, &source, &tag).await?;
+    let id = operator::build_image(&driver, &source, &tag).await?;
     println!("built {tag} ({id})");
     Ok(ExitCode::SUCCESS)
 }

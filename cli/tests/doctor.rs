@@ -402,3 +402,43 @@ fn doctor_checks_the_metrics_address_and_explain_shows_it() {
         )
     );
 }
+
+/// Issue 22 item 3: `doctor` names every violation of the runtime's own rules (the startup
+/// validation in its every-violation mode, not a copy of a rule), one line each; the
+/// runtime at startup names the first (`config_rules::every_violation_is_collected_for_doctor_and_startup_names_the_first`).
+#[test]
+fn every_config_violation_is_named_by_doctor() {
+    let (d, run, ws) = roots();
+    let path = d.path().join("three.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "image = \"Not An Image\"\nrun_root = \"{run}\"\nworkspace_root = \"{ws}\"\n\
+             model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\nmax_steps = 0\n\
+             [limits]\nmemory_mb = 15\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n"
+        ),
+    )
+    .unwrap();
+    let (code, out) = doctor(&["--config", &path.display().to_string()], &[]);
+    assert_eq!(code, 1, "{out}");
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("FAIL config"))
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "FAIL config          invalid image reference: \"Not An Image\"",
+            "FAIL config          limits.memory_mb must be 16 to 1048576, got 15",
+            "FAIL config          max_steps must be 1 to 256, got 0",
+        ],
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "fix: change the setting it names: the runtime refuses this configuration at startup"
+        ),
+        "{out}"
+    );
+    assert!(!std::path::Path::new(&run).exists(), "doctor made a root");
+}

@@ -60,9 +60,12 @@ mod compact;
 mod http;
 mod mcp;
 mod model;
+#[cfg(feature = "testing")]
 pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
 mod mcp_container;
-pub use mcp_container::{McpEngine, DATA_MOUNT as MCP_DATA_MOUNT, LABEL_MCP};
+#[cfg(feature = "testing")]
+pub use mcp_container::DATA_MOUNT as MCP_DATA_MOUNT;
+pub use mcp_container::{McpEngine, LABEL_MCP};
 mod redact;
 mod server;
 mod tools;

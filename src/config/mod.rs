@@ -48,12 +48,12 @@ mod warm;
 pub use error::ConfigError;
 #[cfg(feature = "cli")]
 pub(crate) use file::read_env_secret;
+#[cfg(feature = "testing")]
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
-pub use validate::{
-    canonical_time_zone, check_root_ancestors, is_private_dir, valid_image_reference,
-    TIME_ZONE_SOURCE,
-};
+pub use validate::{check_root_ancestors, check_socket_path, is_private_dir, violations};
+#[cfg(feature = "testing")]
+pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
 pub use warm::WarmSettings;
 
 /// The default system prompt (that of pi-roundtable-sandbox 0.7.18, the TypeScript package
@@ -193,7 +193,7 @@ impl Config {
     ///     .api_key(ApiKey::from_static("sk-…"))
     ///     .turn_timeout(std::time::Duration::from_secs(60))
     ///     .build();
-    /// assert_eq!(config.image, roundtable_sandbox::config::DEFAULT_IMAGE);
+    /// assert_eq!(config.image, roundtable_sandbox::DEFAULT_IMAGE);
     /// ```
     pub fn builder(
         run_root: impl Into<PathBuf>,
@@ -233,6 +233,26 @@ impl Config {
                 budget_store: None,
             },
         }
+    }
+
+    /// The time zone as configured, `UTC` when unset (not yet canonical: [`Config::resolve`]
+    /// canonicalises it).
+    pub fn effective_time_zone(&self) -> &str {
+        self.time_zone.as_deref().unwrap_or("UTC")
+    }
+
+    /// The turn timeout, [`DEFAULT_TURN_TIMEOUT`] when unset.
+    pub fn effective_turn_timeout(&self) -> Duration {
+        self.turn_timeout.unwrap_or(DEFAULT_TURN_TIMEOUT)
+    }
+
+    /// The worker's uid and gid: as configured, this process's when unset (the
+    /// [`ConfigError::Identity`] rule holds them to this process's, never root).
+    pub fn worker_identity(&self) -> (u32, u32) {
+        (
+            self.uid.unwrap_or_else(|| nix::unistd::getuid().as_raw()),
+            self.gid.unwrap_or_else(|| nix::unistd::getgid().as_raw()),
+        )
     }
 
     /// The broker policy this configuration implies, for a worker of uid `worker_uid`.

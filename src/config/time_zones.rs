@@ -3,6 +3,7 @@
 //! with the name `resolvedOptions().timeZone` gives for it.
 
 /// The oracle the table was taken from.
+#[cfg(feature = "testing")]
 pub(super) const SOURCE: &str = "node v20.20.2 (ICU 78.2, tz 2025c)";
 
 /// `(lowercase name, canonical name)`, sorted by the first.

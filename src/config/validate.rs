@@ -9,72 +9,173 @@ use std::time::Duration;
 use crate::broker;
 
 use super::{
-    time_zones, Config, ConfigError, Limits, ResolvedConfig, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
-    GVISOR_RUNTIME, MAX_SOCKET_PATH, SOCKET_SUFFIX,
+    time_zones, Config, ConfigError, Limits, ResolvedConfig, DEFAULT_PROMPT, GVISOR_RUNTIME,
+    MAX_SOCKET_PATH, SOCKET_SUFFIX,
 };
 
-/// Validates every rule and prepares the two roots. Nothing else has a side effect.
-pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
+/// How the rules are run: stop at the first violation ([`resolve`], at startup), or note
+/// every one and go on ([`violations`], for `doctor`). The same rules either way.
+struct Rules {
+    every: bool,
+    found: Vec<ConfigError>,
+}
+
+impl Rules {
+    /// A rule's verdict: in the first-violation mode its error stops the run; in the
+    /// every-violation mode it is noted and the run goes on.
+    fn check(&mut self, verdict: Result<(), ConfigError>) -> Result<(), ConfigError> {
+        match verdict {
+            Err(e) if self.every => {
+                self.found.push(e);
+                Ok(())
+            }
+            other => other,
+        }
+    }
+}
+
+/// What the pure rules resolve on the way.
+struct Checked {
+    time_zone: String,
+    turn_timeout: Duration,
+    uid: u32,
+    gid: u32,
+    policy: broker::BrokerPolicy,
+}
+
+/// Every rule without a side effect, in their order: the model, the warm pool, the time
+/// zone, the turn timeout, the image, the limits, the steps and session budget, the
+/// identity, the runtime, the broker policy, the instance, the roots' shape and what lies
+/// above them, and the budgets.
+fn pure_rules(config: &Config, rules: &mut Rules) -> Result<Checked, ConfigError> {
     if config.driver.is_none() && !cfg!(target_os = "linux") {
-        return Err(ConfigError::NotLinux);
+        rules.check(Err(ConfigError::NotLinux))?;
     }
     if config.model.trim().is_empty() {
-        return Err(ConfigError::ModelMissing);
+        rules.check(Err(ConfigError::ModelMissing))?;
     }
-    config.warm.validate().map_err(ConfigError::Warm)?;
-    let time_zone = resolve_time_zone(config.time_zone.as_deref().unwrap_or("UTC"))?.to_owned();
-    let turn_timeout = config.turn_timeout.unwrap_or(DEFAULT_TURN_TIMEOUT);
+    rules.check(config.warm.validate().map_err(ConfigError::Warm))?;
+    let time_zone = match resolve_time_zone(config.effective_time_zone()) {
+        Ok(zone) => zone.to_owned(),
+        Err(e) => {
+            rules.check(Err(e))?;
+            String::new()
+        }
+    };
+    let turn_timeout = config.effective_turn_timeout();
     if turn_timeout < Duration::from_secs(1) || turn_timeout > Duration::from_secs(600) {
-        return Err(ConfigError::TurnTimeout(turn_timeout));
+        rules.check(Err(ConfigError::TurnTimeout(turn_timeout)))?;
     }
     if !valid_image_reference(&config.image) {
-        return Err(ConfigError::InvalidImage(config.image.clone()));
+        rules.check(Err(ConfigError::InvalidImage(config.image.clone())))?;
     }
-    config.limits.validate()?;
+    for violation in config.limits.violations() {
+        rules.check(Err(violation))?;
+    }
     if let Some(steps) = config.max_steps {
         if !(1..=256).contains(&steps) {
-            return Err(ConfigError::MaxSteps(steps));
+            rules.check(Err(ConfigError::MaxSteps(steps)))?;
         }
     }
     if let Some(budget) = config.session_budget {
         if !(1000..=10_000_000).contains(&budget) {
-            return Err(ConfigError::SessionBudget(budget));
+            rules.check(Err(ConfigError::SessionBudget(budget)))?;
         }
     }
     let process_uid = nix::unistd::getuid().as_raw();
     let process_gid = nix::unistd::getgid().as_raw();
-    let uid = config.uid.unwrap_or(process_uid);
-    let gid = config.gid.unwrap_or(process_gid);
+    let (uid, gid) = config.worker_identity();
     if uid == 0 || gid == 0 || uid != process_uid || gid != process_gid {
-        return Err(ConfigError::Identity);
+        rules.check(Err(ConfigError::Identity))?;
     }
     if let Some(runtime) = &config.runtime {
         if !valid_runtime(runtime) {
-            return Err(ConfigError::InvalidRuntime(runtime.clone()));
+            rules.check(Err(ConfigError::InvalidRuntime(runtime.clone())))?;
         }
         // gVisor's gofer answers the socket for the guest: SO_PEERCRED says uid 0, so
         // the check would refuse every turn. Turning it off is the operator's explicit
         // choice, never implied.
         if runtime == GVISOR_RUNTIME && config.peer_uid_check {
-            return Err(ConfigError::PeerUidCheckUnderRuntime(runtime.clone()));
+            rules.check(Err(ConfigError::PeerUidCheckUnderRuntime(runtime.clone())))?;
         }
     }
     let policy = config.broker_policy(uid);
-    broker::validate_policy(&policy)?;
+    // The policy's own rules give their first violation.
+    rules.check(broker::validate_policy(&policy).map_err(ConfigError::from))?;
     if let Some(instance) = &config.instance {
         if !valid_instance(instance) {
-            return Err(ConfigError::InvalidInstance(instance.clone()));
+            rules.check(Err(ConfigError::InvalidInstance(instance.clone())))?;
         }
     }
+    let mut shaped = true;
     for root in [&config.run_root, &config.workspace_root] {
         if !root.is_absolute() || root == Path::new("/") {
-            return Err(ConfigError::RootNotAbsolute(root.clone()));
+            shaped = false;
+            rules.check(Err(ConfigError::RootNotAbsolute(root.clone())))?;
         }
     }
-    // What lies above each root, before anything is created under it.
-    check_root_ancestors(&config.run_root, process_uid)?;
-    check_root_ancestors(&config.workspace_root, process_uid)?;
-    check_budgets(config, [&config.run_root, &config.workspace_root])?;
+    // What lies above each root, before anything is created under it (a root of the wrong
+    // shape has no ancestors to judge).
+    if shaped {
+        rules.check(check_root_ancestors(&config.run_root, process_uid))?;
+        rules.check(check_root_ancestors(&config.workspace_root, process_uid))?;
+    }
+    rules.check(check_budgets(
+        config,
+        [&config.run_root, &config.workspace_root],
+    ))?;
+    Ok(Checked {
+        time_zone,
+        turn_timeout,
+        uid,
+        gid,
+        policy,
+    })
+}
+
+/// Every violation of the rules [`resolve`] runs before its side effects, in their order,
+/// none of them stopping the others: `doctor`'s view of a configuration (nothing is
+/// created; startup stops at the first of the same). The roots themselves (their owner
+/// and mode, once created), their separation and the socket path's length are judged on
+/// the canonical roots at startup; `doctor` checks those per root
+/// ([`is_private_dir`], [`check_socket_path`]).
+pub fn violations(config: &Config) -> Vec<ConfigError> {
+    let mut rules = Rules {
+        every: true,
+        found: Vec::new(),
+    };
+    // Never an error in this mode: every violation is noted.
+    let _ = pure_rules(config, &mut rules);
+    rules.found
+}
+
+/// The broker socket's path under `run_root` ([`SOCKET_SUFFIX`]) must fit in
+/// [`MAX_SOCKET_PATH`] bytes: its length, or the violation. Startup judges the canonical
+/// run root; `doctor` the configured one.
+pub fn check_socket_path(run_root: &Path) -> Result<usize, ConfigError> {
+    let len = run_root.as_os_str().len() + SOCKET_SUFFIX.len();
+    if len > MAX_SOCKET_PATH {
+        return Err(ConfigError::SocketPathTooLong(run_root.to_owned()));
+    }
+    Ok(len)
+}
+
+/// Validates every rule and prepares the two roots. Nothing else has a side effect.
+pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
+    let Checked {
+        time_zone,
+        turn_timeout,
+        uid,
+        gid,
+        policy,
+    } = pure_rules(
+        config,
+        &mut Rules {
+            every: false,
+            found: Vec::new(),
+        },
+    )?;
+    let process_uid = nix::unistd::getuid().as_raw();
     // Side effects start here: the roots are created private, then inspected.
     let run_root = prepare_root(&config.run_root, process_uid)?;
     let workspace_root = prepare_root(&config.workspace_root, process_uid)?;
@@ -84,9 +185,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     {
         return Err(ConfigError::RootsNotSeparate(run_root, workspace_root));
     }
-    if run_root.as_os_str().len() + SOCKET_SUFFIX.len() > MAX_SOCKET_PATH {
-        return Err(ConfigError::SocketPathTooLong(run_root));
-    }
+    check_socket_path(&run_root)?;
     // Again with the canonical roots (a state file under a root by another path).
     check_budgets(config, [&run_root, &workspace_root])?;
     let instance = config
@@ -216,36 +315,42 @@ fn prepare_root(root: &Path, process_uid: u32) -> Result<PathBuf, ConfigError> {
 }
 
 impl Limits {
-    /// Checks each limit's range.
+    /// Checks each limit's range: the first violation.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.violations().into_iter().next().map_or(Ok(()), Err)
+    }
+
+    /// Every limit out of its range, in order.
+    pub fn violations(&self) -> Vec<ConfigError> {
+        let mut out = Vec::new();
         if !(16..=1 << 20).contains(&self.memory_mb) {
-            return Err(ConfigError::MemoryLimit(self.memory_mb));
+            out.push(ConfigError::MemoryLimit(self.memory_mb));
         }
         if !(self.cpus.is_finite() && self.cpus > 0.0 && self.cpus <= 1024.0) {
-            return Err(ConfigError::CpuLimit(self.cpus));
+            out.push(ConfigError::CpuLimit(self.cpus));
         }
         if !(8..=65536).contains(&self.pids) {
-            return Err(ConfigError::PidsLimit(self.pids));
+            out.push(ConfigError::PidsLimit(self.pids));
         }
         if !(1..=4096).contains(&self.tmpfs_mb) {
-            return Err(ConfigError::TmpfsLimit(self.tmpfs_mb));
+            out.push(ConfigError::TmpfsLimit(self.tmpfs_mb));
         }
         if !(1..=65536).contains(&self.output_kb) {
-            return Err(ConfigError::OutputLimit(self.output_kb));
+            out.push(ConfigError::OutputLimit(self.output_kb));
         }
         if !(1..=1 << 24).contains(&self.workspace_mb) {
-            return Err(ConfigError::WorkspaceLimit(self.workspace_mb));
+            out.push(ConfigError::WorkspaceLimit(self.workspace_mb));
         }
         if !(16..=10_000_000).contains(&self.workspace_files) {
-            return Err(ConfigError::WorkspaceFilesLimit(self.workspace_files));
+            out.push(ConfigError::WorkspaceFilesLimit(self.workspace_files));
         }
         if self.disk_floor_mb > 1 << 24 {
-            return Err(ConfigError::DiskFloorLimit(self.disk_floor_mb));
+            out.push(ConfigError::DiskFloorLimit(self.disk_floor_mb));
         }
         if self.disk_floor_percent > 90 {
-            return Err(ConfigError::DiskFloorPercent(self.disk_floor_percent));
+            out.push(ConfigError::DiskFloorPercent(self.disk_floor_percent));
         }
-        Ok(())
+        out
     }
 }
 
@@ -267,6 +372,7 @@ pub fn canonical_time_zone(name: &str) -> Option<&'static str> {
 }
 
 /// Where [`canonical_time_zone`]'s table comes from (node, ICU and tz versions).
+#[cfg(feature = "testing")]
 pub const TIME_ZONE_SOURCE: &str = time_zones::SOURCE;
 
 /// [`canonical_time_zone`], refusing a zone the guest cannot show (ICU's `SystemV/*` ids,

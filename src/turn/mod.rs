@@ -38,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::broker::TurnContext;
+#[cfg(feature = "testing")]
 pub use crate::channel::channel_segment;
 use crate::driver::DriverError;
 use crate::events::{EventKind, TurnEvents, WarmEvent};
@@ -49,6 +50,7 @@ pub use kinds::{PhaseObserver, TurnFailure, TurnPhase};
 pub use outcome::{ReplyError, TurnError, TurnOutcome};
 pub use prepared::PreparedTurn;
 use resources::{Start, TurnResources};
+#[cfg(feature = "testing")]
 pub use resources::{LABEL_PREPARED, SOCKET_FILE};
 
 /// What the caller asks of one turn.

@@ -1,0 +1,13 @@
+//! What the project's own programs (the `roundtable-sandbox` CLI's `doctor`, `explain`,
+//! `sweep` and `image build`) use beyond a bot's API: the config layer's rules as `doctor`
+//! runs them, the free-space and filesystem probes, the guest image's build and the
+//! budgets' SQLite store. Feature `cli` only; a bot author needs none of it (the crate
+//! root has the embedding API).
+
+pub use crate::budgets::SqliteStore;
+pub use crate::config::{
+    check_root_ancestors, check_socket_path, is_private_dir, violations, GVISOR_RUNTIME,
+    MAX_SOCKET_PATH, MCP_DATA_DIR,
+};
+pub use crate::image::{build as build_image, ImageError, ImageSource};
+pub use crate::quota::{filesystem_type, free_space, Floor};
