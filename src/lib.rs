@@ -9,6 +9,7 @@
 //! - [`driver`]: the container driver trait and the Docker driver (guest output is hostile);
 //! - [`turn`]: one turn's lifecycle and teardown;
 //! - [`budgets`]: the host's usage accounting and the `[budgets]` limits, durable in SQLite;
+//! - [`audit`]: the audit trail, one JSON line per turn (`[audit]`), and its summary;
 //! - [`quota`]: the workspace size cap, measured by descriptor only, and the free-space floor;
 //! - [`sweep`]: removal of what a crashed runtime left behind;
 //! - [`warm`]: prepared containers for the channels' next turns (`[warm]`);
@@ -43,6 +44,7 @@ macro_rules! testing_pub {
     };
 }
 
+pub mod audit;
 pub mod broker;
 pub mod budgets;
 mod channel;
@@ -124,6 +126,9 @@ pub enum SandboxError {
     /// another process (never reset: the message names the file).
     #[error(transparent)]
     Budgets(#[from] budgets::StoreError),
+    /// The audit file (`[audit] path`) could not be opened for appending.
+    #[error(transparent)]
+    Audit(#[from] audit::AuditError),
 }
 
 /// Closes this process to the other processes of its own user: not dumpable
@@ -176,8 +181,12 @@ impl Sandbox {
             )?),
             None => budgets::BudgetBook::open(&resolved.budgets, &resolved.time_zone)?,
         };
+        let audit = match &resolved.audit.path {
+            Some(path) => Some(audit::AuditTrail::open(path, resolved.audit.include_text)?),
+            None => None,
+        };
         let broker = Broker::start(resolved.broker.clone()).await?;
-        let events = Arc::new(events::EventHub::new(config.observer.clone()));
+        let events = Arc::new(events::EventHub::new(config.observer.clone(), audit));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
@@ -212,6 +221,22 @@ impl Sandbox {
     /// The budgets' book (`None`: no state file and no store configured).
     pub fn budgets(&self) -> Option<&Arc<budgets::BudgetBook>> {
         self.inner.budgets.as_ref()
+    }
+
+    /// What the audit trail has done since startup (`None`: no `[audit] path`).
+    pub fn audit_stats(&self) -> Option<audit::AuditStats> {
+        self.inner.events.audit().map(|a| a.stats())
+    }
+
+    /// Waits until every turn ended so far is in the audit file (or counted failed), up
+    /// to `within`; `false` if it did not happen in time. No audit trail: `true`.
+    pub async fn flush_audit(&self, within: std::time::Duration) -> bool {
+        let Some(audit) = self.inner.events.audit().cloned() else {
+            return true;
+        };
+        tokio::task::spawn_blocking(move || audit.flush(within))
+            .await
+            .unwrap_or(false)
     }
 
     /// The container driver.
@@ -269,6 +294,8 @@ impl Sandbox {
     /// Ends the runtime-long parts (MCP children).
     pub async fn shutdown(&self) {
         self.inner.broker.shutdown().await;
+        // The audit lines of the turns ended so far.
+        self.flush_audit(std::time::Duration::from_secs(5)).await;
     }
 }
 

@@ -75,6 +75,9 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     check_root_ancestors(&config.run_root, process_uid)?;
     check_root_ancestors(&config.workspace_root, process_uid)?;
     check_budgets(config, [&config.run_root, &config.workspace_root])?;
+    (config.audit)
+        .validate([&config.run_root, &config.workspace_root])
+        .map_err(ConfigError::Audit)?;
     // Side effects start here: the roots are created private, then inspected.
     let run_root = prepare_root(&config.run_root, process_uid)?;
     let workspace_root = prepare_root(&config.workspace_root, process_uid)?;
@@ -89,6 +92,9 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     }
     // Again with the canonical roots (a state file under a root by another path).
     check_budgets(config, [&run_root, &workspace_root])?;
+    (config.audit)
+        .validate([&run_root, &workspace_root])
+        .map_err(ConfigError::Audit)?;
     let instance = config
         .instance
         .clone()
@@ -114,6 +120,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         runtime: config.runtime.clone(),
         warm: config.warm,
         budgets: config.budgets.clone(),
+        audit: config.audit.clone(),
         docker: config.docker_options(),
         broker: policy,
     };
