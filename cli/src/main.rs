@@ -44,6 +44,13 @@ enum Command {
     Turn(TurnArgs),
     /// Remove leftover containers and run dirs of this runtime
     Sweep,
+    /// Summarise an audit trail (`[audit] path`): turns and failures by kind, p50/p95 by
+    /// launch type, the top speakers and channels by tokens, the budget refusals
+    Audit {
+        /// The audit file (one JSON line per turn)
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
     /// The guest image
     Image {
         #[command(subcommand)]
@@ -132,6 +139,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Explain => explain(settings).await,
         Command::Turn(args) => turn(settings, args).await,
         Command::Sweep => sweep(settings).await,
+        Command::Audit { file } => audit_summary(&file),
         Command::Image {
             command:
                 ImageCommand::Build {
@@ -407,6 +415,9 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     if let Some(file) = &config.budgets.state_file {
         checks.push(state_file_check(file));
     }
+    if let Some(file) = &config.audit.path {
+        checks.push(audit_file_check(file));
+    }
     for m in &config.mcp {
         if m.unconfined() {
             checks.push(fail(
@@ -512,6 +523,55 @@ fn state_file_check(file: &Path) -> Check {
     }
 }
 
+/// The audit file: an existing one must open for appending as the runtime opens it (by
+/// this user, the service user); a missing one needs a directory this user may create in.
+/// Nothing is written or created.
+fn audit_file_check(file: &Path) -> Check {
+    const NAME: &str = "audit file";
+    if !file.exists() {
+        let dir = file.parent().unwrap_or(Path::new("/"));
+        return match nix::unistd::access(
+            dir,
+            nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+        ) {
+            Ok(()) => pass(
+                NAME,
+                format!("{} will be created at startup", file.display()),
+            ),
+            Err(e) => fail(
+                NAME,
+                format!(
+                    "{} cannot be created in {}: {e}",
+                    file.display(),
+                    dir.display()
+                ),
+                "create the directory for the service user, outside run_root and workspace_root",
+            ),
+        };
+    }
+    match std::fs::OpenOptions::new().append(true).open(file) {
+        Ok(_) => pass(
+            NAME,
+            format!("{} is writable (appended to)", file.display()),
+        ),
+        Err(e) => fail(
+            NAME,
+            format!("{} cannot be opened for appending: {e}", file.display()),
+            "give the service user write permission on it (or name another file)",
+        ),
+    }
+}
+
+/// `audit FILE`: the trail's summary (its strings escaped for the terminal).
+fn audit_summary(file: &Path) -> Result<ExitCode> {
+    let reader =
+        std::fs::File::open(file).with_context(|| format!("open audit file {}", file.display()))?;
+    let summary = roundtable_sandbox::audit::summary::summarize(std::io::BufReader::new(reader))
+        .with_context(|| format!("read audit file {}", file.display()))?;
+    print!("{summary}");
+    Ok(ExitCode::SUCCESS)
+}
+
 fn host_of(url: &str) -> String {
     let after = url.split_once("://").map_or(url, |(_, r)| r);
     let host = after.split(['/', '?', '#']).next().unwrap_or_default();
@@ -599,6 +659,18 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
              a model call past one gets 429; counters in {} (SQLite, WAL)",
             set.join(", "),
             f.display()
+        ),
+    }
+    match &config.audit.path {
+        None => println!("audit         off"),
+        Some(f) => println!(
+            "audit         one JSON line per turn appended to {}; guest text: {}; never a key",
+            f.display(),
+            if config.audit.include_text {
+                "the speaker id, the message and the reply (include_text = true)"
+            } else {
+                "the speaker id only (include_text = false)"
+            }
         ),
     }
     println!(
