@@ -216,7 +216,8 @@ async fn each_turn_has_one_line_saying_what_happened() {
     assert_eq!(one["speaker"], "u1");
     assert_eq!(
         one["model_calls"],
-        json!([{"status": 200, "latency_ms": one["model_calls"][0]["latency_ms"],
+        json!([{"operation": "chat", "status": 200,
+                "latency_ms": one["model_calls"][0]["latency_ms"],
                 "prompt_tokens": 400, "completion_tokens": 200}])
     );
     assert_eq!(
@@ -267,6 +268,10 @@ async fn each_turn_has_one_line_saying_what_happened() {
     assert_eq!(four["usage"]["prompt_tokens"], 300);
     assert_eq!(four["usage"]["model_calls"], 1);
     assert_eq!(four["model_calls"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        four["refusals"],
+        json!([{"status": 429, "limit": "budget", "budget": "speaker_tokens_per_day"}])
+    );
     // 5: refused before its container.
     assert_eq!(five["outcome"], "budget_exceeded");
     assert_eq!(five["launch"], "none");

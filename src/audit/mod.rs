@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::events::{BrokerEvent, Event, EventKind, TurnFacts, WarmEvent};
+use crate::events::{BrokerEvent, Event, EventKind, Refusal, TurnFacts, WarmEvent};
 use crate::turn::kinds::{TurnFailure, TurnPhase};
 
 /// The `[audit]` section.
@@ -316,10 +316,12 @@ impl AuditTrail {
             EventKind::Warm(WarmEvent::FellBack { .. }) => p.fell_back = true,
             EventKind::Facts(facts) => p.facts = Some(facts.clone()),
             EventKind::Broker(BrokerEvent::ModelCall {
+                operation,
                 status,
                 latency,
                 usage,
             }) => p.model_calls.push(ModelCallLine {
+                operation: operation.key().to_owned(),
                 status: *status,
                 latency_ms: ms(*latency),
                 prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
@@ -337,9 +339,14 @@ impl AuditTrail {
                 latency_ms: ms(*latency),
             }),
             EventKind::Broker(BrokerEvent::Refused { status, limit }) => {
+                let (limit, budget) = match limit {
+                    Refusal::Budget(b) => ("budget".to_owned(), Some(b.key().to_owned())),
+                    other => (snake(other), None),
+                };
                 p.refusals.push(RefusalLine {
                     status: *status,
-                    limit: snake(limit),
+                    limit,
+                    budget,
                 })
             }
             _ => {}
@@ -551,6 +558,9 @@ pub(crate) struct Durations {
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct ModelCallLine {
+    /// `chat` (the guest's), `compaction_summarizer`, `compaction_model`.
+    #[serde(default)]
+    pub(crate) operation: String,
     pub(crate) status: u16,
     pub(crate) latency_ms: f64,
     #[serde(default)]
@@ -571,6 +581,9 @@ pub(crate) struct ToolCallLine {
 pub(crate) struct RefusalLine {
     pub(crate) status: u16,
     pub(crate) limit: String,
+    /// The budget, when `limit` is `budget`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) budget: Option<String>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
