@@ -493,25 +493,7 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
 fn state_file_check(file: &Path) -> Check {
     const NAME: &str = "state file";
     if !file.exists() {
-        let dir = file.parent().unwrap_or(Path::new("/"));
-        return match nix::unistd::access(
-            dir,
-            nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
-        ) {
-            Ok(()) => pass(
-                NAME,
-                format!("{} will be created at startup", file.display()),
-            ),
-            Err(e) => fail(
-                NAME,
-                format!(
-                    "{} cannot be created in {}: {e}",
-                    file.display(),
-                    dir.display()
-                ),
-                "create the directory for the service user, outside run_root and workspace_root",
-            ),
-        };
+        return creatable_check(NAME, file);
     }
     match roundtable_sandbox::budgets::SqliteStore::open(file) {
         Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
@@ -523,31 +505,36 @@ fn state_file_check(file: &Path) -> Check {
     }
 }
 
+/// A file the runtime creates at startup: its directory must let this user create it.
+fn creatable_check(name: &'static str, file: &Path) -> Check {
+    let dir = file.parent().unwrap_or(Path::new("/"));
+    match nix::unistd::access(
+        dir,
+        nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+    ) {
+        Ok(()) => pass(
+            name,
+            format!("{} will be created at startup", file.display()),
+        ),
+        Err(e) => fail(
+            name,
+            format!(
+                "{} cannot be created in {}: {e}",
+                file.display(),
+                dir.display()
+            ),
+            "create the directory for the service user, outside run_root and workspace_root",
+        ),
+    }
+}
+
 /// The audit file: an existing one must open for appending as the runtime opens it (by
 /// this user, the service user); a missing one needs a directory this user may create in.
 /// Nothing is written or created.
 fn audit_file_check(file: &Path) -> Check {
     const NAME: &str = "audit file";
     if !file.exists() {
-        let dir = file.parent().unwrap_or(Path::new("/"));
-        return match nix::unistd::access(
-            dir,
-            nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
-        ) {
-            Ok(()) => pass(
-                NAME,
-                format!("{} will be created at startup", file.display()),
-            ),
-            Err(e) => fail(
-                NAME,
-                format!(
-                    "{} cannot be created in {}: {e}",
-                    file.display(),
-                    dir.display()
-                ),
-                "create the directory for the service user, outside run_root and workspace_root",
-            ),
-        };
+        return creatable_check(NAME, file);
     }
     match std::fs::OpenOptions::new().append(true).open(file) {
         Ok(_) => pass(
