@@ -755,6 +755,35 @@ mod tests {
     }
 
     #[test]
+    fn the_section_is_read_from_toml_and_refuses_unknown_keys() {
+        let head = "image = \"x\"\nrun_root = \"/r\"\nworkspace_root = \"/w\"\nmodel = \"m\"\nmodel_url = \"https://a\"\n";
+        let c = crate::Config::from_toml_str(&format!(
+            "{head}[audit]\npath = \"/var/log/rt/audit.jsonl\"\ninclude_text = true\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.audit,
+            AuditSettings {
+                path: Some("/var/log/rt/audit.jsonl".into()),
+                include_text: true
+            }
+        );
+        let c = crate::Config::from_toml_str(head).unwrap();
+        assert_eq!(c.audit, AuditSettings::default());
+        let e = crate::Config::from_toml_str(&format!("{head}[audit]\nfile = \"/x\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("config file <string>: audit.file: unknown field `file`"),
+            "{e}"
+        );
+        assert_eq!(
+            crate::ConfigError::Audit("include_text is set but no path is".into()).to_string(),
+            "audit.include_text is set but no path is"
+        );
+    }
+
+    #[test]
     fn settings_rules() {
         let roots = [Path::new("/run/rt"), Path::new("/srv/ws")];
         let s = |path: Option<&str>, include_text| AuditSettings {
