@@ -10,7 +10,8 @@
 //! name, outcome, latency) and every refusal of the broker (its status and the limit that
 //! refused), and the engine's calls (operation, latency). An event names the turn by its
 //! runtime-wide number and the channel by its short hash ([`ChannelId::short`]); it never
-//! carries guest text.
+//! carries guest text but one field: the speaker's id in a turn's [`TurnFacts`] (the
+//! audit trail's, [`crate::audit`]), guest-chosen, never a metric label.
 //!
 //! The other views are built on it: a turn's [`PhaseObserver`](crate::PhaseObserver) sees
 //! its [`EventKind::Phase`]s, [`Sandbox::warm_counts`](crate::Sandbox::warm_counts) counts
@@ -88,6 +89,12 @@ pub enum EventKind {
         /// Whether the turn was running (a model call refused) rather than refused at its start.
         mid_turn: bool,
     },
+    /// What a turn (or a message refused before its turn) was, beyond its other events:
+    /// who spoke, the bytes in and out, the host-counted usage, the budget that refused it,
+    /// the workspace after it. Sent once, just before the turn's last event (its
+    /// `Phase(Done)`; a refused message's `Ended`). Its `speaker` is guest-chosen text:
+    /// never a metric label (see [`TurnFacts`]).
+    Facts(Box<TurnFacts>),
     /// One call to the container engine.
     Engine {
         /// The operation (`create`, `start`, `remove`, `inspect`, …).
@@ -97,6 +104,60 @@ pub enum EventKind {
         /// Whether it succeeded.
         ok: bool,
     },
+}
+
+/// What a turn was, for the audit trail (see [`EventKind::Facts`]).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct TurnFacts {
+    /// The speaker's id, as the chat gave it: **guest-chosen text** (never a metric label;
+    /// the audit trail writes it JSON-escaped, the CLI shows it through
+    /// [`crate::display`]).
+    pub speaker: String,
+    /// The message's size in bytes (UTF-8).
+    pub bytes_in: u64,
+    /// The reply's size in bytes (its text, or its error).
+    pub bytes_out: u64,
+    /// What the turn used, counted by the host ([`crate::budgets::HostUsage`]).
+    pub usage: crate::budgets::HostUsage,
+    /// The budget that refused the turn, or one of its model calls.
+    pub budget: Option<crate::budgets::BudgetRefusal>,
+    /// The channel's workspace after the turn, in allocated bytes: measured only when the
+    /// audit trail is on and the host measures the workspace (`None` otherwise).
+    pub workspace_bytes: Option<u64>,
+    /// The message and the reply, only when `audit.include_text` is set; sealed: only the
+    /// audit trail reads it (an observer never sees guest text).
+    pub text: Option<AuditText>,
+}
+
+impl TurnFacts {
+    /// The facts of a message refused before it became a turn (the actor layer's `Busy`,
+    /// `ShuttingDown`): its speaker and size.
+    pub fn refused(speaker: &str, message: &str) -> Self {
+        Self {
+            speaker: speaker.to_owned(),
+            bytes_in: message.len() as u64,
+            bytes_out: 0,
+            usage: Default::default(),
+            budget: None,
+            workspace_bytes: None,
+            text: None,
+        }
+    }
+}
+
+/// A turn's message and reply, for the audit trail alone (`audit.include_text`): no
+/// accessor outside the crate, and its `Debug` shows neither.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AuditText {
+    pub(crate) message: String,
+    pub(crate) reply: String,
+}
+
+impl std::fmt::Debug for AuditText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuditText(..)")
+    }
 }
 
 /// What the warm pool did.
@@ -237,6 +298,8 @@ pub enum Refusal {
 #[derive(Default)]
 pub(crate) struct EventHub {
     observer: Option<Observer>,
+    /// The audit trail (`[audit]`), a view of the same events.
+    audit: Option<Arc<crate::audit::AuditTrail>>,
     next_turn: AtomicU64,
     adopted: AtomicU64,
     fell_back: AtomicU64,
@@ -251,11 +314,20 @@ impl std::fmt::Debug for EventHub {
 }
 
 impl EventHub {
-    pub(crate) fn new(observer: Option<Observer>) -> Self {
+    pub(crate) fn new(
+        observer: Option<Observer>,
+        audit: Option<Arc<crate::audit::AuditTrail>>,
+    ) -> Self {
         Self {
             observer,
+            audit,
             ..Self::default()
         }
+    }
+
+    /// The audit trail, if `[audit]` names a file.
+    pub(crate) fn audit(&self) -> Option<&Arc<crate::audit::AuditTrail>> {
+        self.audit.as_ref()
     }
 
     /// The next turn's runtime-wide number (from 1).
@@ -283,17 +355,22 @@ impl EventHub {
             }
             _ => {}
         }
-        let Some(observer) = &self.observer else {
+        if self.observer.is_none() && self.audit.is_none() {
             return;
-        };
+        }
         let event = Event {
             at: Instant::now(),
             turn,
             channel: channel.map(|c| c.short().to_owned()),
             kind,
         };
-        if std::panic::catch_unwind(AssertUnwindSafe(|| observer(&event))).is_err() {
-            tracing::warn!("the event observer panicked; the runtime goes on");
+        if let Some(observer) = &self.observer {
+            if std::panic::catch_unwind(AssertUnwindSafe(|| observer(&event))).is_err() {
+                tracing::warn!("the event observer panicked; the runtime goes on");
+            }
+        }
+        if let Some(audit) = &self.audit {
+            audit.observe(&event);
         }
     }
 }

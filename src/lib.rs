@@ -28,7 +28,7 @@
 //! and `operator` (what `doctor`, `explain`, `sweep` and `image build` use: the config
 //! layer's rules, the free-space probes, the image build, the budgets' SQLite store).
 //!
-//! Every other module (`broker`, `budgets`, `config`, `image`, `lock`, `quota`, `sweep`,
+//! Every other module (`audit`, `broker`, `budgets`, `config`, `image`, `lock`, `quota`, `sweep`,
 //! `turn`, `warm`) is `pub(crate)`, and `pub` only with the `testing` feature, which also
 //! adds `testing` (the fake driver and test environment) and engine- and broker-level
 //! hooks for this workspace's tests, the bench and the fuzz targets (`driver::docker`, a
@@ -41,7 +41,8 @@
 //! [`Config::resolve`]); `broker` (the per-turn HTTP server on a unix socket that holds
 //! the key and the allow-listed host and MCP tools: guest requests are hostile); `driver`
 //! (guest output is hostile); `turn` (one turn's lifecycle and teardown); `budgets` (the
-//! host's usage accounting and the `[budgets]` limits, durable in SQLite); `quota` (the
+//! host's usage accounting and the `[budgets]` limits, durable in SQLite); `audit` (the
+//! audit trail, one JSON line per turn, `[audit]`, and its summary); `quota` (the
 //! workspace size cap, measured by descriptor only, and the free-space floor); `sweep`
 //! (removal of what a crashed runtime left behind); `warm` (prepared containers for the
 //! channels' next turns); `lock` (one runtime per root); `image` (the guest image, built
@@ -82,6 +83,7 @@ macro_rules! testing_mod {
 }
 
 testing_mod! {
+    audit;
     broker;
     budgets;
     config;
@@ -110,6 +112,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use turn::resources::LiveTurns;
 
 // The embedding API: what a bot author uses (see the crate's documentation).
+pub use audit::{AuditError, AuditSettings};
 pub use broker::{
     ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, CompactionModel, HostTool, McpConfine,
     McpLimits, McpScope, McpServer, McpTransport, ModelRequestPolicy, ProvidedKey, ToolCallContext,
@@ -179,6 +182,9 @@ pub enum SandboxError {
     /// another process (never reset: the message names the file).
     #[error(transparent)]
     Budgets(#[from] budgets::StoreError),
+    /// The audit file (`[audit] path`) could not be opened for appending.
+    #[error(transparent)]
+    Audit(#[from] audit::AuditError),
 }
 
 /// Closes this process to the other processes of its own user: not dumpable
@@ -231,8 +237,12 @@ impl Sandbox {
             )?),
             None => budgets::BudgetBook::open(&resolved.budgets, &resolved.time_zone)?,
         };
+        let audit = match &resolved.audit.path {
+            Some(path) => Some(audit::AuditTrail::open(path, resolved.audit.include_text)?),
+            None => None,
+        };
         let broker = Broker::start(resolved.broker.clone()).await?;
-        let events = Arc::new(events::EventHub::new(config.observer.clone()));
+        let events = Arc::new(events::EventHub::new(config.observer.clone(), audit));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
@@ -267,6 +277,22 @@ impl Sandbox {
     /// The budgets' book (`None`: no state file and no store configured).
     pub fn budgets(&self) -> Option<&Arc<budgets::BudgetBook>> {
         self.inner.budgets.as_ref()
+    }
+
+    /// What the audit trail has done since startup (`None`: no `[audit] path`).
+    pub fn audit_stats(&self) -> Option<audit::AuditStats> {
+        self.inner.events.audit().map(|a| a.stats())
+    }
+
+    /// Waits until every turn ended so far is in the audit file (or counted failed), up
+    /// to `within`; `false` if it did not happen in time. No audit trail: `true`.
+    pub async fn flush_audit(&self, within: std::time::Duration) -> bool {
+        let Some(audit) = self.inner.events.audit().cloned() else {
+            return true;
+        };
+        tokio::task::spawn_blocking(move || audit.flush(within))
+            .await
+            .unwrap_or(false)
     }
 
     /// The container driver.
@@ -324,6 +350,8 @@ impl Sandbox {
     /// Ends the runtime-long parts (MCP children).
     pub async fn shutdown(&self) {
         self.inner.broker.shutdown().await;
+        // The audit lines of the turns ended so far.
+        self.flush_audit(std::time::Duration::from_secs(5)).await;
     }
 }
 

@@ -1,9 +1,10 @@
 //! What the project's own programs (the `roundtable-sandbox` CLI's `doctor`, `explain`,
-//! `sweep` and `image build`) use beyond a bot's API: the config layer's rules as `doctor`
-//! runs them, the free-space and filesystem probes, the guest image's build and the
-//! budgets' SQLite store. Feature `cli` only; a bot author needs none of it (the crate
-//! root has the embedding API).
+//! `sweep`, `image build` and `audit`) use beyond a bot's API: the config layer's rules as
+//! `doctor` runs them, the free-space and filesystem probes, the guest image's build, the
+//! budgets' SQLite store and the audit trail's summary. Feature `cli` only; a bot author
+//! needs none of it (the crate root has the embedding API).
 
+pub use crate::audit::summary::{summarize as summarize_audit, AuditSummary};
 pub use crate::budgets::SqliteStore;
 pub use crate::config::{
     check_root_ancestors, check_socket_path, is_private_dir, violations, GVISOR_RUNTIME,

@@ -290,12 +290,16 @@ impl ChannelActor {
     ) -> Result<oneshot::Receiver<Result<TurnOutcome, SandboxActorError>>, SandboxActorError> {
         let sink = self.sink(0, message.progress.clone());
         if self.shutting_down {
-            sink.ended(TurnFailure::ShuttingDown);
+            sink.refused(
+                &message.speaker.id,
+                &message.text,
+                TurnFailure::ShuttingDown,
+            );
             return Err(SandboxActorError::ShuttingDown);
         }
         if self.active.is_some() && self.queue.len() >= self.shared.queue_limit {
             tracing::info!(waiting = self.queue.len(), "busy: message refused");
-            sink.ended(TurnFailure::Busy);
+            sink.refused(&message.speaker.id, &message.text, TurnFailure::Busy);
             return Err(SandboxActorError::Busy {
                 waiting: self.queue.len(),
             });

@@ -165,9 +165,20 @@ impl Handler<GuestMessage> for SandboxSupervisor {
 
     fn handle(&mut self, message: GuestMessage, ctx: &mut Self::Context) -> Self::Result {
         if self.shutdown.is_some() {
+            let channel = roundtable_sandbox::ChannelId::new(&message.channel);
             self.shared.sandbox.emit(
                 None,
-                Some(&roundtable_sandbox::ChannelId::new(&message.channel)),
+                Some(&channel),
+                roundtable_sandbox::events::EventKind::Facts(Box::new(
+                    roundtable_sandbox::events::TurnFacts::refused(
+                        &message.speaker.id,
+                        &message.text,
+                    ),
+                )),
+            );
+            self.shared.sandbox.emit(
+                None,
+                Some(&channel),
                 roundtable_sandbox::events::EventKind::Ended {
                     failure: Some(roundtable_sandbox::TurnFailure::ShuttingDown),
                     warm: false,

@@ -159,6 +159,20 @@ impl ProgressSink {
             warm: false,
         });
     }
+
+    /// A message refused by this layer: its facts (the audit trail's: speaker, size),
+    /// then its `Ended`.
+    pub(crate) fn refused(&self, speaker: &str, text: &str, failure: TurnFailure) {
+        self.facts(speaker, text);
+        self.ended(failure);
+    }
+
+    /// The facts of a message that never reached the core's turn (before its `Done`).
+    pub(crate) fn facts(&self, speaker: &str, text: &str) {
+        self.emit(EventKind::Facts(Box::new(
+            roundtable_sandbox::events::TurnFacts::refused(speaker, text),
+        )));
+    }
 }
 
 /// Everything a turn needs, handed over by its channel at admission.
@@ -353,8 +367,10 @@ async fn run_job(
     control: TurnControl,
     delivery: Delivery,
 ) {
+    let (speaker, text) = (&turn.request().speaker.id, &turn.request().text);
     let stopped = || {
         delivery.end(&TurnOutcome::failed(&TurnError::Stopped), &progress);
+        progress.facts(speaker, text);
         progress.emit(EventKind::Phase(TurnPhase::Done));
     };
     let token = turn.request().stop.clone();
@@ -385,6 +401,7 @@ async fn run_job(
                     };
                     tracing::info!(error = %error, kind = ?error.failure(), "turn failed");
                     delivery.end(&TurnOutcome::failed(&error), &progress);
+                    progress.facts(speaker, text);
                     progress.emit(EventKind::Phase(TurnPhase::Done));
                     return;
                 }

@@ -45,6 +45,13 @@ enum Command {
     Turn(TurnArgs),
     /// Remove leftover containers and run dirs of this runtime
     Sweep,
+    /// Summarise an audit trail (`[audit] path`): turns and failures by kind, p50/p95 by
+    /// launch type, the top speakers and channels by tokens, the budget refusals
+    Audit {
+        /// The audit file (one JSON line per turn)
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
     /// The guest image
     Image {
         #[command(subcommand)]
@@ -133,6 +140,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Explain => explain(settings, &cli.metrics).await,
         Command::Turn(args) => turn(settings, args).await,
         Command::Sweep => sweep(settings).await,
+        Command::Audit { file } => audit_summary(&file),
         Command::Image {
             command:
                 ImageCommand::Build {
@@ -434,6 +442,9 @@ async fn doctor(
     if let Some(check) = metrics_check(metrics) {
         checks.push(check);
     }
+    if let Some(file) = &config.audit.path {
+        checks.push(audit_file_check(file));
+    }
     for m in &config.mcp {
         if m.unconfined() {
             checks.push(fail(
@@ -506,25 +517,7 @@ async fn doctor(
 fn state_file_check(file: &Path) -> Check {
     const NAME: &str = "state file";
     if !file.exists() {
-        let dir = file.parent().unwrap_or(Path::new("/"));
-        return match nix::unistd::access(
-            dir,
-            nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
-        ) {
-            Ok(()) => pass(
-                NAME,
-                format!("{} will be created at startup", file.display()),
-            ),
-            Err(e) => fail(
-                NAME,
-                format!(
-                    "{} cannot be created in {}: {e}",
-                    file.display(),
-                    dir.display()
-                ),
-                "create the directory for the service user, outside run_root and workspace_root",
-            ),
-        };
+        return creatable_check(NAME, file);
     }
     match roundtable_sandbox::operator::SqliteStore::open(file) {
         Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
@@ -562,6 +555,60 @@ fn metrics_check(args: &roundtable_sandbox_metrics::MetricsArgs) -> Option<Check
             "choose a free port (another process holds it, or the address is not this host's)",
         ),
     })
+}
+
+/// A file the runtime creates at startup: its directory must let this user create it.
+fn creatable_check(name: &'static str, file: &Path) -> Check {
+    let dir = file.parent().unwrap_or(Path::new("/"));
+    match nix::unistd::access(
+        dir,
+        nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+    ) {
+        Ok(()) => pass(
+            name,
+            format!("{} will be created at startup", file.display()),
+        ),
+        Err(e) => fail(
+            name,
+            format!(
+                "{} cannot be created in {}: {e}",
+                file.display(),
+                dir.display()
+            ),
+            "create the directory for the service user, outside run_root and workspace_root",
+        ),
+    }
+}
+
+/// The audit file: an existing one must open for appending as the runtime opens it (by
+/// this user, the service user); a missing one needs a directory this user may create in.
+/// Nothing is written or created.
+fn audit_file_check(file: &Path) -> Check {
+    const NAME: &str = "audit file";
+    if !file.exists() {
+        return creatable_check(NAME, file);
+    }
+    match std::fs::OpenOptions::new().append(true).open(file) {
+        Ok(_) => pass(
+            NAME,
+            format!("{} is writable (appended to)", file.display()),
+        ),
+        Err(e) => fail(
+            NAME,
+            format!("{} cannot be opened for appending: {e}", file.display()),
+            "give the service user write permission on it (or name another file)",
+        ),
+    }
+}
+
+/// `audit FILE`: the trail's summary (its strings escaped for the terminal).
+fn audit_summary(file: &Path) -> Result<ExitCode> {
+    let reader =
+        std::fs::File::open(file).with_context(|| format!("open audit file {}", file.display()))?;
+    let summary = roundtable_sandbox::operator::summarize_audit(std::io::BufReader::new(reader))
+        .with_context(|| format!("read audit file {}", file.display()))?;
+    print!("{summary}");
+    Ok(ExitCode::SUCCESS)
 }
 
 fn host_of(url: &str) -> String {
@@ -653,6 +700,18 @@ async fn explain(
              a model call past one gets 429; counters in {} (SQLite, WAL)",
             set.join(", "),
             f.display()
+        ),
+    }
+    match &config.audit.path {
+        None => println!("audit         off"),
+        Some(f) => println!(
+            "audit         one JSON line per turn appended to {}; guest text: {}; never a key",
+            f.display(),
+            if config.audit.include_text {
+                "the speaker id, the message and the reply (include_text = true)"
+            } else {
+                "the speaker id only (include_text = false)"
+            }
         ),
     }
     println!(

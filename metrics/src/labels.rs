@@ -2,8 +2,8 @@
 //! here, so no label can hold a channel, a speaker, a tool's name, guest text, or the
 //! host's error text (whose words may quote what a guest made: a file name, a path).
 
-use roundtable_sandbox::budgets::Budget;
 use roundtable_sandbox::events::Refusal;
+use roundtable_sandbox::Budget;
 use roundtable_sandbox::{TurnFailure, TurnPhase};
 
 /// A turn's outcome: `ok` or the failure kind in snake case.

@@ -194,4 +194,7 @@ pub enum ConfigError {
     /// `[budgets]` breaks a rule.
     #[error("budgets.{0}")]
     Budgets(String),
+    /// `[audit]` breaks a rule.
+    #[error("audit.{0}")]
+    Audit(String),
 }

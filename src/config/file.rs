@@ -89,6 +89,9 @@ pub struct ConfigFile {
     /// `[budgets]`: see [`crate::budgets::BudgetSettings`].
     #[serde(default)]
     pub budgets: crate::budgets::BudgetSettings,
+    /// `[audit]`: see [`crate::audit::AuditSettings`] (`path`, `include_text`).
+    #[serde(default)]
+    pub audit: crate::audit::AuditSettings,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment
@@ -251,7 +254,11 @@ impl TryFrom<ConfigFile> for Config {
         if let Some(compaction) = file.compaction {
             builder = builder.compaction(compaction.try_into()?);
         }
-        let mut config = builder.warm(file.warm).budgets(file.budgets).build();
+        let mut config = builder
+            .warm(file.warm)
+            .budgets(file.budgets)
+            .audit(file.audit)
+            .build();
         // Either may be set alone (the rule refuses what is not the process's own).
         (config.uid, config.gid) = (file.uid, file.gid);
         Ok(config)

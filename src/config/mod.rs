@@ -149,6 +149,9 @@ pub struct Config {
     /// A store for the budgets' counters other than the SQLite state file (a database
     /// shared by the processes of one bot); opened by `Sandbox::new`.
     pub budget_store: Option<BudgetStoreOpener>,
+    /// The audit trail: one JSON line per turn to the file it names (`[audit]`, see
+    /// [`crate::audit`]).
+    pub audit: crate::audit::AuditSettings,
 }
 
 /// Opens a [`crate::budgets::BudgetStore`] (see [`Config::budget_store`]).
@@ -174,6 +177,7 @@ impl std::fmt::Debug for Config {
             .field("compaction", &self.compaction)
             .field("warm", &self.warm)
             .field("budgets", &self.budgets)
+            .field("audit", &self.audit)
             .field("observer", &self.observer.as_ref().map(|_| "observer"))
             .finish_non_exhaustive()
     }
@@ -231,6 +235,7 @@ impl Config {
                 warm: WarmSettings::default(),
                 budgets: BudgetSettings::default(),
                 budget_store: None,
+                audit: Default::default(),
             },
         }
     }
@@ -372,6 +377,8 @@ impl ConfigBuilder {
         model_request: ModelRequestPolicy;
         /// Budgets and rate limits (`[budgets]`).
         budgets: BudgetSettings;
+        /// The audit trail (`[audit]`).
+        audit: crate::audit::AuditSettings;
     }
 
     setters! {
@@ -452,6 +459,8 @@ pub struct ResolvedConfig {
     pub warm: WarmSettings,
     /// Budgets (`[budgets]`, validated).
     pub budgets: BudgetSettings,
+    /// The audit trail (`[audit]`, validated).
+    pub audit: crate::audit::AuditSettings,
     /// The Docker driver's options ([`Config::docker_options`]).
     pub docker: crate::driver::DockerOptions,
     /// The broker's policy, built and validated once here (with the runtime's MCP engine).

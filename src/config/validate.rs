@@ -124,6 +124,11 @@ fn pure_rules(config: &Config, rules: &mut Rules) -> Result<Checked, ConfigError
         config,
         [&config.run_root, &config.workspace_root],
     ))?;
+    rules.check(
+        (config.audit)
+            .validate([&config.run_root, &config.workspace_root])
+            .map_err(ConfigError::Audit),
+    )?;
     Ok(Checked {
         time_zone,
         turn_timeout,
@@ -188,6 +193,9 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     check_socket_path(&run_root)?;
     // Again with the canonical roots (a state file under a root by another path).
     check_budgets(config, [&run_root, &workspace_root])?;
+    (config.audit)
+        .validate([&run_root, &workspace_root])
+        .map_err(ConfigError::Audit)?;
     let instance = config
         .instance
         .clone()
@@ -213,6 +221,7 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         runtime: config.runtime.clone(),
         warm: config.warm,
         budgets: config.budgets.clone(),
+        audit: config.audit.clone(),
         docker: config.docker_options(),
         broker: policy,
     };

@@ -122,7 +122,7 @@ impl BrokerTurn {
             account,
             events: observer.map(|o| {
                 crate::events::TurnEvents::new(
-                    Arc::new(crate::events::EventHub::new(Some(o))),
+                    Arc::new(crate::events::EventHub::new(Some(o), None)),
                     1,
                     channel.into(),
                     None,

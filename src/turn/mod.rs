@@ -211,6 +211,7 @@ pub async fn run_admitted(
             turn.request.channel.segment(),
             sandbox.budgets().cloned(),
         )),
+        workspace: Default::default(),
     };
     // On the heap: the run's state is large in a debug build, and the callers' futures
     // (the actor layer's turn task) are built and moved on the stack.
@@ -228,6 +229,8 @@ struct Run<'a> {
     stopped_for: Option<Arc<OnceLock<TurnFailure>>>,
     cancel: CancellationToken,
     account: Arc<crate::budgets::TurnAccount>,
+    /// The workspace the host measures (for the audit trail's use after the turn).
+    workspace: std::sync::Mutex<Option<Arc<crate::quota::Workspace>>>,
 }
 
 impl Run<'_> {
@@ -245,11 +248,15 @@ impl Run<'_> {
         self.phase(TurnPhase::Preparing);
         let mut warm = false;
         let result = self.answer(&mut resources, &mut warm).await;
+        let mut budget = None;
         let mut reply = match result {
             Ok(reply) => TurnOutcome::from_guest(reply),
             Err(e) => {
                 let failure = e.failure();
                 tracing::info!(error = %e, kind = ?failure, "turn failed");
+                if let TurnError::Budget(refusal) = &e {
+                    budget = Some(refusal.clone());
+                }
                 TurnOutcome::failed(&e)
             }
         };
@@ -272,9 +279,30 @@ impl Run<'_> {
         // Teardown: every step runs; the turn's reply stands, cleanup errors are logged.
         self.phase(TurnPhase::TearingDown);
         self.cancel.cancel();
-        if let Some(r) = resources.take() {
-            r.teardown_logged("turn cleanup").await;
-        }
+        // The workspace's use after the turn, for the audit trail, beside the teardown
+        // (off the async threads; the container has ended).
+        let audit = self.sandbox.events().audit().cloned();
+        let workspace = audit.as_ref().and_then(|_| {
+            self.workspace
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+        });
+        let quota = self.sandbox.config().limits.workspace_quota();
+        let measure = async move {
+            let ws = workspace?;
+            tokio::task::spawn_blocking(move || crate::quota::measure(&ws, &quota, None).ok())
+                .await
+                .ok()
+                .flatten()
+                .map(|u| u.bytes)
+        };
+        let teardown = async {
+            if let Some(r) = resources.take() {
+                r.teardown_logged("turn cleanup").await;
+            }
+        };
+        let (workspace_bytes, ()) = tokio::join!(measure, teardown);
         tracing::info!(
             ok = reply.ok,
             total_ms = started.elapsed().as_millis() as u64,
@@ -284,6 +312,26 @@ impl Run<'_> {
             tool_calls = reply.usage.tool_calls,
             "turn done"
         );
+        let reply_text = reply
+            .text
+            .as_deref()
+            .or(reply.error.as_deref())
+            .unwrap_or("");
+        self.events
+            .emit(EventKind::Facts(Box::new(crate::events::TurnFacts {
+                speaker: self.request.speaker.id.clone(),
+                bytes_in: self.request.text.len() as u64,
+                bytes_out: reply_text.len() as u64,
+                usage: reply.usage,
+                budget: budget.or_else(|| self.account.refusal()),
+                workspace_bytes,
+                text: audit
+                    .filter(|a| a.include_text())
+                    .map(|_| crate::events::AuditText {
+                        message: self.request.text.clone(),
+                        reply: reply_text.to_owned(),
+                    }),
+            })));
         self.phase(TurnPhase::Done);
         reply
     }
@@ -325,6 +373,9 @@ impl Run<'_> {
             prepared = self.prepare(slot) => prepared?,
         };
         let warm = slot.as_ref().is_some_and(TurnResources::is_prepared);
+        if let Some((ws, _)) = &measured {
+            *self.workspace.lock().unwrap_or_else(|e| e.into_inner()) = Some(ws.clone());
+        }
         let resources = slot.as_mut().expect("prepared above");
         self.phase(TurnPhase::BrokerListening);
 
