@@ -41,7 +41,8 @@ use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
     TurnFailure,
 };
-use roundtable_sandbox_examples::{print_completions, RollDice};
+use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
+use roundtable_sandbox_metrics::MetricsArgs;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -69,6 +70,8 @@ struct Cli {
     output: OutputOptions,
     #[command(flatten)]
     settings: Settings,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Print a completion script for SHELL and exit
     #[arg(long, value_name = "SHELL", value_enum)]
     completions: Option<clap_complete::Shell>,
@@ -476,12 +479,16 @@ async fn run(cli: Cli) -> Result<()> {
         join,
         output,
         settings,
+        metrics,
         ..
     } = cli;
     let join: Vec<String> = join.iter().map(|c| c.to_lowercase()).collect();
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
-    let sandbox = SandboxSupervisor::start(SupervisorOptions::new(config)).await?;
+    let mut supervisor = SupervisorOptions::new(config);
+    // Kept to the end of the run: dropping it stops the endpoint.
+    let _metrics = serve_metrics("irc-bot", &metrics, &mut supervisor)?;
+    let sandbox = SandboxSupervisor::start(supervisor).await?;
     eprintln!(
         "irc-bot: connecting to {server} as {nick} ({})",
         if offline.is_some() {

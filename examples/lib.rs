@@ -5,7 +5,8 @@
 //! - `irc_bot.rs`: each IRC channel is a sandbox channel, each nick the speaker;
 //! - [`RollDice`]: a host tool both bots offer to the guest agent;
 //! - [`print_completions`]: their `--completions SHELL`;
-//! - [`stop_signal`]: SIGINT or SIGTERM, on which both shut their runtime down cleanly.
+//! - [`stop_signal`]: SIGINT or SIGTERM, on which both shut their runtime down cleanly;
+//! - [`serve_metrics`]: their `--metrics ADDR` (Prometheus, `roundtable-sandbox-metrics`).
 //!
 //! The README's embedding example is compiled here as a doctest.
 
@@ -85,6 +86,24 @@ pub async fn stop_signal() {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
+}
+
+/// Starts the metrics endpoint when `--metrics` asked for it and installs its observer on
+/// the supervisor's options; prints where it listens. Keep the server: dropping it stops it.
+pub fn serve_metrics(
+    program: &str,
+    args: &roundtable_sandbox_metrics::MetricsArgs,
+    supervisor: &mut roundtable_sandbox_actors::SupervisorOptions,
+) -> anyhow::Result<Option<roundtable_sandbox_metrics::MetricsServer>> {
+    let Some((metrics, server)) = args.start()? else {
+        return Ok(None);
+    };
+    supervisor.observer = Some(metrics.observer());
+    eprintln!(
+        "{program}: metrics at http://{}/metrics",
+        server.local_addr()
+    );
+    Ok(Some(server))
 }
 
 /// Prints a bot's fatal error on stderr: its message, then each cause on a line of its own.

@@ -28,7 +28,8 @@ use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh,
     Status, Stop, SupervisorOptions, TurnPhase, TurnProgress,
 };
-use roundtable_sandbox_examples::{print_completions, RollDice};
+use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
+use roundtable_sandbox_metrics::MetricsArgs;
 use tokio::io::AsyncBufReadExt;
 
 /// A terminal chat bot: each line on stdin is a chat message, run as a sealed turn.
@@ -40,6 +41,8 @@ use tokio::io::AsyncBufReadExt;
 struct Cli {
     #[command(flatten)]
     settings: Settings,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// Print a completion script for SHELL and exit
     #[arg(long, value_name = "SHELL", value_enum)]
     completions: Option<clap_complete::Shell>,
@@ -58,7 +61,7 @@ async fn main() -> std::process::ExitCode {
     if let Some(shell) = cli.completions {
         return print_completions::<Cli>(shell);
     }
-    match run(cli.settings).await {
+    match run(cli.settings, cli.metrics).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             roundtable_sandbox_examples::print_error("terminal-bot", &e);
@@ -176,7 +179,7 @@ fn state_text(state: ChannelState) -> String {
     }
 }
 
-async fn run(settings: Settings) -> Result<()> {
+async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
     let (mut config, offline) = settings.build().await.context("configuration")?;
     config.tools.push(Arc::new(RollDice));
     let tty = std::io::stdout().is_terminal();
@@ -188,6 +191,8 @@ async fn run(settings: Settings) -> Result<()> {
             }
         }));
     }
+    // Kept to the end of the run: dropping it stops the endpoint.
+    let _metrics = serve_metrics("terminal-bot", &metrics, &mut supervisor)?;
     let (sandbox, swept) = SandboxSupervisor::start_with_sweep(supervisor).await?;
     eprintln!(
         "terminal-bot: ready ({}; removed {} leftover container(s)). Type `#general ann: hello`.",

@@ -27,6 +27,7 @@ python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv)
 [ -x /usr/sbin/ngircd ] || need+=(ngircd)   # the IRC example's end-to-end test
 command -v ii >/dev/null || need+=(ii)
 command -v debootstrap >/dev/null || need+=(debootstrap)   # the MCP servers' image
+command -v prometheus >/dev/null || need+=(prometheus)     # the metrics' end-to-end test
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   apt-get update -qq

@@ -80,6 +80,14 @@ pub enum EventKind {
     Warm(WarmEvent),
     /// The broker.
     Broker(BrokerEvent),
+    /// A budget refused a turn before anything was made for it, or a model call of a
+    /// running turn (the guest's, or its compactor's): see [`crate::budgets`].
+    BudgetRefused {
+        /// Which budget.
+        budget: crate::budgets::Budget,
+        /// Whether the turn was running (a model call refused) rather than refused at its start.
+        mid_turn: bool,
+    },
     /// One call to the container engine.
     Engine {
         /// The operation (`create`, `start`, `remove`, `inspect`, …).
@@ -221,7 +229,6 @@ pub enum Refusal {
     /// A request head past the broker's cap (431), or a URI past hyper's (414): answered by
     /// hyper itself, seen when the connection ends.
     HeadBytes,
-
     /// Any other failure of the broker's own (500).
     Internal,
 }

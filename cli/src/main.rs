@@ -28,6 +28,9 @@ use roundtable_sandbox::{ContainerDriver, DockerDriver, Sandbox, Speaker, TurnRe
 struct Cli {
     #[command(flatten)]
     settings: Settings,
+    /// The bots' metrics endpoint (`doctor` checks it, `explain` shows it).
+    #[command(flatten)]
+    metrics: roundtable_sandbox_metrics::MetricsArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -126,8 +129,8 @@ async fn main() -> ExitCode {
 async fn run(cli: Cli) -> Result<ExitCode> {
     let settings = &cli.settings;
     match cli.command {
-        Command::Doctor => doctor(settings).await,
-        Command::Explain => explain(settings).await,
+        Command::Doctor => doctor(settings, &cli.metrics).await,
+        Command::Explain => explain(settings, &cli.metrics).await,
         Command::Turn(args) => turn(settings, args).await,
         Command::Sweep => sweep(settings).await,
         Command::Image {
@@ -336,7 +339,10 @@ fn driver_for(config: &Config) -> DockerDriver {
     DockerDriver::new(options)
 }
 
-async fn doctor(settings: &Settings) -> Result<ExitCode> {
+async fn doctor(
+    settings: &Settings,
+    metrics: &roundtable_sandbox_metrics::MetricsArgs,
+) -> Result<ExitCode> {
     let (config, _offline) = settings.build().await.context("read the configuration")?;
     let uid = nix::unistd::getuid().as_raw();
     let mut checks = Vec::new();
@@ -424,6 +430,9 @@ async fn doctor(settings: &Settings) -> Result<ExitCode> {
     });
     if let Some(file) = &config.budgets.state_file {
         checks.push(state_file_check(file));
+    }
+    if let Some(check) = metrics_check(metrics) {
+        checks.push(check);
     }
     for m in &config.mcp {
         if m.unconfined() {
@@ -527,13 +536,44 @@ fn state_file_check(file: &Path) -> Check {
     }
 }
 
+/// The metrics address (`--metrics`): loopback unless allowed otherwise, and bindable now.
+fn metrics_check(args: &roundtable_sandbox_metrics::MetricsArgs) -> Option<Check> {
+    const NAME: &str = "metrics";
+    let addr = match args.address() {
+        Ok(addr) => addr?,
+        Err(e) => {
+            return Some(fail(
+                NAME,
+                e.to_string(),
+                "serve metrics on 127.0.0.1 (and scrape there), or allow it explicitly",
+            ))
+        }
+    };
+    Some(match roundtable_sandbox_metrics::bindable(addr) {
+        Ok(()) => pass(NAME, format!("http://{addr}/metrics can be served")),
+        Err(e) => fail(
+            NAME,
+            format!(
+                "{e}: {}",
+                std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            ),
+            "choose a free port (another process holds it, or the address is not this host's)",
+        ),
+    })
+}
+
 fn host_of(url: &str) -> String {
     let after = url.split_once("://").map_or(url, |(_, r)| r);
     let host = after.split(['/', '?', '#']).next().unwrap_or_default();
     host.rsplit_once('@').map_or(host, |(_, h)| h).to_owned()
 }
 
-async fn explain(settings: &Settings) -> Result<ExitCode> {
+async fn explain(
+    settings: &Settings,
+    metrics: &roundtable_sandbox_metrics::MetricsArgs,
+) -> Result<ExitCode> {
     let (config, offline) = settings.build().await.context("read the configuration")?;
     let show = |p: &PathBuf| {
         std::fs::canonicalize(p)
@@ -615,6 +655,17 @@ async fn explain(settings: &Settings) -> Result<ExitCode> {
             f.display()
         ),
     }
+    println!(
+        "metrics       {}",
+        match metrics.address() {
+            Ok(None) => "off (the bots serve Prometheus metrics with --metrics ADDR)".to_owned(),
+            Ok(Some(addr)) => format!(
+                "http://{addr}/metrics (Prometheus; {}; labels never name a channel, a speaker or guest text)",
+                if addr.ip().is_loopback() { "loopback only" } else { "REACHABLE beyond this host" }
+            ),
+            Err(e) => format!("refused: {e}"),
+        }
+    );
     println!(
         "turn timeout  {} s",
         config.effective_turn_timeout().as_secs_f64()

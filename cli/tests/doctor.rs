@@ -382,3 +382,63 @@ fn every_config_violation_is_named_by_doctor() {
     );
     assert!(!std::path::Path::new(&run).exists(), "doctor made a root");
 }
+
+#[test]
+fn doctor_checks_the_metrics_address_and_explain_shows_it() {
+    let (d, run, ws) = roots();
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        "disk_floor_mb = 0\ndisk_floor_percent = 0\n",
+    );
+    // A port another process holds: not bindable.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = held.local_addr().unwrap();
+    let (code, out) = doctor(&["--config", &config, "--metrics", &addr.to_string()], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL metrics         bind the metrics address {addr}: Address already in use"
+        )),
+        "{out}"
+    );
+    drop(held);
+    let (_, out) = doctor(&["--config", &config, "--metrics", &addr.to_string()], &[]);
+    assert!(
+        out.contains(&format!(
+            "ok   metrics         http://{addr}/metrics can be served"
+        )),
+        "{out}"
+    );
+    // Not loopback, not allowed: refused before any bind.
+    let (code, out) = doctor(&["--config", &config, "--metrics", "0.0.0.0:9464"], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(
+            "FAIL metrics         metrics address 0.0.0.0:9464 is not a loopback address (give --metrics-allow-remote to serve metrics beyond this host)"
+        ),
+        "{out}"
+    );
+    // Without --metrics doctor says nothing of it.
+    let (_, out) = doctor(&["--config", &config], &[]);
+    assert!(!out.contains("metrics"), "{out}");
+    let explain = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+            .args(["explain", "--config", &config])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(explain(&[])
+        .contains("metrics       off (the bots serve Prometheus metrics with --metrics ADDR)"));
+    assert!(explain(&["--metrics"]).contains(
+        "metrics       http://127.0.0.1:9464/metrics (Prometheus; loopback only; labels never name a channel, a speaker or guest text)"
+    ));
+    assert!(
+        explain(&["--metrics", "[::]:9464", "--metrics-allow-remote"]).contains(
+            "metrics       http://[::]:9464/metrics (Prometheus; REACHABLE beyond this host;"
+        )
+    );
+}

@@ -404,6 +404,13 @@ async fn call(
     }
     if let Some(account) = &turn.ctx.account {
         if let Err(refusal) = account.check_call() {
+            crate::events::emit(
+                &turn.ctx.events,
+                crate::events::EventKind::BudgetRefused {
+                    budget: refusal.budget,
+                    mid_turn: true,
+                },
+            );
             return Err(format!("the {name} call is refused: {refusal}"));
         }
     }

@@ -422,6 +422,13 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                     budget = refusal.budget.key(),
                     "model call refused by a budget"
                 );
+                crate::events::emit(
+                    &turn.ctx.events,
+                    EventKind::BudgetRefused {
+                        budget: refusal.budget,
+                        mid_turn: true,
+                    },
+                );
                 return refuse(
                     StatusCode::TOO_MANY_REQUESTS,
                     Refusal::Budget(refusal.budget),

@@ -308,7 +308,13 @@ impl Run<'_> {
         }
         // The budgets, before any workspace, broker or container.
         if let Some(book) = sandbox.budgets() {
-            book.admit(&request.speaker.id, request.channel.segment())?;
+            book.admit(&request.speaker.id, request.channel.segment())
+                .inspect_err(|r| {
+                    self.events.emit(EventKind::BudgetRefused {
+                        budget: r.budget,
+                        mid_turn: false,
+                    })
+                })?;
         }
         let deadline = tokio::time::sleep_until(deadline_at);
         tokio::pin!(deadline);
