@@ -28,7 +28,7 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The API a bot author gets: the two library crates, the CLI and the bots alone, without the
 # `testing` feature (no dev-dependency, no test-support), so an item only tests use shows up.
-shipped=(-p roundtable-sandbox -p roundtable-sandbox-actors -p roundtable-sandbox-cli -p roundtable-sandbox-examples)
+shipped=(-p roundtable-sandbox -p roundtable-sandbox-actors -p roundtable-sandbox-cli -p roundtable-sandbox-examples -p roundtable-sandbox-metrics)
 cargo clippy "${shipped[@]}" --lib --bins --quiet -- -D warnings
 if cargo tree "${shipped[@]}" -e normal,build,features -i roundtable-sandbox | grep -q 'feature "testing"'; then
   echo "a build of the CLI and the bots enables roundtable-sandbox's testing feature (cargo tree -e normal,build,features -i roundtable-sandbox)" >&2

@@ -5,11 +5,11 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::budgets::Budget;
 use roundtable_sandbox::events::{
     BrokerEvent, Event, EventKind, ModelOperation, Refusal, WarmEvent,
 };
 use roundtable_sandbox::protocol::Usage;
+use roundtable_sandbox::Budget;
 use roundtable_sandbox::{TurnFailure, TurnPhase};
 use roundtable_sandbox_metrics::{check_address, Metrics, MetricsError, MetricsServer};
 
