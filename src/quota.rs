@@ -741,18 +741,28 @@ pub(crate) struct Watch {
 /// the error as soon as one is past its limit. Never returns otherwise: race it against the
 /// turn.
 pub(crate) async fn watch(w: Watch) -> QuotaError {
+    watch_counting(w, true).await
+}
+
+/// [`watch`], counting the files the container's processes hold with no name left only
+/// when `count_held` (an MCP session under gVisor: its image has no measurer, see
+/// `docs/security.md`, so its tree alone is measured).
+pub(crate) async fn watch_counting(w: Watch, count_held: bool) -> QuotaError {
     let mut pause = WATCH_INTERVAL;
     // Since when every measure in a row failed in a way a race explains.
     let mut failing_since: Option<std::time::Instant> = None;
     loop {
         tokio::time::sleep(pause).await;
         let started = std::time::Instant::now();
-        let held = w.driver.held_files(&w.container).await;
+        let held = match count_held {
+            true => Some(w.driver.held_files(&w.container).await),
+            false => None,
+        };
         let (ws, quota, floor, guarded) =
             (w.workspace.clone(), w.quota, w.floor, w.guarded.clone());
         let measured = tokio::task::spawn_blocking(move || {
             check_floor(&guarded, &floor)?;
-            let full = measure(&ws, &quota, Some(&held));
+            let full = measure(&ws, &quota, held.as_ref());
             // While the turn's processes cannot be read, the tree alone is still measured.
             let tree = match &full {
                 Err(e) if !e.is_final() => Some(measure(&ws, &quota, None)),

@@ -27,6 +27,10 @@
 //! chat call every 100 ms, its latency before the attack and during it (same run, the
 //! ratio of the medians), and the child's CPU time and warn lines during the attack.
 //!
+//! Two knobs to take the harness apart (issue 21): `ROUNDTABLE_BENCH_NO_OTHER=1` measures the
+//! other channel before the attack only; `ROUNDTABLE_BENCH_NO_SUBSCRIBER=1` gives the child no
+//! subscriber (its warn lines are then not counted).
+//!
 //! Printed: idle, peak, peak − idle (the figure with the target: ≤ 64 MiB), peak / idle,
 //! the other channel's latency, and what the attackers were answered.
 
@@ -89,11 +93,14 @@ pub enum Attack {
 /// In the child: a broker listening on `socket` (the hostile turn) and beside it (another
 /// channel's turn) until stdin closes; warn lines go to stderr.
 pub fn host(socket: &str, model_url: &str) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .init();
+    // `ROUNDTABLE_BENCH_NO_SUBSCRIBER=1`: no subscriber (what the harness costs, issue 21).
+    if std::env::var_os("ROUNDTABLE_BENCH_NO_SUBSCRIBER").is_none() {
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .init();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -512,7 +519,12 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
     let tally = Arc::new(Tally::default());
     let cpu_before = cpu_ticks(pid)?;
     let end = Instant::now() + Duration::from_secs(seconds);
-    let busy = tokio::spawn(other_channel(other, end));
+    // `ROUNDTABLE_BENCH_NO_OTHER=1`: the other channel is measured before the attack only
+    // (what its calls during the attack cost the peak, issue 21).
+    let busy = match std::env::var_os("ROUNDTABLE_BENCH_NO_OTHER") {
+        None => tokio::spawn(other_channel(other, end)),
+        Some(_) => tokio::spawn(async { vec![f64::NAN] }),
+    };
     let mut set = tokio::task::JoinSet::new();
     if attack == Attack::Compaction {
         let body = compaction_body(500_000);

@@ -34,6 +34,9 @@ pub(super) struct Turn {
     pub(super) tool_calls: AtomicU32,
     /// Compactions asked for (`max_compactions`).
     pub(super) compactions: AtomicU32,
+    /// Compactions this turn refused `429` (past [`super::compact::FREE_REFUSALS`], each
+    /// answered after [`super::compact::REFUSAL_PAUSE`]).
+    pub(super) compaction_refusals: AtomicU32,
     /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
     /// One permit: the compaction being served.

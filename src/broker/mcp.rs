@@ -256,9 +256,20 @@ struct Live {
     container: Option<Container>,
 }
 
+/// Resolves with the error once a container session's data watcher stops it.
+type Stopped = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
+
 impl Live {
     fn is_closed(&self) -> bool {
         self.service.is_closed() || self.service.peer().is_transport_closed()
+    }
+
+    fn watcher(&self) -> Option<&mcp_container::Watcher> {
+        self.container.as_ref().and_then(|c| c.watcher.as_ref())
+    }
+
+    fn stopped(&self) -> Option<Stopped> {
+        self.watcher().map(|w| Box::pin(w.stopped()) as Stopped)
     }
 }
 
@@ -518,25 +529,29 @@ impl McpPool {
                     return Err(CallError::Quota(msg));
                 }
             }
-            let peer = self.ready(srv, &session).await?;
+            let (peer, stopped) = self.ready(srv, &session).await?;
             let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
             params.meta = Some(RequestMetaObject(MetaObject(meta)));
-            // Dropping this future (deadline, turn stop) sends notifications/cancelled.
+            // Dropping this future (deadline, turn stop) sends notifications/cancelled. The
+            // session's data watcher (a container's) ends the call once it stops the session.
             let called = async {
-                match (confined, &data_dir) {
-                    (Some((engine, _)), Some(dir)) => tokio::select! {
+                match stopped {
+                    Some(stopped) => tokio::select! {
                         r = peer.call_tool(params) => Ok(r),
-                        msg = watch_data(engine, name_of(srv), dir, &quota) => Err(msg),
+                        msg = stopped => Err(msg),
                     },
-                    _ => Ok(peer.call_tool(params).await),
+                    None => Ok(peer.call_tool(params).await),
                 }
             };
-            match called.await {
+            let called = called.await;
+            // The watcher removes the container once it has kept its error: a call that saw
+            // the session close first is refused with that error all the same.
+            let called = match (called, self.tripped(&session).await) {
+                (Ok(Err(_)), Some(msg)) => Err(msg),
+                (called, _) => called,
+            };
+            match called {
                 Err(msg) => {
-                    tracing::warn!(
-                        server,
-                        "MCP session over its data quota or the floor; stopped"
-                    );
                     end_session(&session).await;
                     Err(CallError::Quota(msg))
                 }
@@ -669,17 +684,38 @@ impl McpPool {
         Ok(session)
     }
 
-    /// The session's peer, (re)starting it (and checking its tools against the pins) first.
+    /// The error the session's data watcher stopped it with, if it did.
+    async fn tripped(&self, session: &Session) -> Option<String> {
+        match &*session.state.lock().await {
+            State::Running(s) => s.watcher().and_then(|w| w.tripped()),
+            _ => None,
+        }
+    }
+
+    /// The session's peer and, for a container, what resolves once its data watcher stops
+    /// it; (re)starting it (and checking its tools against the pins) first. A session its
+    /// watcher stopped since its last call is closed and the call refused with the
+    /// watcher's error (the next call starts it again, if its data is under the quota).
     async fn ready(
         &self,
         srv: &Server,
         session: &Session,
-    ) -> Result<rmcp::Peer<RoleClient>, CallError> {
+    ) -> Result<(rmcp::Peer<RoleClient>, Option<Stopped>), CallError> {
         let name = &srv.config.name;
         let mut state = session.state.lock().await;
+        let tripped = match &*state {
+            State::Running(s) => s.watcher().and_then(|w| w.tripped()),
+            _ => None,
+        };
+        if let Some(msg) = tripped {
+            if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+                close(live).await;
+            }
+            return Err(CallError::Quota(msg));
+        }
         match &*state {
             State::Running(s) if !s.is_closed() => {
-                return Ok(s.service.peer().clone());
+                return Ok((s.service.peer().clone(), s.stopped()));
             }
             State::Refused(why) => return Err(CallError::Failed(why.clone())),
             State::Shutdown => {
@@ -730,8 +766,9 @@ impl McpPool {
             }
         }
         let peer = service.service.peer().clone();
+        let stopped = service.stopped();
         *state = State::Running(Box::new(service));
-        Ok(peer)
+        Ok((peer, stopped))
     }
 
     /// Takes the channel's sessions (by the channel's hash) out of every channel-scoped
@@ -845,28 +882,6 @@ impl Drop for EndOnDrop<'_> {
 
 fn name_of(srv: &Server) -> &str {
     &srv.config.name
-}
-
-/// Measures a session's data dir every [`crate::quota::WATCH_INTERVAL`] during a call;
-/// returns the error once it is over quota or its filesystem below the floor.
-async fn watch_data(
-    engine: &McpEngine,
-    server: &str,
-    dir: &std::path::Path,
-    quota: &crate::quota::Quota,
-) -> String {
-    loop {
-        tokio::time::sleep(crate::quota::WATCH_INTERVAL).await;
-        let (engine, server, dir, quota) =
-            (engine.clone(), server.to_owned(), dir.to_owned(), *quota);
-        let checked =
-            tokio::task::spawn_blocking(move || engine.check(&server, &dir, &quota)).await;
-        match checked {
-            Ok(Ok(())) => {}
-            Ok(Err(msg)) => return msg,
-            Err(e) => return format!("MCP data quota watcher failed: {e}"),
-        }
-    }
 }
 
 /// The transport with `{channel}` replaced by `segment`.

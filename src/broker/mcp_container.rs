@@ -10,8 +10,12 @@
 //! to the debug log (capped).
 //!
 //! The data dir is held to a quota measured as a workspace's ([`crate::quota`], by
-//! descriptor, never following a link), before each call and every
-//! [`crate::quota::WATCH_INTERVAL`] during it, and its filesystem to the free-space floor.
+//! descriptor, never following a link), before each call and, by a [`Watcher`] as long as
+//! the session's container lives (between calls too), every
+//! [`crate::quota::WATCH_INTERVAL`] with the files its processes hold open after deleting
+//! them ([`crate::driver::ContainerDriver::held_files`], as a turn's); its filesystem is held
+//! to the free-space floor. Past either, the watcher removes the container and the session's
+//! call in flight, or else its next call, is refused with the watcher's error.
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::DirBuilderExt;
@@ -26,7 +30,7 @@ use tokio::io::AsyncWriteExt;
 use super::McpServer;
 use crate::driver::create_body;
 use crate::driver::{ContainerSpec, DockerDriver, DockerOptions, LABEL_CHANNEL, LABEL_RUNTIME};
-use crate::quota::{Floor, Guarded, Quota};
+use crate::quota::{Floor, Guarded, Quota, QuotaError};
 
 /// Label on every MCP session's container; its value is the server's name.
 pub const LABEL_MCP: &str = "roundtable-sandbox.mcp";
@@ -146,6 +150,93 @@ impl McpEngine {
     }
 }
 
+/// The error of a session its watcher stopped, from the quota's own.
+fn watcher_error(server: &str, e: QuotaError) -> String {
+    match e {
+        QuotaError::Exceeded { used, held, limit } => format!(
+            "MCP server {server}: this channel's data is over its quota ({used} used{held}; the limit is {limit}); its session was stopped"
+        ),
+        QuotaError::Measure(why) => format!(
+            "MCP server {server}: this channel's data cannot be measured ({why}); its session was stopped"
+        ),
+        e => format!("MCP server {server}: {e}"),
+    }
+}
+
+/// Watches a session's data dir for as long as its container lives ([`crate::quota::watch`]:
+/// the tree by descriptor, the files the container's processes hold open with no name left,
+/// the floor). Past its quota (or unmeasurable, or the floor passed) it keeps the error,
+/// wakes the session's call in flight and removes the container. Stopped when dropped.
+pub(crate) struct Watcher {
+    task: tokio::task::JoinHandle<()>,
+    tripped: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl Watcher {
+    fn start(
+        engine: &McpEngine,
+        driver: &DockerDriver,
+        server: &str,
+        data_dir: &Path,
+        container: &str,
+        quota: Quota,
+    ) -> Result<Self, String> {
+        let workspace = crate::quota::Workspace::open(data_dir).map_err(|e| {
+            format!(
+                "MCP server {server}: this channel's data cannot be measured (open its dir: {e})"
+            )
+        })?;
+        let watch = crate::quota::Watch {
+            workspace: std::sync::Arc::new(workspace),
+            quota,
+            floor: engine.floor,
+            guarded: vec![Guarded {
+                what: "the MCP servers' data",
+                path: engine.data_root.clone(),
+            }],
+            driver: std::sync::Arc::new(driver.clone()),
+            container: container.to_owned(),
+        };
+        // Under gVisor the host cannot see the session's descriptors and the MCP image has
+        // no measurer inside: the tree alone (docs/security.md, MCP servers, known limits).
+        let count_held = engine.runtime.as_deref() != Some(crate::config::GVISOR_RUNTIME);
+        let (tx, tripped) = tokio::sync::watch::channel(None);
+        let (driver, server, name) = (driver.clone(), server.to_owned(), container.to_owned());
+        let task = tokio::spawn(async move {
+            let e = crate::quota::watch_counting(watch, count_held).await;
+            tracing::warn!(server = %server, "MCP session over its data quota or the floor; stopped");
+            tx.send_replace(Some(watcher_error(&server, e)));
+            if let Err(e) = driver.remove_container(&name).await {
+                tracing::warn!(container = %name, error = %e, "remove MCP container");
+            }
+        });
+        Ok(Self { task, tripped })
+    }
+
+    /// The error it stopped the session with, if it did.
+    pub(crate) fn tripped(&self) -> Option<String> {
+        self.tripped.borrow().clone()
+    }
+
+    /// Resolves with the error once it stops the session (never, while it does not).
+    pub(crate) fn stopped(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut rx = self.tripped.clone();
+        async move {
+            let got = rx.wait_for(Option::is_some).await.map(|v| v.clone());
+            match got {
+                Ok(v) => v.unwrap_or_default(),
+                Err(_) => std::future::pending().await,
+            }
+        }
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 /// Creates `dir` `0700` if missing; refuses a link or a non-dir.
 fn make_private(dir: &Path) -> Result<(), String> {
     match std::fs::symlink_metadata(dir) {
@@ -176,6 +267,8 @@ pub(crate) struct Container {
     pub(crate) name: String,
     /// The session's memory cap (for the out-of-memory error).
     pub(crate) memory_mb: u64,
+    /// The watcher of its data dir (stopped with it).
+    pub(crate) watcher: Option<Watcher>,
     removed: bool,
 }
 
@@ -183,6 +276,7 @@ impl Container {
     /// Kills and removes the container.
     pub(crate) async fn remove(mut self) {
         self.removed = true;
+        self.watcher = None;
         if let Err(e) = self.driver.remove_container(&self.name).await {
             tracing::warn!(container = %self.name, error = %e, "remove MCP container");
         }
@@ -296,10 +390,11 @@ pub(crate) async fn start(
         body.network_disabled = Some(false);
     }
     // Removed on any failure from here on (the guard's drop).
-    let container = Container {
+    let mut container = Container {
         driver: driver.clone(),
         name: name.clone(),
         memory_mb: limits.memory_mb,
+        watcher: None,
         removed: false,
     };
     let io = driver
@@ -311,6 +406,16 @@ pub(crate) async fn start(
             }
             e => crate::one_line(&e),
         })?;
+    // Watched from its start: what it writes while starting, between calls or in a thread
+    // of its own after a call returned is measured all the same.
+    container.watcher = Some(Watcher::start(
+        engine,
+        driver,
+        server,
+        &data_dir,
+        &name,
+        limits.data_quota(),
+    )?);
     let bollard::container::AttachContainerResults { mut output, input } = io;
     let (to_rmcp, mut from_container) = tokio::io::duplex(64 * 1024);
     let server = server.clone();

@@ -123,6 +123,7 @@ pub(crate) async fn serve(
         model_calls: AtomicU32::new(0),
         tool_calls: AtomicU32::new(0),
         compactions: AtomicU32::new(0),
+        compaction_refusals: AtomicU32::new(0),
         in_flight,
         compacting: Arc::new(Semaphore::new(1)),
         warnings: super::warn::Warnings::new(&ctx_channel),

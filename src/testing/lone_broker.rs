@@ -30,12 +30,44 @@ pub fn broker_policy(model_url: &str, key: &str) -> BrokerPolicy {
     }
 }
 
+/// The prefix of a test's MCP data root in `/tmp`; the pid of the process that made it follows.
+const DATA_ROOT_PREFIX: &str = "rtb-mcp-";
+
+/// Removes the MCP data roots (`/tmp/rtb-mcp-<pid>-…`) of this user's test processes that
+/// have ended (a root is kept while its process lives: its tests read it).
+fn remove_ended_data_roots() {
+    use std::os::unix::fs::MetadataExt;
+    let uid = nix::unistd::getuid().as_raw();
+    let Ok(entries) = std::fs::read_dir("/tmp") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(DATA_ROOT_PREFIX))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let ours =
+            std::fs::symlink_metadata(entry.path()).is_ok_and(|m| m.is_dir() && m.uid() == uid);
+        if ours && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// The engine for container-confined MCP sessions of a broker test: the default engine,
 /// this process's uid:gid, `$ROUNDTABLE_RUNTIME` (e.g. `runsc`), no free-space floor, a
-/// fresh instance name and a fresh private data root under `/tmp` (kept: a test reads it).
+/// fresh instance name and a fresh private data root under `/tmp` (kept while this process
+/// lives: a test reads it; removed by the first engine of a later test process).
 pub fn mcp_engine() -> crate::broker::McpEngine {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(remove_ended_data_roots);
     let data_root = tempfile::Builder::new()
-        .prefix("rtb-mcp-")
+        .prefix(&format!("{DATA_ROOT_PREFIX}{}-", std::process::id()))
         .tempdir_in("/tmp")
         .unwrap()
         .keep();

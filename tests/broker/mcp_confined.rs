@@ -631,3 +631,204 @@ async fn mcp_container_setup_errors_name_the_fix() {
         "MCP server sqlite could not be started: it runs in a container but the broker has no container engine"
     );
 }
+
+/// A hostile MCP server (python3 alone, inline) for the data quota: `hold` keeps 4 files of
+/// 12 MiB each in `/data`, each unlinked after opening and written through its descriptor
+/// (in the call when `wait`, then the call sleeps; else in a thread started after the
+/// answer is sent); `spill` answers, then a thread of its own writes 48 named 1 MiB files;
+/// `ping` answers `pong`. Each file stays under a 16 MiB `ulimit fsize`.
+fn hostile_server() -> McpServer {
+    const SCRIPT: &str = r#"
+import json, os, sys, threading, time
+HELD = []
+MIB = b"x" * (1 << 20)
+def hold():
+    for i in range(4):
+        path = "/data/held%d" % i
+        f = open(path, "wb")
+        os.unlink(path)
+        for _ in range(12):
+            f.write(MIB)
+            f.flush()
+        HELD.append(f)
+def spill():
+    for i in range(48):
+        with open("/data/spill%d" % i, "wb") as f:
+            f.write(MIB)
+        time.sleep(0.02)
+def answer(m, r):
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
+    sys.stdout.flush()
+def text(t):
+    return {"content": [{"type": "text", "text": t}]}
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m: continue
+    after = None
+    if m["method"] == "initialize":
+        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
+             "serverInfo": {"name": "hostile", "version": "1"}}
+    elif m["method"] == "tools/list":
+        obj = {"type": "object", "properties": {}}
+        r = {"tools": [
+            {"name": "hold", "description": "hold deleted files open",
+             "inputSchema": {"type": "object", "properties": {"wait": {"type": "boolean"}}}},
+            {"name": "spill", "description": "write files after answering", "inputSchema": obj},
+            {"name": "ping", "description": "pong", "inputSchema": obj}]}
+    elif m["method"] == "tools/call":
+        name = m["params"]["name"]
+        if name == "hold" and m["params"].get("arguments", {}).get("wait"):
+            hold()
+            time.sleep(300)
+            r = text("held")
+        elif name == "hold":
+            after, r = hold, text("holding")
+        elif name == "spill":
+            after, r = spill, text("spilling")
+        else:
+            r = text("pong")
+    else:
+        r = {}
+    answer(m, r)
+    if after:
+        threading.Thread(target=after, daemon=True).start()
+"#;
+    let mut config = McpServer::new(
+        "hostile",
+        McpTransport::Stdio {
+            command: "python3".into(),
+            args: vec!["-c".into(), SCRIPT.into()],
+            env: Default::default(),
+        },
+        &["hold", "spill", "ping"],
+    );
+    config.image = Some(mcp_image());
+    config.limits.data_mb = 16;
+    config
+}
+
+/// A call to the hostile server's `tool`.
+async fn hostile(turn: &BrokerTurn, tool: &str, args: serde_json::Value) -> client::Answer {
+    post_json(turn.socket(), &format!("/v1/mcp/hostile/{tool}"), &args).await
+}
+
+/// The watcher's error for the hostile server's data past its 16 MiB.
+fn assert_over_quota(a: &client::Answer, held: bool) {
+    assert_eq!(a.status, 507, "{}", a.text());
+    let e = a.error();
+    assert!(
+        e.starts_with("MCP server hostile: this channel's data is over its quota ("),
+        "{e}"
+    );
+    assert!(
+        e.ends_with("the limit is 16 MiB); its session was stopped"),
+        "{e}"
+    );
+    assert_eq!(e.contains("deleted files held open"), held, "{e}");
+}
+
+/// Files the session deletes while it holds them open count against its data quota, as a
+/// turn's do: in a call (the call is refused `507` and the session stopped) and after one
+/// (a thread of the server's: the session is stopped with no call, the next call refused).
+/// Their bytes go with the container, so the call after that starts the session again.
+#[tokio::test]
+async fn mcp_data_held_open_after_deletion_is_counted() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.limits.call_timeout = Duration::from_secs(20);
+    p.mcp = vec![hostile_server()];
+    let engine = engine(&p);
+    if engine.runtime.as_deref() == Some("runsc") {
+        // The host cannot see a gVisor sandbox's descriptors and the MCP image has no
+        // measurer inside: a known limit (docs/security.md, MCP servers).
+        eprintln!("skipped under gVisor: deleted-but-open files of an MCP session are not counted");
+        return;
+    }
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    // In the call: 48 MiB in 4 deleted files, the call waiting.
+    let a = hostile(&turn, "hold", json!({ "wait": true })).await;
+    eprintln!("held in a call: {}", a.text());
+    assert_over_quota(&a, true);
+    wait_containers(&engine, 0).await;
+    // Their bytes went with the container (a file killed between its open and its unlink
+    // keeps its name and what it had, under 12 MiB): the next call starts the session.
+    let a = hostile(&turn, "ping", json!({})).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    // After the call: the answer is sent first, then a thread holds the files (on a loaded
+    // machine the watcher may stop the session before its answer is relayed: either order).
+    let a = hostile(&turn, "hold", json!({ "wait": false })).await;
+    let answered = a.status == 200;
+    if answered {
+        assert_eq!(a.json()["content"], "holding", "{}", a.text());
+    } else {
+        eprintln!("the watcher came first: {}", a.text());
+        assert_over_quota(&a, true);
+    }
+    // The watcher stops the session with no call in flight.
+    wait_containers(&engine, 0).await;
+    if answered {
+        let a = hostile(&turn, "ping", json!({})).await;
+        eprintln!("held after a call, the next call: {}", a.text());
+        assert_over_quota(&a, true);
+    }
+    let a = hostile(&turn, "ping", json!({})).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json()["content"], "pong", "{}", a.text());
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
+
+/// A session is watched between its calls: a server that answers, then writes in a thread
+/// of its own, is stopped when its data passes the quota (no call in flight), and its next
+/// calls are refused until an operator frees space.
+#[tokio::test]
+async fn mcp_data_written_after_the_call_returned_is_watched() {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![hostile_server()];
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    let a = hostile(&turn, "spill", json!({})).await;
+    // The answer is sent before the thread starts; on a loaded machine the watcher may stop
+    // the session before the answer is relayed (either order).
+    let answered = a.status == 200;
+    if answered {
+        assert_eq!(a.json()["content"], "spilling", "{}", a.text());
+    } else {
+        eprintln!("the watcher came first: {}", a.text());
+        assert_over_quota(&a, false);
+    }
+    wait_containers(&engine, 0).await;
+    let dir = engine
+        .data_root
+        .join("hostile")
+        .join(channel_segment("chan-1"));
+    let written = files_under(&dir).len();
+    eprintln!(
+        "spilled after the call: {written} of 48 files of 1 MiB when the session was stopped"
+    );
+    // The files stay: the check before each call refuses (before the session's own
+    // error is reached), and no container is started.
+    for _ in 0..2 {
+        let a = hostile(&turn, "ping", json!({})).await;
+        assert_eq!(a.status, 507, "{}", a.text());
+        // What is counted depends on where the killed writer's last file lies in the dir.
+        let e = a.error();
+        assert!(
+            e.starts_with("MCP server hostile: this channel's data is over its quota ("),
+            "{e}"
+        );
+        assert!(
+            e.ends_with("entries; the limit is 16 MiB in 10000 entries); its session is stopped and calls are refused until an operator frees space"),
+            "{e}"
+        );
+        assert_eq!(containers(&engine).len(), 0);
+    }
+    for f in files_under(&dir) {
+        std::fs::remove_file(dir.join(f)).unwrap();
+    }
+    let a = hostile(&turn, "ping", json!({})).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    broker.shutdown().await;
+    wait_containers(&engine, 0).await;
+}
