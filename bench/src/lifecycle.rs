@@ -151,7 +151,8 @@ pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result
 }
 
 /// The warm runtime with accounting and every budget on (far from reached), its counters
-/// in a state file beside its roots: the same turns as [`warm_sandbox`] otherwise.
+/// in a state file beside its roots, and the audit trail (`audit.jsonl` beside it): the
+/// same turns as [`warm_sandbox`] otherwise.
 pub async fn budgeted_warm_sandbox(
     image: &str,
     roots: &Roots,
@@ -177,6 +178,11 @@ pub async fn budgeted_warm_sandbox(
         channel_tokens_per_day: Some(1_000_000_000),
         bot_tokens_per_day: Some(1_000_000_000),
         speaker_turns_per_minute: Some(10_000),
+    })
+    // The audit trail beside the state file (issue 23 item 8: audit and accounting on).
+    .audit(roundtable_sandbox::audit::AuditSettings {
+        path: Some(state_file.with_file_name("audit.jsonl")),
+        include_text: false,
     })
     .build();
     Sandbox::new(c)

@@ -754,7 +754,7 @@ async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {
 /// (a SQLite state file, every budget set far from reached) against off, interleaved.
 async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     println!(
-        "\n== 7. accounting and budgets on vs off: {} warm turns and {} broker calls each, interleaved",
+        "\n== 7. accounting, budgets and audit on vs off: {} warm turns and {} broker calls each, interleaved",
         o.iterations, o.broker_calls
     );
     let state_dir = tempfile::Builder::new()
