@@ -478,7 +478,8 @@ impl Drop for DockerStarted {
 
 impl DockerStarted {
     /// Writes the turn and closes stdin while reading the output (a guest that floods
-    /// stdout without reading stdin cannot deadlock the exchange), until the exit.
+    /// stdout without reading stdin cannot deadlock the exchange), until the reply's frame
+    /// is complete (returned at once, the container still running) or the exit.
     async fn run_inner(
         mut self,
         stdin: Vec<u8>,
@@ -498,14 +499,7 @@ impl DockerStarted {
 
         // Keep reading while a kill is under way: a daemon whose attach copier is blocked
         // on a full pipe does not answer the kill.
-        let mut out = std::mem::replace(
-            &mut self.collector,
-            OutputCollector {
-                outcome: RunOutcome::default(),
-                stdout_cap: 0,
-                stderr_cap: 0,
-            },
-        );
+        let mut out = std::mem::replace(&mut self.collector, OutputCollector::with_caps(0, 0));
         let mut output_done = false;
         let mut exit: Option<Result<i64, DriverError>> = None;
         let mut killing = false;
@@ -534,6 +528,12 @@ impl DockerStarted {
                         if push(&mut out, o) && !killing {
                             killing = true;
                             driver.spawn_kill(&docker, name);
+                        }
+                        // The reply is known: handed over now. The exit, the rest of the
+                        // output and the container are the turn's teardown's (it removes
+                        // the container, killing whatever still runs).
+                        if out.reply_ready() && !cancelled {
+                            return Ok(out.finish_at_frame());
                         }
                     }
                     Some(Err(e)) => {
