@@ -663,7 +663,7 @@ async fn throughput(
 ) -> Result<Value> {
     let (n, secs) = (o.throughput_channels, o.throughput_seconds);
     println!(
-        "\n== 2b. throughput: {n} channels back to back with warm turns vs {n} bare lifecycles looping, {secs} s each side, {} alternating rounds",
+        "\n== 2b. throughput: {n} channels back to back with warm turns vs {n} bare lifecycles looping (and {n} sealed containers alone, the driver's), {secs} s each side, {} rotating rounds",
         o.rounds
     );
     let c = lifecycle::bench_config(
@@ -685,13 +685,31 @@ async fn throughput(
         .context("start the throughput runtime")?;
     let mut runtime_rates = Samples::default();
     let mut bare_rates = Samples::default();
+    let mut driver_rates = Samples::default();
+    let driver = DockerDriver::default();
     let mut rounds = Vec::new();
     let (mut fell_cold, mut failed) = (0u64, 0u64);
     for r in 0..o.rounds {
-        for k in 0..2 {
+        for k in 0..3 {
             let until = Instant::now() + Duration::from_secs(secs);
             let t0 = Instant::now();
-            if (r + k) % 2 == 0 {
+            if (r + k) % 3 == 2 {
+                // The sealed container alone (the driver's run and removal, no runtime):
+                // what the engine's work per sealed container allows.
+                let loops = (0..n).map(|_| async {
+                    let mut done = 0u64;
+                    while Instant::now() < until {
+                        lifecycle::driver_turn(&driver, &o.image, roots, stdin).await?;
+                        done += 1;
+                    }
+                    Ok::<_, anyhow::Error>(done)
+                });
+                let counts = futures_util::future::try_join_all(loops).await?;
+                let wall = t0.elapsed().as_secs_f64();
+                let done: u64 = counts.iter().sum();
+                driver_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
+                rounds.push(json!({"side": "driver", "turns": done, "wall_s": round3(wall)}));
+            } else if (r + k) % 3 == 0 {
                 let loops = (0..n).map(|c| {
                     let warm = &warm;
                     async move {
@@ -770,10 +788,11 @@ async fn throughput(
         }
     }
     // Rates were stored as durations of `rate` ms: their p50 in ms is the rate in turns/s.
-    let (rt, bare) = (runtime_rates.p50(), bare_rates.p50());
+    let (rt, bare, sealed) = (runtime_rates.p50(), bare_rates.p50(), driver_rates.p50());
     println!(
-        "turns/s (p50 of rounds): runtime warm {rt:.2}, bare API {bare:.2} => {:.3}x ({fell_cold} turns started cold, {failed} failed)",
-        rt / bare
+        "turns/s (p50 of rounds): runtime warm {rt:.2}, bare API {bare:.2} => {:.3}x; sealed container alone (driver) {sealed:.2} => {:.3}x of bare ({fell_cold} turns started cold, {failed} failed)",
+        rt / bare,
+        sealed / bare
     );
     warm.shutdown().await;
     Ok(json!({
@@ -783,6 +802,8 @@ async fn throughput(
         "runtime_warm_turns_per_s_p50": round3(rt),
         "bare_api_turns_per_s_p50": round3(bare),
         "ratio": ratio(rt, bare),
+        "driver_turns_per_s_p50": round3(sealed),
+        "driver_vs_bare_ratio": ratio(sealed, bare),
         "turns_started_cold": fell_cold,
         "turns_failed": failed,
     }))

@@ -265,6 +265,14 @@ mod tests {
             judge(&c.finish(0), &spec).unwrap_err().to_string(),
             "guest output is not a valid reply: EOF while parsing a value at line 1 column 8"
         );
+        // A frame a backend did not hand over (it waited for the exit): judged with the
+        // exit, the fail-closed default.
+        let (_, ready, c) = collect(&[ok, b"\n"]);
+        assert!(ready);
+        assert_eq!(
+            judge(&c.finish(3), &spec).unwrap_err().to_string(),
+            "guest exited with code 3"
+        );
         // A reply with no newline: judged at the exit, as before.
         let (_, ready, c) = collect(&[ok]);
         assert!(!ready);

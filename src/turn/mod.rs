@@ -14,7 +14,8 @@
 //!
 //! The run (this module) adopts the resources (a prepared container's, or a cold turn's),
 //! checks the workspace's quota and the free-space floor, binds the broker, runs the
-//! container, judges what it did, hands the reply to a callback **before** cleanup, then
+//! container until its reply's frame (or its end), judges what it did, hands the reply to a
+//! callback **before** cleanup (the container may still run: the teardown kills it), then
 //! tears the resources down on every path: listener stopped, container removed, run dir
 //! removed. The host never reads a workspace file.
 //!
@@ -263,13 +264,15 @@ impl Run<'_> {
             (Some(TurnFailure::Stopped), Some(reason)) => Some(*reason),
             (failure, _) => failure,
         };
+        // The answer is made: a guest still running after its reply's frame gets no broker
+        // call from here on (every call in flight ends), before the caller is answered.
+        self.cancel.cancel();
         self.events.emit(EventKind::Ended { failure, warm });
         self.phase(TurnPhase::Replied);
         on_reply(&reply);
 
         // Teardown: every step runs; the turn's reply stands, cleanup errors are logged.
         self.phase(TurnPhase::TearingDown);
-        self.cancel.cancel();
         if let Some(r) = resources.take() {
             r.teardown_logged("turn cleanup").await;
         }
