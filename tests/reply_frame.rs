@@ -42,7 +42,10 @@ async fn answer(env: &Env, script: &str, tune: impl Fn(&mut Config)) -> Reply {
     )
     .await;
     assert_no_leftovers(&sandbox).await;
-    assert_eq!(cold, warm.reply, "{script}: cold and warm answered differently");
+    assert_eq!(
+        cold, warm.reply,
+        "{script}: cold and warm answered differently"
+    );
     cold
 }
 
@@ -92,7 +95,10 @@ async fn after_a_reply_the_container_changes_nothing() {
 async fn a_reply_then_a_flood_stands() {
     let env = Env::new();
     for then in ["yes", "yes >&2", "yes >&2 & yes"] {
-        let reply = answer(&env, &format!("{REPLY}; {then}"), |c| c.limits.output_kb = 4).await;
+        let reply = answer(&env, &format!("{REPLY}; {then}"), |c| {
+            c.limits.output_kb = 4
+        })
+        .await;
         assert_eq!(text(&reply), "answered", "{then}: {reply:?}");
     }
     // In the same write as the reply.
@@ -236,7 +242,11 @@ async fn the_next_turn_sees_the_session_of_a_turn_killed_right_after_its_reply()
 
     model.push(Step::text("you said: the otter"));
     let reply = sandbox.run_turn(request("#saved", "what did I say?")).await;
-    assert_eq!(reply.text.as_deref(), Some("you said: the otter"), "{reply:?}");
+    assert_eq!(
+        reply.text.as_deref(),
+        Some("you said: the otter"),
+        "{reply:?}"
+    );
     let second = model.requests()[1].json().to_string();
     assert!(second.contains("remember the otter"), "{second}");
     assert_no_leftovers(&sandbox).await;

@@ -8,8 +8,11 @@
 //!   saves) its session in the workspace, makes one model call through the broker (the
 //!   bench's loopback model answers at once) and prints the reply.
 //!
-//! Every turn is cold (a new container); `reply` is when the reply is known, `total` when
-//! the container and the run dir are gone.
+//! Each kind runs cold (a new container) and, for the trivial turn on both runtimes and the
+//! real guest on runc, warm (in a container prepared before it, untimed); beside them the
+//! bare Docker API lifecycle on each runtime (the baseline of issue 24's ratios, its reply
+//! known at the exit). `reply` is when the reply is known, `total` when the container and
+//! the run dir are gone. Each runtime path also reports its phases (the turn's observer).
 
 use anyhow::{Context, Result};
 use roundtable_sandbox::config::GVISOR_RUNTIME;
@@ -37,7 +40,12 @@ const PATHS: [(&str, bool, Option<&str>, Kind); 9] = [
     ("guest_runc", true, None, Kind::Cold),
     ("guest_gvisor", true, Some(GVISOR_RUNTIME), Kind::Cold),
     ("trivial_runc_warm", false, None, Kind::Warm),
-    ("trivial_gvisor_warm", false, Some(GVISOR_RUNTIME), Kind::Warm),
+    (
+        "trivial_gvisor_warm",
+        false,
+        Some(GVISOR_RUNTIME),
+        Kind::Warm,
+    ),
     ("guest_runc_warm", true, None, Kind::Warm),
     ("bare_runc", false, None, Kind::Bare),
     ("bare_gvisor", false, Some(GVISOR_RUNTIME), Kind::Bare),
@@ -127,7 +135,10 @@ pub async fn compare(
         async move {
             let (_, _, runtime, kind) = PATHS[idx];
             match (kind, s) {
-                (Kind::Bare, _) => Ok((bare_turn_on(docker, image, stdin, true, runtime).await?, Vec::new())),
+                (Kind::Bare, _) => Ok((
+                    bare_turn_on(docker, image, stdin, true, runtime).await?,
+                    Vec::new(),
+                )),
                 (Kind::Warm, Some(s)) => warm_turn(s, &channel).await,
                 (_, Some(s)) => runtime_turn_profiled(s, &channel).await,
                 (_, None) => unreachable!("a runtime path has its runtime"),

@@ -276,7 +276,10 @@ mod tests {
         // A reply with no newline: judged at the exit, as before.
         let (_, ready, c) = collect(&[ok]);
         assert!(!ready);
-        assert_eq!(judge(&c.finish(0), &spec).unwrap().text.as_deref(), Some("hi"));
+        assert_eq!(
+            judge(&c.finish(0), &spec).unwrap().text.as_deref(),
+            Some("hi")
+        );
         // A reply line past the cap: the cap's error.
         let long = format!("{{\"ok\":true,\"text\":\"{}\"}}\n", "a".repeat(80));
         let (killed, ready, c) = collect(&[long.as_bytes()]);
