@@ -717,15 +717,37 @@ impl DockerDriver {
             .force(true)
             .v(true)
             .build();
-        match self
-            .call("remove", name, docker.remove_container(name, Some(opts)))
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(DriverError::Call {
-                status, message, ..
-            }) if status == Some(404) || message.contains("is already in progress") => Ok(()),
-            Err(e) => Err(e),
+        // A turn answered at its reply's frame removes a container that may be exiting on
+        // its own at that very moment: the engine's forced removal then fails in its kill
+        // step ("Could not kill running container …, cannot remove - Container … is not
+        // running", 409). It has exited by then: removed again, it goes.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self
+                .call(
+                    "remove",
+                    name,
+                    docker.remove_container(name, Some(opts.clone())),
+                )
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(DriverError::Call {
+                    status, message, ..
+                }) if status == Some(404) || message.contains("is already in progress") => {
+                    return Ok(())
+                }
+                Err(DriverError::Call {
+                    status: Some(409),
+                    message,
+                    ..
+                }) if attempts < 5 && message.contains("is not running") => {
+                    tracing::debug!(container = name, "removal raced the container's exit; again");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 }
