@@ -743,7 +743,10 @@ impl DockerDriver {
                     message,
                     ..
                 }) if attempts < 5 && message.contains("is not running") => {
-                    tracing::debug!(container = name, "removal raced the container's exit; again");
+                    tracing::debug!(
+                        container = name,
+                        "removal raced the container's exit; again"
+                    );
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 Err(e) => return Err(e),

@@ -224,7 +224,10 @@ mod tests {
         let ok = br#"{"ok":true,"text":"hi"}"#;
         let collect = |chunks: &[&[u8]]| {
             let mut c = crate::driver::OutputCollector::new(&spec);
-            let killed = chunks.iter().map(|b| c.stdout(b)).any(|k| k);
+            let mut killed = false;
+            for b in chunks {
+                killed |= c.stdout(b);
+            }
             (killed, c.reply_ready(), c)
         };
         // Split across many writes, one byte at a time, after blank lines.
