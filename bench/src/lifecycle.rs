@@ -242,7 +242,7 @@ pub async fn runtime_turn_profiled(
 /// One trivial turn through the runtime (cold when `prepared` is `None`, which is what
 /// `run_turn` does), timed from just before the call, with the time at which each phase
 /// began. `what` names the path in the error of a failed turn.
-async fn timed_turn(
+pub async fn timed_turn(
     sandbox: &Sandbox,
     channel: &str,
     prepared: Option<roundtable_sandbox::PreparedTurn>,
@@ -347,6 +347,17 @@ pub async fn driver_turn(
 /// `--network none` still builds one with a loopback) and no log driver (output goes
 /// through attach only). Without them (`docker run`'s defaults) the lifecycle is slower.
 pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -> Result<Timing> {
+    bare_turn_on(docker, image, stdin, lean, None).await
+}
+
+/// [`bare_turn`] (lean) under the engine's `runtime` (`runsc`: gVisor; `None`: its default).
+pub async fn bare_turn_on(
+    docker: &Docker,
+    image: &str,
+    stdin: &[u8],
+    lean: bool,
+    runtime: Option<&str>,
+) -> Result<Timing> {
     let name = format!(
         "rtbench-bare-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]
@@ -368,6 +379,7 @@ pub async fn bare_turn(docker: &Docker, image: &str, stdin: &[u8], lean: bool) -
                 typ: Some("none".into()),
                 config: None,
             }),
+            runtime: runtime.map(str::to_owned),
             ..Default::default()
         }),
         ..Default::default()

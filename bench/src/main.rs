@@ -55,10 +55,16 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "broker", "memory", "accounting"],
-        default_value = "turn,gvisor,concurrency,broker,memory,accounting"
+        value_parser = ["turn", "gvisor", "concurrency", "throughput", "broker", "memory", "accounting"],
+        default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting"
     )]
     only: Vec<String>,
+    /// Seconds of each side of the throughput part (per round)
+    #[arg(long, value_name = "N", default_value_t = 30)]
+    throughput_seconds: u64,
+    /// Channels (and bare lifecycles) of the throughput part
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    throughput_channels: usize,
     /// Where the JSON results go
     #[arg(long, value_name = "PATH", default_value = "target/bench/results.json")]
     json: String,
@@ -238,6 +244,9 @@ async fn run(o: &Options) -> Result<Value> {
         let (conc, rss) = concurrency(o, &sandbox, &docker, &roots, &stdin).await?;
         results["concurrency"] = conc;
         results["memory"]["turns_32"] = rss;
+    }
+    if o.wants("throughput") {
+        results["throughput"] = throughput(o, &docker, &roots, &model.url(), &stdin).await?;
     }
     if o.wants("broker") {
         results["broker"] = broker(o, &model).await?;
@@ -638,6 +647,166 @@ async fn concurrency(
     }
     actors.stop();
     Ok((out, rss))
+}
+
+/// Throughput: N channels each sending turns back to back (the next message the moment the
+/// channel admits it: after its turn's teardown) with warm turns, as a channel actor runs
+/// them (its next container is prepared from the reply on, beside the teardown), against
+/// N bare lifecycles looping at once; each side `throughput_seconds` per round, the sides
+/// alternating. A turn counts when its reply is known; turns/s over the side's wall time.
+async fn throughput(
+    o: &Options,
+    docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
+    model_url: &str,
+    stdin: &[u8],
+) -> Result<Value> {
+    let (n, secs) = (o.throughput_channels, o.throughput_seconds);
+    println!(
+        "\n== 2b. throughput: {n} channels back to back with warm turns vs {n} bare lifecycles looping (and {n} sealed containers alone, the driver's), {secs} s each side, {} rotating rounds",
+        o.rounds
+    );
+    let c = lifecycle::bench_config(
+        &roots.actors_run_root,
+        &roots.actors_workspace_root,
+        &o.image,
+        model_url,
+    )
+    .command(lifecycle::command())
+    .instance(format!("bench-tput-{}", std::process::id()))
+    .warm(roundtable_sandbox::WarmSettings {
+        enabled: true,
+        max: 2 * n,
+        ttl_secs: None,
+    })
+    .build();
+    let warm = roundtable_sandbox::Sandbox::new(c)
+        .await
+        .context("start the throughput runtime")?;
+    let mut runtime_rates = Samples::default();
+    let mut bare_rates = Samples::default();
+    let mut driver_rates = Samples::default();
+    let driver = DockerDriver::default();
+    let mut rounds = Vec::new();
+    let (mut fell_cold, mut failed) = (0u64, 0u64);
+    for r in 0..o.rounds {
+        for k in 0..3 {
+            let until = Instant::now() + Duration::from_secs(secs);
+            let t0 = Instant::now();
+            if (r + k) % 3 == 2 {
+                // The sealed container alone (the driver's run and removal, no runtime):
+                // what the engine's work per sealed container allows.
+                let loops = (0..n).map(|_| async {
+                    let mut done = 0u64;
+                    while Instant::now() < until {
+                        lifecycle::driver_turn(&driver, &o.image, roots, stdin).await?;
+                        done += 1;
+                    }
+                    Ok::<_, anyhow::Error>(done)
+                });
+                let counts = futures_util::future::try_join_all(loops).await?;
+                let wall = t0.elapsed().as_secs_f64();
+                let done: u64 = counts.iter().sum();
+                driver_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
+                rounds.push(json!({"side": "driver", "turns": done, "wall_s": round3(wall)}));
+            } else if (r + k) % 3 == 0 {
+                let loops = (0..n).map(|c| {
+                    let warm = &warm;
+                    async move {
+                        let channel = format!("#tput-{c}");
+                        let (mut done, mut cold, mut bad) = (0u64, 0u64, 0u64);
+                        let mut prepared = lifecycle::prepare(warm, &channel).await.ok();
+                        while Instant::now() < until {
+                            if prepared.is_none() {
+                                cold += 1;
+                            }
+                            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+                            let request = roundtable_sandbox::TurnRequest {
+                                channel: channel.as_str().into(),
+                                speaker: roundtable_sandbox::protocol::Speaker {
+                                    id: "u1".into(),
+                                    name: "ann".into(),
+                                },
+                                text: "hello".into(),
+                                reset: false,
+                                stop: tokio_util::sync::CancellationToken::new(),
+                                admitted: None,
+                            };
+                            let turn = roundtable_sandbox::run_turn_prepared(
+                                warm,
+                                request,
+                                prepared.take(),
+                                move |_| {
+                                    let _ = tx.send(());
+                                },
+                                None,
+                            );
+                            // The next container is prepared from the reply on.
+                            let next = async {
+                                if rx.await.is_ok() {
+                                    lifecycle::prepare(warm, &channel).await.ok()
+                                } else {
+                                    None
+                                }
+                            };
+                            let (outcome, next) = tokio::join!(turn, next);
+                            prepared = next;
+                            if outcome.reply.ok {
+                                done += 1;
+                            } else {
+                                bad += 1;
+                            }
+                        }
+                        if let Some(p) = prepared {
+                            p.discard("the throughput part ended").await;
+                        }
+                        (done, cold, bad)
+                    }
+                });
+                let counts = futures_util::future::join_all(loops).await;
+                let wall = t0.elapsed().as_secs_f64();
+                let done: u64 = counts.iter().map(|c| c.0).sum();
+                fell_cold += counts.iter().map(|c| c.1).sum::<u64>();
+                failed += counts.iter().map(|c| c.2).sum::<u64>();
+                runtime_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
+                rounds.push(json!({"side": "runtime_warm", "turns": done, "wall_s": round3(wall)}));
+            } else {
+                let loops = (0..n).map(|_| async move {
+                    let mut done = 0u64;
+                    while Instant::now() < until {
+                        lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
+                        done += 1;
+                    }
+                    Ok::<_, anyhow::Error>(done)
+                });
+                let counts = futures_util::future::try_join_all(loops).await?;
+                let wall = t0.elapsed().as_secs_f64();
+                let done: u64 = counts.iter().sum();
+                bare_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
+                rounds.push(json!({"side": "bare_api", "turns": done, "wall_s": round3(wall)}));
+            }
+        }
+    }
+    // Rates were stored as durations of `rate` ms: their p50 in ms is the rate in turns/s.
+    let (rt, bare, sealed) = (runtime_rates.p50(), bare_rates.p50(), driver_rates.p50());
+    println!(
+        "turns/s (p50 of rounds): runtime warm {rt:.2}, bare API {bare:.2} => {:.3}x; sealed container alone (driver) {sealed:.2} => {:.3}x of bare ({fell_cold} turns started cold, {failed} failed)",
+        rt / bare,
+        sealed / bare
+    );
+    warm.shutdown().await;
+    Ok(json!({
+        "channels": n,
+        "seconds": secs,
+        "rounds": rounds,
+        "runtime_warm_turns_per_s_p50": round3(rt),
+        "bare_api_turns_per_s_p50": round3(bare),
+        "ratio": ratio(rt, bare),
+        "driver_turns_per_s_p50": round3(sealed),
+        "driver_vs_bare_ratio": ratio(sealed, bare),
+        "turns_started_cold": fell_cold,
+        "turns_failed": failed,
+    }))
 }
 
 async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {

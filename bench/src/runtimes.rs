@@ -8,23 +8,47 @@
 //!   saves) its session in the workspace, makes one model call through the broker (the
 //!   bench's loopback model answers at once) and prints the reply.
 //!
-//! Every turn is cold (a new container); `reply` is when the reply is known, `total` when
-//! the container and the run dir are gone.
+//! Each kind runs cold (a new container) and, for the trivial turn on both runtimes and the
+//! real guest on runc, warm (in a container prepared before it, untimed); beside them the
+//! bare Docker API lifecycle on each runtime (the baseline of issue 24's ratios, its reply
+//! known at the exit). `reply` is when the reply is known, `total` when the container and
+//! the run dir are gone. Each runtime path also reports its phases (the turn's observer).
 
 use anyhow::{Context, Result};
 use roundtable_sandbox::config::GVISOR_RUNTIME;
 use roundtable_sandbox::Sandbox;
 use serde_json::{json, Value};
 
-use crate::lifecycle::{bench_config, command, runtime_turn};
+use crate::lifecycle::{bare_turn_on, bench_config, command, runtime_turn_profiled, warm_turn};
 use crate::stats::{ratio, Samples};
 
-/// The paths, in their interleaving order: (name, guest program, runtime).
-const PATHS: [(&str, bool, Option<&str>); 4] = [
-    ("trivial_runc", false, None),
-    ("trivial_gvisor", false, Some(GVISOR_RUNTIME)),
-    ("guest_runc", true, None),
-    ("guest_gvisor", true, Some(GVISOR_RUNTIME)),
+/// How a path's turn runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A cold turn through the whole runtime.
+    Cold,
+    /// A turn through the whole runtime in a container prepared before it (untimed).
+    Warm,
+    /// The bare Docker API lifecycle (part 1's `bare_api`), the reply known at the exit.
+    Bare,
+}
+
+/// The paths, in their interleaving order: (name, guest program, runtime, kind).
+const PATHS: [(&str, bool, Option<&str>, Kind); 9] = [
+    ("trivial_runc", false, None, Kind::Cold),
+    ("trivial_gvisor", false, Some(GVISOR_RUNTIME), Kind::Cold),
+    ("guest_runc", true, None, Kind::Cold),
+    ("guest_gvisor", true, Some(GVISOR_RUNTIME), Kind::Cold),
+    ("trivial_runc_warm", false, None, Kind::Warm),
+    (
+        "trivial_gvisor_warm",
+        false,
+        Some(GVISOR_RUNTIME),
+        Kind::Warm,
+    ),
+    ("guest_runc_warm", true, None, Kind::Warm),
+    ("bare_runc", false, None, Kind::Bare),
+    ("bare_gvisor", false, Some(GVISOR_RUNTIME), Kind::Bare),
 ];
 
 async fn sandbox(
@@ -34,14 +58,22 @@ async fn sandbox(
     model_url: &str,
     real_guest: bool,
     runtime: Option<&str>,
+    warm: bool,
 ) -> Result<Sandbox> {
-    let mut c = bench_config(
+    let mut b = bench_config(
         &dir.join(format!("{name}-run")),
         &dir.join(format!("{name}-ws")),
         image,
         model_url,
-    )
-    .build();
+    );
+    if warm {
+        b = b.warm(roundtable_sandbox::WarmSettings {
+            enabled: true,
+            max: 8,
+            ttl_secs: None,
+        });
+    }
+    let mut c = b.build();
     if !real_guest {
         c.command = Some(command());
     }
@@ -72,18 +104,50 @@ pub async fn compare(
         );
         return Ok(None);
     }
-    println!("\n== 1b. runc vs gVisor: cold turns through the whole runtime, {iterations} interleaved iterations per path");
+    println!("\n== 1b. runc vs gVisor, trivial vs the real guest, cold vs warm, against the bare lifecycle on each runtime: {iterations} interleaved iterations per path");
+    let docker = driver.client().await?.clone();
+    let stdin = crate::lifecycle::turn_stdin();
     let dir = tempfile::Builder::new()
         .prefix("rtg-")
         .tempdir_in("/tmp")
         .context("make the bench dir")?;
     let mut sandboxes = Vec::new();
-    for (name, real_guest, runtime) in PATHS {
-        sandboxes.push(sandbox(image, dir.path(), name, model_url, real_guest, runtime).await?);
+    for (name, real_guest, runtime, kind) in PATHS {
+        sandboxes.push(match kind {
+            Kind::Bare => None,
+            _ => Some(
+                sandbox(
+                    image,
+                    dir.path(),
+                    name,
+                    model_url,
+                    real_guest,
+                    runtime,
+                    kind == Kind::Warm,
+                )
+                .await?,
+            ),
+        });
     }
+    let mut profile: Vec<Vec<(String, Samples)>> = PATHS.iter().map(|_| Vec::new()).collect();
+    let one = |idx: usize, channel: String| {
+        let (s, docker, stdin) = (&sandboxes[idx], &docker, &stdin);
+        async move {
+            let (_, _, runtime, kind) = PATHS[idx];
+            match (kind, s) {
+                (Kind::Bare, _) => Ok((
+                    bare_turn_on(docker, image, stdin, true, runtime).await?,
+                    Vec::new(),
+                )),
+                (Kind::Warm, Some(s)) => warm_turn(s, &channel).await,
+                (_, Some(s)) => runtime_turn_profiled(s, &channel).await,
+                (_, None) => unreachable!("a runtime path has its runtime"),
+            }
+        }
+    };
     for i in 0..warmup {
-        for s in &sandboxes {
-            runtime_turn(s, &format!("#warm-{i}")).await?;
+        for idx in 0..PATHS.len() {
+            one(idx, format!("#warm-{i}")).await?;
         }
     }
     let mut reply: Vec<Samples> = PATHS.iter().map(|_| Samples::default()).collect();
@@ -92,28 +156,50 @@ pub async fn compare(
         for k in 0..PATHS.len() {
             let idx = (i + k) % PATHS.len();
             // The real guest keeps a session per channel: a few channels, as in a chat.
-            let t = runtime_turn(&sandboxes[idx], &format!("#bench-{}", i % 4))
+            let (t, phases) = one(idx, format!("#bench-{}", i % 4))
                 .await
                 .with_context(|| PATHS[idx].0)?;
             reply[idx].push(t.reply);
             total[idx].push(t.total);
+            for w in phases.windows(2) {
+                let span = w[1].1.saturating_sub(w[0].1);
+                match profile[idx].iter_mut().find(|(n, _)| *n == w[0].0) {
+                    Some((_, s)) => s.push(span),
+                    None => {
+                        let mut s = Samples::default();
+                        s.push(span);
+                        profile[idx].push((w[0].0.clone(), s));
+                    }
+                }
+            }
         }
     }
     println!(
-        "{:<15} {:>10} {:>10} {:>10} {:>10}   (ms)",
+        "{:<20} {:>10} {:>10} {:>10} {:>10}   (ms)",
         "path", "reply p50", "reply p95", "total p50", "total p95"
     );
     let mut out = json!({});
     for (k, (name, ..)) in PATHS.iter().enumerate() {
         println!(
-            "{:<15} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
+            "{:<20} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
             name,
             reply[k].p50(),
             reply[k].p95(),
             total[k].p50(),
             total[k].p95()
         );
-        out[*name] = json!({"reply": reply[k].json(), "total": total[k].json()});
+        let mut phases = json!({});
+        for (n, s) in &profile[k] {
+            phases[n] = s.json();
+        }
+        out[*name] = json!({"reply": reply[k].json(), "total": total[k].json(), "phases": phases});
+    }
+    for k in [0, 2, 4, 6, 5] {
+        print!("phases of {} (p50 ms):", PATHS[k].0);
+        for (n, s) in &profile[k] {
+            print!(" {n} {:.1}", s.p50());
+        }
+        println!();
     }
     let ratios = json!({
         "trivial_gvisor_vs_runc_reply_p50": ratio(reply[1].p50(), reply[0].p50()),
@@ -122,16 +208,32 @@ pub async fn compare(
         "guest_gvisor_vs_runc_reply_p50": ratio(reply[3].p50(), reply[2].p50()),
         "guest_gvisor_vs_runc_reply_p95": ratio(reply[3].p95(), reply[2].p95()),
         "guest_gvisor_vs_runc_total_p50": ratio(total[3].p50(), total[2].p50()),
+        "warm_reply_vs_bare_reply_p50_runc": ratio(reply[4].p50(), reply[7].p50()),
+        "cold_reply_vs_bare_reply_p50_runc": ratio(reply[0].p50(), reply[7].p50()),
+        "warm_reply_vs_bare_reply_p50_gvisor": ratio(reply[5].p50(), reply[8].p50()),
+        "cold_reply_vs_bare_reply_p50_gvisor": ratio(reply[1].p50(), reply[8].p50()),
+        "guest_warm_vs_trivial_warm_reply_p50_runc": ratio(reply[6].p50(), reply[4].p50()),
+        "guest_cold_vs_trivial_cold_reply_p50_runc": ratio(reply[2].p50(), reply[0].p50()),
     });
+    let f = |k: &str| ratios[k].as_f64().unwrap_or(f64::NAN);
     println!(
         "gVisor / runc (p50): trivial reply {:.2}, total {:.2}; real guest reply {:.2}, total {:.2}",
-        ratios["trivial_gvisor_vs_runc_reply_p50"].as_f64().unwrap_or(f64::NAN),
-        ratios["trivial_gvisor_vs_runc_total_p50"].as_f64().unwrap_or(f64::NAN),
-        ratios["guest_gvisor_vs_runc_reply_p50"].as_f64().unwrap_or(f64::NAN),
-        ratios["guest_gvisor_vs_runc_total_p50"].as_f64().unwrap_or(f64::NAN),
+        f("trivial_gvisor_vs_runc_reply_p50"),
+        f("trivial_gvisor_vs_runc_total_p50"),
+        f("guest_gvisor_vs_runc_reply_p50"),
+        f("guest_gvisor_vs_runc_total_p50"),
+    );
+    println!(
+        "reply / bare reply (p50): runc warm {:.3}, cold {:.3}; gVisor warm {:.3}, cold {:.3}; real guest / trivial (runc): warm {:.2}, cold {:.2}",
+        f("warm_reply_vs_bare_reply_p50_runc"),
+        f("cold_reply_vs_bare_reply_p50_runc"),
+        f("warm_reply_vs_bare_reply_p50_gvisor"),
+        f("cold_reply_vs_bare_reply_p50_gvisor"),
+        f("guest_warm_vs_trivial_warm_reply_p50_runc"),
+        f("guest_cold_vs_trivial_cold_reply_p50_runc"),
     );
     out["ratios"] = ratios;
-    for s in sandboxes {
+    for s in sandboxes.into_iter().flatten() {
         s.shutdown().await;
     }
     Ok(Some(out))

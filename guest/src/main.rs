@@ -1,7 +1,11 @@
 //! `roundtable-guest`: the program that runs one turn inside the sealed container.
 //!
-//! It reads one [`Turn`] JSON from stdin, runs the agent against the broker socket, and
-//! prints exactly one [`Reply`] JSON on stdout, exiting 0 (also for `{ok:false,error}`).
+//! It reads one [`Turn`] JSON from stdin, runs the agent against the broker socket, saves
+//! the session (atomically, in the runner), and only then prints exactly one [`Reply`] on
+//! stdout, framed ([`Reply::frame`]: one line, newline-terminated) and flushed, exiting 0
+//! (also for `{ok:false,error}`). The frame is its last act: the host answers the moment it
+//! is complete and removes the container without waiting for the exit, so nothing that
+//! matters may happen after it.
 //! Logs go to stderr. `roundtable-guest --version` prints the version and exits.
 //!
 //! Before anything else (before the turn is read) it installs its seccomp layer
@@ -85,11 +89,9 @@ fn exec_confined() -> ! {
     std::process::exit(0);
 }
 
-/// Prints one reply on stdout; exits 1 if stdout is gone.
+/// Prints one reply's frame on stdout (the turn's last act); exits 1 if stdout is gone.
 fn write_reply(reply: &Reply) {
-    let mut out = serde_json::to_vec(reply)
-        .unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the reply"}"#.to_vec());
-    out.push(b'\n');
+    let out = reply.frame();
     let mut stdout = std::io::stdout().lock();
     if stdout
         .write_all(&out)

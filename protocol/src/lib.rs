@@ -2,7 +2,9 @@
 //!
 //! This crate is the whole contract across the container boundary:
 //! - [`Turn`]: what the host writes, as one JSON document, on the guest's stdin;
-//! - [`Reply`]: what the guest prints, as one JSON document, on its stdout;
+//! - [`Reply`]: what the guest prints on its stdout, as one framed JSON document: one
+//!   line, newline-terminated ([`Reply::frame`], [`REPLY_FRAME_END`]), the guest's last act
+//!   (after its session is saved); the host answers the moment the frame is complete;
 //! - the broker's HTTP surface ([`paths`], [`ToolCallResult`], [`ErrorBody`]) that the
 //!   guest reaches through the unix socket mounted at [`BROKER_SOCKET`];
 //! - [`chat`]: the chat messages the guest stores and sends;
@@ -115,9 +117,18 @@ pub struct Usage {
     pub completion_tokens: Option<u64>,
 }
 
+/// What ends a reply's frame on the guest's stdout (see [`Reply::frame`]).
+pub const REPLY_FRAME_END: u8 = b'\n';
+
 /// The guest's answer, printed as one JSON document on stdout.
 ///
-/// On the wire: `{"ok":true,"text":"…","usage":{…}}` or `{"ok":false,"error":"…"}`.
+/// On the wire: `{"ok":true,"text":"…","usage":{…}}` or `{"ok":false,"error":"…"}`, framed
+/// ([`Reply::frame`]): the JSON on one line, then [`REPLY_FRAME_END`]. Stdout's first line,
+/// when it is a whole valid reply, *is* the reply: the host answers with it at once and no
+/// longer reads the guest's output nor waits for its exit (whatever the exit status, a kill,
+/// or what the guest prints after it). Without that first line (a reply with no newline, or
+/// a first line that is not a reply), the host judges the run at its end as before: the exit
+/// status, then all of stdout as exactly one document.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Reply {
@@ -153,6 +164,15 @@ impl Reply {
             error: Some(error.into()),
             usage: None,
         }
+    }
+
+    /// The reply's frame on stdout: its compact JSON (which never holds a raw newline: one
+    /// in a string is escaped) and [`REPLY_FRAME_END`].
+    pub fn frame(&self) -> Vec<u8> {
+        let mut out = serde_json::to_vec(self)
+            .unwrap_or_else(|_| br#"{"ok":false,"error":"cannot encode the reply"}"#.to_vec());
+        out.push(REPLY_FRAME_END);
+        out
     }
 
     /// Checks the shape a well-formed reply must have: `ok` with `text`, or not `ok` with `error`.
@@ -258,5 +278,17 @@ mod tests {
         );
         let r: Reply = serde_json::from_str(r#"{"ok":false,"error":"x"}"#).unwrap();
         assert_eq!(r.check_shape(), Ok(()));
+    }
+
+    /// A frame is one line: a newline in the text is escaped, the frame's end is its only one.
+    #[test]
+    fn a_reply_frame_is_one_line() {
+        let frame = Reply::text("two\nlines", Usage::default()).frame();
+        assert_eq!(frame.iter().filter(|b| **b == REPLY_FRAME_END).count(), 1);
+        assert_eq!(frame.last(), Some(&REPLY_FRAME_END));
+        assert_eq!(
+            String::from_utf8(frame).unwrap(),
+            "{\"ok\":true,\"text\":\"two\\nlines\",\"usage\":{\"modelCalls\":0,\"toolCalls\":0}}\n"
+        );
     }
 }

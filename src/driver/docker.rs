@@ -478,7 +478,8 @@ impl Drop for DockerStarted {
 
 impl DockerStarted {
     /// Writes the turn and closes stdin while reading the output (a guest that floods
-    /// stdout without reading stdin cannot deadlock the exchange), until the exit.
+    /// stdout without reading stdin cannot deadlock the exchange), until the reply's frame
+    /// is complete (returned at once, the container still running) or the exit.
     async fn run_inner(
         mut self,
         stdin: Vec<u8>,
@@ -498,14 +499,7 @@ impl DockerStarted {
 
         // Keep reading while a kill is under way: a daemon whose attach copier is blocked
         // on a full pipe does not answer the kill.
-        let mut out = std::mem::replace(
-            &mut self.collector,
-            OutputCollector {
-                outcome: RunOutcome::default(),
-                stdout_cap: 0,
-                stderr_cap: 0,
-            },
-        );
+        let mut out = std::mem::replace(&mut self.collector, OutputCollector::with_caps(0, 0));
         let mut output_done = false;
         let mut exit: Option<Result<i64, DriverError>> = None;
         let mut killing = false;
@@ -534,6 +528,12 @@ impl DockerStarted {
                         if push(&mut out, o) && !killing {
                             killing = true;
                             driver.spawn_kill(&docker, name);
+                        }
+                        // The reply is known: handed over now. The exit, the rest of the
+                        // output and the container are the turn's teardown's (it removes
+                        // the container, killing whatever still runs).
+                        if out.reply_ready() && !cancelled {
+                            return Ok(out.finish_at_frame());
                         }
                     }
                     Some(Err(e)) => {
@@ -717,15 +717,40 @@ impl DockerDriver {
             .force(true)
             .v(true)
             .build();
-        match self
-            .call("remove", name, docker.remove_container(name, Some(opts)))
-            .await
-        {
-            Ok(()) => Ok(()),
-            Err(DriverError::Call {
-                status, message, ..
-            }) if status == Some(404) || message.contains("is already in progress") => Ok(()),
-            Err(e) => Err(e),
+        // A turn answered at its reply's frame removes a container that may be exiting on
+        // its own at that very moment: the engine's forced removal then fails in its kill
+        // step ("Could not kill running container …, cannot remove - Container … is not
+        // running", 409). It has exited by then: removed again, it goes.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self
+                .call(
+                    "remove",
+                    name,
+                    docker.remove_container(name, Some(opts.clone())),
+                )
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(DriverError::Call {
+                    status, message, ..
+                }) if status == Some(404) || message.contains("is already in progress") => {
+                    return Ok(())
+                }
+                Err(DriverError::Call {
+                    status: Some(409),
+                    message,
+                    ..
+                }) if attempts < 5 && message.contains("is not running") => {
+                    tracing::debug!(
+                        container = name,
+                        "removal raced the container's exit; again"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(e),
+            }
         }
     }
 }

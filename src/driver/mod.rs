@@ -21,6 +21,7 @@ use std::time::Duration;
 
 #[cfg(feature = "testing")]
 use roundtable_sandbox_protocol::Reply;
+use roundtable_sandbox_protocol::REPLY_FRAME_END;
 use tokio_util::sync::CancellationToken;
 
 pub use crate::broker::BoxFuture;
@@ -168,30 +169,47 @@ fn status_and(status: Option<u16>, message: &str) -> String {
 }
 
 /// What one container run did, as any backend reports it: the turn (not the driver) maps
-/// it to a reply ([`crate::turn`]: OOM, `128+SIGXFSZ`, a non-zero exit, the output cap,
-/// then [`parse_reply`]).
+/// it to a reply ([`crate::turn`]). A run ends one of two ways:
+/// - **at the reply's frame** ([`RunOutcome::reply_ready`]): stdout's first line is a whole
+///   valid reply ([`roundtable_sandbox_protocol::Reply::frame`]); the backend hands it over
+///   at once, without waiting for the exit, and the turn answers with it whatever the
+///   container does next (its exit status, a kill, more output); the container is left
+///   running for the turn's teardown to kill and remove;
+/// - **at its end** (otherwise): the exit status, judged as before (OOM, the output cap,
+///   `128+SIGXFSZ`, a non-zero exit, then [`parse_reply`] of all of stdout).
+///
+/// The default is the second (fail closed): only a backend that sets `reply_ready` skips
+/// the exit's judgement.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunOutcome {
-    /// The container's exit status (`-1`: the engine reported none).
+    /// The container's exit status (`-1`: the engine reported none, or the run ended at
+    /// the reply's frame and the exit was not awaited).
     pub exit_code: i64,
     /// The backend reported with the exit that the memory limit killed a process of the
     /// container (the Docker driver does not: the turn asks
     /// [`ContainerDriver::oom_killed`] when the run did not answer).
     pub oom_killed: bool,
-    /// The guest's stdout, up to [`ContainerSpec::output_cap`] (empty past it).
+    /// The guest's stdout, up to [`ContainerSpec::output_cap`] (empty past it); when a
+    /// frame is complete, that frame only (what follows it is not kept).
     pub stdout: Vec<u8>,
     /// Stdout passed its cap (the container was killed then).
     pub stdout_overflow: bool,
     /// The first [`ContainerSpec::stderr_cap`] bytes of stderr (for the debug log only).
     pub stderr_tail: Vec<u8>,
+    /// The run ended at the reply's frame (see above): `stdout` is the frame, the exit was
+    /// not awaited, and the container may still run until the turn's teardown removes it.
+    pub reply_ready: bool,
 }
 
 impl RunOutcome {
-    /// A run that printed `reply` as its stdout and exited 0 (for fakes and tests).
+    /// A run that printed `reply`'s frame as its stdout and was handed over at it (for
+    /// fakes and tests).
     #[cfg(feature = "testing")]
     pub fn replied(reply: &Reply) -> Self {
         Self {
-            stdout: serde_json::to_vec(reply).expect("a reply always serialises"),
+            stdout: reply.frame(),
+            exit_code: -1,
+            reply_ready: true,
             ..Self::default()
         }
     }
@@ -206,29 +224,84 @@ impl RunOutcome {
 }
 
 /// Collects a run's output under the spec's caps; a backend feeds it the streams it reads.
+/// It watches stdout's first line: when it is complete and a whole valid reply, the reply
+/// is ready ([`OutputCollector::reply_ready`]; the backend may then end the run with
+/// [`OutputCollector::finish_at_frame`]) and nothing after it is kept.
 #[derive(Debug)]
 pub struct OutputCollector {
     pub(crate) outcome: RunOutcome,
     pub(crate) stdout_cap: usize,
     pub(crate) stderr_cap: usize,
+    /// Stdout's first line has non-whitespace content so far.
+    content: bool,
+    /// Stdout's first line is complete (whether or not it was a reply).
+    first_line_done: bool,
+    /// Stdout's first line is a whole valid reply: the run's answer.
+    framed: bool,
 }
 
 impl OutputCollector {
     /// A collector with the spec's caps.
     pub fn new(spec: &ContainerSpec) -> Self {
+        Self::with_caps(spec.output_cap, spec.stderr_cap)
+    }
+
+    pub(crate) fn with_caps(stdout_cap: usize, stderr_cap: usize) -> Self {
         Self {
             outcome: RunOutcome::default(),
-            stdout_cap: spec.output_cap,
-            stderr_cap: spec.stderr_cap,
+            stdout_cap,
+            stderr_cap,
+            content: false,
+            first_line_done: false,
+            framed: false,
         }
     }
 
     /// Takes stdout bytes; returns true when stdout has just passed its cap (kill then).
+    /// Once the reply's frame is complete, the rest is dropped (and never passes the cap).
     pub fn stdout(&mut self, bytes: &[u8]) -> bool {
-        let o = &mut self.outcome;
-        if o.stdout_overflow {
+        if self.outcome.stdout_overflow || self.framed {
             return false;
         }
+        let end = self.first_line_end(bytes);
+        let (head, rest) = match end {
+            Some(end) => bytes.split_at(end + 1),
+            None => (bytes, &[][..]),
+        };
+        if self.take(head) {
+            return true;
+        }
+        if end.is_some() {
+            // `head` ended stdout's first line.
+            self.first_line_done = true;
+            if parse_reply(&self.outcome.stdout, self.stdout_cap).is_ok() {
+                self.framed = true;
+                return false;
+            }
+        }
+        self.take(rest)
+    }
+
+    /// Where stdout's first line ends in `bytes` (its newline, after some content), if it
+    /// ends there.
+    fn first_line_end(&mut self, bytes: &[u8]) -> Option<usize> {
+        if self.first_line_done {
+            return None;
+        }
+        for (i, b) in bytes.iter().enumerate() {
+            if *b == REPLY_FRAME_END && self.content {
+                return Some(i);
+            }
+            if !b.is_ascii_whitespace() {
+                self.content = true;
+            }
+        }
+        None
+    }
+
+    /// Keeps `bytes` under the cap; true when they pass it (stdout is dropped then).
+    fn take(&mut self, bytes: &[u8]) -> bool {
+        let o = &mut self.outcome;
         if o.stdout.len() + bytes.len() > self.stdout_cap {
             o.stdout_overflow = true;
             o.stdout = Vec::new();
@@ -248,10 +321,27 @@ impl OutputCollector {
             .extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
 
-    /// The outcome, with the exit status the engine reported.
+    /// Whether stdout's first line is a complete, valid reply: the run's answer, which a
+    /// backend may hand over now ([`OutputCollector::finish_at_frame`]).
+    pub fn reply_ready(&self) -> bool {
+        self.framed
+    }
+
+    /// The outcome, with the exit status the engine reported (judged with it).
     pub fn finish(self, exit_code: i64) -> RunOutcome {
         RunOutcome {
             exit_code,
+            ..self.outcome
+        }
+    }
+
+    /// The outcome of a run handed over at its reply's frame (see [`RunOutcome`]): no exit
+    /// status, [`RunOutcome::reply_ready`] set. Only when [`OutputCollector::reply_ready`].
+    pub fn finish_at_frame(self) -> RunOutcome {
+        debug_assert!(self.framed, "finished at a frame that is not complete");
+        RunOutcome {
+            exit_code: -1,
+            reply_ready: self.framed,
             ..self.outcome
         }
     }
@@ -319,7 +409,8 @@ pub trait StartedContainer: Send + std::fmt::Debug {
     fn check(&mut self) -> BoxFuture<'_, Result<(), DriverError>>;
 
     /// Writes `stdin` (the turn JSON) and collects the output under the spec's caps, until
-    /// the container exits; as [`ContainerDriver::run`] after its start.
+    /// the reply's frame is complete or the container exits; as [`ContainerDriver::run`]
+    /// after its start.
     fn run(
         self: Box<Self>,
         stdin: Vec<u8>,
@@ -331,8 +422,10 @@ pub trait StartedContainer: Send + std::fmt::Debug {
 /// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
 pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// Creates and starts the container, writes `stdin` (the turn JSON) to it, collects
-    /// its output under the spec's caps (an [`OutputCollector`]) and returns what it did.
-    /// The container is left for [`ContainerDriver::remove`].
+    /// its output under the spec's caps (an [`OutputCollector`]) and returns what it did:
+    /// at the reply's frame ([`RunOutcome::reply_ready`], the container left running), or
+    /// at the exit (a backend that waits for the exit is judged by it: the fail-closed
+    /// default). The container is left for [`ContainerDriver::remove`].
     fn run<'a>(
         &'a self,
         spec: &'a ContainerSpec,

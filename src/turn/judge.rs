@@ -6,10 +6,16 @@ use super::outcome::{ReplyError, TurnError};
 use crate::driver::{ContainerDriver, ContainerSpec, RunOutcome};
 
 testing_pub! {
-    /// Judges what a container did, the same for every backend: an OOM kill, then the output
-    /// cap, then `128+SIGXFSZ` (the file-size limit), then any non-zero exit, and only then the
-    /// strict parse of stdout.
+    /// Judges what a container did, the same for every backend. A run handed over at its
+    /// reply's frame ([`RunOutcome::reply_ready`]) is that reply: the guest has answered, and
+    /// what the container does after (its exit status, an OOM kill, a flood, a hang) does
+    /// not change the answer. Otherwise, at the run's end: an OOM kill, then the output
+    /// cap, then `128+SIGXFSZ` (the file-size limit), then any non-zero exit, and only then
+    /// the strict parse of stdout.
     fn judge(outcome: &RunOutcome, spec: &ContainerSpec) -> Result<Reply, TurnError> {
+        if outcome.reply_ready {
+            return Ok(parse_reply(&outcome.stdout, spec.output_cap)?);
+        }
         if outcome.oom_killed {
             return Err(TurnError::OutOfMemory {
                 limit_mb: spec.memory_mb,
@@ -47,7 +53,7 @@ pub(super) async fn judge_run(
     driver: &dyn ContainerDriver,
 ) -> Result<Reply, TurnError> {
     let judged = judge(&run, spec);
-    if judged.is_ok() || run.oom_killed {
+    if judged.is_ok() || run.oom_killed || run.reply_ready {
         return judged;
     }
     match driver.oom_killed(&spec.name).await {
@@ -160,6 +166,7 @@ mod tests {
             stdout: stdout.to_vec(),
             stdout_overflow,
             stderr_tail: Vec::new(),
+            reply_ready: false,
         };
         let judged = |o: RunOutcome| judge(&o, &spec).map_err(|e| (e.failure(), e.to_string()));
         let ok = br#"{"ok":true,"text":"hi"}"#;
@@ -205,5 +212,84 @@ mod tests {
         assert!(o.stdout_overflow && o.stdout.is_empty());
         assert_eq!(o.stderr_tail, b"01234567");
         assert_eq!(o.exit_code, 3);
+    }
+
+    /// Stdout's first line, when it is a whole reply, is the answer at once: what comes
+    /// after it is dropped, a run handed over at it is judged by it alone (an exit status or
+    /// an OOM flag set later does not change it); a first line that is not a reply, or a
+    /// reply with no newline, leaves the run to be judged at its end as before.
+    #[test]
+    fn the_first_line_when_a_reply_is_the_answer() {
+        let spec = spec();
+        let ok = br#"{"ok":true,"text":"hi"}"#;
+        let collect = |chunks: &[&[u8]]| {
+            let mut c = crate::driver::OutputCollector::new(&spec);
+            let mut killed = false;
+            for b in chunks {
+                killed |= c.stdout(b);
+            }
+            (killed, c.reply_ready(), c)
+        };
+        // Split across many writes, one byte at a time, after blank lines.
+        let mut framed = b"\n \n".to_vec();
+        framed.extend_from_slice(ok);
+        framed.push(b'\n');
+        let bytes: Vec<[u8; 1]> = framed.iter().map(|b| [*b]).collect();
+        let chunks: Vec<&[u8]> = bytes.iter().map(|b| &b[..]).collect();
+        let (killed, ready, c) = collect(&chunks);
+        assert!(!killed && ready);
+        let mut o = c.finish_at_frame();
+        assert_eq!(judge(&o, &spec).unwrap().text.as_deref(), Some("hi"));
+        // Whatever the container did after its reply.
+        o.exit_code = 137;
+        o.oom_killed = true;
+        assert_eq!(judge(&o, &spec).unwrap().text.as_deref(), Some("hi"));
+        // Two replies, then a flood far past the cap in the same write: the first stands.
+        let mut two = ok.to_vec();
+        two.extend_from_slice(b"\n{\"ok\":true,\"text\":\"second\"}\n");
+        two.extend_from_slice(&[b'y'; 1000]);
+        let (killed, ready, c) = collect(&[&two]);
+        assert!(!killed && ready);
+        assert_eq!(c.finish_at_frame().stdout, [&ok[..], b"\n"].concat());
+        // A first line that is not a reply: judged at the end, as one document (the cap
+        // still counts all of stdout).
+        let (killed, ready, _) = collect(&[b"y\n", &[b'y'; 70]]);
+        assert!(killed && !ready);
+        let (killed, ready, c) = collect(&[b"garbage\n", ok, b"\n"]);
+        assert!(!killed && !ready);
+        assert_eq!(
+            judge(&c.finish(0), &spec).unwrap_err().to_string(),
+            "guest output is not a valid reply: expected value at line 1 column 1"
+        );
+        // A partial frame, then the exit.
+        let (_, ready, c) = collect(&[br#"{"ok":tr"#]);
+        assert!(!ready);
+        assert_eq!(
+            judge(&c.finish(0), &spec).unwrap_err().to_string(),
+            "guest output is not a valid reply: EOF while parsing a value at line 1 column 8"
+        );
+        // A frame a backend did not hand over (it waited for the exit): judged with the
+        // exit, the fail-closed default.
+        let (_, ready, c) = collect(&[ok, b"\n"]);
+        assert!(ready);
+        assert_eq!(
+            judge(&c.finish(3), &spec).unwrap_err().to_string(),
+            "guest exited with code 3"
+        );
+        // A reply with no newline: judged at the exit, as before.
+        let (_, ready, c) = collect(&[ok]);
+        assert!(!ready);
+        assert_eq!(
+            judge(&c.finish(0), &spec).unwrap().text.as_deref(),
+            Some("hi")
+        );
+        // A reply line past the cap: the cap's error.
+        let long = format!("{{\"ok\":true,\"text\":\"{}\"}}\n", "a".repeat(80));
+        let (killed, ready, c) = collect(&[long.as_bytes()]);
+        assert!(killed && !ready);
+        assert_eq!(
+            judge(&c.finish(137), &spec).unwrap_err().to_string(),
+            "guest output exceeds 64 bytes"
+        );
     }
 }

@@ -14,7 +14,8 @@
 //!
 //! The run (this module) adopts the resources (a prepared container's, or a cold turn's),
 //! checks the workspace's quota and the free-space floor, binds the broker, runs the
-//! container, judges what it did, hands the reply to a callback **before** cleanup, then
+//! container until its reply's frame (or its end), judges what it did, hands the reply to a
+//! callback **before** cleanup (the container may still run: the teardown kills it), then
 //! tears the resources down on every path: listener stopped, container removed, run dir
 //! removed. The host never reads a workspace file.
 //!
@@ -272,15 +273,18 @@ impl Run<'_> {
             (Some(TurnFailure::Stopped), Some(reason)) => Some(*reason),
             (failure, _) => failure,
         };
+        // The answer is made: a guest still running after its reply's frame gets no broker
+        // call from here on (every call in flight ends), before the caller is answered.
+        self.cancel.cancel();
         self.events.emit(EventKind::Ended { failure, warm });
         self.phase(TurnPhase::Replied);
         on_reply(&reply);
 
         // Teardown: every step runs; the turn's reply stands, cleanup errors are logged.
         self.phase(TurnPhase::TearingDown);
-        self.cancel.cancel();
-        // The workspace's use after the turn, for the audit trail, beside the teardown
-        // (off the async threads; the container has ended).
+        // The workspace's use after the turn, for the audit trail, once the container is
+        // gone (a guest may go on writing after its reply until it is killed), off the
+        // async threads.
         let audit = self.sandbox.events().audit().cloned();
         let workspace = audit.as_ref().and_then(|_| {
             self.workspace
@@ -302,7 +306,8 @@ impl Run<'_> {
                 r.teardown_logged("turn cleanup").await;
             }
         };
-        let (workspace_bytes, ()) = tokio::join!(measure, teardown);
+        teardown.await;
+        let workspace_bytes = measure.await;
         tracing::info!(
             ok = reply.ok,
             total_ms = started.elapsed().as_millis() as u64,
