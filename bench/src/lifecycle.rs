@@ -158,14 +158,33 @@ pub async fn budgeted_warm_sandbox(
     model_url: &str,
     state_file: &Path,
 ) -> Result<Sandbox> {
-    let c = bench_config(
+    observed_warm_sandbox(image, roots, model_url, state_file, None).await
+}
+
+/// [`budgeted_warm_sandbox`] with every event sent to `observer` (the metrics adapter).
+pub async fn observed_warm_sandbox(
+    image: &str,
+    roots: &Roots,
+    model_url: &str,
+    state_file: &Path,
+    observer: Option<roundtable_sandbox::events::Observer>,
+) -> Result<Sandbox> {
+    let mut c = bench_config(
         &roots.warm_run_root,
         &roots.warm_workspace_root,
         image,
         model_url,
     )
     .command(command())
-    .instance(format!("bench-budget-{}", std::process::id()))
+    .instance(format!(
+        "bench-{}-{}",
+        if observer.is_some() {
+            "observed"
+        } else {
+            "budget"
+        },
+        std::process::id()
+    ))
     .warm(roundtable_sandbox::WarmSettings {
         enabled: true,
         max: 64,
@@ -179,6 +198,7 @@ pub async fn budgeted_warm_sandbox(
         speaker_turns_per_minute: Some(10_000),
     })
     .build();
+    c.observer = observer;
     Sandbox::new(c)
         .await
         .context("start the budgeted warm runtime")

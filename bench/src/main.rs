@@ -55,8 +55,8 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "broker", "memory", "accounting"],
-        default_value = "turn,gvisor,concurrency,broker,memory,accounting"
+        value_parser = ["turn", "gvisor", "concurrency", "broker", "memory", "accounting", "observed"],
+        default_value = "turn,gvisor,concurrency,broker,memory,accounting,observed"
     )]
     only: Vec<String>,
     /// Where the JSON results go
@@ -75,6 +75,9 @@ struct Options {
     /// Internal: the memory part's child process, measuring N channels
     #[arg(long, value_name = "N", hide = true)]
     memory_child: Option<usize>,
+    /// Internal: the memory child with metrics and accounting on
+    #[arg(long, hide = true)]
+    memory_observed: bool,
 }
 
 impl Options {
@@ -112,7 +115,7 @@ fn main() -> Result<()> {
     }
     let options = Options::parse();
     if let Some(channels) = options.memory_child {
-        return memory::child(channels);
+        return memory::child(channels, options.memory_observed);
     }
     if let Some(shell) = options.completions {
         clap_complete::generate(
@@ -136,7 +139,7 @@ fn main() -> Result<()> {
             "\n== 4. memory: RSS per idle ChannelActor, {} channels",
             options.channels
         );
-        let m = memory::idle_channels(options.channels)?;
+        let m = memory::idle_channels(options.channels, false)?;
         println!(
             "RSS growth: {} new idle channels +{} KiB, the same turns on existing channels +{} KiB \
              => {:.2} KiB per idle channel ({:.2} KiB raw)",
@@ -147,6 +150,46 @@ fn main() -> Result<()> {
             m["per_channel_raw_kib"].as_f64().unwrap_or(f64::NAN),
         );
         results["memory"]["idle_channels"] = m;
+    }
+    if options.wants("observed") {
+        // Issue 23, item 8: idle channels with metrics and accounting on against all off,
+        // alternating child processes (off, on, off, on).
+        println!(
+            "\n== 8b. memory of {} idle channels: metrics and accounting on vs all off",
+            options.channels
+        );
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for k in 0..4 {
+            let observed = k % 2 == 1;
+            let m = memory::idle_channels(options.channels, observed)?;
+            let kib = m["growth_new_channels_kib"].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "  {} : +{kib} KiB for {} new idle channels",
+                if observed { "on " } else { "off" },
+                options.channels
+            );
+            if observed {
+                on.push(m)
+            } else {
+                off.push(m)
+            }
+        }
+        let mean = |v: &[Value]| {
+            v.iter()
+                .map(|m| m["growth_new_channels_kib"].as_f64().unwrap_or(f64::NAN))
+                .sum::<f64>()
+                / v.len() as f64
+        };
+        let ratio = mean(&on) / mean(&off);
+        println!(
+            "idle channels' RSS growth: on {:.0} KiB, off {:.0} KiB (mean of 2 each; {:.3}×)",
+            mean(&on),
+            mean(&off),
+            ratio
+        );
+        results["observed"]["idle_channels"] = json!({
+            "on": on, "off": off, "on_vs_off_growth": round3(ratio),
+        });
     }
     results["targets"] = targets(&results);
     print_targets(&results["targets"]);
@@ -244,6 +287,9 @@ async fn run(o: &Options) -> Result<Value> {
     }
     if o.wants("accounting") {
         results["accounting"] = accounting(o, &model).await?;
+    }
+    if o.wants("observed") {
+        results["observed"] = observed(o, &model).await?;
     }
     let left = lifecycle::sweep_bench_containers(&docker).await?;
     if left > 0 {
@@ -873,6 +919,190 @@ async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     }))
 }
 
+/// Issue 23, item 8: the same warm turns and broker calls with metrics (the adapter on the
+/// event seam, its endpoint served and scraped every second), accounting and budgets on
+/// against all off, interleaved.
+async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
+    println!(
+        "\n== 8. metrics, accounting and budgets on vs all off: {} warm turns and {} broker calls each, interleaved",
+        o.iterations, o.broker_calls
+    );
+    let state_dir = tempfile::Builder::new()
+        .prefix("rtb-budgets-")
+        .tempdir_in("/tmp")?;
+    let state_file = state_dir.path().join("budgets.sqlite");
+    let (off_roots, on_roots) = (lifecycle::Roots::new()?, lifecycle::Roots::new()?);
+    let off = lifecycle::warm_sandbox(&o.image, &off_roots, &model.url()).await?;
+    let metrics = std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new());
+    let server = roundtable_sandbox_metrics::MetricsServer::start(
+        "127.0.0.1:0".parse()?,
+        false,
+        metrics.clone(),
+    )?;
+    let scraper = Scraper::start(server.local_addr());
+    let on = lifecycle::observed_warm_sandbox(
+        &o.image,
+        &on_roots,
+        &model.url(),
+        &state_file,
+        Some(metrics.observer()),
+    )
+    .await?;
+    let (mut reply_off, mut reply_on) = (Samples::default(), Samples::default());
+    for i in 0..(o.iterations + o.warmup) {
+        let channel = format!("#bench-{}", i % 8);
+        let order: [(&roundtable_sandbox::Sandbox, bool); 2] = if i % 2 == 0 {
+            [(&off, false), (&on, true)]
+        } else {
+            [(&on, true), (&off, false)]
+        };
+        for (sandbox, counted) in order {
+            let (t, _) = lifecycle::warm_turn(sandbox, &channel).await?;
+            if i >= o.warmup {
+                if counted {
+                    reply_on.push(t.reply);
+                } else {
+                    reply_off.push(t.reply);
+                }
+            }
+        }
+    }
+    off.shutdown().await;
+    on.shutdown().await;
+    drop((off, on));
+
+    let book = roundtable_sandbox::budgets::BudgetBook::open(
+        &roundtable_sandbox::BudgetSettings {
+            state_file: Some(state_dir.path().join("broker.sqlite")),
+            speaker_tokens_per_day: Some(1_000_000_000_000),
+            channel_tokens_per_day: Some(1_000_000_000_000),
+            bot_tokens_per_day: Some(1_000_000_000_000),
+            speaker_turns_per_minute: None,
+        },
+        "UTC",
+    )?
+    .context("a state file is named")?;
+    let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
+    let mut b_on = broker_bench::BrokerUnderTest::start_observed(
+        &model.url(),
+        Some(book),
+        Some(metrics.observer()),
+    )
+    .await?;
+    let plain = broker_bench::chat_body(false);
+    let (mut rt_off, mut rt_on) = (Samples::default(), Samples::default());
+    let mut calls = 0usize;
+    for i in 0..(o.broker_calls + 50) {
+        if calls + 2 > 9_000 {
+            b_off.relisten().await?;
+            b_on.relisten().await?;
+            calls = 0;
+        }
+        let (via_off, via_on) = (
+            Target::Broker(b_off.socket()),
+            Target::Broker(b_on.socket()),
+        );
+        let order = if i % 2 == 0 {
+            [(&via_off, false), (&via_on, true)]
+        } else {
+            [(&via_on, true), (&via_off, false)]
+        };
+        for (t, counted) in order {
+            let timing = broker_bench::call(t, &plain, false).await?;
+            if i >= 50 {
+                if counted {
+                    rt_on.push(timing.total);
+                } else {
+                    rt_off.push(timing.total);
+                }
+            }
+        }
+        calls += 1;
+    }
+    let (workers, per) = (8usize, (o.broker_calls / 4).max(25));
+    let (mut rps_off, mut rps_on) = (Vec::new(), Vec::new());
+    for k in 0..4 {
+        b_off.relisten().await?;
+        b_on.relisten().await?;
+        let (via_off, via_on) = (
+            Target::Broker(b_off.socket()),
+            Target::Broker(b_on.socket()),
+        );
+        if k % 2 == 0 {
+            rps_off.push(broker_bench::throughput(&via_off, workers, per).await?);
+            rps_on.push(broker_bench::throughput(&via_on, workers, per).await?);
+        } else {
+            rps_on.push(broker_bench::throughput(&via_on, workers, per).await?);
+            rps_off.push(broker_bench::throughput(&via_off, workers, per).await?);
+        }
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let reply_ratio = reply_on.p50() / reply_off.p50();
+    let rps_ratio = best(&rps_on) / best(&rps_off);
+    println!(
+        "warm reply p50: on {:.2} ms, off {:.2} ms ({:.3}×); broker round trip p50: on {:.3} ms, off {:.3} ms; \
+         requests/s with {workers} callers (best of 4): on {:.0}, off {:.0} ({:.3}×)",
+        reply_on.p50(),
+        reply_off.p50(),
+        reply_ratio,
+        rt_on.p50(),
+        rt_off.p50(),
+        best(&rps_on),
+        best(&rps_off),
+        rps_ratio
+    );
+    let scrapes = scraper.stop();
+    let model_calls = metrics
+        .sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",error_type=\"none\"}")
+        .unwrap_or(0.0);
+    println!("  (metrics: {scrapes} scrapes of /metrics during the part; {model_calls} model calls recorded)");
+    drop(server);
+    Ok(json!({
+        "scrapes": scrapes,
+        "model_calls_recorded": model_calls,
+        "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
+        "warm_reply_on_vs_off_p50": round3(reply_ratio),
+        "broker_round_trip": {"on": rt_on.json(), "off": rt_off.json()},
+        "rps": {"on": rps_on.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+                "off": rps_off.iter().map(|x| round3(*x)).collect::<Vec<_>>()},
+        "rps_on_vs_off": round3(rps_ratio),
+    }))
+}
+
+/// Scrapes `/metrics` once a second on a thread of its own, as Prometheus would.
+struct Scraper {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Scraper {
+    fn start(addr: std::net::SocketAddr) -> Self {
+        use std::io::{Read, Write};
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut n = 0;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+                    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+                    let mut body = Vec::new();
+                    if s.read_to_end(&mut body).is_ok() && body.starts_with(b"HTTP/1.0 200") {
+                        n += 1;
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            n
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
+}
+
 /// The issue's targets against the figures of this run.
 fn targets(r: &Value) -> Value {
     let f = |v: &Value| v.as_f64();
@@ -940,6 +1170,29 @@ fn targets(r: &Value) -> Value {
         "value": rps.map(round3), "limit": 0.97, "unit": "× (at least)",
         "met": rps.map(|v| v >= 0.97),
     }));
+    // Issue 23, item 8: metrics, accounting and budgets on against all off.
+    let at_most = |name: &str, value: Option<f64>, limit: f64| {
+        json!({
+            "target": name, "value": value.map(round3), "limit": limit, "unit": "×",
+            "met": value.map(|v| v <= limit),
+        })
+    };
+    t.push(at_most(
+        "warm reply with metrics and accounting / all off (p50)",
+        f(&r["observed"]["warm_reply_on_vs_off_p50"]),
+        1.02,
+    ));
+    let rps = f(&r["observed"]["rps_on_vs_off"]);
+    t.push(json!({
+        "target": "broker throughput with metrics and accounting / all off",
+        "value": rps.map(round3), "limit": 0.97, "unit": "× (at least)",
+        "met": rps.map(|v| v >= 0.97),
+    }));
+    t.push(at_most(
+        "idle channels' memory with metrics and accounting / all off",
+        f(&r["observed"]["idle_channels"]["on_vs_off_growth"]),
+        1.05,
+    ));
     Value::Array(t)
 }
 
