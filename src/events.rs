@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 
 use roundtable_sandbox_protocol::Usage;
 
+use crate::budgets::Budget;
 use crate::turn::kinds::{PhaseObserver, TurnFailure, TurnPhase};
 use crate::ChannelId;
 
@@ -122,13 +123,19 @@ pub enum WarmEvent {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BrokerEvent {
-    /// A model call was answered (or failed upstream).
+    /// A model call was answered (or failed upstream): the guest's chat completion, or
+    /// one of the compactor's summary calls.
     ModelCall {
-        /// The status the guest got.
+        /// Which call: the guest's, or the compactor's (to its summarizer or the model).
+        operation: ModelOperation,
+        /// The status the guest got (a compactor's call: the upstream's status, or `502`
+        /// unreachable, `504` timed out, `503` the turn was stopped).
         status: u16,
         /// From the forwarded request to the upstream's answer (its head, when streamed).
         latency: Duration,
-        /// The upstream's token usage, when its answer was a whole JSON body that said.
+        /// The upstream's token usage, when it said (a whole answer's `usage`, or a
+        /// stream's usage chunk: the event of a stream comes when the stream ends, however
+        /// it ends).
         usage: Option<Usage>,
     },
     /// A host or MCP tool was called.
@@ -149,6 +156,30 @@ pub enum BrokerEvent {
         /// The limit or rule that refused.
         limit: Refusal,
     },
+}
+
+/// Which model call a [`BrokerEvent::ModelCall`] is. New kinds may come: match with a `_`
+/// arm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ModelOperation {
+    /// The guest's `/v1/chat/completions`, forwarded.
+    Chat,
+    /// A compaction's summary call to the separate summarizer (`[compaction.summarizer]`).
+    CompactionSummarizer,
+    /// A compaction's summary call to the main model.
+    CompactionModel,
+}
+
+impl ModelOperation {
+    /// A short name, fit for a metric label.
+    pub fn key(self) -> &'static str {
+        match self {
+            ModelOperation::Chat => "chat",
+            ModelOperation::CompactionSummarizer => "compaction_summarizer",
+            ModelOperation::CompactionModel => "compaction_model",
+        }
+    }
 }
 
 /// The limit or rule behind a broker refusal. New kinds may come: match with a `_` arm.
@@ -175,7 +206,9 @@ pub enum Refusal {
     UnknownRoute,
     /// A method the path does not take (405).
     Method,
-    /// A request the broker cannot read (malformed JSON, not an object, unreadable body).
+    /// A request the broker cannot read (malformed JSON, not an object, unreadable body,
+    /// or a head hyper cannot parse and answers `400` itself). A head not sent within the
+    /// header timeout gets no answer (hyper closes the connection), and so no event.
     Malformed,
     /// The request's body did not arrive within `call_timeout` (408).
     BodyTimeout,
@@ -191,8 +224,12 @@ pub enum Refusal {
     Key,
     /// A compaction request past its caps or rules (400/413).
     Compaction,
-    /// A token budget of `[budgets]` (429).
-    Budget,
+    /// A token budget has no room for the model call (429): which one.
+    Budget(Budget),
+    /// A request head past the broker's cap (431), or a URI past hyper's (414): answered by
+    /// hyper itself, seen when the connection ends.
+    HeadBytes,
+
     /// Any other failure of the broker's own (500).
     Internal,
 }

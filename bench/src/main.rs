@@ -1053,7 +1053,7 @@ async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     );
     let scrapes = scraper.stop();
     let model_calls = metrics
-        .sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",error_type=\"none\"}")
+        .sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}")
         .unwrap_or(0.0);
     println!("  (metrics: {scrapes} scrapes of /metrics during the part; {model_calls} model calls recorded)");
     drop(server);

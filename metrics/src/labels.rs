@@ -98,7 +98,8 @@ pub fn refusal(limit: Refusal) -> &'static str {
         Refusal::Cancelled => "cancelled",
         Refusal::Key => "key",
         Refusal::Compaction => "compaction",
-        Refusal::Budget => "budget",
+        Refusal::Budget(_) => "budget",
+        Refusal::HeadBytes => "head_bytes",
         Refusal::Internal => "internal",
         _ => "other",
     }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::budgets::Budget;
-use roundtable_sandbox::events::{BrokerEvent, Event, EventKind, Refusal, WarmEvent};
+use roundtable_sandbox::events::{
+    BrokerEvent, Event, EventKind, ModelOperation, Refusal, WarmEvent,
+};
 use roundtable_sandbox::protocol::Usage;
 use roundtable_sandbox::{TurnFailure, TurnPhase};
 use roundtable_sandbox_metrics::{check_address, Metrics, MetricsError, MetricsServer};
@@ -40,6 +42,7 @@ fn feed(m: &Metrics) {
         240,
         Some(1),
         EventKind::Broker(BrokerEvent::ModelCall {
+            operation: ModelOperation::Chat,
             status: 200,
             latency: Duration::from_millis(200),
             usage: Some(Usage {
@@ -64,7 +67,7 @@ fn feed(m: &Metrics) {
         Some(1),
         EventKind::Broker(BrokerEvent::Refused {
             status: 429,
-            limit: Refusal::Budget,
+            limit: Refusal::Budget(Budget::SpeakerTokensPerDay),
         }),
     );
     e(
@@ -189,15 +192,15 @@ fn each_metric_is_what_the_events_say() {
         1.0
     );
     assert_eq!(
-        s("gen_ai_client_operation_duration_seconds_sum{gen_ai_operation_name=\"chat\",error_type=\"none\"}"),
+        s("gen_ai_client_operation_duration_seconds_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}"),
         0.2
     );
     assert_eq!(
-        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",gen_ai_token_type=\"input\"}"),
+        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",gen_ai_token_type=\"input\"}"),
         120.0
     );
     assert_eq!(
-        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",gen_ai_token_type=\"output\"}"),
+        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",gen_ai_token_type=\"output\"}"),
         30.0
     );
     assert_eq!(

@@ -288,6 +288,13 @@ impl Who {
             Who::Model => "model",
         }
     }
+
+    fn operation(self) -> crate::events::ModelOperation {
+        match self {
+            Who::Summarizer => crate::events::ModelOperation::CompactionSummarizer,
+            Who::Model => crate::events::ModelOperation::CompactionModel,
+        }
+    }
 }
 
 /// Runs the chain for one checked request.
@@ -453,38 +460,68 @@ async fn call(
         let (bytes, truncated) = read_capped(response, cap).await?;
         Ok::<_, reqwest::Error>((status, bytes, truncated))
     };
+    // One model call event per call that was tried, as the guest's calls have: the
+    // upstream's status (or what a guest would have got), its latency and usage.
     let started = std::time::Instant::now();
+    let report = |status: StatusCode, counts: Option<(Option<u64>, Option<u64>)>| {
+        if let Some(events) = &turn.ctx.events {
+            events.broker(crate::events::BrokerEvent::ModelCall {
+                operation: who.operation(),
+                status: status.as_u16(),
+                latency: started.elapsed(),
+                usage: counts.map(|(p, c)| Usage {
+                    model_calls: 1,
+                    prompt_tokens: p,
+                    completion_tokens: c,
+                    ..Default::default()
+                }),
+            });
+        }
+    };
     let outcome = tokio::select! {
         r = tokio::time::timeout(timeout, exchange) => r,
-        _ = turn.stop.cancelled() => return Err("the turn was stopped".to_owned()),
+        _ = turn.stop.cancelled() => {
+            report(StatusCode::SERVICE_UNAVAILABLE, None);
+            return Err("the turn was stopped".to_owned());
+        }
+    };
+    let failed = |status: StatusCode, msg: String| {
+        report(status, None);
+        Err(msg)
     };
     let (status, bytes, truncated) = match outcome {
-        Err(_) => return Err(format!("the {name} timed out after {timeout:?}")),
-        Ok(Err(e)) if e.is_connect() => return Err(format!("the {name} is unreachable")),
-        Ok(Err(e)) if e.is_timeout() => return Err(format!("the {name} timed out")),
-        Ok(Err(_)) => return Err(format!("the {name} request failed")),
+        Err(_) => {
+            return failed(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("the {name} timed out after {timeout:?}"),
+            )
+        }
+        Ok(Err(e)) if e.is_connect() => {
+            return failed(
+                StatusCode::BAD_GATEWAY,
+                format!("the {name} is unreachable"),
+            )
+        }
+        Ok(Err(e)) if e.is_timeout() => {
+            return failed(StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
+        }
+        Ok(Err(_)) => {
+            return failed(
+                StatusCode::BAD_GATEWAY,
+                format!("the {name} request failed"),
+            )
+        }
         Ok(Ok(r)) => r,
     };
     if let Some(account) = &turn.ctx.account {
         account.count_model_call();
     }
-    // The compactor's upstream call is a model call of the turn's on the event seam.
-    let model_call = |usage: Option<roundtable_sandbox_protocol::Usage>| {
-        if let Some(events) = &turn.ctx.events {
-            events.broker(crate::events::BrokerEvent::ModelCall {
-                status: status.as_u16(),
-                latency: started.elapsed(),
-                usage,
-            });
-        }
-    };
-    if !status.is_success() || truncated {
-        model_call(None);
-    }
     if !status.is_success() {
+        report(status, None);
         return Err(format!("the {name} returned HTTP {}", status.as_u16()));
     }
     if truncated {
+        report(StatusCode::BAD_GATEWAY, None);
         return Err(format!("the {name} answer is larger than {cap} bytes"));
     }
     // Only the text (copied up to the summary's size) and the counts are kept; the parse
@@ -495,6 +532,7 @@ async fn call(
         .await
         .ok()
         .flatten();
+    report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
     // Host-counted, from the upstream's own usage (or the estimate), answer or not.
     if let Some(account) = &turn.ctx.account {
         match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
@@ -506,13 +544,6 @@ async fn call(
             ),
         }
     }
-    model_call(parsed.as_ref().and_then(|a| {
-        a.prompt.map(|p| roundtable_sandbox_protocol::Usage {
-            prompt_tokens: Some(p),
-            completion_tokens: a.completion,
-            ..Default::default()
-        })
-    }));
     let Some(Answer {
         content,
         prompt,

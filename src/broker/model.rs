@@ -30,6 +30,7 @@ use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
 use crate::budgets::{estimate_tokens, TurnAccount};
+use crate::events::{BrokerEvent, ModelOperation, TurnEvents};
 
 /// How much of an upstream error body is shown to the guest (characters).
 const ERROR_SNIPPET: usize = 1000;
@@ -308,7 +309,9 @@ impl Upstream {
         cancel: CancellationToken,
         policy: &BrokerPolicy,
         account: Option<Arc<TurnAccount>>,
+        events: Option<&TurnEvents>,
     ) -> Response {
+        let started = std::time::Instant::now();
         let Prepared {
             body,
             stream,
@@ -448,13 +451,19 @@ impl Upstream {
                 error_response(StatusCode::BAD_GATEWAY, &msg)
             }
             Whole::Stream(response) => {
-                let tap = account.map(|account| UsageTap {
+                // The stream's event is sent when it ends (with its usage chunk's counts),
+                // its latency the head's.
+                let report = events.map(|e| (e.clone(), started.elapsed()));
+                let tap = (account.is_some() || report.is_some()).then(|| UsageTap {
                     account,
+                    report,
                     sent_bytes,
                     streamed: 0,
                     usage: None,
                 });
-                self.relay(response, secrets, SseFilter::new(!usage_asked), tap)
+                let mut response = self.relay(response, secrets, SseFilter::new(!usage_asked), tap);
+                response.extensions_mut().insert(StreamReported);
+                response
             }
         }
     }
@@ -590,10 +599,17 @@ fn charge_whole(account: &TurnAccount, sent_bytes: usize, bytes: &[u8]) {
     }
 }
 
-/// What a stream used, charged when the stream ends however it ends (its last `usage`, or
-/// the estimate).
+/// The mark of a streamed answer on its response: its [`BrokerEvent::ModelCall`] is sent
+/// by the stream's [`UsageTap`] when the stream ends, not by the server.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StreamReported;
+
+/// What a stream used, charged (and its model call's event sent, with the usage chunk's
+/// counts) when the stream ends however it ends (its last `usage`, or the estimate).
 struct UsageTap {
-    account: Arc<TurnAccount>,
+    account: Option<Arc<TurnAccount>>,
+    /// The turn's events and the latency of the stream's head.
+    report: Option<(TurnEvents, Duration)>,
     sent_bytes: usize,
     streamed: usize,
     usage: Option<UsageWire>,
@@ -601,16 +617,31 @@ struct UsageTap {
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
-        match self.usage {
-            Some(UsageWire {
-                prompt_tokens: Some(p),
-                completion_tokens: c,
-            }) => self.account.charge(p, c.unwrap_or(0), false),
-            _ => self.account.charge(
-                estimate_tokens(self.sent_bytes),
-                estimate_tokens(self.streamed),
-                true,
-            ),
+        if let Some(account) = &self.account {
+            match self.usage {
+                Some(UsageWire {
+                    prompt_tokens: Some(p),
+                    completion_tokens: c,
+                }) => account.charge(p, c.unwrap_or(0), false),
+                _ => account.charge(
+                    estimate_tokens(self.sent_bytes),
+                    estimate_tokens(self.streamed),
+                    true,
+                ),
+            }
+        }
+        if let Some((events, latency)) = self.report.take() {
+            events.broker(BrokerEvent::ModelCall {
+                operation: ModelOperation::Chat,
+                status: StatusCode::OK.as_u16(),
+                latency,
+                usage: self.usage.map(|u| roundtable_sandbox_protocol::Usage {
+                    model_calls: 1,
+                    prompt_tokens: u.prompt_tokens,
+                    completion_tokens: u.completion_tokens,
+                    ..Default::default()
+                }),
+            });
         }
     }
 }

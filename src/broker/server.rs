@@ -202,6 +202,10 @@ pub(crate) async fn serve(
                 r = conn => {
                     if let Err(e) = r {
                         tracing::debug!(error = %e, "broker connection ended");
+                        // hyper's own answers (to a head it cannot parse, or past the cap).
+                        if let Some((status, limit)) = answered_by_hyper(&e) {
+                            refused(&turn.ctx, status, limit);
+                        }
                     }
                 }
                 // The turn ended: in-flight calls (upstream requests, MCP calls) are dropped.
@@ -227,6 +231,26 @@ fn refused(ctx: &TurnContext, status: StatusCode, limit: Refusal) {
             limit,
         });
     }
+}
+
+/// The refusal hyper answered itself when a connection ended on `e`: `431` for a head past
+/// [`MAX_HEAD_BYTES`], `414` for a URI past hyper's own cap, `400` for a head it cannot
+/// parse. `None` when hyper sent no answer (a header timeout, an HTTP/2 preface, a peer
+/// gone).
+fn answered_by_hyper(e: &hyper::Error) -> Option<(StatusCode, Refusal)> {
+    if e.is_parse_too_large() {
+        // hyper's one public sign of which: its message ("URI too long").
+        let status = if e.to_string().contains("URI too long") {
+            StatusCode::URI_TOO_LONG
+        } else {
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+        };
+        return Some((status, Refusal::HeadBytes));
+    }
+    if e.is_parse() && !e.is_parse_version_h2() && !e.is_parse_status() {
+        return Some((StatusCode::BAD_REQUEST, Refusal::Malformed));
+    }
+    None
 }
 
 /// The raw `503` for a connection past the cap.
@@ -407,7 +431,7 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 );
                 return refuse(
                     StatusCode::TOO_MANY_REQUESTS,
-                    Refusal::Budget,
+                    Refusal::Budget(refusal.budget),
                     &refusal.to_string(),
                 );
             }
@@ -424,6 +448,7 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 turn.stop.clone(),
                 policy,
                 turn.ctx.account.clone(),
+                turn.ctx.events.as_ref(),
             )
             .await;
         // Forwarded: whatever the upstream answered is the model call's outcome.
@@ -431,8 +456,14 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         let usage = response
             .extensions_mut()
             .remove::<roundtable_sandbox_protocol::Usage>();
-        if let Some(events) = &turn.ctx.events {
+        // A stream's event is sent by the stream when it ends (with its usage chunk's).
+        let streamed = response
+            .extensions_mut()
+            .remove::<super::model::StreamReported>()
+            .is_some();
+        if let (Some(events), false) = (&turn.ctx.events, streamed) {
             events.broker(BrokerEvent::ModelCall {
+                operation: crate::events::ModelOperation::Chat,
                 status: response.status().as_u16(),
                 latency: started.elapsed(),
                 usage,

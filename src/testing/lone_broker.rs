@@ -100,7 +100,9 @@ impl BrokerTurn {
         Self::start_with(broker, channel, speaker, None, account).await
     }
 
-    async fn start_with(
+    /// [`BrokerTurn::start`], the turn's events (turn number 1) going to `observer` and its
+    /// usage counted (and its budgets checked) by `account`.
+    pub async fn start_with(
         broker: &Arc<Broker>,
         channel: &str,
         speaker: Speaker,

@@ -4,7 +4,7 @@
 //! from the upstream's answer).
 
 use super::*;
-use roundtable_sandbox::events::{BrokerEvent, EventKind, Refusal};
+use roundtable_sandbox::events::{BrokerEvent, EventKind, ModelOperation, Refusal};
 use roundtable_sandbox::testing::Recorder;
 
 /// A turn of a broker built from `p`, its events recorded.
@@ -233,4 +233,206 @@ async fn a_model_call_and_a_tool_call_yield_one_event_each() {
         .filter(|e| matches!(e.kind, EventKind::Phase(_)))
         .count();
     assert_eq!(phases, 2);
+}
+
+/// Waits (polling, for at most a minute on a loaded machine) until `seen` holds `n` broker
+/// events: a stream's event comes when its body is dropped, a hyper answer's when its
+/// connection ends, both just after the client has read what it reads.
+async fn broker_events(seen: &Recorder, n: usize) -> Vec<BrokerEvent> {
+    for _ in 0..600 {
+        let events = seen.broker();
+        if events.len() >= n {
+            return events;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    seen.broker()
+}
+
+#[tokio::test]
+async fn a_streamed_model_call_yields_one_event_with_the_usage_chunks_counts() {
+    let text = |t: &str| {
+        let chunk = json!({"choices": [{"index": 0, "delta": {"content": t}}], "usage": null});
+        format!("data: {chunk}\n\n")
+    };
+    let usage = json!({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7}});
+    let chunks = vec![
+        text("Hello"),
+        text(", world"),
+        format!("data: {usage}\n\n"),
+        "data: [DONE]\n\n".to_owned(),
+    ];
+    let model = ScriptedModel::start(vec![Step::Stream {
+        chunks,
+        delay: Duration::ZERO,
+    }])
+    .await;
+    // Observed without an account: the usage chunk is read for the event alone.
+    let (turn, seen) = observed(policy(&model.url())).await;
+    let (status, _, mut incoming) = client::send(
+        turn.socket(),
+        "POST",
+        CHAT,
+        &[("content-type", "application/json")],
+        chat_body(true).to_string(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let mut got = Vec::new();
+    while let Some(chunk) = next_chunk(&mut incoming).await {
+        got.extend_from_slice(&chunk);
+    }
+    // The guest did not ask for the usage chunk: it is not passed on.
+    let got = String::from_utf8(got).unwrap();
+    assert!(
+        got.contains("world") && !got.contains("prompt_tokens"),
+        "{got}"
+    );
+    let events = broker_events(&seen, 1).await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert!(
+        matches!(&events[0], BrokerEvent::ModelCall {
+            operation: ModelOperation::Chat, status: 200, usage: Some(u), .. }
+            if u.prompt_tokens == Some(11) && u.completion_tokens == Some(7)),
+        "{events:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_compactors_upstream_calls_are_model_call_events_of_their_own_operation() {
+    let model = ScriptedModel::start(vec![Step::text("the model's summary")]).await;
+    let sum = ScriptedModel::start(vec![Step::text("the summarizer's summary")]).await;
+    let mut p = policy(&model.url());
+    p.compaction = Some(roundtable_sandbox::broker::CompactionModel {
+        url: sum.url(),
+        model: "sum-model".into(),
+        api_key: ApiKey::from_static("sk-sum-events-1"),
+        key_source: "test".into(),
+        timeout: Duration::from_secs(20),
+        allow_http: true,
+    });
+    let (turn, seen) = observed(p).await;
+    let older = vec![
+        roundtable_sandbox::protocol::chat::Message::User {
+            content: "ann: keep the door code".into(),
+        },
+        roundtable_sandbox::protocol::chat::Message::Assistant {
+            content: Some("kept".into()),
+            tool_calls: vec![],
+        },
+    ];
+    let request =
+        roundtable_sandbox::protocol::compaction::CompactRequest::new(None, &older, 4000, 2000);
+    let body = serde_json::to_value(&request).unwrap();
+    // 1: the summarizer answers; 2: its script is used up (500), the main model answers.
+    for _ in 0..2 {
+        let a = post_json(turn.socket(), "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+    }
+    let calls: Vec<_> = seen
+        .broker()
+        .into_iter()
+        .map(|e| match e {
+            BrokerEvent::ModelCall {
+                operation,
+                status,
+                usage,
+                ..
+            } => (operation, status, usage.map(|u| u.prompt_tokens)),
+            other => panic!("not a model call: {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        calls,
+        vec![
+            (ModelOperation::CompactionSummarizer, 200, Some(Some(1))),
+            (ModelOperation::CompactionSummarizer, 500, None),
+            (ModelOperation::CompactionModel, 200, Some(Some(1))),
+        ]
+    );
+    assert_eq!(
+        ModelOperation::CompactionSummarizer.key(),
+        "compaction_summarizer"
+    );
+}
+
+#[tokio::test]
+async fn a_budget_refusal_is_one_refused_event_naming_the_budget() {
+    use roundtable_sandbox::budgets::{Budget, BudgetBook, BudgetSettings, TurnAccount};
+    let model = ScriptedModel::start(vec![Step::text("a")]).await;
+    let broker = start_broker(policy(&model.url())).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let settings = BudgetSettings {
+        speaker_tokens_per_day: Some(1),
+        state_file: Some(dir.path().join("state.sqlite")),
+        ..Default::default()
+    };
+    let book: Arc<BudgetBook> = BudgetBook::open(&settings, "UTC").unwrap().unwrap();
+    let account = Arc::new(TurnAccount::new(
+        "u-17",
+        &channel_segment("chan-1"),
+        Some(book),
+    ));
+    let seen = Recorder::default();
+    let turn = BrokerTurn::start_with(
+        &broker,
+        "chan-1",
+        speaker(),
+        Some(seen.observer()),
+        Some(account),
+    )
+    .await;
+    // The first call uses the day's token (and more); the second is refused.
+    assert_eq!(
+        post_json(turn.socket(), CHAT, &chat_body(false))
+            .await
+            .status,
+        200
+    );
+    let refused = post_json(turn.socket(), CHAT, &chat_body(false)).await;
+    assert_eq!(refused.status, 429);
+    assert!(
+        refused
+            .error()
+            .starts_with("budget speaker_tokens_per_day exceeded"),
+        "{}",
+        refused.error()
+    );
+    assert_eq!(
+        seen.refusals(),
+        vec![(429, Refusal::Budget(Budget::SpeakerTokensPerDay))]
+    );
+    // The refused call is no model call.
+    let calls = seen
+        .broker()
+        .iter()
+        .filter(|e| matches!(e, BrokerEvent::ModelCall { .. }))
+        .count();
+    assert_eq!(calls, 1);
+}
+
+#[tokio::test]
+async fn the_refusals_hyper_answers_itself_are_events_too() {
+    let model = ScriptedModel::start(vec![]).await;
+    // A head past the broker's 64 KiB cap: hyper answers 431.
+    let (turn, seen) = observed(policy(&model.url())).await;
+    let mut big = b"POST /v1/tools/weather HTTP/1.1\r\nhost: b\r\nx-big: ".to_vec();
+    big.extend(std::iter::repeat_n(b'a', 70_000));
+    big.extend_from_slice(b"\r\n\r\n");
+    let mut stream = raw(turn.socket(), &big).await;
+    assert!(head(&mut stream).await.starts_with("HTTP/1.1 431"));
+    broker_events(&seen, 1).await;
+    assert_eq!(seen.refusals(), vec![(431, Refusal::HeadBytes)]);
+
+    // A head hyper cannot parse: it answers 400.
+    let (turn, seen) = observed(policy(&model.url())).await;
+    let mut stream = raw(
+        turn.socket(),
+        b"POST /v1/tools/weather HTTP/1.1\r\nno colon here\r\n\r\n",
+    )
+    .await;
+    assert!(head(&mut stream).await.starts_with("HTTP/1.1 400"));
+    broker_events(&seen, 1).await;
+    assert_eq!(seen.refusals(), vec![(400, Refusal::Malformed)]);
 }
