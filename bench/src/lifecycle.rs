@@ -151,17 +151,8 @@ pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result
 }
 
 /// The warm runtime with accounting and every budget on (far from reached), its counters
-/// in a state file beside its roots: the same turns as [`warm_sandbox`] otherwise.
-pub async fn budgeted_warm_sandbox(
-    image: &str,
-    roots: &Roots,
-    model_url: &str,
-    state_file: &Path,
-) -> Result<Sandbox> {
-    observed_warm_sandbox(image, roots, model_url, state_file, None).await
-}
-
-/// [`budgeted_warm_sandbox`] with every event sent to `observer` (the metrics adapter).
+/// in a state file beside its roots, every event sent to `observer` if given (the metrics
+/// adapter): the same turns as [`warm_sandbox`] otherwise.
 pub async fn observed_warm_sandbox(
     image: &str,
     roots: &Roots,

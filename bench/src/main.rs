@@ -286,10 +286,10 @@ async fn run(o: &Options) -> Result<Value> {
         results["broker"] = broker(o, &model).await?;
     }
     if o.wants("accounting") {
-        results["accounting"] = accounting(o, &model).await?;
+        results["accounting"] = accounting(o, &model, false).await?;
     }
     if o.wants("observed") {
-        results["observed"] = observed(o, &model).await?;
+        results["observed"] = accounting(o, &model, true).await?;
     }
     let left = lifecycle::sweep_bench_containers(&docker).await?;
     if left > 0 {
@@ -797,135 +797,19 @@ async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {
 }
 
 /// Issue 23, item 8: the same warm turns and broker calls with accounting and budgets on
-/// (a SQLite state file, every budget set far from reached) against off, interleaved.
-async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
+/// (a SQLite state file, every budget set far from reached) against off, interleaved;
+/// `with_metrics`: the metrics adapter on the event seam too, its endpoint served and
+/// scraped every second, against all off.
+async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool) -> Result<Value> {
     println!(
-        "\n== 7. accounting and budgets on vs off: {} warm turns and {} broker calls each, interleaved",
-        o.iterations, o.broker_calls
-    );
-    let state_dir = tempfile::Builder::new()
-        .prefix("rtb-budgets-")
-        .tempdir_in("/tmp")?;
-    let state_file = state_dir.path().join("budgets.sqlite");
-    let (off_roots, on_roots) = (lifecycle::Roots::new()?, lifecycle::Roots::new()?);
-    let off = lifecycle::warm_sandbox(&o.image, &off_roots, &model.url()).await?;
-    let on =
-        lifecycle::budgeted_warm_sandbox(&o.image, &on_roots, &model.url(), &state_file).await?;
-    let (mut reply_off, mut reply_on) = (Samples::default(), Samples::default());
-    for i in 0..(o.iterations + o.warmup) {
-        let channel = format!("#bench-{}", i % 8);
-        let order: [(&roundtable_sandbox::Sandbox, bool); 2] = if i % 2 == 0 {
-            [(&off, false), (&on, true)]
+        "\n== {}: {} warm turns and {} broker calls each, interleaved",
+        if with_metrics {
+            "8. metrics, accounting and budgets on vs all off"
         } else {
-            [(&on, true), (&off, false)]
-        };
-        for (sandbox, counted) in order {
-            let (t, _) = lifecycle::warm_turn(sandbox, &channel).await?;
-            if i >= o.warmup {
-                if counted {
-                    reply_on.push(t.reply);
-                } else {
-                    reply_off.push(t.reply);
-                }
-            }
-        }
-    }
-    off.shutdown().await;
-    on.shutdown().await;
-    drop((off, on));
-
-    let book = roundtable_sandbox::budgets::BudgetBook::open(
-        &roundtable_sandbox::BudgetSettings {
-            state_file: Some(state_dir.path().join("broker.sqlite")),
-            speaker_tokens_per_day: Some(1_000_000_000_000),
-            channel_tokens_per_day: Some(1_000_000_000_000),
-            bot_tokens_per_day: Some(1_000_000_000_000),
-            speaker_turns_per_minute: None,
+            "7. accounting and budgets on vs off"
         },
-        "UTC",
-    )?
-    .context("a state file is named")?;
-    let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
-    let mut b_on = broker_bench::BrokerUnderTest::start_counted(&model.url(), Some(book)).await?;
-    let plain = broker_bench::chat_body(false);
-    let (mut rt_off, mut rt_on) = (Samples::default(), Samples::default());
-    let mut calls = 0usize;
-    for i in 0..(o.broker_calls + 50) {
-        if calls + 2 > 9_000 {
-            b_off.relisten().await?;
-            b_on.relisten().await?;
-            calls = 0;
-        }
-        let (via_off, via_on) = (
-            Target::Broker(b_off.socket()),
-            Target::Broker(b_on.socket()),
-        );
-        let order = if i % 2 == 0 {
-            [(&via_off, false), (&via_on, true)]
-        } else {
-            [(&via_on, true), (&via_off, false)]
-        };
-        for (t, counted) in order {
-            let timing = broker_bench::call(t, &plain, false).await?;
-            if i >= 50 {
-                if counted {
-                    rt_on.push(timing.total);
-                } else {
-                    rt_off.push(timing.total);
-                }
-            }
-        }
-        calls += 1;
-    }
-    let (workers, per) = (8usize, (o.broker_calls / 4).max(25));
-    let (mut rps_off, mut rps_on) = (Vec::new(), Vec::new());
-    for k in 0..4 {
-        b_off.relisten().await?;
-        b_on.relisten().await?;
-        let (via_off, via_on) = (
-            Target::Broker(b_off.socket()),
-            Target::Broker(b_on.socket()),
-        );
-        if k % 2 == 0 {
-            rps_off.push(broker_bench::throughput(&via_off, workers, per).await?);
-            rps_on.push(broker_bench::throughput(&via_on, workers, per).await?);
-        } else {
-            rps_on.push(broker_bench::throughput(&via_on, workers, per).await?);
-            rps_off.push(broker_bench::throughput(&via_off, workers, per).await?);
-        }
-    }
-    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
-    let reply_ratio = reply_on.p50() / reply_off.p50();
-    let rps_ratio = best(&rps_on) / best(&rps_off);
-    println!(
-        "warm reply p50: on {:.2} ms, off {:.2} ms ({:.3}×); broker round trip p50: on {:.3} ms, off {:.3} ms; \
-         requests/s with {workers} callers (best of 4): on {:.0}, off {:.0} ({:.3}×)",
-        reply_on.p50(),
-        reply_off.p50(),
-        reply_ratio,
-        rt_on.p50(),
-        rt_off.p50(),
-        best(&rps_on),
-        best(&rps_off),
-        rps_ratio
-    );
-    Ok(json!({
-        "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
-        "warm_reply_on_vs_off_p50": round3(reply_ratio),
-        "broker_round_trip": {"on": rt_on.json(), "off": rt_off.json()},
-        "rps": {"on": rps_on.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
-                "off": rps_off.iter().map(|x| round3(*x)).collect::<Vec<_>>()},
-        "rps_on_vs_off": round3(rps_ratio),
-    }))
-}
-
-/// Issue 23, item 8: the same warm turns and broker calls with metrics (the adapter on the
-/// event seam, its endpoint served and scraped every second), accounting and budgets on
-/// against all off, interleaved.
-async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
-    println!(
-        "\n== 8. metrics, accounting and budgets on vs all off: {} warm turns and {} broker calls each, interleaved",
-        o.iterations, o.broker_calls
+        o.iterations,
+        o.broker_calls
     );
     let state_dir = tempfile::Builder::new()
         .prefix("rtb-budgets-")
@@ -933,19 +817,24 @@ async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     let state_file = state_dir.path().join("budgets.sqlite");
     let (off_roots, on_roots) = (lifecycle::Roots::new()?, lifecycle::Roots::new()?);
     let off = lifecycle::warm_sandbox(&o.image, &off_roots, &model.url()).await?;
-    let metrics = std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new());
-    let server = roundtable_sandbox_metrics::MetricsServer::start(
-        "127.0.0.1:0".parse()?,
-        false,
-        metrics.clone(),
-    )?;
-    let scraper = Scraper::start(server.local_addr());
+    let metrics =
+        with_metrics.then(|| std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new()));
+    let server = match &metrics {
+        Some(m) => Some(roundtable_sandbox_metrics::MetricsServer::start(
+            "127.0.0.1:0".parse()?,
+            false,
+            m.clone(),
+        )?),
+        None => None,
+    };
+    let scraper = server.as_ref().map(|s| Scraper::start(s.local_addr()));
+    let observer = metrics.as_ref().map(|m| m.observer());
     let on = lifecycle::observed_warm_sandbox(
         &o.image,
         &on_roots,
         &model.url(),
         &state_file,
-        Some(metrics.observer()),
+        observer.clone(),
     )
     .await?;
     let (mut reply_off, mut reply_on) = (Samples::default(), Samples::default());
@@ -983,12 +872,8 @@ async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     )?
     .context("a state file is named")?;
     let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
-    let mut b_on = broker_bench::BrokerUnderTest::start_observed(
-        &model.url(),
-        Some(book),
-        Some(metrics.observer()),
-    )
-    .await?;
+    let mut b_on =
+        broker_bench::BrokerUnderTest::start_observed(&model.url(), Some(book), observer).await?;
     let plain = broker_bench::chat_body(false);
     let (mut rt_off, mut rt_on) = (Samples::default(), Samples::default());
     let mut calls = 0usize;
@@ -1051,11 +936,13 @@ async fn observed(o: &Options, model: &broker_bench::Model) -> Result<Value> {
         best(&rps_off),
         rps_ratio
     );
-    let scrapes = scraper.stop();
-    let model_calls = metrics
-        .sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}")
-        .unwrap_or(0.0);
-    println!("  (metrics: {scrapes} scrapes of /metrics during the part; {model_calls} model calls recorded)");
+    let scrapes = scraper.map(Scraper::stop);
+    let model_calls = metrics.as_ref().and_then(|m| {
+        m.sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}")
+    });
+    if let (Some(scrapes), Some(calls)) = (scrapes, model_calls) {
+        println!("  (metrics: {scrapes} scrapes of /metrics during the part; {calls} model calls recorded)");
+    }
     drop(server);
     Ok(json!({
         "scrapes": scrapes,
