@@ -343,6 +343,34 @@ mod tests {
     }
 
     #[test]
+    fn metrics_are_served_on_loopback_unless_allowed() {
+        let cli = Cli::try_parse_from(["terminal-bot"]).unwrap();
+        assert_eq!(cli.metrics.address().unwrap(), None);
+        let cli = Cli::try_parse_from(["terminal-bot", "--metrics"]).unwrap();
+        assert_eq!(
+            cli.metrics.address().unwrap(),
+            Some("127.0.0.1:9464".parse().unwrap())
+        );
+        let cli = Cli::try_parse_from(["terminal-bot", "--metrics", "0.0.0.0:9464"]).unwrap();
+        assert_eq!(
+            cli.metrics.address().unwrap_err().to_string(),
+            "metrics address 0.0.0.0:9464 is not a loopback address (give --metrics-allow-remote to serve metrics beyond this host)"
+        );
+        let cli = Cli::try_parse_from([
+            "terminal-bot",
+            "--metrics",
+            "0.0.0.0:9464",
+            "--metrics-allow-remote",
+        ])
+        .unwrap();
+        assert!(cli.metrics.address().unwrap().is_some());
+        let e = Cli::try_parse_from(["terminal-bot", "--metrics-allow-remote"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument);
+        let e = Cli::try_parse_from(["terminal-bot", "--metrics", "localhost"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation);
+    }
+
+    #[test]
     fn states_read_as_words() {
         assert_eq!(state_text(ChannelState::Idle), "idle");
         assert_eq!(

@@ -26,6 +26,7 @@ command -v docker >/dev/null || need+=(docker.io)
 python3 -m venv --help >/dev/null 2>&1 || need+=(python3-venv)
 [ -x /usr/sbin/ngircd ] || need+=(ngircd)   # the IRC example's end-to-end test
 command -v ii >/dev/null || need+=(ii)
+[ -x /usr/bin/prometheus ] || need+=(prometheus)   # the metrics test scrapes a bot with a real one
 command -v debootstrap >/dev/null || need+=(debootstrap)   # the MCP servers' image
 command -v prometheus >/dev/null || need+=(prometheus)     # the metrics' end-to-end test
 if [ ${#need[@]} -gt 0 ]; then

@@ -409,6 +409,18 @@ impl TurnEvents {
         }
     }
 
+    /// A turn's events for a broker driven alone (the bench, with the `testing` feature):
+    /// each goes to `observer`, as turn `turn` of `channel`.
+    #[cfg(feature = "testing")]
+    pub fn observed(observer: Observer, turn: u64, channel: &str) -> Self {
+        Self::new(
+            Arc::new(EventHub::new(Some(observer), None)),
+            turn,
+            ChannelId::new(channel),
+            None,
+        )
+    }
+
     /// Sends one of the turn's events; a phase goes to its phase observer too.
     pub(crate) fn emit(&self, kind: EventKind) {
         if let (EventKind::Phase(phase), Some(phases)) = (&kind, &self.phases) {

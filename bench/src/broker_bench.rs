@@ -121,6 +121,8 @@ pub struct BrokerUnderTest {
     n: u32,
     /// Accounting on: each "turn" counted and checked against these budgets.
     book: Option<Arc<BudgetBook>>,
+    /// Events on: each "turn"'s broker events go to this observer (the metrics adapter).
+    observer: Option<roundtable_sandbox::events::Observer>,
 }
 
 impl BrokerUnderTest {
@@ -130,6 +132,15 @@ impl BrokerUnderTest {
 
     /// [`BrokerUnderTest::start`], each turn's usage counted and checked against `book`.
     pub async fn start_counted(model_url: &str, book: Option<Arc<BudgetBook>>) -> Result<Self> {
+        Self::start_observed(model_url, book, None).await
+    }
+
+    /// [`BrokerUnderTest::start_counted`], each turn's events sent to `observer`.
+    pub async fn start_observed(
+        model_url: &str,
+        book: Option<Arc<BudgetBook>>,
+        observer: Option<roundtable_sandbox::events::Observer>,
+    ) -> Result<Self> {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
             limits: BrokerLimits {
@@ -153,6 +164,7 @@ impl BrokerUnderTest {
             listener: None,
             n: 0,
             book,
+            observer,
         };
         me.relisten().await?;
         Ok(me)
@@ -172,7 +184,9 @@ impl BrokerUnderTest {
                 name: "ann".into(),
             },
             cancel: CancellationToken::new(),
-            events: None,
+            events: self.observer.clone().map(|o| {
+                roundtable_sandbox::events::TurnEvents::observed(o, u64::from(self.n), "#bench")
+            }),
             account: self.book.as_ref().map(|b| {
                 Arc::new(TurnAccount::new(
                     "u1",

@@ -151,22 +151,32 @@ pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result
 }
 
 /// The warm runtime with accounting and every budget on (far from reached), its counters
-/// in a state file beside its roots, and the audit trail (`audit.jsonl` beside it): the
-/// same turns as [`warm_sandbox`] otherwise.
-pub async fn budgeted_warm_sandbox(
+/// in a state file beside its roots, the audit trail (`audit.jsonl` beside it), every event
+/// sent to `observer` if given (the metrics adapter): the same turns as [`warm_sandbox`]
+/// otherwise.
+pub async fn observed_warm_sandbox(
     image: &str,
     roots: &Roots,
     model_url: &str,
     state_file: &Path,
+    observer: Option<roundtable_sandbox::events::Observer>,
 ) -> Result<Sandbox> {
-    let c = bench_config(
+    let mut c = bench_config(
         &roots.warm_run_root,
         &roots.warm_workspace_root,
         image,
         model_url,
     )
     .command(command())
-    .instance(format!("bench-budget-{}", std::process::id()))
+    .instance(format!(
+        "bench-{}-{}",
+        if observer.is_some() {
+            "observed"
+        } else {
+            "budget"
+        },
+        std::process::id()
+    ))
     .warm(roundtable_sandbox::WarmSettings {
         enabled: true,
         max: 64,
@@ -185,6 +195,7 @@ pub async fn budgeted_warm_sandbox(
         include_text: false,
     })
     .build();
+    c.observer = observer;
     Sandbox::new(c)
         .await
         .context("start the budgeted warm runtime")

@@ -55,8 +55,8 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "throughput", "broker", "memory", "accounting"],
-        default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting"
+        value_parser = ["turn", "gvisor", "concurrency", "throughput", "broker", "memory", "accounting", "observed"],
+        default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting,observed"
     )]
     only: Vec<String>,
     /// Seconds of each side of the throughput part (per round)
@@ -81,6 +81,9 @@ struct Options {
     /// Internal: the memory part's child process, measuring N channels
     #[arg(long, value_name = "N", hide = true)]
     memory_child: Option<usize>,
+    /// Internal: the memory child with metrics and accounting on
+    #[arg(long, hide = true)]
+    memory_observed: bool,
 }
 
 impl Options {
@@ -118,7 +121,7 @@ fn main() -> Result<()> {
     }
     let options = Options::parse();
     if let Some(channels) = options.memory_child {
-        return memory::child(channels);
+        return memory::child(channels, options.memory_observed);
     }
     if let Some(shell) = options.completions {
         clap_complete::generate(
@@ -142,7 +145,7 @@ fn main() -> Result<()> {
             "\n== 4. memory: RSS per idle ChannelActor, {} channels",
             options.channels
         );
-        let m = memory::idle_channels(options.channels)?;
+        let m = memory::idle_channels(options.channels, false)?;
         println!(
             "RSS growth: {} new idle channels +{} KiB, the same turns on existing channels +{} KiB \
              => {:.2} KiB per idle channel ({:.2} KiB raw)",
@@ -153,6 +156,46 @@ fn main() -> Result<()> {
             m["per_channel_raw_kib"].as_f64().unwrap_or(f64::NAN),
         );
         results["memory"]["idle_channels"] = m;
+    }
+    if options.wants("observed") {
+        // Issue 23, item 8: idle channels with metrics and accounting on against all off,
+        // alternating child processes (off, on, off, on).
+        println!(
+            "\n== 8b. memory of {} idle channels: metrics and accounting on vs all off",
+            options.channels
+        );
+        let (mut off, mut on) = (Vec::new(), Vec::new());
+        for k in 0..4 {
+            let observed = k % 2 == 1;
+            let m = memory::idle_channels(options.channels, observed)?;
+            let kib = m["growth_new_channels_kib"].as_f64().unwrap_or(f64::NAN);
+            println!(
+                "  {} : +{kib} KiB for {} new idle channels",
+                if observed { "on " } else { "off" },
+                options.channels
+            );
+            if observed {
+                on.push(m)
+            } else {
+                off.push(m)
+            }
+        }
+        let mean = |v: &[Value]| {
+            v.iter()
+                .map(|m| m["growth_new_channels_kib"].as_f64().unwrap_or(f64::NAN))
+                .sum::<f64>()
+                / v.len() as f64
+        };
+        let ratio = mean(&on) / mean(&off);
+        println!(
+            "idle channels' RSS growth: on {:.0} KiB, off {:.0} KiB (mean of 2 each; {:.3}×)",
+            mean(&on),
+            mean(&off),
+            ratio
+        );
+        results["observed"]["idle_channels"] = json!({
+            "on": on, "off": off, "on_vs_off_growth": round3(ratio),
+        });
     }
     results["targets"] = targets(&results);
     print_targets(&results["targets"]);
@@ -252,7 +295,10 @@ async fn run(o: &Options) -> Result<Value> {
         results["broker"] = broker(o, &model).await?;
     }
     if o.wants("accounting") {
-        results["accounting"] = accounting(o, &model).await?;
+        results["accounting"] = accounting(o, &model, false).await?;
+    }
+    if o.wants("observed") {
+        results["observed"] = accounting(o, &model, true).await?;
     }
     let left = lifecycle::sweep_bench_containers(&docker).await?;
     if left > 0 {
@@ -920,11 +966,19 @@ async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {
 }
 
 /// Issue 23, item 8: the same warm turns and broker calls with accounting and budgets on
-/// (a SQLite state file, every budget set far from reached) against off, interleaved.
-async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
+/// (a SQLite state file, every budget set far from reached) against off, interleaved;
+/// `with_metrics`: the metrics adapter on the event seam too, its endpoint served and
+/// scraped every second, against all off.
+async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool) -> Result<Value> {
     println!(
-        "\n== 7. accounting, budgets and audit on vs off: {} warm turns and {} broker calls each, interleaved",
-        o.iterations, o.broker_calls
+        "\n== {}: {} warm turns and {} broker calls each, interleaved",
+        if with_metrics {
+            "8. metrics, accounting, budgets and audit on vs all off"
+        } else {
+            "7. accounting, budgets and audit on vs off"
+        },
+        o.iterations,
+        o.broker_calls
     );
     let state_dir = tempfile::Builder::new()
         .prefix("rtb-budgets-")
@@ -932,8 +986,26 @@ async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     let state_file = state_dir.path().join("budgets.sqlite");
     let (off_roots, on_roots) = (lifecycle::Roots::new()?, lifecycle::Roots::new()?);
     let off = lifecycle::warm_sandbox(&o.image, &off_roots, &model.url()).await?;
-    let on =
-        lifecycle::budgeted_warm_sandbox(&o.image, &on_roots, &model.url(), &state_file).await?;
+    let metrics =
+        with_metrics.then(|| std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new()));
+    let server = match &metrics {
+        Some(m) => Some(roundtable_sandbox_metrics::MetricsServer::start(
+            "127.0.0.1:0".parse()?,
+            false,
+            m.clone(),
+        )?),
+        None => None,
+    };
+    let scraper = server.as_ref().map(|s| Scraper::start(s.local_addr()));
+    let observer = metrics.as_ref().map(|m| m.observer());
+    let on = lifecycle::observed_warm_sandbox(
+        &o.image,
+        &on_roots,
+        &model.url(),
+        &state_file,
+        observer.clone(),
+    )
+    .await?;
     let (mut reply_off, mut reply_on) = (Samples::default(), Samples::default());
     for i in 0..(o.iterations + o.warmup) {
         let channel = format!("#bench-{}", i % 8);
@@ -969,7 +1041,8 @@ async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
     )?
     .context("a state file is named")?;
     let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
-    let mut b_on = broker_bench::BrokerUnderTest::start_counted(&model.url(), Some(book)).await?;
+    let mut b_on =
+        broker_bench::BrokerUnderTest::start_observed(&model.url(), Some(book), observer).await?;
     let plain = broker_bench::chat_body(false);
     let (mut rt_off, mut rt_on) = (Samples::default(), Samples::default());
     let mut calls = 0usize;
@@ -1032,7 +1105,17 @@ async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
         best(&rps_off),
         rps_ratio
     );
+    let scrapes = scraper.map(Scraper::stop);
+    let model_calls = metrics.as_ref().and_then(|m| {
+        m.sample("gen_ai_client_operation_duration_seconds_count{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}")
+    });
+    if let (Some(scrapes), Some(calls)) = (scrapes, model_calls) {
+        println!("  (metrics: {scrapes} scrapes of /metrics during the part; {calls} model calls recorded)");
+    }
+    drop(server);
     Ok(json!({
+        "scrapes": scrapes,
+        "model_calls_recorded": model_calls,
         "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
         "warm_reply_on_vs_off_p50": round3(reply_ratio),
         "broker_round_trip": {"on": rt_on.json(), "off": rt_off.json()},
@@ -1040,6 +1123,40 @@ async fn accounting(o: &Options, model: &broker_bench::Model) -> Result<Value> {
                 "off": rps_off.iter().map(|x| round3(*x)).collect::<Vec<_>>()},
         "rps_on_vs_off": round3(rps_ratio),
     }))
+}
+
+/// Scrapes `/metrics` once a second on a thread of its own, as Prometheus would.
+struct Scraper {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Scraper {
+    fn start(addr: std::net::SocketAddr) -> Self {
+        use std::io::{Read, Write};
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut n = 0;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+                    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n");
+                    let mut body = Vec::new();
+                    if s.read_to_end(&mut body).is_ok() && body.starts_with(b"HTTP/1.0 200") {
+                        n += 1;
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+            n
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
 }
 
 /// The issue's targets against the figures of this run.
@@ -1109,6 +1226,29 @@ fn targets(r: &Value) -> Value {
         "value": rps.map(round3), "limit": 0.97, "unit": "× (at least)",
         "met": rps.map(|v| v >= 0.97),
     }));
+    // Issue 23, item 8: metrics, accounting and budgets on against all off.
+    let at_most = |name: &str, value: Option<f64>, limit: f64| {
+        json!({
+            "target": name, "value": value.map(round3), "limit": limit, "unit": "×",
+            "met": value.map(|v| v <= limit),
+        })
+    };
+    t.push(at_most(
+        "warm reply with metrics and accounting / all off (p50)",
+        f(&r["observed"]["warm_reply_on_vs_off_p50"]),
+        1.02,
+    ));
+    let rps = f(&r["observed"]["rps_on_vs_off"]);
+    t.push(json!({
+        "target": "broker throughput with metrics and accounting / all off",
+        "value": rps.map(round3), "limit": 0.97, "unit": "× (at least)",
+        "met": rps.map(|v| v >= 0.97),
+    }));
+    t.push(at_most(
+        "idle channels' memory with metrics and accounting / all off",
+        f(&r["observed"]["idle_channels"]["on_vs_off_growth"]),
+        1.05,
+    ));
     Value::Array(t)
 }
 

@@ -22,22 +22,45 @@ use serde_json::{json, Value};
 const BATCH: usize = 64;
 
 /// In the child: measures and prints the JSON result on stdout.
-pub fn child(channels: usize) -> Result<()> {
+pub fn child(channels: usize, observed: bool) -> Result<()> {
     let system = actix::System::new();
-    let value = system.block_on(measure(channels))?;
+    let value = system.block_on(measure(channels, observed))?;
     println!("{value}");
     Ok(())
 }
 
-async fn measure(channels: usize) -> Result<Value> {
+async fn measure(channels: usize, observed: bool) -> Result<Value> {
     let roots = crate::lifecycle::Roots::new()?;
-    let core = roundtable_sandbox::Config::builder(&roots.run_root, &roots.workspace_root)
+    let state_dir = tempfile::Builder::new()
+        .prefix("rtb-mem-")
+        .tempdir_in("/tmp")?;
+    let mut core = roundtable_sandbox::Config::builder(&roots.run_root, &roots.workspace_root)
         .model("http://127.0.0.1:9/v1", "bench-model")
         .api_key(roundtable_sandbox::ApiKey::from_static("sk-bench"))
         .allow_http(true)
         // The fake driver answers every turn at once, runs nothing and records nothing.
         .driver(FakeDriver::instant("hi"))
         .build();
+    // Observed: accounting with every budget set (far from reached, its SQLite state file)
+    // and the metrics adapter on the event seam, its endpoint served.
+    let mut served = None;
+    if observed {
+        core.budgets = roundtable_sandbox::BudgetSettings {
+            state_file: Some(state_dir.path().join("budgets.sqlite")),
+            speaker_tokens_per_day: Some(1_000_000_000),
+            channel_tokens_per_day: Some(1_000_000_000),
+            bot_tokens_per_day: Some(1_000_000_000),
+            // No rate limit: one speaker sends every turn of the measurement.
+            speaker_turns_per_minute: None,
+        };
+        let metrics = std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new());
+        core.observer = Some(metrics.observer());
+        served = Some(roundtable_sandbox_metrics::MetricsServer::start(
+            "127.0.0.1:0".parse()?,
+            false,
+            metrics,
+        )?);
+    }
     let mut config = SupervisorOptions::new(core);
     config.max_containers = BATCH;
     config.idle_timeout = Duration::from_secs(86_400);
@@ -95,7 +118,9 @@ async fn measure(channels: usize) -> Result<Value> {
     let channels_growth = rss_after_channels.saturating_sub(rss_after_turns) as f64;
     let per_channel_raw = channels_growth / channels as f64;
     let per_channel = ((channels_growth - turns_growth) / channels as f64).max(0.0);
+    drop(served);
     Ok(json!({
+        "observed": observed,
         "channels": channels,
         "live_channels": live,
         "rss_start_kib": rss_start,
@@ -109,10 +134,14 @@ async fn measure(channels: usize) -> Result<Value> {
 }
 
 /// In the parent: runs the child and reads its JSON.
-pub fn idle_channels(channels: usize) -> Result<Value> {
+pub fn idle_channels(channels: usize, observed: bool) -> Result<Value> {
     let exe = std::env::current_exe()?;
-    let out = std::process::Command::new(exe)
-        .args(["--memory-child", &channels.to_string()])
+    let mut child = std::process::Command::new(exe);
+    child.args(["--memory-child", &channels.to_string()]);
+    if observed {
+        child.arg("--memory-observed");
+    }
+    let out = child
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("run the memory child")?;

@@ -31,14 +31,14 @@
 //! | `roundtable_tool_calls_total` | counter | `kind` (`host`, `mcp`), `outcome` (`ok`, `error`) |
 //! | `roundtable_budget_refusals_total` | counter | `budget`, `stage` (`admission`, `model_call`) |
 //! | `roundtable_engine_call_duration_seconds` | histogram | `operation`, `outcome` |
-//! | `gen_ai_client_operation_duration_seconds` | histogram | `gen_ai_operation_name`, `error_type` |
-//! | `gen_ai_client_token_usage` | histogram | `gen_ai_operation_name`, `gen_ai_token_type` (`input`, `output`) |
+//! | `gen_ai_client_operation_duration_seconds` | histogram | `gen_ai_operation_name` (`chat`), `roundtable_operation` (`chat`, `compaction_summarizer`, `compaction_model`), `error_type` |
+//! | `gen_ai_client_token_usage` | histogram | `gen_ai_operation_name`, `roundtable_operation`, `gen_ai_token_type` (`input`, `output`) |
 //!
 //! The two `gen_ai_*` families follow the OpenTelemetry GenAI semantic conventions
 //! (`gen_ai.client.operation.duration`, `gen_ai.client.token.usage`) as Prometheus writes
-//! them. Their tokens are the upstream's own `usage` of each answer the broker read whole
-//! (the guest's calls and the compactor's): a streamed answer's usage is counted by the
-//! budgets, not here.
+//! them. Their tokens are the upstream's own `usage` of each answer (a whole body's, or a
+//! stream's usage chunk), the guest's calls and the compactor's; an answer without one
+//! adds no tokens here (the budgets count it by their estimate).
 
 #![forbid(unsafe_code)]
 
@@ -69,6 +69,7 @@ pub mod labels;
 
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
+type Labels3 = [(&'static str, &'static str); 3];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RefusalLabels {
@@ -108,8 +109,8 @@ pub struct Metrics {
     tool_calls: Family<Labels2, Counter>,
     budget_refusals: Family<Labels2, Counter>,
     engine: HistFamily<Labels2>,
-    model_duration: HistFamily<Labels2>,
-    model_tokens: HistFamily<Labels2>,
+    model_duration: HistFamily<Labels3>,
+    model_tokens: HistFamily<Labels3>,
     state: Mutex<State>,
 }
 
@@ -231,14 +232,14 @@ impl Metrics {
             Unit::Seconds,
             engine.clone(),
         );
-        let model_duration: HistFamily<Labels2> = Family::new_with_constructor(seconds);
+        let model_duration: HistFamily<Labels3> = Family::new_with_constructor(seconds);
         registry.register_with_unit(
             "gen_ai_client_operation_duration",
             "GenAI operation duration: each model call the broker forwarded, to the upstream's answer",
             Unit::Seconds,
             model_duration.clone(),
         );
-        let model_tokens: HistFamily<Labels2> = Family::new_with_constructor(tokens);
+        let model_tokens: HistFamily<Labels3> = Family::new_with_constructor(tokens);
         registry.register(
             "gen_ai_client_token_usage",
             "Tokens of each model call as the upstream reported them, by token type",
@@ -428,16 +429,17 @@ impl Metrics {
     fn broker(&self, b: &BrokerEvent) {
         match b {
             BrokerEvent::ModelCall {
+                operation,
                 status,
                 latency,
                 usage,
                 ..
             } => {
-                // Every call is a chat completion (GenAI's operation name), the guest's and
-                // a compaction's summary alike: all are the operator's tokens.
+                let op = operation.key();
                 self.model_duration
                     .get_or_create(&[
                         ("gen_ai_operation_name", "chat"),
+                        ("roundtable_operation", op),
                         ("error_type", labels::error_type(*status)),
                     ])
                     .observe(latency.as_secs_f64());
@@ -447,6 +449,7 @@ impl Metrics {
                             self.model_tokens
                                 .get_or_create(&[
                                     ("gen_ai_operation_name", "chat"),
+                                    ("roundtable_operation", op),
                                     ("gen_ai_token_type", kind),
                                 ])
                                 .observe(n as f64);

@@ -192,15 +192,15 @@ fn each_metric_is_what_the_events_say() {
         1.0
     );
     assert_eq!(
-        s("gen_ai_client_operation_duration_seconds_sum{gen_ai_operation_name=\"chat\",error_type=\"none\"}"),
+        s("gen_ai_client_operation_duration_seconds_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",error_type=\"none\"}"),
         0.2
     );
     assert_eq!(
-        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",gen_ai_token_type=\"input\"}"),
+        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",gen_ai_token_type=\"input\"}"),
         120.0
     );
     assert_eq!(
-        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",gen_ai_token_type=\"output\"}"),
+        s("gen_ai_client_token_usage_sum{gen_ai_operation_name=\"chat\",roundtable_operation=\"chat\",gen_ai_token_type=\"output\"}"),
         30.0
     );
     assert_eq!(
