@@ -21,6 +21,24 @@ bins=(mcp-server-time mcp-server-git mcp-server-sqlite)
 # test server needs): it gets its own venv inside this one, reached by a link in bin/.
 sqlite_venv="$venv/sqlite"
 ready() { for b in "${bins[@]}"; do [[ -x "$venv/bin/$b" ]] || return 1; done; }
+# A venv's scripts name its Python by absolute path: a venv moved or copied from elsewhere
+# (a mirror renamed, say) has servers that cannot start. Such a venv is made anew.
+moved() {
+    local b interp
+    for b in "$venv/bin/mcp-server-time" "$sqlite_venv/bin/mcp-server-sqlite"; do
+        [[ -e "$b" ]] || continue
+        interp="$(head -n1 "$b")"; interp="${interp#\#!}"
+        case "$interp" in
+            "$venv"/bin/python*|"$sqlite_venv"/bin/python*) [[ -x "$interp" ]] || return 0 ;;
+            *) return 0 ;;
+        esac
+    done
+    return 1
+}
+if [[ -f "$venv/pyvenv.cfg" ]] && moved; then
+    echo "mcp venv: $venv was made at another path; making it anew" >&2
+    rm -rf "$venv"
+fi
 if [[ -f "$venv/pyvenv.cfg" && "$(readlink -f "$venv/bin/python3")" == "$base" ]]; then
     if ready; then
         echo "mcp venv ready: $venv"
