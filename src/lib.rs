@@ -156,6 +156,8 @@ struct Inner {
     warm: warm::WarmPool,
     /// Where every event goes (see [`events`]).
     events: Arc<events::EventHub>,
+    /// The audit trail (`[audit] path`), which the event hub feeds.
+    audit: Option<Arc<audit::AuditTrail>>,
     /// The run root's and the workspace root's locks (and directory descriptors), held for
     /// the runtime's life.
     locks: [lock::RootLock; 2],
@@ -242,7 +244,10 @@ impl Sandbox {
             None => None,
         };
         let broker = Broker::start(resolved.broker.clone()).await?;
-        let events = Arc::new(events::EventHub::new(config.observer.clone(), audit));
+        let events = Arc::new(events::EventHub::new(
+            config.observer.clone(),
+            audit.clone().map(|a| a as Arc<dyn events::EventSink>),
+        ));
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {
@@ -258,6 +263,7 @@ impl Sandbox {
                 live: Default::default(),
                 warm: warm::WarmPool::new(&warm),
                 events,
+                audit,
                 locks,
                 budgets,
             }),
@@ -281,13 +287,13 @@ impl Sandbox {
 
     /// What the audit trail has done since startup (`None`: no `[audit] path`).
     pub fn audit_stats(&self) -> Option<audit::AuditStats> {
-        self.inner.events.audit().map(|a| a.stats())
+        self.inner.audit.as_ref().map(|a| a.stats())
     }
 
     /// Waits until every turn ended so far is in the audit file (or counted failed), up
     /// to `within`; `false` if it did not happen in time. No audit trail: `true`.
     pub async fn flush_audit(&self, within: std::time::Duration) -> bool {
-        let Some(audit) = self.inner.events.audit().cloned() else {
+        let Some(audit) = self.inner.audit.clone() else {
             return true;
         };
         tokio::task::spawn_blocking(move || audit.flush(within))
@@ -301,6 +307,10 @@ impl Sandbox {
     }
 
     /// Where the runtime's events go.
+    pub(crate) fn audit(&self) -> Option<&Arc<audit::AuditTrail>> {
+        self.inner.audit.as_ref()
+    }
+
     pub(crate) fn events(&self) -> &Arc<events::EventHub> {
         &self.inner.events
     }

@@ -721,6 +721,13 @@ impl serde_json::ser::Formatter for AsciiFormatter {
     }
 }
 
+
+impl crate::events::EventSink for AuditTrail {
+    fn observe(&self, event: &Event) {
+        AuditTrail::observe(self, event);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -199,7 +199,7 @@ impl Watcher {
         };
         // Under gVisor the host cannot see the session's descriptors and the MCP image has
         // no measurer inside: the tree alone (docs/security.md, MCP servers, known limits).
-        let count_held = engine.runtime.as_deref() != Some(crate::config::GVISOR_RUNTIME);
+        let count_held = engine.runtime.as_deref() != Some(crate::driver::GVISOR_RUNTIME);
         let (tx, tripped) = tokio::sync::watch::channel(None);
         let (driver, server, name) = (driver.clone(), server.to_owned(), container.to_owned());
         let task = tokio::spawn(async move {

@@ -66,8 +66,7 @@ pub const DEFAULT_IMAGE: &str = "roundtable-sandbox-guest:latest";
 /// channel's workspace (those are named by a 64-hex hash).
 pub const MCP_DATA_DIR: &str = ".mcp";
 
-/// The gVisor runtime's name as `scripts/setup.sh --gvisor` registers it with the engine.
-pub const GVISOR_RUNTIME: &str = "runsc";
+pub use crate::driver::GVISOR_RUNTIME;
 /// The default turn timeout.
 pub const DEFAULT_TURN_TIMEOUT: Duration = Duration::from_secs(120);
 /// The longest broker socket path that a unix socket address holds with margin.

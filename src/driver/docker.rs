@@ -301,7 +301,7 @@ impl DockerDriver {
             }
             Err(e) => return Err(e),
         }
-        if spec.runtime.as_deref() == Some(crate::config::GVISOR_RUNTIME) {
+        if spec.runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
             self.sandboxed
                 .lock()
                 .unwrap()
@@ -1052,7 +1052,7 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         ..Default::default()
     };
     let mut host_config = host_config;
-    if spec.runtime.as_deref() == Some(crate::config::GVISOR_RUNTIME) {
+    if spec.runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
         adapt_to_gvisor(&mut host_config, spec.pids);
     }
     ContainerCreateBody {

@@ -28,6 +28,9 @@ pub use crate::broker::BoxFuture;
 pub use crate::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 pub use docker::{DockerDriver, DockerOptions};
 
+/// The gVisor runtime's name as `scripts/setup.sh --gvisor` registers it with the engine.
+pub const GVISOR_RUNTIME: &str = "runsc";
+
 /// Label set on every container of this project; its value is the runtime instance.
 pub const LABEL_RUNTIME: &str = "roundtable-sandbox";
 /// Label with the first 16 hex digits of the channel's hash.

@@ -285,7 +285,7 @@ impl Run<'_> {
         // The workspace's use after the turn, for the audit trail, once the container is
         // gone (a guest may go on writing after its reply until it is killed), off the
         // async threads.
-        let audit = self.sandbox.events().audit().cloned();
+        let audit = self.sandbox.audit().cloned();
         let workspace = audit.as_ref().and_then(|_| {
             self.workspace
                 .lock()
