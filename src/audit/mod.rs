@@ -29,6 +29,7 @@
 //!
 //! `roundtable-sandbox audit FILE` summarises a trail ([`summary`]).
 
+#[cfg(any(feature = "cli", feature = "testing"))]
 pub mod summary;
 
 use std::collections::HashMap;
@@ -125,9 +126,27 @@ struct Counters {
     written: AtomicU64,
     failed: AtomicU64,
     dropped: AtomicU64,
-    /// Drops since the last warning, and when that was (ms since `epoch`).
-    dropped_unwarned: AtomicU64,
-    last_drop_warning_ms: AtomicU64,
+    /// The warnings of dropped lines.
+    drop_warnings: Mutex<Throttle>,
+}
+
+/// One warning per [`WARN_EVERY`]; what happened in between is counted into the next.
+#[derive(Default)]
+struct Throttle {
+    last: Option<Instant>,
+    unwarned: u64,
+}
+
+impl Throttle {
+    /// Counts one; `Some(the count since the last warning)` when a warning is due now.
+    fn count(&mut self) -> Option<u64> {
+        self.unwarned += 1;
+        if self.last.is_some_and(|t| t.elapsed() < WARN_EVERY) {
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.unwarned))
+    }
 }
 
 /// The audit trail of a runtime: the turns' events gathered, and the writer thread.
@@ -137,7 +156,6 @@ pub struct AuditTrail {
     gathered: Mutex<Gathered>,
     queue: mpsc::SyncSender<Message>,
     counters: Arc<Counters>,
-    epoch: Instant,
 }
 
 impl std::fmt::Debug for AuditTrail {
@@ -225,8 +243,7 @@ impl AuditTrail {
             file,
             include_text,
             counters: counters.clone(),
-            unwarned: 0,
-            last_warning: None,
+            failures: Throttle::default(),
         };
         std::thread::Builder::new()
             .name("audit-writer".into())
@@ -238,7 +255,6 @@ impl AuditTrail {
             gathered: Mutex::new(Gathered::default()),
             queue,
             counters,
-            epoch: Instant::now(),
         }))
     }
 
@@ -366,17 +382,12 @@ impl AuditTrail {
         }
         let c = &self.counters;
         c.dropped.fetch_add(1, Ordering::Relaxed);
-        let unwarned = c.dropped_unwarned.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = self.epoch.elapsed().as_millis() as u64 + WARN_EVERY.as_millis() as u64;
-        let last = c.last_drop_warning_ms.load(Ordering::Relaxed);
-        if (last == 0 || now >= last + WARN_EVERY.as_millis() as u64)
-            && c.last_drop_warning_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            c.dropped_unwarned.store(0, Ordering::Relaxed);
+        let due = (c.drop_warnings.lock())
+            .unwrap_or_else(|e| e.into_inner())
+            .count();
+        if let Some(dropped) = due {
             tracing::warn!(
-                dropped = unwarned,
+                dropped,
                 "audit lines dropped: the audit writer is behind (its queue is full); the turns go on"
             );
         }
@@ -388,8 +399,7 @@ struct Writer {
     file: File,
     include_text: bool,
     counters: Arc<Counters>,
-    unwarned: u64,
-    last_warning: Option<Instant>,
+    failures: Throttle,
 }
 
 impl Writer {
@@ -417,15 +427,12 @@ impl Writer {
     /// A line not written: counted, warned at most once per [`WARN_EVERY`].
     fn failed(&mut self, error: &std::io::Error) {
         self.counters.failed.fetch_add(1, Ordering::Relaxed);
-        self.unwarned += 1;
-        if self.last_warning.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+        if let Some(failed) = self.failures.count() {
             tracing::warn!(
                 error = %error,
-                failed = self.unwarned,
+                failed,
                 "audit lines not written (the turns go on)"
             );
-            self.unwarned = 0;
-            self.last_warning = Some(Instant::now());
         }
     }
 }
