@@ -30,6 +30,11 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # `testing` feature (no dev-dependency, no test-support), so an item only tests use shows up.
 shipped=(-p roundtable-sandbox -p roundtable-sandbox-actors -p roundtable-sandbox-cli -p roundtable-sandbox-examples -p roundtable-sandbox-metrics)
 cargo clippy "${shipped[@]}" --lib --bins --quiet -- -D warnings
+# And the libraries as a bot author builds them, alone, with their default features (no
+# `cli` either, which the CLI's build unifies in): an item only the CLI uses shows up too.
+for lib in roundtable-sandbox roundtable-sandbox-actors roundtable-sandbox-metrics; do
+  cargo clippy -p "$lib" --lib --quiet -- -D warnings
+done
 if cargo tree "${shipped[@]}" -e normal,build,features -i roundtable-sandbox | grep -q 'feature "testing"'; then
   echo "a build of the CLI and the bots enables roundtable-sandbox's testing feature (cargo tree -e normal,build,features -i roundtable-sandbox)" >&2
   exit 1

@@ -35,7 +35,9 @@
 //! broker built and listened on alone, `turn::judge`). `testing` is never enabled by a
 //! build of the CLI or the bots (`test-support`, which enables it, is not a default
 //! member; `scripts/test.sh` checks), and CI lints those crates without it, so an item only
-//! tests use shows up as unused.
+//! tests use shows up as unused. `image`, the audit trail's summary and the config layer's
+//! every-violation mode exist only with `cli` (for `operator`) or `testing`: CI also lints
+//! this crate alone with its default features, as a bot author builds it.
 //!
 //! The parts, by trust boundary: `config` (the operator's settings, validated once,
 //! [`Config::resolve`]); `broker` (the per-turn HTTP server on a unix socket that holds
@@ -87,7 +89,6 @@ testing_mod! {
     broker;
     budgets;
     config;
-    image;
     lock;
     quota;
     sweep;
@@ -98,6 +99,11 @@ mod channel;
 pub mod display;
 pub mod driver;
 pub mod events;
+// The guest image's build: the CLI's `image build` (`operator`) and the tests only.
+#[cfg(feature = "testing")]
+pub mod image;
+#[cfg(all(feature = "cli", not(feature = "testing")))]
+pub(crate) mod image;
 #[cfg(feature = "cli")]
 pub mod offline;
 #[cfg(feature = "cli")]

@@ -677,6 +677,7 @@ pub fn free_space(path: &Path) -> std::io::Result<(u64, u64)> {
     ))
 }
 
+#[cfg(any(feature = "cli", feature = "testing"))]
 /// The type of the filesystem holding `path` (for `doctor`): its name when known, else its
 /// magic number.
 pub fn filesystem_type(path: &Path) -> std::io::Result<String> {

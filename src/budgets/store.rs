@@ -136,6 +136,7 @@ impl SqliteStore {
     }
 
     /// The state file.
+    #[cfg(any(feature = "cli", feature = "testing"))]
     pub fn path(&self) -> &Path {
         &self.path
     }

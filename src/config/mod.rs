@@ -51,7 +51,9 @@ pub(crate) use file::read_env_secret;
 #[cfg(feature = "testing")]
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
-pub use validate::{check_root_ancestors, check_socket_path, is_private_dir, violations};
+pub use validate::is_private_dir;
+#[cfg(any(feature = "cli", feature = "testing"))]
+pub use validate::{check_root_ancestors, check_socket_path, violations};
 #[cfg(feature = "testing")]
 pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
 pub use warm::WarmSettings;

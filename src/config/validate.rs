@@ -144,6 +144,7 @@ fn pure_rules(config: &Config, rules: &mut Rules) -> Result<Checked, ConfigError
 /// and mode, once created), their separation and the socket path's length are judged on
 /// the canonical roots at startup; `doctor` checks those per root
 /// ([`is_private_dir`], [`check_socket_path`]).
+#[cfg(any(feature = "cli", feature = "testing"))]
 pub fn violations(config: &Config) -> Vec<ConfigError> {
     let mut rules = Rules {
         every: true,
