@@ -67,23 +67,7 @@ impl AuditSettings {
             }
             return Ok(());
         };
-        if !path.is_absolute() {
-            return Err(format!(
-                "path must be an absolute path, got {}",
-                path.display()
-            ));
-        }
-        // The workspaces are the guests' and the run root is the turns' (swept).
-        if roots.iter().any(|r| path.starts_with(r)) {
-            return Err(format!(
-                "path must be outside run_root and workspace_root, got {}",
-                path.display()
-            ));
-        }
-        if path.file_name().is_none() {
-            return Err(format!("path must name a file, got {}", path.display()));
-        }
-        Ok(())
+        crate::budgets::operator_file("path", path, roots)
     }
 }
 

@@ -218,31 +218,37 @@ impl BudgetSettings {
                 return Err("state_file is required when a budget is set".into());
             }
             None => {}
-            Some(path) => {
-                if !path.is_absolute() {
-                    return Err(format!(
-                        "state_file must be an absolute path, got {}",
-                        path.display()
-                    ));
-                }
-                // The workspaces are the guests' and the run root is the turns': a state
-                // file there could be edited by a guest or swept.
-                if roots.iter().any(|r| path.starts_with(r)) {
-                    return Err(format!(
-                        "state_file must be outside run_root and workspace_root, got {}",
-                        path.display()
-                    ));
-                }
-                if path.file_name().is_none() {
-                    return Err(format!(
-                        "state_file must name a file, got {}",
-                        path.display()
-                    ));
-                }
-            }
+            Some(path) => operator_file("state_file", path, roots)?,
         }
         Ok(())
     }
+}
+
+/// The rules of a file the runtime keeps for the operator (the budgets' state file, the
+/// audit trail), `key` naming the setting in the message: an absolute path that names a
+/// file, outside both roots (the workspaces are the guests' and the run root is the
+/// turns': a file there could be edited by a guest or swept).
+pub(crate) fn operator_file(
+    key: &str,
+    path: &std::path::Path,
+    roots: [&std::path::Path; 2],
+) -> Result<(), String> {
+    if !path.is_absolute() {
+        return Err(format!(
+            "{key} must be an absolute path, got {}",
+            path.display()
+        ));
+    }
+    if roots.iter().any(|r| path.starts_with(r)) {
+        return Err(format!(
+            "{key} must be outside run_root and workspace_root, got {}",
+            path.display()
+        ));
+    }
+    if path.file_name().is_none() {
+        return Err(format!("{key} must name a file, got {}", path.display()));
+    }
+    Ok(())
 }
 
 /// A budget.
