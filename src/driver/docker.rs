@@ -34,6 +34,11 @@ use super::{
     LABEL_RUNTIME,
 };
 
+/// How many times [`DockerDriver::oom_killed`] asks about a container that ended by
+/// SIGKILL, and the pause between.
+const OOM_ASKS: u32 = 4;
+const OOM_ASK_PAUSE: Duration = Duration::from_millis(150);
+
 /// How the driver reaches the engine.
 #[derive(Debug, Clone)]
 pub struct DockerOptions {
@@ -787,12 +792,26 @@ impl ContainerDriver for DockerDriver {
     fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
         Box::pin(async move {
             let docker = self.client().await?;
-            let state = self
-                .call("inspect", name, docker.inspect_container(name, None))
-                .await?
-                .state
-                .unwrap_or_default();
-            Ok(state.oom_killed == Some(true))
+            // The engine may record an OOM kill a moment after the exit (seen under gVisor:
+            // exit 137, `OOMKilled` still false at the first inspect): a container that
+            // ended by SIGKILL is asked again, a few times, before the answer is no.
+            for ask in 1..=OOM_ASKS {
+                let state = self
+                    .call("inspect", name, docker.inspect_container(name, None))
+                    .await?
+                    .state
+                    .unwrap_or_default();
+                if state.oom_killed == Some(true) {
+                    return Ok(true);
+                }
+                let killed = state.exit_code == Some(128 + libc::SIGKILL as i64)
+                    && state.running != Some(true);
+                if !killed || ask == OOM_ASKS {
+                    break;
+                }
+                tokio::time::sleep(OOM_ASK_PAUSE).await;
+            }
+            Ok(false)
         })
     }
 

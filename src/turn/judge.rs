@@ -41,10 +41,6 @@ testing_pub! {
     }
 }
 
-/// How many times an exit by SIGKILL is asked about an OOM kill, and the pause between.
-const OOM_ASKS: u32 = 4;
-const OOM_ASK_PAUSE: std::time::Duration = std::time::Duration::from_millis(150);
-
 /// Judges a run; when it did not answer (a non-zero exit, the output cap, output that is
 /// not a reply), first asks the driver whether the memory limit killed a process of the
 /// container, which then takes precedence as in [`judge`]. A guest that exits 0 with a reply
@@ -60,23 +56,7 @@ pub(super) async fn judge_run(
     if judged.is_ok() || run.oom_killed || run.reply_ready {
         return judged;
     }
-    // A SIGKILL the runtime did not send is the OOM killer's, most likely: the engine may
-    // record the kill a moment after the exit (seen under gVisor: exit 137 with
-    // `OOMKilled` still false at the first inspect), so such an exit is asked again.
-    let asks = if run.exit_code == 128 + libc::SIGKILL as i64 {
-        OOM_ASKS
-    } else {
-        1
-    };
-    let mut answer = driver.oom_killed(&spec.name).await;
-    for _ in 1..asks {
-        if !matches!(answer, Ok(false)) {
-            break;
-        }
-        tokio::time::sleep(OOM_ASK_PAUSE).await;
-        answer = driver.oom_killed(&spec.name).await;
-    }
-    match answer {
+    match driver.oom_killed(&spec.name).await {
         Ok(true) => {
             run.oom_killed = true;
             judge(&run, spec)
