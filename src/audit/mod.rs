@@ -100,6 +100,8 @@ pub struct AuditStats {
 
 /// Turns queued for the writer at most; past it a turn's line is dropped (counted).
 const QUEUE: usize = 4096;
+/// A turn's refusals kept in its line; the rest are counted (`refusals_omitted`).
+const MAX_REFUSALS_KEPT: usize = 64;
 /// Turns gathered at most (a turn that never ends is written, incomplete, past it).
 const MAX_PENDING: usize = 10_000;
 /// At most one warning per this long.
@@ -173,6 +175,8 @@ struct Pending {
     model_calls: Vec<ModelCallLine>,
     tool_calls: Vec<ToolCallLine>,
     refusals: Vec<RefusalLine>,
+    /// Refusals past [`MAX_REFUSALS_KEPT`], counted only.
+    refusals_omitted: u64,
     ended: Option<Option<TurnFailure>>,
     warm: bool,
     fell_back: bool,
@@ -190,6 +194,7 @@ impl Pending {
             model_calls: Vec::new(),
             tool_calls: Vec::new(),
             refusals: Vec::new(),
+            refusals_omitted: 0,
             ended: None,
             warm: false,
             fell_back: false,
@@ -333,6 +338,11 @@ impl AuditTrail {
                 ok: *ok,
                 latency_ms: ms(*latency),
             }),
+            EventKind::Broker(BrokerEvent::Refused { .. })
+                if p.refusals.len() >= MAX_REFUSALS_KEPT =>
+            {
+                p.refusals_omitted += 1;
+            }
             EventKind::Broker(BrokerEvent::Refused { status, limit }) => {
                 let (limit, budget) = match limit {
                     Refusal::Budget(b) => ("budget".to_owned(), Some(b.key().to_owned())),
@@ -502,6 +512,9 @@ pub(crate) struct Line {
     pub(crate) tool_calls: Vec<ToolCallLine>,
     #[serde(default)]
     pub(crate) refusals: Vec<RefusalLine>,
+    /// Refusals past the first [`MAX_REFUSALS_KEPT`] (a guest's flood), counted only.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub(crate) refusals_omitted: u64,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(crate) warm_fallback: bool,
     pub(crate) usage: UsageLine,
@@ -663,6 +676,7 @@ fn line(f: Finished, include_text: bool) -> Line {
         model_calls: p.model_calls,
         tool_calls: p.tool_calls,
         refusals: p.refusals,
+        refusals_omitted: p.refusals_omitted,
         warm_fallback: p.fell_back,
         usage: UsageLine {
             prompt_tokens: usage.prompt_tokens,
@@ -677,6 +691,10 @@ fn line(f: Finished, include_text: bool) -> Line {
         text: text.map(|t| t.message.clone()),
         reply: text.map(|t| t.reply.clone()),
     }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `value` as one line of JSON in ASCII: every string's characters outside printable
@@ -735,6 +753,42 @@ mod tests {
         );
         let back: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(back["speaker"], speaker);
+    }
+
+    /// A guest can make the broker refuse it as fast as it can send (unknown routes,
+    /// spent caps): a turn's line keeps its first refusals and counts the rest, so neither
+    /// the gathered turn nor its line grows with the flood.
+    #[test]
+    fn a_flood_of_refusals_is_kept_bounded_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let trail = AuditTrail::open(&path, false).unwrap();
+        let event = |kind| Event {
+            at: Instant::now(),
+            turn: Some(1),
+            channel: Some("0123456789abcdef".into()),
+            kind,
+        };
+        trail.observe(&event(EventKind::Admitted));
+        for _ in 0..10_000 {
+            trail.observe(&event(EventKind::Broker(BrokerEvent::Refused {
+                status: 404,
+                limit: Refusal::UnknownRoute,
+            })));
+        }
+        trail.observe(&event(EventKind::Phase(TurnPhase::Done)));
+        assert!(trail.flush(Duration::from_secs(10)));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.len() < 16 * 1024, "a line of {} bytes", text.len());
+        let line: serde_json::Value = serde_json::from_str(text.trim_end()).unwrap();
+        assert_eq!(
+            line["refusals"].as_array().unwrap().len(),
+            MAX_REFUSALS_KEPT
+        );
+        assert_eq!(
+            line["refusals_omitted"],
+            10_000 - MAX_REFUSALS_KEPT as u64
+        );
     }
 
     #[test]
