@@ -173,7 +173,7 @@ pub enum QuotaError {
 }
 
 impl QuotaError {
-    fn exceeded(quota: &Quota, usage: &Usage) -> Self {
+    pub(crate) fn exceeded(quota: &Quota, usage: &Usage) -> Self {
         if usage.entries > quota.max_entries {
             QuotaError::Exceeded {
                 used: format!("more than {} entries", quota.max_entries),

@@ -298,6 +298,24 @@ async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
     );
 }
 
+/// A guest that passes the quota and exits at once, before the watcher's next measure
+/// (every 250 ms or more), is still over quota: the turn measures once more when the guest
+/// did not answer, and the quota's error comes before the exit's.
+#[tokio::test(flavor = "multi_thread")]
+async fn quota_a_guest_that_passes_it_and_exits_at_once_is_over_quota() {
+    let env = Env::new();
+    let mut config = hostile::sh_config(
+        &env,
+        "cat >/dev/null; head -c 9437184 /dev/zero > /workspace/a & head -c 9437184 /dev/zero > /workspace/b; wait; exit 3",
+    );
+    config.limits.workspace_mb = QUOTA_MB;
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request("#quick", "x")).await;
+    let error = reply.error.unwrap_or_default();
+    assert!(error.starts_with(OVER), "{error}");
+    assert_no_leftovers(&sandbox).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn quota_a_locked_workspace_root_counts_as_over_quota() {
     let env = Env::new();

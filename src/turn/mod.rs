@@ -405,6 +405,7 @@ impl Run<'_> {
             self.events.emit(EventKind::Warm(WarmEvent::Adopted));
         }
         let (container, spec) = (resources.spec().name.clone(), resources.spec().clone());
+        let watched = measured.as_ref().map(|(ws, _)| ws.clone());
         let over_quota = async {
             match measured {
                 Some((workspace, guarded)) => {
@@ -459,7 +460,28 @@ impl Run<'_> {
             }
         }
         match (outcome, why) {
-            (Ok(run), None) => judge::judge_run(run, &spec, sandbox.driver().as_ref()).await,
+            (Ok(run), None) => {
+                let judged = judge::judge_run(run, &spec, sandbox.driver().as_ref()).await;
+                match (judged, watched) {
+                    // A guest that did not answer may have ended before the watcher's next
+                    // measure saw it pass the quota: measured once more (off the reply's
+                    // path: a reply is judged ok before this), the quota's error comes first.
+                    (Err(e), Some(ws)) if !matches!(e, TurnError::Quota(_)) => {
+                        let quota = config.limits.workspace_quota();
+                        let over = tokio::task::spawn_blocking(move || {
+                            crate::quota::measure(&ws, &quota, None)
+                                .ok()
+                                .filter(|u| quota.exceeded_by(u))
+                                .map(|u| crate::quota::QuotaError::exceeded(&quota, &u))
+                        })
+                        .await
+                        .ok()
+                        .flatten();
+                        Err(over.map(TurnError::Quota).unwrap_or(e))
+                    }
+                    (judged, _) => judged,
+                }
+            }
             (_, Some(reason)) => Err(reason),
             (Err(DriverError::Cancelled), None) => Err(TurnError::Stopped),
             (Err(e), None) => Err(e.into()),
