@@ -40,18 +40,33 @@ pub fn is_escaped(c: char) -> bool {
 /// `text` with every [`is_escaped`] character written as `\u{HEX}`; borrowed when there is
 /// none.
 pub fn escape(text: &str) -> Cow<'_, str> {
-    if !text.chars().any(is_escaped) {
-        return Cow::Borrowed(text);
+    match escaped_with(text, is_escaped, |out, c| {
+        let _ = write!(out, "\\u{{{:x}}}", c as u32);
+    }) {
+        Some(out) => Cow::Owned(out),
+        None => Cow::Borrowed(text),
+    }
+}
+
+/// `text` with each character `which` picks written by `write` instead; `None` when it
+/// picks none.
+fn escaped_with(
+    text: &str,
+    which: fn(char) -> bool,
+    write: fn(&mut String, char),
+) -> Option<String> {
+    if !text.chars().any(which) {
+        return None;
     }
     let mut out = String::with_capacity(text.len() + 16);
     for c in text.chars() {
-        if is_escaped(c) {
-            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        if which(c) {
+            write(&mut out, c);
         } else {
             out.push(c);
         }
     }
-    Cow::Owned(out)
+    Some(out)
 }
 
 /// The lines of `text` (split at `\n`, a `\r\n` counting as one break), each escaped: a
@@ -76,19 +91,11 @@ pub fn lines(text: &str) -> Vec<Cow<'_, str>> {
 /// print.
 pub fn json(value: &impl serde::Serialize) -> serde_json::Result<String> {
     let text = serde_json::to_string_pretty(value)?;
-    if !text.chars().any(is_escaped_in_json) {
-        return Ok(text);
-    }
-    let mut out = String::with_capacity(text.len() + 16);
-    for c in text.chars() {
-        if is_escaped_in_json(c) {
-            // Every such character is in the BMP: one `\uXXXX`.
-            let _ = write!(out, "\\u{:04x}", c as u32);
-        } else {
-            out.push(c);
-        }
-    }
-    Ok(out)
+    let escaped = escaped_with(&text, is_escaped_in_json, |out, c| {
+        // Every such character is in the BMP: one `\uXXXX`.
+        let _ = write!(out, "\\u{:04x}", c as u32);
+    });
+    Ok(escaped.unwrap_or(text))
 }
 
 /// The escaped characters serde_json leaves raw: all of them but C0, which it escapes (the

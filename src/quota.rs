@@ -95,6 +95,14 @@ pub struct Quota {
 }
 
 impl Quota {
+    /// A quota of `mb` MiB (saturating) and `entries` entries.
+    pub(crate) fn from_mib(mb: u64, entries: u64) -> Self {
+        Self {
+            max_bytes: mb.saturating_mul(1 << 20),
+            max_entries: entries,
+        }
+    }
+
     /// Whether `usage` is past this quota.
     pub fn exceeded_by(&self, usage: &Usage) -> bool {
         usage.bytes > self.max_bytes || usage.entries > self.max_entries

@@ -260,6 +260,14 @@ struct Live {
 type Stopped = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
 
 impl Live {
+    /// A session with no container of its own (a host child or an http server).
+    fn unconfined(service: RunningService<RoleClient, ()>) -> Self {
+        Self {
+            service,
+            container: None,
+        }
+    }
+
     fn is_closed(&self) -> bool {
         self.service.is_closed() || self.service.peer().is_transport_closed()
     }
@@ -973,10 +981,7 @@ impl McpPool {
                     }
                     ().serve(process)
                         .await
-                        .map(|service| Live {
-                            service,
-                            container: None,
-                        })
+                        .map(Live::unconfined)
                         .map_err(|e| e.to_string())
                 }
                 McpTransport::Http { url, headers } => {
@@ -995,10 +1000,7 @@ impl McpPool {
                     );
                     ().serve(transport)
                         .await
-                        .map(|service| Live {
-                            service,
-                            container: None,
-                        })
+                        .map(Live::unconfined)
                         .map_err(|e| e.to_string())
                 }
             }

@@ -493,10 +493,7 @@ impl Default for McpLimits {
 impl McpLimits {
     /// The data dir's quota.
     pub fn data_quota(&self) -> crate::quota::Quota {
-        crate::quota::Quota {
-            max_bytes: self.data_mb.saturating_mul(1 << 20),
-            max_entries: self.data_files,
-        }
+        crate::quota::Quota::from_mib(self.data_mb, self.data_files)
     }
 }
 

@@ -49,10 +49,7 @@ impl Default for Limits {
 impl Limits {
     /// The workspace quota these limits set.
     pub fn workspace_quota(&self) -> crate::quota::Quota {
-        crate::quota::Quota {
-            max_bytes: self.workspace_mb.saturating_mul(1 << 20),
-            max_entries: self.workspace_files,
-        }
+        crate::quota::Quota::from_mib(self.workspace_mb, self.workspace_files)
     }
 
     /// The free-space floor these limits set.

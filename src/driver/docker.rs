@@ -312,19 +312,7 @@ impl DockerDriver {
                 .unwrap()
                 .insert(name.to_owned(), format!("{}:{}", spec.uid, spec.gid));
         }
-        let attach = AttachContainerOptions {
-            stdin: true,
-            stdout: true,
-            stderr: true,
-            stream: true,
-            logs: false,
-            detach_keys: None,
-        };
-        let io = self
-            .call("attach", name, docker.attach_container(name, Some(attach)))
-            .await?;
-        self.call("start", name, docker.start_container(name, None))
-            .await?;
+        let io = self.attach_and_start(docker, name).await?;
         // The exit is watched from now on: a prepared container that dies while it waits
         // for its turn is known before the turn is written to it.
         let (exit_tx, exit) = tokio::sync::oneshot::channel();
@@ -393,6 +381,15 @@ impl DockerDriver {
             }
             Err(e) => return Err(e),
         }
+        self.attach_and_start(docker, name).await
+    }
+
+    /// Attaches to a created container's stdin, stdout and stderr, then starts it.
+    async fn attach_and_start(
+        &self,
+        docker: &Docker,
+        name: &str,
+    ) -> Result<bollard::container::AttachContainerResults, DriverError> {
         let attach = AttachContainerOptions {
             stdin: true,
             stdout: true,
