@@ -370,20 +370,28 @@ pub(crate) mod tests {
         AgentLimits::new(16, 1_000_000)
     }
 
+    /// A turn of a fresh session with the default limits, its system prompt `sys`.
+    fn first_turn(
+        model: &mut ScriptedModel,
+        tools: &mut EchoTools,
+        user: &str,
+    ) -> Result<Outcome, AgentError> {
+        run_turn(
+            model,
+            tools,
+            &config(),
+            &Session::default(),
+            "sys",
+            user.into(),
+        )
+    }
+
     #[test]
     fn tool_call_then_result_then_final_answer() {
         let mut model =
             ScriptedModel::new(vec![calls(&[("c1", "echo", r#"{"x":1}"#)]), text("done")]);
         let mut tools = EchoTools::default();
-        let out = run_turn(
-            &mut model,
-            &mut tools,
-            &config(),
-            &Session::default(),
-            "sys",
-            "ann: hi".into(),
-        )
-        .unwrap();
+        let out = first_turn(&mut model, &mut tools, "ann: hi").unwrap();
         assert_eq!(out.text, "done");
         assert_eq!(tools.calls.len(), 1);
         assert_eq!(tools.calls[0].0, "echo");
@@ -460,15 +468,7 @@ pub(crate) mod tests {
             text("sorry"),
         ]);
         let mut tools = EchoTools::default();
-        let out = run_turn(
-            &mut model,
-            &mut tools,
-            &config(),
-            &Session::default(),
-            "sys",
-            "ann: x".into(),
-        )
-        .unwrap();
+        let out = first_turn(&mut model, &mut tools, "ann: x").unwrap();
         assert_eq!(out.text, "sorry");
         let results: Vec<&str> = out
             .session

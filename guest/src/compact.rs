@@ -129,6 +129,25 @@ mod tests {
     use crate::agent::{run_turn, AgentLimits, Tools};
     use crate::model::ModelError;
 
+    /// A turn of `session` with a token budget of `budget`, its system prompt `sys`.
+    fn turn_within(
+        model: &mut impl crate::model::Model,
+        tools: &mut EchoTools,
+        session: &Session,
+        budget: u64,
+        user: &str,
+    ) -> crate::agent::Outcome {
+        run_turn(
+            model,
+            tools,
+            &AgentLimits::new(16, budget),
+            session,
+            "sys",
+            user.into(),
+        )
+        .unwrap()
+    }
+
     fn history() -> Session {
         let mut messages = Vec::new();
         messages.push(Message::User {
@@ -184,15 +203,7 @@ mod tests {
         let before =
             crate::agent::build_request("sys", &session, &tools.definitions()).estimate_tokens();
         assert!(before > budget);
-        let out = run_turn(
-            &mut model,
-            &mut tools,
-            &AgentLimits::new(16, budget),
-            &session,
-            "sys",
-            "ann: and now?".into(),
-        )
-        .unwrap();
+        let out = turn_within(&mut model, &mut tools, &session, budget, "ann: and now?");
         assert_eq!(out.text, "c'est fait");
         assert_eq!(model.requests.len(), 2);
         let summary_request = serde_json::to_string(&model.requests[0].to_wire("m")).unwrap();
@@ -240,15 +251,7 @@ mod tests {
             text("ok"),
         ]);
         let mut tools = EchoTools::default();
-        let out = run_turn(
-            &mut model,
-            &mut tools,
-            &AgentLimits::new(16, budget),
-            &session,
-            "sys",
-            "ann: hi".into(),
-        )
-        .unwrap();
+        let out = turn_within(&mut model, &mut tools, &session, budget, "ann: hi");
         assert_eq!(out.text, "ok");
         let summary = out.session.summary.as_deref().unwrap();
         assert!(summary.starts_with("Plain summary"), "{summary}");
@@ -288,15 +291,13 @@ mod tests {
         let budget = 2000;
         let session = history();
         let mut model = NoCompactor(ScriptedModel::new(vec![text("ok")]));
-        let out = run_turn(
+        let out = turn_within(
             &mut model,
             &mut EchoTools::default(),
-            &AgentLimits::new(16, budget),
             &session,
-            "sys",
-            "ann: hi".into(),
-        )
-        .unwrap();
+            budget,
+            "ann: hi",
+        );
         assert_eq!(out.text, "ok");
         let summary = out.session.summary.as_deref().unwrap();
         assert!(summary.starts_with("Plain summary"), "{summary}");

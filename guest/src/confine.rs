@@ -217,13 +217,7 @@ pub fn open_regular(path: &Path) -> io::Result<File> {
         .read(true)
         .custom_flags(open_flags())
         .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
-    }
-    Ok(file)
+    only_regular(file)
 }
 
 /// Opens (creating if needed, mode 0600) a regular file for writing and truncates it;
@@ -236,13 +230,19 @@ pub fn create_regular(path: &Path) -> io::Result<File> {
         .mode(0o600)
         .custom_flags(open_flags())
         .open(path)?;
+    let file = only_regular(file)?;
+    file.set_len(0)?;
+    Ok(file)
+}
+
+/// `file` if it is a regular file; an error for anything else (a FIFO, a device, a dir).
+fn only_regular(file: File) -> io::Result<File> {
     if !file.metadata()?.is_file() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "not a regular file",
         ));
     }
-    file.set_len(0)?;
     Ok(file)
 }
 
@@ -251,22 +251,19 @@ mod tests {
     use super::*;
     use crate::testutil::TempDir;
 
+    /// `path` was refused as leading out of the root.
+    #[track_caller]
+    fn assert_outside(path: Result<PathBuf, PathError>) {
+        assert!(matches!(path, Err(PathError::Outside(_))), "{path:?}");
+    }
+
     #[test]
     fn lexical_escapes_are_refused() {
         let dir = TempDir::new();
         let root = Root::new(dir.path()).unwrap();
-        assert!(matches!(
-            root.existing("../../etc/passwd"),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            root.existing("/etc/passwd"),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            root.for_writing("a/../../x", true),
-            Err(PathError::Outside(_))
-        ));
+        assert_outside(root.existing("../../etc/passwd"));
+        assert_outside(root.existing("/etc/passwd"));
+        assert_outside(root.for_writing("a/../../x", true));
         assert!(matches!(root.existing("a\0b"), Err(PathError::Invalid(_))));
         std::fs::write(dir.path().join("x"), "1").unwrap();
         let abs = dir.path().join("x");
@@ -282,32 +279,17 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd", dir.path().join("pw")).unwrap();
         std::os::unix::fs::symlink("/etc", dir.path().join("etc")).unwrap();
         std::os::unix::fs::symlink("/nonexistent/x", dir.path().join("dangling")).unwrap();
-        assert!(matches!(root.existing("pw"), Err(PathError::Outside(_))));
+        assert_outside(root.existing("pw"));
         // A link to a file the image lacks is refused as leading out, not "missing".
-        assert!(matches!(
-            root.existing("dangling"),
-            Err(PathError::Outside(_))
-        ));
+        assert_outside(root.existing("dangling"));
         assert!(matches!(
             root.existing("missing.txt"),
             Err(PathError::NotFound(_))
         ));
-        assert!(matches!(
-            root.existing("etc/passwd"),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            root.for_writing("pw", true),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            root.for_writing("etc/new", true),
-            Err(PathError::Outside(_))
-        ));
-        assert!(matches!(
-            root.for_writing("dangling", true),
-            Err(PathError::Outside(_))
-        ));
+        assert_outside(root.existing("etc/passwd"));
+        assert_outside(root.for_writing("pw", true));
+        assert_outside(root.for_writing("etc/new", true));
+        assert_outside(root.for_writing("dangling", true));
         std::fs::write(dir.path().join("real"), "1").unwrap();
         std::os::unix::fs::symlink("real", dir.path().join("alias")).unwrap();
         assert_eq!(root.existing("alias").unwrap(), dir.path().join("real"));
