@@ -3,15 +3,11 @@
 
 use std::process::Command;
 
+mod common;
+
 #[test]
 fn explain_shows_each_mcp_servers_scope() {
-    let dir = tempfile::Builder::new()
-        .prefix("rte-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let path = dir.path().join("c.toml");
-    std::fs::write(
-        &path,
+    let (dir, path) = common::config_in("rte-", "c.toml", |dir| {
         format!(
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
              model = \"m\"\nmodel_url = \"https://example.invalid/v1\"\n\
@@ -19,11 +15,10 @@ fn explain_shows_each_mcp_servers_scope() {
              image = \"roundtable-sandbox-mcp:latest\"\nargs = [\"--db-path\", \"/data/db.sqlite\"]\ntools = [\"read_query\"]\nmax_sessions = 8\n\
              [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nconfine = \"host\"\nscope = \"shared\"\ntools = [\"search\"]\n\
              [[mcp]]\nname = \"remote\"\ntransport = \"http\"\nurl = \"https://mcp.example.invalid/mcp\"\ntools = [\"search\"]\n",
-            dir.path().join("run").display(),
-            dir.path().join("ws").display()
-        ),
-    )
-    .unwrap();
+            dir.join("run").display(),
+            dir.join("ws").display()
+        )
+    });
     let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
         .args(["explain", "--config"])
         .arg(&path)

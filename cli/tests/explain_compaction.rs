@@ -3,22 +3,17 @@
 
 use std::process::Command;
 
+mod common;
+
 fn explain(config: &str, env: &[(&str, &str)]) -> (i32, String, String) {
-    let dir = tempfile::Builder::new()
-        .prefix("rte-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let path = dir.path().join("sandbox.toml");
-    std::fs::write(
-        &path,
+    let (_dir, path) = common::config_in("rte-", "sandbox.toml", |dir| {
         format!(
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{0}/run\"\n\
              workspace_root = \"{0}/ws\"\nmodel = \"m\"\nmodel_url = \"https://models.invalid/v1\"\n\
              api_key_env = \"RTS_EXPLAIN_MAIN_KEY\"\n{config}",
-            dir.path().display()
-        ),
-    )
-    .unwrap();
+            dir.display()
+        )
+    });
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"));
     cmd.arg("explain")
         .arg("--config")

@@ -5,6 +5,8 @@
 
 use std::process::Command;
 
+mod common;
+
 #[test]
 fn turn_prints_guest_made_controls_escaped_and_the_json_stays_the_same() {
     assert_ne!(
@@ -12,18 +14,12 @@ fn turn_prints_guest_made_controls_escaped_and_the_json_stays_the_same() {
         0,
         "run through scripts/test.sh"
     );
-    let dir = tempfile::Builder::new()
-        .prefix("rtc-")
-        .tempdir_in("/tmp")
-        .unwrap();
-    let config = dir.path().join("floor.toml");
-    std::fs::write(
-        &config,
+    let (dir, config) = common::config_in("rtc-", "floor.toml", |_| {
         "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
          workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
-    )
-    .unwrap();
+         [limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n"
+            .to_owned()
+    });
     let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
         .arg("--config")
         .arg(&config)
