@@ -31,10 +31,42 @@ fn config(env: &Env, max: usize) -> SupervisorOptions {
 
 /// A fresh environment, its runtime instance, and a supervisor with `warm.max = max`.
 async fn start(max: usize) -> (Env, String, Addr<SandboxSupervisor>) {
+    start_with(max, |_| {}).await
+}
+
+/// [`start`], the supervisor's options changed by `adjust` first.
+async fn start_with(
+    max: usize,
+    adjust: impl FnOnce(&mut SupervisorOptions),
+) -> (Env, String, Addr<SandboxSupervisor>) {
     let env = Env::new();
     let instance = env.instance().await;
-    let addr = SandboxSupervisor::start(config(&env, max)).await.unwrap();
+    let mut settings = config(&env, max);
+    adjust(&mut settings);
+    let addr = SandboxSupervisor::start(settings).await.unwrap();
     (env, instance, addr)
+}
+
+/// [`start`] with `warm.max = 8`, then one turn of `channel`: returns the container
+/// prepared for its next turn too.
+async fn start_prepared(channel: &str) -> (Env, String, Addr<SandboxSupervisor>, Listed) {
+    let (env, instance, addr) = start(8).await;
+    ask(&addr, channel).await;
+    let ready = until_prepared(&addr, &instance, channel).await;
+    (env, instance, addr, ready)
+}
+
+/// Tries `attempt` every `every` until it gives a value; past [`PROMPTLY`], fails with
+/// its last reason.
+async fn poll<T>(every: Duration, mut attempt: impl AsyncFnMut() -> Result<T, String>) -> T {
+    let started = Instant::now();
+    loop {
+        match attempt().await {
+            Ok(value) => return value,
+            Err(why) => assert!(started.elapsed() < PROMPTLY, "{why}"),
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// A prepared container as the engine lists it.
@@ -85,21 +117,14 @@ async fn until_prepared(addr: &Addr<SandboxSupervisor>, instance: &str, channel:
             .any(|c| c.channel == channel && c.prepared)
     })
     .await;
-    let started = Instant::now();
-    loop {
-        if let Some(found) = prepared(instance)
+    poll(Duration::from_millis(20), async || {
+        prepared(instance)
             .await
             .into_iter()
             .find(|c| c.running && c.channel == segment16(channel))
-        {
-            return found;
-        }
-        assert!(
-            started.elapsed() < PROMPTLY,
-            "no container was prepared for {channel}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+            .ok_or_else(|| format!("no container was prepared for {channel}"))
+    })
+    .await
 }
 
 /// Sends `text` to `channel` and returns the turn's outcome (a turn that ran, ok or not).
@@ -116,6 +141,11 @@ async fn ask(addr: &Addr<SandboxSupervisor>, channel: &str) -> TurnOutcome {
 /// The hostname the guest answered with: its container's short id.
 fn served_by(outcome: &TurnOutcome) -> String {
     outcome.reply.text.clone().unwrap()
+}
+
+/// The turn was served by another container than `ready`.
+fn assert_not_served_by(outcome: &TurnOutcome, ready: &Listed, why: &str) {
+    assert_ne!(served_by(outcome), ready.id[..12], "{why}");
 }
 
 async fn shutdown_leaves_nothing(addr: Addr<SandboxSupervisor>, env: &Env, instance: &str) {
@@ -154,11 +184,10 @@ async fn the_next_turn_is_served_by_the_prepared_container() {
 /// removed with its run dir; the channel prepares the next one.
 #[actix_rt::test]
 async fn every_exit_of_an_adopted_turn_removes_its_container() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let mut settings = config(&env, 8);
-    settings.config.turn_timeout = Some(Duration::from_secs(10));
-    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    let (env, instance, addr) = start_with(8, |s| {
+        s.config.turn_timeout = Some(Duration::from_secs(10));
+    })
+    .await;
     let channel = "#exits";
     ask(&addr, channel).await;
 
@@ -204,30 +233,26 @@ async fn every_exit_of_an_adopted_turn_removes_its_container() {
 /// Waits until the adopted container `served` and its run dir are gone: the only ones left
 /// are the next prepared container's (at most one of each).
 async fn adopted_container_removed(env: &Env, instance: &str, served: &Listed) {
-    let started = Instant::now();
-    loop {
+    poll(Duration::from_millis(20), async || {
         let names = labelled_containers_of(instance).await;
         let dirs = env.turn_dirs();
         if !names.contains(&format!("/{}", served.name))
             && names.len() <= 1
             && dirs.len() <= names.len()
         {
-            return;
+            return Ok(());
         }
-        assert!(
-            started.elapsed() < PROMPTLY,
+        Err(format!(
             "the adopted container {} or its run dir was left: {names:?} {dirs:?}",
             served.name
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        ))
+    })
+    .await
 }
 
 #[actix_rt::test]
 async fn before_its_turn_a_prepared_container_reaches_no_broker() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#late").await;
-    let ready = until_prepared(&addr, &instance, "#late").await;
+    let (env, instance, addr, ready) = start_prepared("#late").await;
     // The first turn's teardown is done.
     until_idle(&addr).await;
     // Its run dir (the only turn dir now) holds no socket: a connection is refused.
@@ -253,9 +278,7 @@ async fn before_its_turn_a_prepared_container_reaches_no_broker() {
 
 #[actix_rt::test]
 async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#killed").await;
-    let ready = until_prepared(&addr, &instance, "#killed").await;
+    let (env, instance, addr, ready) = start_prepared("#killed").await;
     let driver = DockerDriver::default();
     let docker = driver.client().await.unwrap();
     docker
@@ -265,22 +288,21 @@ async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
         )
         .await
         .unwrap();
-    let started = Instant::now();
-    loop {
+    poll(Duration::from_millis(20), async || {
         let state = docker
             .inspect_container(&ready.id, None::<InspectContainerOptions>)
             .await
             .unwrap()
             .state
             .unwrap_or_default();
-        if state.running != Some(true) {
-            break;
+        match state.running {
+            Some(true) => Err("the kill never took".to_owned()),
+            _ => Ok(()),
         }
-        assert!(started.elapsed() < PROMPTLY, "the kill never took");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
     let served = ask(&addr, "#killed").await;
-    assert_ne!(served_by(&served), ready.id[..12], "not the dead one");
+    assert_not_served_by(&served, &ready, "not the dead one");
     assert!(
         !prepared(&instance).await.iter().any(|c| c.id == ready.id),
         "the dead prepared container was removed"
@@ -290,9 +312,7 @@ async fn a_killed_prepared_container_is_replaced_by_a_cold_start() {
 
 #[actix_rt::test]
 async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_start() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#removed").await;
-    let ready = until_prepared(&addr, &instance, "#removed").await;
+    let (env, instance, addr, ready) = start_prepared("#removed").await;
     DockerDriver::default()
         .client()
         .await
@@ -308,7 +328,7 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
         .await
         .unwrap();
     let served = ask(&addr, "#removed").await;
-    assert_ne!(served_by(&served), ready.id[..12]);
+    assert_not_served_by(&served, &ready, "");
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
 
@@ -319,19 +339,13 @@ async fn a_prepared_container_removed_behind_its_back_is_replaced_by_a_cold_star
 /// directory the turn holds: the prepared container is discarded and the turn runs cold.
 #[actix_rt::test]
 async fn a_workspace_moved_aside_between_turns_is_not_served_by_its_prepared_container() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#moved").await;
-    let ready = until_prepared(&addr, &instance, "#moved").await;
+    let (env, instance, addr, ready) = start_prepared("#moved").await;
     let ws = env.workspace_of("#moved");
     let aside = env.dir.path().join("moved-aside");
     std::fs::rename(&ws, &aside).unwrap();
     let served = turn(addr.clone(), "#moved", "write").await;
     assert!(served.reply.ok, "{served:?}");
-    assert_ne!(
-        served_by(&served),
-        ready.id[..12],
-        "not the prepared container"
-    );
+    assert_not_served_by(&served, &ready, "not the prepared container");
     assert_eq!(
         std::fs::read_to_string(ws.join("served-by")).unwrap(),
         served_by(&served),
@@ -352,18 +366,12 @@ async fn a_workspace_moved_aside_between_turns_is_not_served_by_its_prepared_con
 /// directory, where every write fails): the next turn runs cold in the fresh one.
 #[actix_rt::test]
 async fn a_workspace_deleted_between_turns_is_not_served_by_its_prepared_container() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#deleted").await;
-    let ready = until_prepared(&addr, &instance, "#deleted").await;
+    let (env, instance, addr, ready) = start_prepared("#deleted").await;
     let ws = env.workspace_of("#deleted");
     std::fs::remove_dir_all(&ws).unwrap();
     let served = turn(addr.clone(), "#deleted", "write").await;
     assert!(served.reply.ok, "{served:?}");
-    assert_ne!(
-        served_by(&served),
-        ready.id[..12],
-        "not the prepared container"
-    );
+    assert_not_served_by(&served, &ready, "not the prepared container");
     assert_eq!(
         std::fs::read_to_string(ws.join("served-by")).unwrap(),
         served_by(&served)
@@ -373,35 +381,32 @@ async fn a_workspace_deleted_between_turns_is_not_served_by_its_prepared_contain
 
 #[actix_rt::test]
 async fn a_reset_discards_the_prepared_container() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#reset").await;
-    let ready = until_prepared(&addr, &instance, "#reset").await;
+    let (env, instance, addr, ready) = start_prepared("#reset").await;
     addr.send(StartFresh {
         channel: "#reset".into(),
     })
     .await
     .unwrap();
     let served = ask(&addr, "#reset").await;
-    assert_ne!(
-        served_by(&served),
-        ready.id[..12],
-        "a container prepared before the reset never serves a turn after it"
+    assert_not_served_by(
+        &served,
+        &ready,
+        "a container prepared before the reset never serves a turn after it",
     );
-    let started = Instant::now();
-    while prepared(&instance).await.iter().any(|c| c.id == ready.id) {
-        assert!(started.elapsed() < PROMPTLY, "the stale container was kept");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll(Duration::from_millis(20), async || {
+        if prepared(&instance).await.iter().any(|c| c.id == ready.id) {
+            Err("the stale container was kept".to_owned())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
 
 #[actix_rt::test]
 async fn a_prepared_container_expires_after_its_ttl() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let mut settings = config(&env, 8);
-    settings.config.warm.ttl_secs = Some(1);
-    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    let (env, instance, addr) = start_with(8, |s| s.config.warm.ttl_secs = Some(1)).await;
     ask(&addr, "#ttl").await;
     until_prepared(&addr, &instance, "#ttl").await;
     until_none_prepared(&env, &instance, "the prepared container outlived its TTL").await;
@@ -412,27 +417,25 @@ async fn a_prepared_container_expires_after_its_ttl() {
 
 /// Waits until no prepared container and no run dir is left.
 async fn until_none_prepared(env: &Env, instance: &str, why: &str) {
-    let started = Instant::now();
-    while !prepared(instance).await.is_empty() || !env.turn_dirs().is_empty() {
-        assert!(
-            started.elapsed() < PROMPTLY,
-            "{why}: {:?} {:?}",
-            prepared(instance).await,
-            env.turn_dirs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    poll(Duration::from_millis(50), async || {
+        let (left, dirs) = (prepared(instance).await, env.turn_dirs());
+        if left.is_empty() && dirs.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{why}: {left:?} {dirs:?}"))
+        }
+    })
+    .await
 }
 
 #[actix_rt::test]
 async fn a_retiring_channel_removes_its_prepared_container() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let mut settings = config(&env, 8);
-    // The TTL alone would keep it for an hour: the retirement removes it.
-    settings.config.warm.ttl_secs = Some(3600);
-    settings.idle_timeout = Duration::from_secs(1);
-    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    let (env, instance, addr) = start_with(8, |s| {
+        // The TTL alone would keep it for an hour: the retirement removes it.
+        s.config.warm.ttl_secs = Some(3600);
+        s.idle_timeout = Duration::from_secs(1);
+    })
+    .await;
     ask(&addr, "#retire").await;
     until_prepared(&addr, &instance, "#retire").await;
     status_until(&addr, "the channel retired", |s| {
@@ -450,9 +453,7 @@ async fn a_retiring_channel_removes_its_prepared_container() {
 
 #[actix_rt::test]
 async fn a_restarted_channel_actor_removes_its_prepared_container() {
-    let (env, instance, addr) = start(8).await;
-    ask(&addr, "#restart").await;
-    let ready = until_prepared(&addr, &instance, "#restart").await;
+    let (env, instance, addr, ready) = start_prepared("#restart").await;
     // The first turn is done (a turn ending after the restart would prepare anew).
     until_idle(&addr).await;
     assert!(addr
@@ -473,7 +474,7 @@ async fn a_restarted_channel_actor_removes_its_prepared_container() {
     .await;
     // The next turn starts cold and works; its successor is prepared again.
     let served = ask(&addr, "#restart").await;
-    assert_ne!(served_by(&served), ready.id[..12]);
+    assert_not_served_by(&served, &ready, "");
     until_prepared(&addr, &instance, "#restart").await;
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
@@ -491,31 +492,24 @@ async fn warm_max_bounds_the_prepared_containers_across_channels() {
     }
     until_idle(&addr).await;
     // Each channel wanted one; the bound gives two.
-    let started = Instant::now();
-    loop {
+    poll(Duration::from_millis(20), async || {
         let now = prepared(&instance).await;
         assert!(now.len() <= 2, "warm.max exceeded: {now:?}");
         let report = addr.send(Status).await.unwrap();
         assert!(report.totals.prepared <= 2, "{:?}", report.totals);
         if now.iter().filter(|c| c.running).count() == 2 && report.totals.prepared == 2 {
-            break;
+            Ok(())
+        } else {
+            Err(format!("never prepared up to the bound: {now:?}"))
         }
-        assert!(
-            started.elapsed() < PROMPTLY,
-            "never prepared up to the bound: {now:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
     shutdown_leaves_nothing(addr, &env, &instance).await;
 }
 
 #[actix_rt::test]
 async fn warm_off_prepares_nothing() {
-    let env = Env::new();
-    let instance = env.instance().await;
-    let mut settings = config(&env, 8);
-    settings.config.warm.enabled = false;
-    let addr = SandboxSupervisor::start(settings).await.unwrap();
+    let (env, instance, addr) = start_with(8, |s| s.config.warm.enabled = false).await;
     ask(&addr, "#cold").await;
     ask(&addr, "#cold").await;
     until_idle(&addr).await;
