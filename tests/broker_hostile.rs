@@ -16,7 +16,7 @@ use roundtable_sandbox::broker::{
 };
 use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn};
 use roundtable_sandbox::Speaker;
-use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
+use roundtable_sandbox_test_support::broker_client::{post, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use secrecy::SecretString;
 use serde_json::json;
@@ -51,19 +51,8 @@ fn key_pieces(text: &str) -> Vec<String> {
 
 /// Reads a streamed answer to its end.
 async fn read_stream(socket: &Path, body: &serde_json::Value) -> (u16, String) {
-    let (status, _, mut incoming) = client::send(
-        socket,
-        "POST",
-        CHAT,
-        &[("content-type", "application/json")],
-        body.to_string(),
-    )
-    .await
-    .unwrap();
-    let mut all = Vec::new();
-    while let Some(chunk) = next_chunk(&mut incoming).await {
-        all.extend_from_slice(&chunk);
-    }
+    let (status, _, mut incoming) = client::post_stream(socket, CHAT, body).await;
+    let all = client::read_rest(&mut incoming).await;
     (status, String::from_utf8_lossy(&all).into_owned())
 }
 

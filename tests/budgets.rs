@@ -17,7 +17,7 @@ use roundtable_sandbox::budgets::{
 use roundtable_sandbox::testing::*;
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox::{ApiKey, Config, Sandbox, Speaker, TurnFailure};
-use roundtable_sandbox_test_support::broker_client::{self as client, next_chunk, post_json};
+use roundtable_sandbox_test_support::broker_client::{self as client, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::json;
 
@@ -69,21 +69,9 @@ fn text_with_usage(content: &str, usage: Option<(u64, u64)>) -> Step {
 }
 
 async fn stream_call(socket: &Path, body: serde_json::Value) -> Vec<u8> {
-    let (status, _, mut incoming) = client::send(
-        socket,
-        "POST",
-        CHAT,
-        &[("content-type", "application/json")],
-        body.to_string(),
-    )
-    .await
-    .unwrap();
+    let (status, _, mut incoming) = client::post_stream(socket, CHAT, &body).await;
     assert_eq!(status, 200);
-    let mut out = Vec::new();
-    while let Some(chunk) = next_chunk(&mut incoming).await {
-        out.extend_from_slice(&chunk);
-    }
-    out
+    client::read_rest(&mut incoming).await
 }
 
 #[tokio::test]

@@ -96,20 +96,15 @@ fn each_rule_has_its_message() {
     }
     let mut c = base.clone();
     c.allow_http = true;
-    c.mcp = vec![roundtable_sandbox::McpServer {
-        name: "remote".into(),
-        transport: roundtable_sandbox::broker::McpTransport::Http {
-            url: "http://mcp.example.com/mcp".into(),
-            headers: Default::default(),
-        },
-        tools: vec!["t".into()],
-        scope: None,
-        max_sessions: None,
-        confine: Default::default(),
-        image: None,
-        network: false,
-        limits: Default::default(),
-    }];
+    let transport = roundtable_sandbox::broker::McpTransport::Http {
+        url: "http://mcp.example.com/mcp".into(),
+        headers: Default::default(),
+    };
+    c.mcp = vec![roundtable_sandbox::McpServer::new(
+        "remote",
+        transport,
+        &["t"],
+    )];
     assert_eq!(
         err(&c),
         "MCP server remote: url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): http://mcp.example.com/mcp"

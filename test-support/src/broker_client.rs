@@ -104,6 +104,32 @@ pub async fn post_json(socket: &Path, path: &str, body: &serde_json::Value) -> A
     .expect("broker request")
 }
 
+/// `POST path` with a JSON body; returns the status, the headers and the body, unread.
+pub async fn post_stream(
+    socket: &Path,
+    path: &str,
+    body: &serde_json::Value,
+) -> (u16, hyper::HeaderMap, Incoming) {
+    send(
+        socket,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        body.to_string(),
+    )
+    .await
+    .expect("broker request")
+}
+
+/// The rest of a streamed body, every data frame to its end.
+pub async fn read_rest(body: &mut Incoming) -> Vec<u8> {
+    let mut all = Vec::new();
+    while let Some(chunk) = next_chunk(body).await {
+        all.extend_from_slice(&chunk);
+    }
+    all
+}
+
 /// The next data frame of a streamed body (`None` at its end).
 pub async fn next_chunk(body: &mut Incoming) -> Option<Bytes> {
     loop {

@@ -269,20 +269,10 @@ async fn a_streamed_model_call_yields_one_event_with_the_usage_chunks_counts() {
     .await;
     // Observed without an account: the usage chunk is read for the event alone.
     let (turn, seen) = observed(policy(&model.url())).await;
-    let (status, _, mut incoming) = client::send(
-        turn.socket(),
-        "POST",
-        CHAT,
-        &[("content-type", "application/json")],
-        chat_body(true).to_string(),
-    )
-    .await
-    .unwrap();
+    let (status, _, mut incoming) =
+        client::post_stream(turn.socket(), CHAT, &chat_body(true)).await;
     assert_eq!(status, 200);
-    let mut got = Vec::new();
-    while let Some(chunk) = next_chunk(&mut incoming).await {
-        got.extend_from_slice(&chunk);
-    }
+    let got = client::read_rest(&mut incoming).await;
     // The guest did not ask for the usage chunk: it is not passed on.
     let got = String::from_utf8(got).unwrap();
     assert!(

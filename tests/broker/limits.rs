@@ -98,9 +98,7 @@ async fn malformed_json_gives_400() {
 
 #[tokio::test]
 async fn a_slow_client_blocks_neither_its_turn_nor_another() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![Arc::new(Weather::default())];
-    let broker = start_broker(p).await;
+    let (_, broker) = weather_broker().await;
     let a_turn = start_turn(&broker).await;
     let b_turn = start_turn(&broker).await;
     // Half a request head, never finished; and a head whose body never comes.

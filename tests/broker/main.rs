@@ -48,6 +48,14 @@ fn speaker() -> Speaker {
     }
 }
 
+/// A broker offering the host tool `weather` (its model at no address), and the tool.
+async fn weather_broker() -> (Arc<Weather>, Arc<Broker>) {
+    let weather = Arc::new(Weather::default());
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.tools = vec![weather.clone()];
+    (weather, start_broker(p).await)
+}
+
 /// A turn of `chan-1`.
 async fn start_turn(broker: &Arc<Broker>) -> BrokerTurn {
     start_turn_in(broker, "chan-1").await
@@ -84,28 +92,30 @@ fn mcp_time_bin() -> PathBuf {
     venv_bin("mcp-server-time")
 }
 
+/// A stdio transport: `command` run with `args`, no environment of its own.
+fn stdio(command: &str, args: &[&str]) -> McpTransport {
+    McpTransport::Stdio {
+        command: command.into(),
+        args: args.iter().map(|a| (*a).to_owned()).collect(),
+        env: Default::default(),
+    }
+}
+
 /// `mcp-server-time` behind `sh`, which writes the server's pid to `pid_file` first.
 fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
+    let transport = stdio(
+        "sh",
+        &[
+            "-c",
+            r#"echo $$ > "$0"; exec "$1" --local-timezone Etc/UTC"#,
+            &pid_file.display().to_string(),
+            &mcp_time_bin().display().to_string(),
+        ],
+    );
     McpServer {
-        name: "time".into(),
-        transport: McpTransport::Stdio {
-            command: "sh".into(),
-            args: vec![
-                "-c".into(),
-                r#"echo $$ > "$0"; exec "$1" --local-timezone Etc/UTC"#.into(),
-                pid_file.display().to_string(),
-                mcp_time_bin().display().to_string(),
-            ],
-            env: Default::default(),
-        },
-        scope: None,
-        max_sessions: None,
         // A host child: these tests watch the server's host pid (reaping, restarts).
         confine: roundtable_sandbox::broker::McpConfine::Host,
-        image: None,
-        network: false,
-        limits: Default::default(),
-        tools: tools.iter().map(|s| s.to_string()).collect(),
+        ..McpServer::new("time", transport, tools)
     }
 }
 

@@ -234,19 +234,8 @@ async fn mcp_allow_list_naming_a_missing_tool_fails_setup_and_leaves_no_child() 
 
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![McpServer {
-        name: "ghost".into(),
-        transport: McpTransport::Stdio {
-            command: "/nonexistent/mcp-server".into(),
-            args: vec![],
-            env: Default::default(),
-        },
-        scope: None,
-        max_sessions: None,
         confine: roundtable_sandbox::broker::McpConfine::Host,
-        image: None,
-        network: false,
-        limits: Default::default(),
-        tools: vec!["x".into()],
+        ..McpServer::new("ghost", stdio("/nonexistent/mcp-server", &[]), &["x"])
     }];
     let err = Broker::new(p).await.unwrap_err();
     assert_eq!(

@@ -37,6 +37,45 @@ async fn sql(turn: &BrokerTurn, tool: &str, query: &str) -> String {
     a.json()["content"].as_str().unwrap().to_owned()
 }
 
+/// A `read_query` the broker answers with `status`: its error.
+async fn read_refused(turn: &BrokerTurn, query: &str, status: u16) -> String {
+    let a = call(turn, "read_query", query).await;
+    assert_eq!(a.status, status, "{}", a.text());
+    a.error()
+}
+
+/// A table `notes` holding the one row `body`.
+async fn notes_with(turn: &BrokerTurn, body: &str) {
+    sql(turn, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    sql(
+        turn,
+        "write_query",
+        &format!("INSERT INTO notes VALUES ('{body}')"),
+    )
+    .await;
+}
+
+/// A broker whose one MCP server is `server` (its policy, that server in it, changed by
+/// `adjust` first), the policy's engine, and a turn of `chan-1`.
+async fn start_with(
+    server: McpServer,
+    adjust: impl FnOnce(&mut BrokerPolicy),
+) -> (McpEngine, Arc<Broker>, BrokerTurn) {
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![server];
+    adjust(&mut p);
+    let engine = engine(&p);
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    (engine, broker, turn)
+}
+
+/// Shuts the broker down and waits until none of its sessions' containers is left.
+async fn shut_down(broker: Arc<Broker>, engine: &McpEngine) {
+    broker.shutdown().await;
+    wait_containers(engine, 0).await;
+}
+
 /// This instance's containers (running or not), by the engine's label.
 fn containers(engine: &McpEngine) -> Vec<String> {
     let out = std::process::Command::new("docker")
@@ -114,13 +153,7 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
     let carol_dir = root.join("sqlite").join(channel_segment("#carol"));
 
     let alice = start_turn_in(&broker, "#alice").await;
-    sql(&alice, "create_table", "CREATE TABLE notes (body TEXT)").await;
-    sql(
-        &alice,
-        "write_query",
-        "INSERT INTO notes VALUES ('alice-private-note')",
-    )
-    .await;
+    notes_with(&alice, "alice-private-note").await;
     let alice_db = alice_dir.join("db.sqlite");
     let alice_before = std::fs::read(&alice_db).unwrap();
 
@@ -130,13 +163,7 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
     assert!(list.contains("/data/db.sqlite"), "{list}");
     assert!(!list.contains(&root.display().to_string()), "{list}");
     // Plant a row in bob's own database (allowed: it is his).
-    sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
-    sql(
-        &bob,
-        "write_query",
-        "INSERT INTO notes VALUES ('bob-planted')",
-    )
-    .await;
+    notes_with(&bob, "bob-planted").await;
     // Every host path a guest could learn or guess, and the container paths around /data.
     let outside = Path::new("/var/tmp").join(format!("rtb-escape-{}.db", std::process::id()));
     let targets = [
@@ -191,8 +218,7 @@ async fn mcp_sqlite_attack_reaches_only_the_channels_own_database() {
             "unexpected {f} in {files:?}"
         );
     }
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// The same attack on a host child (`confine = "host"`, the review's setup): it reaches
@@ -211,13 +237,7 @@ async fn mcp_sqlite_attack_reproduced_on_a_host_child() {
     let bob = start_turn_in(&broker, "#bob").await;
     let list = sql(&bob, "read_query", "SELECT file FROM pragma_database_list").await;
     assert!(list.contains(&dir.path().display().to_string()), "{list}");
-    sql(&bob, "create_table", "CREATE TABLE notes (body TEXT)").await;
-    sql(
-        &bob,
-        "write_query",
-        "INSERT INTO notes VALUES ('bob-planted')",
-    )
-    .await;
+    notes_with(&bob, "bob-planted").await;
     let carol_db = dir.path().join(format!("{}.db", channel_segment("#carol")));
     sql(
         &bob,
@@ -271,15 +291,7 @@ for line in sys.stdin:
     sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
     sys.stdout.flush()
 "#;
-    let mut config = McpServer::new(
-        "facts",
-        McpTransport::Stdio {
-            command: "python3".into(),
-            args: vec!["-c".into(), SCRIPT.into()],
-            env: Default::default(),
-        },
-        &["facts"],
-    );
+    let mut config = McpServer::new("facts", stdio("python3", &["-c", SCRIPT]), &["facts"]);
     config.image = Some(mcp_image());
     config
 }
@@ -290,17 +302,13 @@ for line in sys.stdin:
 /// memory and pids caps in its cgroup.
 #[tokio::test]
 async fn mcp_container_is_confined_as_the_guest_is() {
-    let mut p = policy("http://127.0.0.1:9/v1");
     let mut facts = facts_server();
     facts.limits = McpLimits {
         memory_mb: 96,
         pids: 32,
         ..McpLimits::default()
     };
-    p.mcp = vec![facts];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(facts, |_| {}).await;
     let a = post_json(turn.socket(), "/v1/mcp/facts/facts", &json!({})).await;
     assert_eq!(a.status, 200, "{}", a.text());
     let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
@@ -329,17 +337,12 @@ async fn mcp_container_is_confined_as_the_guest_is() {
     assert_eq!(f["opt_writable"], false, "{f}");
     assert_eq!(f["data_writable"], true, "{f}");
     assert_eq!(f["docker_sock"], false, "{f}");
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 
     // `network = true` is the one way to give a session a network.
-    let mut p = policy("http://127.0.0.1:9/v1");
     let mut facts = facts_server();
     facts.network = true;
-    p.mcp = vec![facts];
-    let engine = self::engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(facts, |_| {}).await;
     let a = post_json(turn.socket(), "/v1/mcp/facts/facts", &json!({})).await;
     let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
     let interfaces = f["interfaces"].as_array().unwrap();
@@ -349,21 +352,14 @@ async fn mcp_container_is_confined_as_the_guest_is() {
     } else {
         assert!(interfaces.len() > 1, "{f}");
     }
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// The data dir is held to its quota: one file cannot pass it (`ulimit fsize`), and files
 /// that together pass it stop the session and refuse the channel's calls with a clear error.
 #[tokio::test]
 async fn mcp_data_flood_past_the_quota_is_stopped_and_refused() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    let mut server = sqlite();
-    server.limits.data_mb = 16;
-    p.mcp = vec![server];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(sqlite(), |p| p.mcp[0].limits.data_mb = 16).await;
     sql(&turn, "create_table", "CREATE TABLE t (b BLOB)").await;
     let blobs = |n: u32| {
         format!(
@@ -422,33 +418,25 @@ async fn mcp_data_flood_past_the_quota_is_stopped_and_refused() {
     }
     let ok = sql(&turn, "read_query", "SELECT count(*) AS n FROM t").await;
     assert!(ok.contains("'n': 6"), "{ok}");
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// A query that takes the session past its memory cap: the kernel kills it, the call gets
 /// a clear error, the next call restarts the session.
 #[tokio::test]
 async fn mcp_session_past_its_memory_cap_is_killed_then_restarted() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    let mut server = sqlite();
-    server.limits.memory_mb = 128;
-    p.mcp = vec![server];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(sqlite(), |p| p.mcp[0].limits.memory_mb = 128).await;
     assert!(sql(&turn, "read_query", "SELECT 1 AS one")
         .await
         .contains("'one': 1"));
-    let a = call(
+    let error = read_refused(
         &turn,
-        "read_query",
         "SELECT x, zeroblob(10000000) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c WHERE x<100) SELECT x FROM c)",
+        502,
     )
     .await;
-    assert_eq!(a.status, 502, "{}", a.text());
     assert_eq!(
-        a.error(),
+        error,
         "MCP server sqlite ran out of memory during the call (its limit is 128 MiB) and was stopped; the next call restarts it"
     );
     wait_containers(&engine, 0).await;
@@ -456,35 +444,31 @@ async fn mcp_session_past_its_memory_cap_is_killed_then_restarted() {
         .await
         .contains("'two': 2"));
     assert_eq!(containers(&engine).len(), 1);
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// A call past its deadline stops its session: the container that runs an endless
 /// recursive query is gone, no core stays busy; the next call restarts the session.
 #[tokio::test]
 async fn mcp_call_timing_out_stops_the_container() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    // The deadline covers the session's cold start (the first call below): 2.7 s at a load
-    // of 9, once past 10 s beside two builds; 30 s leaves room on any machine that passes
-    // the rest of the suite, at the cost of the recursive query's 30 s wait.
-    p.limits.call_timeout = Duration::from_secs(30);
-    p.mcp = vec![sqlite()];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(sqlite(), |p| {
+        // The deadline covers the session's cold start (the first call below): 2.7 s at a
+        // load of 9, once past 10 s beside two builds; 30 s leaves room on any machine that
+        // passes the rest of the suite, at the cost of the recursive query's 30 s wait.
+        p.limits.call_timeout = Duration::from_secs(30);
+    })
+    .await;
     sql(&turn, "read_query", "SELECT 1 AS one").await;
     let running = wait_containers(&engine, 1).await;
     let started = Instant::now();
-    let a = call(
+    let error = read_refused(
         &turn,
-        "read_query",
         "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c)",
+        504,
     )
     .await;
-    assert_eq!(a.status, 504, "{}", a.text());
     assert_eq!(
-        a.error(),
+        error,
         "tool call timed out after 30s; the MCP session was stopped"
     );
     // Stopped before the answer: the container is gone at once.
@@ -496,19 +480,14 @@ async fn mcp_call_timing_out_stops_the_container() {
     assert!(sql(&turn, "read_query", "SELECT 2 AS two")
         .await
         .contains("'two': 2"));
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// A turn cancelled mid-call stops the session as well (the call's work does not outlive
 /// the turn).
 #[tokio::test]
 async fn mcp_call_cancelled_with_the_turn_stops_the_container() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.mcp = vec![sqlite()];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(sqlite(), |_| {}).await;
     sql(&turn, "read_query", "SELECT 1 AS one").await;
     let socket = turn.socket().to_owned();
     let pending = tokio::spawn(async move {
@@ -604,8 +583,7 @@ async fn mcp_containers_follow_the_sessions_and_leftovers_are_swept() {
     assert_eq!(left.len(), 1);
     assert!(foreign.starts_with(&docker(&["inspect", "-f", "{{.Id}}", &left[0]])[..12]));
     docker(&["rm", "-f", &foreign]);
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
 
 /// A server whose image is missing fails the broker's start with the fix; a stdio server

@@ -44,20 +44,11 @@ impl HttpMcp {
     }
 
     fn config(&self, token: &str) -> McpServer {
-        McpServer {
-            name: "remote".into(),
-            transport: McpTransport::Http {
-                url: self.url.clone(),
-                headers: [("x-mcp-token".to_owned(), token.to_owned())].into(),
-            },
-            scope: None,
-            max_sessions: None,
-            confine: Default::default(),
-            image: None,
-            network: false,
-            limits: Default::default(),
-            tools: vec!["echo".into()],
-        }
+        let transport = McpTransport::Http {
+            url: self.url.clone(),
+            headers: [("x-mcp-token".to_owned(), token.to_owned())].into(),
+        };
+        McpServer::new("remote", transport, &["echo"])
     }
 }
 

@@ -3,6 +3,13 @@
 
 use super::*;
 
+/// A chat call (streamed or not) the broker answers with `status`: its error.
+async fn chat_refused(turn: &BrokerTurn, stream: bool, status: u16) -> String {
+    let a = post_json(turn.socket(), CHAT, &chat_body(stream)).await;
+    assert_eq!(a.status, status, "{}", a.text());
+    a.error()
+}
+
 #[tokio::test]
 async fn model_key_injected_once_guest_headers_dropped_model_forced() {
     let model = ScriptedModel::start(vec![Step::text("hello there")]).await;
@@ -74,15 +81,8 @@ async fn streamed_chunks_arrive_in_order_and_unbuffered() {
     .await;
     let broker = start_broker(policy(&model.url())).await;
     let turn = start_turn(&broker).await;
-    let (status, headers, mut body) = client::send(
-        turn.socket(),
-        "POST",
-        CHAT,
-        &[("content-type", "application/json")],
-        chat_body(true).to_string(),
-    )
-    .await
-    .unwrap();
+    let (status, headers, mut body) =
+        client::post_stream(turn.socket(), CHAT, &chat_body(true)).await;
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
     // The first event arrives while the upstream still holds back the rest.
@@ -92,10 +92,7 @@ async fn streamed_chunks_arrive_in_order_and_unbuffered() {
         .unwrap();
     assert_eq!(first, events[0].as_bytes());
     gate.notify_one();
-    let mut rest = Vec::new();
-    while let Some(chunk) = next_chunk(&mut body).await {
-        rest.extend_from_slice(&chunk);
-    }
+    let rest = client::read_rest(&mut body).await;
     assert_eq!(String::from_utf8(rest).unwrap(), events[1..].concat());
     assert_eq!(model.requests()[0].json()["stream"], true);
     assert_eq!(model.requests()[0].json()["model"], MODEL);
@@ -110,12 +107,14 @@ async fn upstream_500_gives_a_clear_error() {
     .await;
     let broker = start_broker(policy(&model.url())).await;
     let turn = start_turn(&broker).await;
-    let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
-    assert_eq!(a.status, 502);
-    assert_eq!(a.error(), "model upstream returned HTTP 500: boom");
-    let a = post_json(turn.socket(), CHAT, &chat_body(true)).await;
-    assert_eq!(a.status, 502);
-    assert_eq!(a.error(), "model upstream returned HTTP 503");
+    assert_eq!(
+        chat_refused(&turn, false, 502).await,
+        "model upstream returned HTTP 500: boom"
+    );
+    assert_eq!(
+        chat_refused(&turn, true, 502).await,
+        "model upstream returned HTTP 503"
+    );
 }
 
 #[tokio::test]
@@ -125,9 +124,10 @@ async fn upstream_timeout_gives_504_and_unreachable_gives_502() {
     p.limits.call_timeout = Duration::from_millis(300);
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
-    let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
-    assert_eq!(a.status, 504);
-    assert_eq!(a.error(), "model call timed out after 300ms");
+    assert_eq!(
+        chat_refused(&turn, false, 504).await,
+        "model call timed out after 300ms"
+    );
 
     // A port nobody listens on.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -135,9 +135,10 @@ async fn upstream_timeout_gives_504_and_unreachable_gives_502() {
     drop(closed);
     let broker = start_broker(policy(&url)).await;
     let turn = start_turn(&broker).await;
-    let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
-    assert_eq!(a.status, 502);
-    assert_eq!(a.error(), "model upstream unreachable");
+    assert_eq!(
+        chat_refused(&turn, false, 502).await,
+        "model upstream unreachable"
+    );
 }
 
 #[tokio::test]
@@ -159,10 +160,8 @@ async fn a_key_echoed_by_the_upstream_is_redacted() {
         "I saw Bearer [redacted]"
     );
 
-    let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
-    assert_eq!(a.status, 502);
     assert_eq!(
-        a.error(),
+        chat_refused(&turn, false, 502).await,
         r#"model upstream returned HTTP 401: {"error":{"message":"bad key: Bearer [redacted]"}}"#
     );
 
@@ -211,9 +210,10 @@ async fn a_model_response_past_the_cap_is_refused() {
     p.limits.max_response_bytes = 2048;
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
-    let a = post_json(turn.socket(), CHAT, &chat_body(false)).await;
-    assert_eq!(a.status, 502);
-    assert_eq!(a.error(), "model response too large (limit 2048 bytes)");
+    assert_eq!(
+        chat_refused(&turn, false, 502).await,
+        "model response too large (limit 2048 bytes)"
+    );
     let a = post_json(turn.socket(), CHAT, &chat_body(true)).await;
     assert_eq!(a.status, 200);
     assert!(!a.text().contains(&big));

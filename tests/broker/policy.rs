@@ -36,19 +36,8 @@ async fn the_policy_is_checked_at_setup() {
 
     let mut p = policy("https://api.example.com/v1");
     p.mcp = vec![McpServer {
-        name: "time".into(),
-        transport: McpTransport::Stdio {
-            command: "mcp-server-time".into(),
-            args: vec![],
-            env: Default::default(),
-        },
-        scope: None,
-        max_sessions: None,
-        confine: Default::default(),
         image: Some("roundtable-sandbox-mcp:latest".into()),
-        network: false,
-        limits: Default::default(),
-        tools: vec![],
+        ..McpServer::new("time", stdio("mcp-server-time", &[]), &[])
     }];
     assert_eq!(
         err(p.clone()),

@@ -5,10 +5,7 @@ use super::*;
 
 #[tokio::test]
 async fn host_tool_runs_with_channel_and_speaker() {
-    let weather = Arc::new(Weather::default());
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![weather.clone()];
-    let broker = start_broker(p).await;
+    let (weather, broker) = weather_broker().await;
     let (tools, mcp) = broker.turn_tools();
     assert_eq!(tools.len(), 1);
     assert_eq!(tools[0].name, "weather");
@@ -50,10 +47,7 @@ async fn host_tool_runs_with_channel_and_speaker() {
 
 #[tokio::test]
 async fn host_tool_invalid_arguments_give_400_naming_the_property() {
-    let weather = Arc::new(Weather::default());
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![weather.clone()];
-    let broker = start_broker(p).await;
+    let (weather, broker) = weather_broker().await;
     let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/tools/weather", &json!({"city": 42})).await;
@@ -88,9 +82,7 @@ async fn host_tool_invalid_arguments_give_400_naming_the_property() {
 
 #[tokio::test]
 async fn unknown_tools_and_routes_are_refused() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![Arc::new(Weather::default())];
-    let broker = start_broker(p).await;
+    let (_, broker) = weather_broker().await;
     let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/tools/rm-rf", &json!({})).await;
