@@ -16,7 +16,7 @@ async fn guests_run_under_the_configured_runtime() {
         v=$(cat /proc/version)
         test -e /proc/sentry-meminfo && s=present || s=absent
         printf '{"ok":true,"text":"version=%s;sentry=%s"}' "$v" "$s""#;
-    let sandbox = Sandbox::new(env.sh_config(script)).await.unwrap();
+    let sandbox = env.sh_sandbox(script).await;
     let reply = sandbox.run_turn(request("#kernel", "x")).await;
     let f = hostile::findings(&reply);
     let host_version = std::fs::read_to_string("/proc/version").unwrap();
@@ -112,9 +112,7 @@ async fn connect_as(user: &str, binds: Vec<String>, targets: &[String]) -> Strin
 #[tokio::test(flavor = "multi_thread")]
 async fn another_local_user_cannot_reach_the_turn_socket() {
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 120"))
-        .await
-        .unwrap();
+    let sandbox = env.sh_sandbox("cat >/dev/null; sleep 120").await;
     let req = request("#intruder", "x");
     let stop = req.stop.clone();
     let sb = sandbox.clone();
@@ -219,9 +217,7 @@ fn status_field(pid: i64, field: &str) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_turn_process_on_the_host_is_confined() {
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 120"))
-        .await
-        .unwrap();
+    let sandbox = env.sh_sandbox("cat >/dev/null; sleep 120").await;
     let (turn, stop, c) = live_turn(&sandbox, "#host-side").await;
     let pid = c.state.unwrap().pid.unwrap();
     let (nnp, seccomp, uid) = (

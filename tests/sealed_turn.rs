@@ -37,7 +37,7 @@ async fn sealed_container_as_observed_from_inside() {
         env | grep -q 'sk-test' && r="$r env=LEAKED"
         printf '{"ok":true,"text":"%s"}' "$r"
     "#;
-    let sandbox = Sandbox::new(env.sh_config(probe)).await.unwrap();
+    let sandbox = env.sh_sandbox(probe).await;
     let reply = sandbox.run_turn(request("#probe", "hello")).await;
     assert!(reply.ok, "{reply:?}");
     let text = reply.text.unwrap();
@@ -82,7 +82,7 @@ async fn workspace_persists_per_channel_and_the_root_is_never_mounted() {
         "echo seen >> /workspace/log; wc -l < /workspace/log | tr -d ' '; ls -A /workspace; \
          grep ' /workspace ' /proc/self/mountinfo | cut -d' ' -f4",
     );
-    let sandbox = Sandbox::new(env.sh_config(&script)).await.unwrap();
+    let sandbox = env.sh_sandbox(&script).await;
     let a1 = sandbox.run_turn(request("#a", "one")).await;
     let a2 = sandbox.run_turn(request("#a", "two")).await;
     let b1 = sandbox.run_turn(request("#b", "one")).await;
@@ -113,9 +113,7 @@ async fn workspace_persists_per_channel_and_the_root_is_never_mounted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn reply_reaches_the_callback_before_teardown() {
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config(&reply_with("echo hi")))
-        .await
-        .unwrap();
+    let sandbox = env.sh_sandbox(&reply_with("echo hi")).await;
     let seen = Arc::new(Mutex::new(None));
     let seen2 = seen.clone();
     let run_root = sandbox.config().run_root.clone();
@@ -210,9 +208,9 @@ async fn the_timeout_counts_from_admission_and_covers_preparation() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config(&reply_with("echo hi > /workspace/f; echo ok")))
-        .await
-        .unwrap();
+    let sandbox = env
+        .sh_sandbox(&reply_with("echo hi > /workspace/f; echo ok"))
+        .await;
     // Known vectors: FIPS 180-2's "abc", and `printf '%s' '#general' | sha256sum`.
     let vectors = [
         (
@@ -242,36 +240,39 @@ async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
     assert_no_leftovers(&sandbox).await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn stop_ends_the_turn_with_the_stopped_error() {
+/// A turn of `channel` whose guest sleeps 300 s, its stop token handed to `stop` before it
+/// starts: it ends with the stopped error and leaves nothing. Returns how long it took.
+async fn stopped_turn(
+    channel: &str,
+    stop: impl FnOnce(tokio_util::sync::CancellationToken),
+) -> Duration {
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 300"))
-        .await
-        .unwrap();
-    let req = request("#stop", "x");
-    let stop = req.stop.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        stop.cancel();
-    });
+    let sandbox = env.sh_sandbox("cat >/dev/null; sleep 300").await;
+    let req = request(channel, "x");
+    stop(req.stop.clone());
     let started = Instant::now();
     let reply = sandbox.run_turn(req).await;
+    let took = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
-    assert!(started.elapsed() < PROMPTLY);
     assert_no_leftovers(&sandbox).await;
+    took
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_ends_the_turn_with_the_stopped_error() {
+    let took = stopped_turn("#stop", |stop| {
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            stop.cancel();
+        });
+    })
+    .await;
+    assert!(took < PROMPTLY);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn stop_before_start_is_clean() {
-    let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config("cat >/dev/null; sleep 300"))
-        .await
-        .unwrap();
-    let req = request("#early", "x");
-    req.stop.cancel();
-    let reply = sandbox.run_turn(req).await;
-    assert_eq!(reply.error.as_deref(), Some("turn stopped"));
-    assert_no_leftovers(&sandbox).await;
+    stopped_turn("#early", |stop| stop.cancel()).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -280,13 +281,11 @@ async fn memory_bomb_gives_the_memory_error() {
     let mut config =
         env.sh_config("cat >/dev/null; x=$(head -c 400000000 /dev/zero | tr '\\0' a); echo ${#x}");
     config.limits.memory_mb = 32;
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#oom", "x")).await;
+    let reply = one_turn(config, "#oom").await;
     assert_eq!(
         reply.error.as_deref(),
         Some("guest killed: out of memory (limit 32 MiB)")
     );
-    assert_no_leftovers(&sandbox).await;
 }
 
 /// A child the memory limit kills is the guest's business when the guest still answers
@@ -301,12 +300,7 @@ async fn a_child_killed_for_memory_fails_the_turn_only_when_the_guest_does_not_a
     let run = |then: &'static str| {
         let mut config = env.sh_config(&format!("{bomb}; {then}"));
         config.limits.memory_mb = 32;
-        async move {
-            let sandbox = Sandbox::new(config).await.unwrap();
-            let reply = sandbox.run_turn(request("#child-oom", "x")).await;
-            assert_no_leftovers(&sandbox).await;
-            reply
-        }
+        one_turn(config, "#child-oom")
     };
     let garbage = run("printf 'not a reply'").await;
     assert_eq!(
@@ -334,7 +328,7 @@ async fn a_turn_dropped_before_its_teardown_still_removes_its_container() {
     use tokio_util::sync::CancellationToken;
     let env = Env::new();
     let script = r#"t=$(cat); case "$t" in *'"text":"sleep'*) sleep 300;; esac; printf '{"ok":true,"text":"hi"}'"#;
-    let sandbox = Sandbox::new(env.sh_config(script)).await.unwrap();
+    let sandbox = env.sh_sandbox(script).await;
     let instance = sandbox.config().instance.clone();
     let until_none_left = |why: &'static str| {
         let instance = instance.clone();
@@ -458,11 +452,9 @@ async fn stdout_flood_garbage_and_exit_codes_each_give_their_error() {
     for (script, output_kb, expected) in cases {
         let mut config = env.sh_config(script);
         config.limits.output_kb = output_kb;
-        let sandbox = Sandbox::new(config).await.unwrap();
-        let reply = sandbox.run_turn(request("#bad", "x")).await;
+        let reply = one_turn(config, "#bad").await;
         assert_eq!(reply.error.as_deref(), Some(expected), "{script}");
         assert!(!reply.ok);
-        assert_no_leftovers(&sandbox).await;
     }
 }
 
@@ -471,20 +463,17 @@ async fn missing_image_and_unreachable_daemon_give_clear_errors() {
     let env = Env::new();
     let mut config = env.sh_config("true");
     config.image = "roundtable-sandbox-missing:nope".into();
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#img", "x")).await;
+    let reply = one_turn(config, "#img").await;
     assert_eq!(
         reply.error.as_deref(),
         Some("sandbox image not found: roundtable-sandbox-missing:nope (build it with scripts/build-image.sh)")
     );
-    assert_no_leftovers(&sandbox).await;
 
     let mut config = env.sh_config("true");
     config.docker_host = Some(format!(
         "unix://{}/no-docker.sock",
         env.dir.path().display()
     ));
-    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#daemon", "x")).await;
     let error = reply.error.unwrap();
@@ -524,50 +513,28 @@ async fn a_daemon_that_never_answers_is_cut_by_the_call_deadline() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sweep_removes_labelled_containers_and_stale_run_dirs() {
-    use roundtable_sandbox::driver::{docker::create_body, ContainerSpec, LABEL_RUNTIME};
+    use roundtable_sandbox::driver::LABEL_RUNTIME;
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config("true")).await.unwrap();
+    let sandbox = env.sh_sandbox("true").await;
     // What a killed runtime leaves: a labelled container still running, a run dir.
     let stale_dir = sandbox.config().run_root.join("turn-stale1");
     std::fs::create_dir(&stale_dir).unwrap();
-    let ws = env.workspace_of("#crash");
-    std::fs::create_dir_all(&ws).unwrap();
-    let spec = ContainerSpec {
-        name: format!("roundtable-sandbox-test-{}", &sandbox.config().instance),
-        image: image(),
-        run_dir: stale_dir.clone(),
-        workspace_dir: ws,
-        uid: sandbox.config().uid,
-        gid: sandbox.config().gid,
-        memory_mb: 64,
-        cpus: 0.5,
-        pids: 16,
-        tmpfs_mb: 1,
-        file_size_mb: 64,
-        output_cap: 1024,
-        stderr_cap: 1024,
-        labels: [(LABEL_RUNTIME.to_string(), sandbox.config().instance.clone())].into(),
-        command: Some(vec!["/bin/sleep".into(), "300".into()]),
-        runtime: runtime(),
-    };
-    let driver = roundtable_sandbox::DockerDriver::default();
-    let docker = driver.client().await.unwrap();
-    let opts = bollard::query_parameters::CreateContainerOptionsBuilder::new()
-        .name(&spec.name)
-        .build();
-    docker
-        .create_container(Some(opts), create_body(&spec))
-        .await
-        .unwrap();
-    docker.start_container(&spec.name, None).await.unwrap();
+    let name = format!("roundtable-sandbox-test-{}", &sandbox.config().instance);
+    start_labelled_container(
+        &name,
+        &[(LABEL_RUNTIME, sandbox.config().instance.as_str())],
+        &stale_dir,
+        &env.workspace_of("#crash"),
+    )
+    .await;
     assert_eq!(labelled_containers(&sandbox).await.len(), 1);
     drop(sandbox);
 
     // The restarted runtime sweeps at startup.
-    let restarted = Sandbox::new(env.sh_config("true")).await.unwrap();
+    let restarted = env.sh_sandbox("true").await;
     let report = restarted.sweep().await;
     assert!(report.errors.is_empty(), "{:?}", report.errors);
-    assert_eq!(report.containers, vec![spec.name.clone()]);
+    assert_eq!(report.containers, vec![name]);
     assert_eq!(report.run_dirs, vec![stale_dir]);
     assert_no_leftovers(&restarted).await;
 }
@@ -673,7 +640,7 @@ impl Drop for RemoveOnDrop {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_runtime_on_the_same_roots_fails_at_startup_and_spares_the_first() {
     let env = Env::new();
-    let first = Sandbox::new(env.sh_config(WAIT_FOR_GO)).await.unwrap();
+    let first = env.sh_sandbox(WAIT_FOR_GO).await;
     let run_root = first.config().run_root.clone();
     let workspace_root = first.config().workspace_root.clone();
     let (turn, container, run_dir) = start_live_turn(&first).await;
@@ -710,7 +677,7 @@ async fn a_second_runtime_on_the_same_roots_fails_at_startup_and_spares_the_firs
 
     // Once the first runtime is gone (every clone dropped), its successor starts.
     drop(first);
-    let second = Sandbox::new(env.sh_config("true")).await.unwrap();
+    let second = env.sh_sandbox("true").await;
     let report = second.sweep().await;
     assert!(report.containers.is_empty() && report.run_dirs.is_empty());
     assert_no_leftovers(&second).await;
@@ -720,7 +687,7 @@ async fn a_second_runtime_on_the_same_roots_fails_at_startup_and_spares_the_firs
 async fn sweep_spares_live_turns_and_other_runtimes_containers() {
     use roundtable_sandbox::driver::LABEL_RUNTIME;
     let env = Env::new();
-    let sandbox = Sandbox::new(env.sh_config(WAIT_FOR_GO)).await.unwrap();
+    let sandbox = env.sh_sandbox(WAIT_FOR_GO).await;
     let instance = sandbox.config().instance.clone();
     let run_root = sandbox.config().run_root.clone();
     let (turn, live_container, live_dir) = start_live_turn(&sandbox).await;

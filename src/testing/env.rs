@@ -122,6 +122,11 @@ impl Env {
         c
     }
 
+    /// A runtime of [`Env::sh_config`]: its containers run `sh -c script`.
+    pub async fn sh_sandbox(&self, script: &str) -> Sandbox {
+        Sandbox::new(self.sh_config(script)).await.unwrap()
+    }
+
     /// The workspace directory of `channel` under the workspace root.
     pub fn workspace_of(&self, channel: &str) -> PathBuf {
         self.workspace_root
@@ -194,6 +199,15 @@ pub fn run_root_entries(root: &Path) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// One turn of `channel` (text `x`) on a fresh runtime of `config`: its reply, once checked
+/// that the turn left nothing behind.
+pub async fn one_turn(config: Config, channel: &str) -> crate::Reply {
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let reply = sandbox.run_turn(request(channel, "x")).await;
+    assert_no_leftovers(&sandbox).await;
+    reply
 }
 
 /// Nothing of a turn may be left: no labelled container, no turn dir, no socket.

@@ -27,8 +27,8 @@ mod lone_broker;
 
 pub use env::{
     assert_no_leftovers, assert_no_leftovers_in, containers_labelled, eventually, image,
-    labelled_containers, labelled_containers_of, request, require_non_root, run_root_entries,
-    runtime, speaker, under_gvisor, Env, NamedTool, PROMPTLY,
+    labelled_containers, labelled_containers_of, one_turn, request, require_non_root,
+    run_root_entries, runtime, speaker, under_gvisor, Env, NamedTool, PROMPTLY,
 };
 pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};
 pub use lone_broker::{broker_policy, start_broker, BrokerTurn};
