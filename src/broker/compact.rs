@@ -188,6 +188,11 @@ async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
     let refuse = |status: StatusCode, reason: &str| {
         refuse_by(status, crate::events::Refusal::Compaction, reason)
     };
+    // A `429` for a turn past its `max` of `what`.
+    let too_many = |limit, what: &str, max: &dyn std::fmt::Display| {
+        let reason = format!("too many {what} in this turn (limit {max})");
+        refuse_by(StatusCode::TOO_MANY_REQUESTS, limit, &reason)
+    };
     if req.method() != Method::POST {
         return refuse(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -207,13 +212,10 @@ async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
     }
     // A place among the calls in flight, held until the answer is sent (as for a chat call).
     let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
-        return refuse_by(
-            StatusCode::TOO_MANY_REQUESTS,
+        return too_many(
             crate::events::Refusal::CallsInFlight,
-            &format!(
-                "too many calls in flight in this turn (limit {})",
-                limits.max_calls_in_flight
-            ),
+            "calls in flight",
+            &limits.max_calls_in_flight,
         );
     };
     // One compaction at a time per turn: the guest's agent loop never asks for two at once,
@@ -227,22 +229,17 @@ async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
     // A turn whose model calls are used up gets no more compactions: each upstream call
     // counts against them, and the plain summary is not served forever.
     if turn.model_calls.load(Ordering::SeqCst) >= limits.max_model_calls {
-        return refuse_by(
-            StatusCode::TOO_MANY_REQUESTS,
+        return too_many(
             crate::events::Refusal::ModelCalls,
-            &format!(
-                "too many model calls in this turn (limit {})",
-                limits.max_model_calls
-            ),
+            "model calls",
+            &limits.max_model_calls,
         );
     }
     if turn.compactions.fetch_add(1, Ordering::SeqCst) >= limits.max_compactions {
-        return refuse(
-            StatusCode::TOO_MANY_REQUESTS,
-            &format!(
-                "too many compactions in this turn (limit {})",
-                limits.max_compactions
-            ),
+        return too_many(
+            crate::events::Refusal::Compaction,
+            "compactions",
+            &limits.max_compactions,
         );
     }
     // Read into one buffer of the announced size (no second copy of the body).
@@ -313,6 +310,22 @@ impl Who {
         }
     }
 
+    /// The source of a summary this step made.
+    fn source(self) -> CompactSource {
+        match self {
+            Who::Summarizer => CompactSource::Summarizer,
+            Who::Model => CompactSource::Model,
+        }
+    }
+
+    /// What runs when this step fails (as the warning names it).
+    fn next_step(self) -> &'static str {
+        match self {
+            Who::Summarizer => "main model",
+            Who::Model => "plain summary",
+        }
+    }
+
     fn operation(self) -> crate::events::ModelOperation {
         match self {
             Who::Summarizer => crate::events::ModelOperation::CompactionSummarizer,
@@ -332,58 +345,47 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
     let mut keys: Vec<SecretString> = Vec::new();
     let mut outcome: Option<(String, CompactSource)> = None;
 
-    if let Some(s) = &compactor.summarizer {
-        let attempt = match s.key.resolve().await {
-            Ok(Some(key)) if !key.expose_secret().is_empty() => {
-                keys.push(key.clone());
-                call(
-                    turn,
-                    request,
-                    Who::Summarizer,
-                    &s.url,
-                    &s.model,
-                    Some(&key),
-                    s.timeout,
-                    &mut usage,
-                )
-                .await
+    // The summarizer (when configured), then the main model: each step with its upstream
+    // and key; the first summary ends the chain, a failure is logged and the next step runs.
+    let policy = &broker.policy;
+    for who in [Who::Summarizer, Who::Model] {
+        let (url, model, timeout, key) = match who {
+            Who::Summarizer => {
+                let Some(s) = &compactor.summarizer else {
+                    continue;
+                };
+                let key = match s.key.resolve().await {
+                    Ok(Some(key)) if !key.expose_secret().is_empty() => Ok(Some(key)),
+                    Ok(_) => Err("the summarizer has no key"),
+                    Err(_) => Err("the summarizer's key is unavailable"),
+                };
+                (&s.url, &s.model, s.timeout, key)
             }
-            Ok(_) => Err("the summarizer has no key".to_owned()),
-            Err(_) => Err("the summarizer's key is unavailable".to_owned()),
+            Who::Model => {
+                let key = match policy.api_key.resolve().await {
+                    Ok(key) => Ok(key.filter(|k| !k.expose_secret().is_empty())),
+                    Err(_) => Err("the model key is unavailable"),
+                };
+                let timeout = policy.limits.call_timeout;
+                (&compactor.model_url, &policy.model, timeout, key)
+            }
         };
-        match attempt {
-            Ok(summary) => outcome = Some((summary, CompactSource::Summarizer)),
-            Err(reason) => turn
-                .warnings
-                .fell_back(&reason, tokens_before, "main model"),
-        }
-    }
-
-    if outcome.is_none() {
-        let policy = &broker.policy;
-        let attempt = match policy.api_key.resolve().await {
+        let attempt = match key {
             Ok(key) => {
-                let key = key.filter(|k| !k.expose_secret().is_empty());
                 keys.extend(key.clone());
-                call(
-                    turn,
-                    request,
-                    Who::Model,
-                    &compactor.model_url,
-                    &policy.model,
-                    key.as_ref(),
-                    policy.limits.call_timeout,
-                    &mut usage,
-                )
-                .await
+                let key = key.as_ref();
+                call(turn, request, who, url, model, key, timeout, &mut usage).await
             }
-            Err(_) => Err("the model key is unavailable".to_owned()),
+            Err(reason) => Err(reason.to_owned()),
         };
         match attempt {
-            Ok(summary) => outcome = Some((summary, CompactSource::Model)),
+            Ok(summary) => {
+                outcome = Some((summary, who.source()));
+                break;
+            }
             Err(reason) => turn
                 .warnings
-                .fell_back(&reason, tokens_before, "plain summary"),
+                .fell_back(&reason, tokens_before, who.next_step()),
         }
     }
 
@@ -614,21 +616,37 @@ fn capped(s: &str, cap: usize) -> String {
     s[..end].to_owned()
 }
 
+/// A visitor that is its own seed: `$seed` is read through `$how` into `$value` (a JSON
+/// shape named `$what` in errors) by the visit methods that follow.
+macro_rules! seed_visitor {
+    ($(#[$doc:meta])* struct $seed:ident $fields:tt => $($rest:tt)*) => {
+        $(#[$doc])*
+        struct $seed $fields
+        seed_visitor!($seed => $($rest)*);
+    };
+    ($seed:ty => $value:ty, $how:ident, $what:literal; $($visit:tt)*) => {
+        impl<'de> DeserializeSeed<'de> for $seed {
+            type Value = $value;
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                d.$how(self)
+            }
+        }
+
+        impl<'de> Visitor<'de> for $seed {
+            type Value = $value;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str($what)
+            }
+            $($visit)*
+        }
+    };
+}
+
 /// A map key matched against `names` without being copied: its index, or `None`.
 struct Key(&'static [&'static str]);
 
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = Option<usize>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl Visitor<'_> for Key {
-    type Value = Option<usize>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a key")
-    }
+seed_visitor! {
+    Key => Option<usize>, deserialize_str, "a key";
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         Ok(self.0.iter().position(|n| *n == v))
     }
@@ -651,9 +669,27 @@ fn each_entry<'de, A: MapAccess<'de>>(
     Ok(())
 }
 
-/// Which JSON shapes a lenient field takes; any other is skipped and read as `None`.
+/// Reads a map for the value of its key `name` through a seed of `seed`'s (the last such
+/// value, if the key is repeated); every other value skipped.
+fn field<'de, A: MapAccess<'de>, S: DeserializeSeed<'de>>(
+    map: A,
+    name: &'static [&'static str],
+    seed: impl Fn() -> S,
+) -> Result<Option<S::Value>, A::Error> {
+    let mut value = None;
+    each_entry(map, name, |_, map| {
+        value = Some(map.next_value_seed(seed())?);
+        Ok(())
+    })?;
+    Ok(value)
+}
+
+/// Which JSON shapes a lenient field takes; any other is skipped and read as `None`: always
+/// booleans, signed integers, floats, null and lists, and each of `u64`, `str` and `map`
+/// named.
 macro_rules! lenient_otherwise_none {
-    () => {
+    ($($also:ident),*) => {
+        $(lenient_otherwise_none!(@$also);)*
         fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
             Ok(None)
         }
@@ -671,25 +707,27 @@ macro_rules! lenient_otherwise_none {
             Ok(None)
         }
     };
+    (@u64) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@str) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@map) => {
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    };
 }
 
-/// The whole answer: `choices` and `usage`.
-struct AnswerSeed {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for AnswerSeed {
-    type Value = Option<Answer>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for AnswerSeed {
-    type Value = Option<Answer>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a chat completion")
-    }
+seed_visitor! {
+    /// The whole answer: `choices` and `usage`.
+    struct AnswerSeed { cap: usize } => Option<Answer>, deserialize_map, "a chat completion";
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         let mut content = None;
         let mut usage = (None, None);
@@ -709,23 +747,9 @@ impl<'de> Visitor<'de> for AnswerSeed {
     }
 }
 
-/// `choices`: the first one's message text; the others skipped.
-struct Choices {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for Choices {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Choices {
-    type Value = Option<String>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a list of choices")
-    }
+seed_visitor! {
+    /// `choices`: the first one's message text; the others skipped.
+    struct Choices { cap: usize } => Option<String>, deserialize_seq, "a list of choices";
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let first = seq.next_element_seed(Choice { cap: self.cap })?.flatten();
         while seq.next_element::<IgnoredAny>()?.is_some() {}
@@ -733,77 +757,25 @@ impl<'de> Visitor<'de> for Choices {
     }
 }
 
-/// One choice: its `message`'s text (`None` without a message).
-struct Choice {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for Choice {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Choice {
-    type Value = Option<String>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a choice")
-    }
+seed_visitor! {
+    /// One choice: its `message`'s text (`None` without a message).
+    struct Choice { cap: usize } => Option<String>, deserialize_map, "a choice";
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        let mut message = None;
-        each_entry(map, &["message"], |_, map| {
-            message = Some(map.next_value_seed(MessageSeed { cap: self.cap })?);
-            Ok(())
-        })?;
-        Ok(message)
+        field(map, &["message"], || MessageSeed { cap: self.cap })
     }
 }
 
-/// A message: its `content` (empty when absent or null).
-struct MessageSeed {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for MessageSeed {
-    type Value = String;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MessageSeed {
-    type Value = String;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a message")
-    }
+seed_visitor! {
+    /// A message: its `content` (empty when absent or null).
+    struct MessageSeed { cap: usize } => String, deserialize_map, "a message";
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        let mut content = String::new();
-        each_entry(map, &["content"], |_, map| {
-            content = map.next_value_seed(Content { cap: self.cap })?;
-            Ok(())
-        })?;
-        Ok(content)
+        Ok(field(map, &["content"], || Content { cap: self.cap })?.unwrap_or_default())
     }
 }
 
-/// `content`: a string, null, or a list of parts whose `text`s are joined; capped.
-struct Content {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for Content {
-    type Value = String;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Content {
-    type Value = String;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a string, null or a list of parts")
-    }
+seed_visitor! {
+    /// `content`: a string, null, or a list of parts whose `text`s are joined; capped.
+    struct Content { cap: usize } => String, deserialize_any, "a string, null or a list of parts";
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         Ok(capped(v, self.cap))
     }
@@ -826,61 +798,19 @@ impl<'de> Visitor<'de> for Content {
     }
 }
 
-/// One part of a list content: its `text`, if it is a string.
-struct Part {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for Part {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Part {
-    type Value = Option<String>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a part")
-    }
-    lenient_otherwise_none!();
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
+seed_visitor! {
+    /// One part of a list content: its `text`, if it is a string.
+    struct Part { cap: usize } => Option<String>, deserialize_any, "a part";
+    lenient_otherwise_none!(u64, str);
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        let mut text = None;
-        each_entry(map, &["text"], |_, map| {
-            text = map.next_value_seed(Text { cap: self.cap })?;
-            Ok(())
-        })?;
-        Ok(text)
+        Ok(field(map, &["text"], || Text { cap: self.cap })?.flatten())
     }
 }
 
-/// A string copied up to `cap` bytes; anything else skipped as `None`.
-struct Text {
-    cap: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for Text {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Text {
-    type Value = Option<String>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a text")
-    }
-    lenient_otherwise_none!();
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
+seed_visitor! {
+    /// A string copied up to `cap` bytes; anything else skipped as `None`.
+    struct Text { cap: usize } => Option<String>, deserialize_any, "a text";
+    lenient_otherwise_none!(u64, map);
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
         let mut end = v.len().min(self.cap);
         while !v.is_char_boundary(end) {
@@ -888,34 +818,14 @@ impl<'de> Visitor<'de> for Text {
         }
         Ok(Some(v[..end].to_owned()))
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
-    }
 }
 
 /// `usage`: the prompt and completion token counts (non-integers read as absent).
 struct UsageSeed;
 
-impl<'de> DeserializeSeed<'de> for UsageSeed {
-    type Value = Option<(Option<u64>, Option<u64>)>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for UsageSeed {
-    type Value = Option<(Option<u64>, Option<u64>)>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("token counts")
-    }
-    lenient_otherwise_none!();
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
+seed_visitor! {
+    UsageSeed => Option<(Option<u64>, Option<u64>)>, deserialize_any, "token counts";
+    lenient_otherwise_none!(u64, str);
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
         let mut tokens = (None, None);
         each_entry(map, &["prompt_tokens", "completion_tokens"], |i, map| {
@@ -934,28 +844,11 @@ impl<'de> Visitor<'de> for UsageSeed {
 /// A token count: a non-negative integer, anything else skipped as `None`.
 struct Count;
 
-impl<'de> DeserializeSeed<'de> for Count {
-    type Value = Option<u64>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Count {
-    type Value = Option<u64>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a token count")
-    }
-    lenient_otherwise_none!();
+seed_visitor! {
+    Count => Option<u64>, deserialize_any, "a token count";
+    lenient_otherwise_none!(str, map);
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
         Ok(Some(v))
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
-        Ok(None)
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(None)
     }
 }
 
