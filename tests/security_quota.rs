@@ -135,16 +135,26 @@ async fn quota_counts_o_tmpfile_files() {
     );
 }
 
+/// A turn of `channel` whose guest runs the attack `args` and answers `answer`; then what
+/// the host measures in its workspace.
+async fn stored_by(
+    env: &Env,
+    args: &[&str],
+    channel: &str,
+    answer: &str,
+) -> (Sandbox, quota::Usage) {
+    let sandbox = Sandbox::new(quota_config(env, args)).await.unwrap();
+    let reply = sandbox.run_turn(request(channel, "x")).await;
+    assert_eq!(reply.text.as_deref(), Some(answer), "{reply:?}");
+    let used = quota::measure_dir(&env.workspace_of(channel), &unbounded()).unwrap();
+    (sandbox, used)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn quota_counts_a_hard_linked_file_once() {
     let env = Env::new();
     // 8 MiB and 64 more names for it: 8 MiB stored, under the 16 MiB quota.
-    let sandbox = Sandbox::new(quota_config(&env, &["links", "8", "64"]))
-        .await
-        .unwrap();
-    let reply = sandbox.run_turn(request("#links", "x")).await;
-    assert_eq!(reply.text.as_deref(), Some("links=64"), "{reply:?}");
-    let used = quota::measure_dir(&env.workspace_of("#links"), &unbounded()).unwrap();
+    let (sandbox, used) = stored_by(&env, &["links", "8", "64"], "#links", "links=64").await;
     assert!(
         used.bytes >= 8 << 20 && used.bytes < 9 << 20,
         "counted once: {used:?}"
@@ -159,12 +169,7 @@ async fn quota_counts_a_hard_linked_file_once() {
 async fn quota_counts_sparse_files_by_allocated_blocks() {
     let env = Env::new();
     // 32 files of 15 MiB apparent size (480 MiB), one written byte each.
-    let sandbox = Sandbox::new(quota_config(&env, &["sparse", "32", "15"]))
-        .await
-        .unwrap();
-    let reply = sandbox.run_turn(request("#sparse", "x")).await;
-    assert_eq!(reply.text.as_deref(), Some("sparse=32"), "{reply:?}");
-    let used = quota::measure_dir(&env.workspace_of("#sparse"), &unbounded()).unwrap();
+    let (sandbox, used) = stored_by(&env, &["sparse", "32", "15"], "#sparse", "sparse=32").await;
     assert!(used.bytes < 1 << 20, "{used:?}");
     assert_no_leftovers(&sandbox).await;
 }
@@ -544,20 +549,16 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     config.limits.disk_floor_percent = 0;
     with_data_root(&mut config, Some("/proc".into()));
     drop(sandbox);
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    let reply = one_turn(config, "#floor").await;
     assert_eq!(
         reply.error.as_deref(),
         Some("the filesystem of /proc (the engine's data root) has 0 MiB free, below its floor of 1 MiB; turns are refused until an operator frees space")
     );
-    assert_no_leftovers(&sandbox).await;
     // A data root whose free space cannot be read refuses turns too (fail closed).
     let mut config = hostile::sh_config(&env, RAN);
     config.limits.disk_floor_mb = 1;
     with_data_root(&mut config, Some("/nonexistent/docker".into()));
-    drop(sandbox);
-    let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    let reply = one_turn(config, "#floor").await;
     assert_eq!(
         reply.error.as_deref(),
         Some("the free space of /nonexistent/docker (the engine's data root) cannot be read: No such file or directory (os error 2)")
@@ -565,7 +566,6 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     // The floor off: the turn runs.
     let mut config = hostile::sh_config(&env, RAN);
     with_data_root(&mut config, Some("/proc".into()));
-    drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
     assert_eq!(
         sandbox
