@@ -46,6 +46,58 @@ where
     (reply, elapsed)
 }
 
+/// What is done to a turn's container from outside, behind the runtime's back.
+#[derive(Debug, Clone, Copy)]
+enum Hit {
+    /// `docker kill` (SIGKILL).
+    Kill,
+    /// `docker rm -f`.
+    Remove,
+}
+
+/// A turn of `channel` whose container is hit from outside, through the engine's own
+/// client, half a second after it runs.
+async fn turn_hit_from_outside(
+    sandbox: &Sandbox,
+    channel: &str,
+    hit: Hit,
+) -> (roundtable_sandbox::Reply, Duration) {
+    let sb = sandbox.clone();
+    let fault = move || async move {
+        let name = the_container(&sb).await;
+        let driver = DockerDriver::default();
+        let docker = driver.client().await.unwrap();
+        match hit {
+            Hit::Kill => {
+                let opts = bollard::query_parameters::KillContainerOptionsBuilder::new()
+                    .signal("SIGKILL")
+                    .build();
+                docker.kill_container(&name, Some(opts)).await.unwrap();
+            }
+            Hit::Remove => {
+                let opts = bollard::query_parameters::RemoveContainerOptionsBuilder::new()
+                    .force(true)
+                    .build();
+                docker.remove_container(&name, Some(opts)).await.unwrap();
+            }
+        }
+    };
+    turn_with_fault(sandbox, channel, Duration::from_millis(500), fault).await
+}
+
+/// A turn of `channel` during which `proxy`, the runtime's way to the daemon, is set to
+/// `mode` once the turn's container runs.
+async fn turn_as_the_daemon_goes(
+    sandbox: &Sandbox,
+    proxy: &Arc<DockerProxy>,
+    channel: &str,
+    mode: Mode,
+) -> (roundtable_sandbox::Reply, Duration) {
+    let p = proxy.clone();
+    let fault = move || async move { p.set(mode) };
+    turn_with_fault(sandbox, channel, Duration::from_millis(800), fault).await
+}
+
 /// The one labelled container of this runtime (waits for it to exist).
 async fn the_container(sandbox: &Sandbox) -> String {
     // The phase is reported before the create call, which a busy daemon answers late.
@@ -63,27 +115,7 @@ async fn the_container(sandbox: &Sandbox) -> String {
 async fn container_killed_from_outside_mid_turn() {
     let env = Env::new();
     let sandbox = Sandbox::new(env.sh_config(SLEEPER)).await.unwrap();
-    let sb = sandbox.clone();
-    let (reply, elapsed) = turn_with_fault(
-        &sandbox,
-        "#kill",
-        Duration::from_millis(500),
-        || async move {
-            let name = the_container(&sb).await;
-            let docker = DockerDriver::default();
-            let opts = bollard::query_parameters::KillContainerOptionsBuilder::new()
-                .signal("SIGKILL")
-                .build();
-            docker
-                .client()
-                .await
-                .unwrap()
-                .kill_container(&name, Some(opts))
-                .await
-                .unwrap();
-        },
-    )
-    .await;
+    let (reply, elapsed) = turn_hit_from_outside(&sandbox, "#kill", Hit::Kill).await;
     assert_eq!(reply.error.as_deref(), Some("guest exited with code 137"));
     assert!(elapsed < PROMPTLY, "{elapsed:?}");
     assert_no_leftovers(&sandbox).await;
@@ -108,23 +140,7 @@ async fn container_killed_from_outside_mid_turn() {
 async fn container_removed_from_outside_mid_turn() {
     let env = Env::new();
     let sandbox = Sandbox::new(env.sh_config(SLEEPER)).await.unwrap();
-    let sb = sandbox.clone();
-    let (reply, elapsed) =
-        turn_with_fault(&sandbox, "#rm", Duration::from_millis(500), || async move {
-            let name = the_container(&sb).await;
-            let docker = DockerDriver::default();
-            let opts = bollard::query_parameters::RemoveContainerOptionsBuilder::new()
-                .force(true)
-                .build();
-            docker
-                .client()
-                .await
-                .unwrap()
-                .remove_container(&name, Some(opts))
-                .await
-                .unwrap();
-        })
-        .await;
+    let (reply, elapsed) = turn_hit_from_outside(&sandbox, "#rm", Hit::Remove).await;
     assert!(!reply.ok);
     let error = reply.error.unwrap();
     eprintln!("removed mid-turn: {error}");
@@ -173,16 +189,7 @@ async fn docker_daemon_dies_mid_turn_and_comes_back() {
     let proxy = Arc::new(DockerProxy::start(env.dir.path()));
     let (config, driver) = proxied(&env, &proxy, SLEEPER);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let p = proxy.clone();
-    let (reply, elapsed) = turn_with_fault(
-        &sandbox,
-        "#dies",
-        Duration::from_millis(800),
-        || async move {
-            p.set(Mode::Closed);
-        },
-    )
-    .await;
+    let (reply, elapsed) = turn_as_the_daemon_goes(&sandbox, &proxy, "#dies", Mode::Closed).await;
     let error = reply.error.unwrap();
     eprintln!("daemon died mid-turn: {error} after {elapsed:?}");
     assert!(error.starts_with("docker daemon unreachable"), "{error}");
@@ -204,16 +211,7 @@ async fn docker_daemon_hangs_mid_turn_and_comes_back() {
     let (mut config, driver) = proxied(&env, &proxy, SLEEPER);
     config.turn_timeout = Some(Duration::from_secs(3));
     let sandbox = Sandbox::new(config).await.unwrap();
-    let p = proxy.clone();
-    let (reply, elapsed) = turn_with_fault(
-        &sandbox,
-        "#hangs",
-        Duration::from_millis(800),
-        || async move {
-            p.set(Mode::Silent);
-        },
-    )
-    .await;
+    let (reply, elapsed) = turn_as_the_daemon_goes(&sandbox, &proxy, "#hangs", Mode::Silent).await;
     eprintln!("daemon hung mid-turn: {:?} after {elapsed:?}", reply.error);
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 3s"));
     // The deadline, then one API deadline for the kill and one for the removal (and a
