@@ -690,19 +690,40 @@ async fn hostile(turn: &BrokerTurn, tool: &str, args: serde_json::Value) -> clie
     post_json(turn.socket(), &format!("/v1/mcp/hostile/{tool}"), &args).await
 }
 
-/// The watcher's error for the hostile server's data past its 16 MiB.
-fn assert_over_quota(a: &client::Answer, held: bool) {
+/// The `507` of the hostile server's data over its quota: its error.
+fn over_quota_error(a: &client::Answer) -> String {
     assert_eq!(a.status, 507, "{}", a.text());
     let e = a.error();
     assert!(
         e.starts_with("MCP server hostile: this channel's data is over its quota ("),
         "{e}"
     );
+    e
+}
+
+/// The watcher's error for the hostile server's data past its 16 MiB.
+fn assert_over_quota(a: &client::Answer, held: bool) {
+    let e = over_quota_error(a);
     assert!(
         e.ends_with("the limit is 16 MiB); its session was stopped"),
         "{e}"
     );
     assert_eq!(e.contains("deleted files held open"), held, "{e}");
+}
+
+/// Whether the hostile server's answer `a` came before its thread passed the quota: then it
+/// says `content`; else the watcher stopped the session first (on a loaded machine it may,
+/// before the answer is relayed) and `a` is its error, for deleted files held open when
+/// `held`.
+fn answered_before_the_watcher(a: &client::Answer, content: &str, held: bool) -> bool {
+    let answered = a.status == 200;
+    if answered {
+        assert_eq!(a.json()["content"], content, "{}", a.text());
+    } else {
+        eprintln!("the watcher came first: {}", a.text());
+        assert_over_quota(a, held);
+    }
+    answered
 }
 
 /// Files the session deletes while it holds them open count against its data quota, as a
@@ -735,13 +756,7 @@ async fn mcp_data_held_open_after_deletion_is_counted() {
     // After the call: the answer is sent first, then a thread holds the files (on a loaded
     // machine the watcher may stop the session before its answer is relayed: either order).
     let a = hostile(&turn, "hold", json!({ "wait": false })).await;
-    let answered = a.status == 200;
-    if answered {
-        assert_eq!(a.json()["content"], "holding", "{}", a.text());
-    } else {
-        eprintln!("the watcher came first: {}", a.text());
-        assert_over_quota(&a, true);
-    }
+    let answered = answered_before_the_watcher(&a, "holding", true);
     // The watcher stops the session with no call in flight.
     wait_containers(&engine, 0).await;
     if answered {
@@ -761,21 +776,11 @@ async fn mcp_data_held_open_after_deletion_is_counted() {
 /// calls are refused until an operator frees space.
 #[tokio::test]
 async fn mcp_data_written_after_the_call_returned_is_watched() {
-    let mut p = policy("http://127.0.0.1:9/v1");
-    p.mcp = vec![hostile_server()];
-    let engine = engine(&p);
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (engine, broker, turn) = start_with(hostile_server(), |_| {}).await;
     let a = hostile(&turn, "spill", json!({})).await;
     // The answer is sent before the thread starts; on a loaded machine the watcher may stop
     // the session before the answer is relayed (either order).
-    let answered = a.status == 200;
-    if answered {
-        assert_eq!(a.json()["content"], "spilling", "{}", a.text());
-    } else {
-        eprintln!("the watcher came first: {}", a.text());
-        assert_over_quota(&a, false);
-    }
+    let answered = answered_before_the_watcher(&a, "spilling", false);
     wait_containers(&engine, 0).await;
     let dir = engine
         .data_root
@@ -789,13 +794,8 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
     // error is reached), and no container is started.
     for _ in 0..2 {
         let a = hostile(&turn, "ping", json!({})).await;
-        assert_eq!(a.status, 507, "{}", a.text());
         // What is counted depends on where the killed writer's last file lies in the dir.
-        let e = a.error();
-        assert!(
-            e.starts_with("MCP server hostile: this channel's data is over its quota ("),
-            "{e}"
-        );
+        let e = over_quota_error(&a);
         assert!(
             e.ends_with("entries; the limit is 16 MiB in 10000 entries); its session is stopped and calls are refused until an operator frees space"),
             "{e}"
@@ -807,6 +807,5 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
     }
     let a = hostile(&turn, "ping", json!({})).await;
     assert_eq!(a.status, 200, "{}", a.text());
-    broker.shutdown().await;
-    wait_containers(&engine, 0).await;
+    shut_down(broker, &engine).await;
 }
