@@ -780,7 +780,7 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
     let a = hostile(&turn, "spill", json!({})).await;
     // The answer is sent before the thread starts; on a loaded machine the watcher may stop
     // the session before the answer is relayed (either order).
-    let answered = answered_before_the_watcher(&a, "spilling", false);
+    answered_before_the_watcher(&a, "spilling", false);
     wait_containers(&engine, 0).await;
     let dir = engine
         .data_root
