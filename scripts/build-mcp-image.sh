@@ -4,8 +4,11 @@
 # python3 and git, and in it, from PyPI, mcp-server-time and mcp-server-git (/opt/mcp) and
 # mcp-server-sqlite 2025.4.25 on "mcp>=1.6,<2" in a venv of its own (/opt/mcp-sqlite; see
 # scripts/mcp-venv.sh for why), all on PATH in /usr/local/bin, plus the project's scripted
-# test servers (tests/support/*.py) in /opt/roundtable-tests. No registry is pulled: the
-# root is tarred and `docker import`ed. Run as root (debootstrap, chroot).
+# test servers (tests/support/*.py) in /opt/roundtable-tests, and the static guest program
+# at /roundtable-guest: under gVisor the host counts a session's deleted-but-open files with
+# it (`--held-files /data`, docs/security.md#mcp-servers; built as scripts/build-image.sh
+# builds it). No registry is pulled: the root is tarred and `docker import`ed. Run as root
+# (debootstrap, chroot).
 # The root's tarball is cached in $ROUNDTABLE_CACHE (default /var/cache/roundtable-sandbox)
 # under the hash of this script and the test servers, so a later run takes seconds; an
 # image already carrying that hash is kept as is.
@@ -16,9 +19,15 @@ tag="${1:-${ROUNDTABLE_MCP_IMAGE:-roundtable-sandbox-mcp:latest}}"
 cache="${ROUNDTABLE_CACHE:-/var/cache/roundtable-sandbox}"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 hash=$(cat "$0" tests/support/*.py | sha256sum | cut -c1-16)
+# The measurer: the same static build as the guest image's.
+quiet="${CARGO_QUIET---quiet}"
+RUSTFLAGS='-C target-feature=+crt-static' cargo build $quiet --release \
+  --target x86_64-unknown-linux-gnu -p roundtable-sandbox-guest
+guest=target/x86_64-unknown-linux-gnu/release/roundtable-guest
+label="$hash-$(sha256sum "$guest" | cut -c1-16)"
 have=$(docker image inspect -f '{{index .Config.Labels "roundtable-sandbox.mcp-image"}}' "$tag" 2>/dev/null || true)
-if [ "$have" = "$hash" ]; then
-  echo "build-mcp-image: $tag is up to date ($hash)" >&2
+if [ "$have" = "$label" ]; then
+  echo "build-mcp-image: $tag is up to date ($label)" >&2
   exit 0
 fi
 tarball="$cache/mcp-rootfs-$hash.tar"
@@ -80,11 +89,18 @@ if [ ! -f "$tarball" ]; then
   find "$cache" -maxdepth 1 -name 'mcp-rootfs-*.tar' ! -name "mcp-rootfs-$hash.tar" -delete
 fi
 echo "build-mcp-image: importing $tag" >&2
+# The cached root plus the measurer, owned by root, mode 0755.
+layered=$(mktemp "$cache/mcp-import.XXXXXX.tar")
+trap 'rm -f "$layered"; { declare -F cleanup >/dev/null && cleanup; } || true' EXIT
+cp "$tarball" "$layered"
+tar -C "$(dirname "$guest")" --numeric-owner --owner=0 --group=0 --mode=0755 \
+  -rf "$layered" roundtable-guest
 docker import \
   --change 'ENV PATH=/usr/local/bin:/usr/bin:/bin' \
   --change 'ENV LANG=C.UTF-8' \
   --change 'WORKDIR /data' \
   --change 'CMD ["/bin/sh"]' \
-  --change "LABEL roundtable-sandbox.mcp-image=$hash" \
-  "$tarball" "$tag" >/dev/null
+  --change "LABEL roundtable-sandbox.mcp-image=$label" \
+  "$layered" "$tag" >/dev/null
+rm -f "$layered"
 echo "build-mcp-image: $tag ready ($(docker image inspect -f '{{.Size}}' "$tag" | numfmt --to=iec))" >&2

@@ -9,7 +9,7 @@
 //!    `FALLOC_FL_KEEP_SIZE` is not held by it on every filesystem (ext4 allocates anyway):
 //!    the layers below catch it, see docs/security.md for the bound.
 //! 2. **During the turn**: a watcher measures the workspace every [`WATCH_INTERVAL`] (or
-//!    four times the last measure's duration, if longer) and kills the container as soon
+//!    four times what the last measure cost, if longer, up to [`MAX_WATCH_PAUSE`]) and kills the container as soon
 //!    as it is over quota, or as soon as a guarded filesystem is below its free-space floor.
 //! 3. **Before each turn**: a workspace over quota, or a filesystem below its floor,
 //!    refuses the turn with a clear error until an operator frees space.
@@ -51,8 +51,15 @@ use rustix::io::Errno;
 use crate::driver::{ContainerDriver, ContainerProcesses, HeldFiles, Unmeasurable};
 
 /// How often the watcher measures a running turn's workspace (at least; a workspace whose
-/// measure takes long is measured less often, so the watcher stays under ~20 % of a core).
+/// measure costs much CPU is measured less often, so the watcher stays under ~20 % of a
+/// core, but never less often than every [`MAX_WATCH_PAUSE`]).
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The longest pause between two measures of a running turn's workspace. The pause grows
+/// with the CPU the tree walk took, not its wall time: on a loaded machine a measure waits
+/// for a core, and a pause grown from that wait (four times it, unbounded) let a guest write
+/// 1.7 GB past an 8 MiB quota between two measures (load 44).
+pub const MAX_WATCH_PAUSE: Duration = Duration::from_secs(1);
 
 /// The deepest directory nesting the measure follows (it holds one descriptor per level);
 /// a deeper workspace cannot be measured and counts as over quota.
@@ -750,41 +757,61 @@ pub(crate) struct Watch {
 /// the error as soon as one is past its limit. Never returns otherwise: race it against the
 /// turn.
 pub(crate) async fn watch(w: Watch) -> QuotaError {
-    watch_counting(w, true).await
-}
-
-/// [`watch`], counting the files the container's processes hold with no name left only
-/// when `count_held` (an MCP session under gVisor: its image has no measurer, see
-/// `docs/security.md`, so its tree alone is measured).
-pub(crate) async fn watch_counting(w: Watch, count_held: bool) -> QuotaError {
     let mut pause = WATCH_INTERVAL;
     // Since when every measure in a row failed in a way a race explains.
     let mut failing_since: Option<std::time::Instant> = None;
+    // The held files are counted in a task of their own, waited for at most a tick: a slow
+    // engine (the first inspect, or each exec under gVisor, on a loaded machine) delays that
+    // count, never the tree's measure.
+    let mut counting: Option<tokio_util::task::AbortOnDropHandle<HeldFiles>> = None;
     loop {
         tokio::time::sleep(pause).await;
         let started = std::time::Instant::now();
-        let held = match count_held {
-            true => Some(w.driver.held_files(&w.container).await),
-            false => None,
+        let count = counting.get_or_insert_with(|| {
+            let (driver, container) = (w.driver.clone(), w.container.clone());
+            tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+                driver.held_files(&container).await
+            }))
+        });
+        let held = match tokio::time::timeout(WATCH_INTERVAL, count).await {
+            Ok(counted) => {
+                counting = None;
+                counted.ok()
+            }
+            Err(_) => None,
         };
+        let held_counted = held.is_some();
+        // Counting the held files is an engine exec under gVisor (~100 ms of the engine's
+        // CPU, not ours): its wall time counts toward the pause, as the measure's CPU does.
+        let counted_in = started.elapsed();
         let (ws, quota, floor, guarded) =
             (w.workspace.clone(), w.quota, w.floor, w.guarded.clone());
         let measured = tokio::task::spawn_blocking(move || {
-            check_floor(&guarded, &floor)?;
-            let full = measure(&ws, &quota, held.as_ref());
-            // While the turn's processes cannot be read, the tree alone is still measured.
-            let tree = match &full {
-                Err(e) if !e.is_final() => Some(measure(&ws, &quota, None)),
-                _ => None,
-            };
-            Ok::<_, QuotaError>((full, tree))
+            let cpu = thread_cpu_time();
+            let result = (|| {
+                check_floor(&guarded, &floor)?;
+                let full = measure(&ws, &quota, held.as_ref());
+                // While the turn's processes cannot be read, the tree alone is still measured.
+                let tree = match &full {
+                    Err(e) if !e.is_final() => Some(measure(&ws, &quota, None)),
+                    _ => None,
+                };
+                Ok::<_, QuotaError>((full, tree))
+            })();
+            (result, thread_cpu_time().saturating_sub(cpu))
         })
-        .await;
-        pause = WATCH_INTERVAL.max(started.elapsed() * 4);
+        .await
+        .map(|(result, cpu)| {
+            pause = pause_after(cpu + counted_in);
+            result
+        });
         match measured {
             Ok(Err(floor_error)) => return floor_error,
             Ok(Ok((Ok(usage), _))) => {
-                failing_since = None;
+                // Only a measure with the held files counted ends a run of failures.
+                if held_counted {
+                    failing_since = None;
+                }
                 if quota.exceeded_by(&usage) {
                     return QuotaError::exceeded(&quota, &usage);
                 }
@@ -815,6 +842,18 @@ pub(crate) async fn watch_counting(w: Watch, count_held: bool) -> QuotaError {
     }
 }
 
+/// The pause after a measure that cost `cost`: the tree walk's CPU time (not its wall time,
+/// which on a loaded machine is mostly a wait for a core) and the held files' count.
+fn pause_after(cpu: Duration) -> Duration {
+    (cpu * 4).clamp(WATCH_INTERVAL, MAX_WATCH_PAUSE)
+}
+
+/// The CPU time the calling thread has used.
+fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -829,6 +868,84 @@ mod tests {
 
     fn check_dir(d: &Path, q: &Quota) -> Result<Usage, QuotaError> {
         check(&Workspace::open(d).unwrap(), q, None)
+    }
+
+    /// A backend whose count of held files never answers (an engine stuck under load).
+    #[derive(Debug)]
+    struct Stuck;
+
+    impl ContainerDriver for Stuck {
+        fn run<'a>(
+            &'a self,
+            _: &'a crate::driver::ContainerSpec,
+            _: &'a [u8],
+            _: tokio_util::sync::CancellationToken,
+        ) -> crate::driver::BoxFuture<'a, Result<crate::driver::RunOutcome, crate::driver::DriverError>>
+        {
+            Box::pin(async { Err(crate::driver::DriverError::Unsupported { op: "run" }) })
+        }
+        fn remove<'a>(
+            &'a self,
+            _: &'a str,
+        ) -> crate::driver::BoxFuture<'a, Result<(), crate::driver::DriverError>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn sweep<'a>(
+            &'a self,
+            _: crate::driver::SweepScope<'a>,
+        ) -> crate::driver::BoxFuture<'a, Result<Vec<String>, crate::driver::DriverError>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn data_root(
+            &self,
+        ) -> crate::driver::BoxFuture<'_, Result<Option<std::path::PathBuf>, crate::driver::DriverError>>
+        {
+            Box::pin(async { Ok(None) })
+        }
+        fn held_files<'a>(&'a self, _: &'a str) -> crate::driver::BoxFuture<'a, HeldFiles> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// The tree is measured each tick whatever the engine does: a workspace over its quota
+    /// ends the turn while the count of its held files is still pending (before: the watcher
+    /// waited for that count, and a guest wrote on meanwhile).
+    #[tokio::test]
+    async fn a_count_of_held_files_that_never_answers_does_not_hold_up_the_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("big"), vec![1u8; 3 << 20]).unwrap();
+        let watch = Watch {
+            workspace: Arc::new(Workspace::open(dir.path()).unwrap()),
+            quota: quota(1, 1000),
+            floor: Floor {
+                min_bytes: 0,
+                min_percent: 0,
+            },
+            guarded: Vec::new(),
+            driver: Arc::new(Stuck),
+            container: "c".into(),
+        };
+        let started = std::time::Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(20), super::watch(watch))
+            .await
+            .expect("the watcher waited for the held files' count");
+        assert!(e.to_string().contains("workspace is over its quota"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn the_pause_follows_the_measures_cpu_and_stays_under_a_second() {
+        assert_eq!(pause_after(Duration::ZERO), WATCH_INTERVAL);
+        assert_eq!(pause_after(Duration::from_millis(100)), Duration::from_millis(400));
+        // A measure that cost much CPU (or a clock that jumped) never stops the watcher
+        // for long: the guest writes meanwhile.
+        assert_eq!(pause_after(Duration::from_secs(30)), MAX_WATCH_PAUSE);
+        // What a measure waiting for a core costs is wall time, not CPU: it is not counted.
+        let waited = std::time::Instant::now();
+        let cpu = thread_cpu_time();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(thread_cpu_time() - cpu < Duration::from_millis(100));
+        assert!(waited.elapsed() >= Duration::from_millis(300));
     }
 
     #[test]

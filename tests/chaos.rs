@@ -93,9 +93,35 @@ async fn turn_as_the_daemon_goes(
     channel: &str,
     mode: Mode,
 ) -> (roundtable_sandbox::Reply, Duration) {
-    let p = proxy.clone();
-    let fault = move || async move { p.set(mode) };
-    turn_with_fault(sandbox, channel, Duration::from_millis(800), fault).await
+    let (p, sb) = (proxy.clone(), sandbox.clone());
+    let fault = move || async move {
+        // The phase comes before the create and start calls, which a busy daemon answers
+        // late: the fault waits until the guest has read its turn to the end (the runtime's
+        // start and stdin are done), so it lands on the running turn, not on its start.
+        the_guest_sleeping(&sb).await;
+        p.set(mode)
+    };
+    turn_with_fault(sandbox, channel, Duration::from_millis(300), fault).await
+}
+
+/// Waits until the one container of this runtime runs `sleep` (SLEEPER's `cat` has ended).
+async fn the_guest_sleeping(sandbox: &Sandbox) {
+    let name = the_container(sandbox).await;
+    let driver = DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let deadline = Instant::now() + PROMPTLY;
+    while Instant::now() < deadline {
+        let top = docker.top_processes(&name, None).await;
+        let sleeping = top.ok().and_then(|t| t.processes).is_some_and(|ps| {
+            ps.iter()
+                .any(|p| p.iter().any(|field| field.contains("sleep 300")))
+        });
+        if sleeping {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the guest never slept");
 }
 
 /// The one labelled container of this runtime (waits for it to exist).

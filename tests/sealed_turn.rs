@@ -580,6 +580,19 @@ async fn start_labelled_container(
     run_dir: &std::path::Path,
     workspace: &std::path::Path,
 ) {
+    let sleep = vec!["/bin/sleep".into(), "300".into()];
+    start_container_running(name, labels, run_dir, workspace, 64, sleep).await
+}
+
+/// Creates and starts a container with these labels, memory limit and command.
+async fn start_container_running(
+    name: &str,
+    labels: &[(&str, &str)],
+    run_dir: &std::path::Path,
+    workspace: &std::path::Path,
+    memory_mb: u64,
+    command: Vec<String>,
+) {
     use roundtable_sandbox::driver::{docker::create_body, ContainerSpec};
     std::fs::create_dir_all(run_dir).unwrap();
     std::fs::create_dir_all(workspace).unwrap();
@@ -590,7 +603,7 @@ async fn start_labelled_container(
         workspace_dir: workspace.to_owned(),
         uid: nix::unistd::getuid().as_raw(),
         gid: nix::unistd::getgid().as_raw(),
-        memory_mb: 64,
+        memory_mb,
         cpus: 0.5,
         pids: 16,
         tmpfs_mb: 1,
@@ -601,7 +614,7 @@ async fn start_labelled_container(
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
-        command: Some(vec!["/bin/sleep".into(), "300".into()]),
+        command: Some(command),
         runtime: runtime(),
     };
     let driver = roundtable_sandbox::DockerDriver::default();
@@ -623,6 +636,32 @@ async fn container_running(name: &str) -> bool {
         Ok(c) => c.state.and_then(|s| s.running) == Some(true),
         Err(_) => false,
     }
+}
+
+/// The engine may not have seen a container's end when its caller has (an MCP session's
+/// stdio closed by the kill, under load): asked about a container still running, the driver
+/// waits a while for its end before it answers that no OOM kill happened.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_oom_kill_is_found_when_asked_while_the_engine_still_lists_the_container_running() {
+    use roundtable_sandbox::driver::ContainerDriver;
+    let env = Env::new();
+    let name = format!("rt-oom-ask-{}", uuid::Uuid::new_v4().simple());
+    let _cleanup = RemoveOnDrop(vec![name.clone()]);
+    let dir = env.run_root.join("oom-ask");
+    let bomb = "sleep 1; x=a; while :; do x=$x$x; done";
+    let command = vec!["/bin/sh".into(), "-c".into(), bomb.into()];
+    let (run_dir, workspace) = (dir.join("run"), dir.join("ws"));
+    let label = [("roundtable-sandbox.test", "oom-ask")];
+    start_container_running(&name, &label, &run_dir, &workspace, 16, command).await;
+    assert!(
+        container_running(&name).await,
+        "the container ended before it was asked"
+    );
+    let driver = roundtable_sandbox::DockerDriver::default();
+    assert!(
+        driver.oom_killed(&name).await.unwrap(),
+        "the OOM kill was not found"
+    );
 }
 
 /// Removes the named containers (this test's own) when dropped, a failing test included.

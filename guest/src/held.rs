@@ -1,5 +1,6 @@
-//! `roundtable-guest --held-files`: counts, from inside the sandbox, the workspace files the
-//! turn's processes hold open with no name left (deleted while open). The host runs it with
+//! `roundtable-guest --held-files [DIR]`: counts, from inside the sandbox, the files of the
+//! workspace (or of `DIR`, an absolute path: an MCP session's data, `/data`) that the
+//! container's processes hold open with no name left (deleted while open). The host runs it with
 //! an engine exec where it cannot see the guest's descriptors itself (gVisor: the guest's
 //! processes are the Sentry's, not the host's), and parses the one line it prints
 //! ([`HeldReport`]).
@@ -28,7 +29,18 @@ pub fn main() -> ! {
     // Not dumpable: a process of the guest (same uid) may not read or write this one's
     // memory or descriptors through /proc (where the kernel enforces it).
     let _ = nix::sys::prctl::set_dumpable(false);
-    let report = match measure(Path::new("/proc"), Path::new(WORKSPACE_MOUNT)) {
+    let dir = std::env::args_os()
+        .nth(2)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| WORKSPACE_MOUNT.into());
+    if !dir.is_absolute() {
+        eprintln!(
+            "roundtable-guest: held files: {} is not absolute",
+            dir.display()
+        );
+        std::process::exit(2);
+    }
+    let report = match measure(Path::new("/proc"), &dir) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("roundtable-guest: held files: {e}");

@@ -197,13 +197,10 @@ impl Watcher {
             driver: std::sync::Arc::new(driver.clone()),
             container: container.to_owned(),
         };
-        // Under gVisor the host cannot see the session's descriptors and the MCP image has
-        // no measurer inside: the tree alone (docs/security.md, MCP servers, known limits).
-        let count_held = engine.runtime.as_deref() != Some(crate::driver::GVISOR_RUNTIME);
         let (tx, tripped) = tokio::sync::watch::channel(None);
         let (driver, server, name) = (driver.clone(), server.to_owned(), container.to_owned());
         let task = tokio::spawn(async move {
-            let e = crate::quota::watch_counting(watch, count_held).await;
+            let e = crate::quota::watch(watch).await;
             tracing::warn!(server = %server, "MCP session over its data quota or the floor; stopped");
             tx.send_replace(Some(watcher_error(&server, e)));
             if let Err(e) = driver.remove_container(&name).await {
@@ -398,7 +395,7 @@ pub(crate) async fn start(
         removed: false,
     };
     let io = driver
-        .start_attached(&name, body)
+        .start_attached(&name, body, DATA_MOUNT)
         .await
         .map_err(|e| match e {
             crate::driver::DriverError::ImageMissing { image } => {

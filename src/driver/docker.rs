@@ -34,9 +34,9 @@ use super::{
     LABEL_RUNTIME,
 };
 
-/// How many times [`DockerDriver::oom_killed`] asks about a container that ended by
-/// SIGKILL, and the pause between.
-const OOM_ASKS: u32 = 4;
+/// How long [`DockerDriver::oom_killed`] asks about a container that ended by SIGKILL or
+/// that the engine still lists as running, and the pause between.
+const OOM_ASK_WITHIN: Duration = Duration::from_secs(3);
 const OOM_ASK_PAUSE: Duration = Duration::from_millis(150);
 
 /// How the driver reaches the engine.
@@ -80,12 +80,19 @@ pub struct DockerDriver {
     process_files: Arc<std::sync::Mutex<HashMap<String, ProcessSource>>>,
     /// The engine's data root (`DockerRootDir`), asked once.
     data_root: Arc<OnceCell<Option<std::path::PathBuf>>>,
-    /// Containers created under gVisor, with their `uid:gid`: their guest's processes are
-    /// not host processes, so what they hold open is counted inside (see
-    /// [`ContainerDriver::held_files`]).
-    sandboxed: Arc<std::sync::Mutex<HashMap<String, String>>>,
+    /// Containers created under gVisor: their processes are not host processes, so what
+    /// they hold open is counted inside (see [`ContainerDriver::held_files`]).
+    sandboxed: Arc<std::sync::Mutex<HashMap<String, Sandboxed>>>,
     /// Where each engine call is reported (operation, latency), if the runtime observes.
     events: Option<Arc<crate::events::EventHub>>,
+}
+
+/// How the measurer inside a gVisor container is run: as the container's `uid:gid`, on the
+/// directory whose held files count (the workspace, or an MCP session's data).
+#[derive(Debug, Clone)]
+struct Sandboxed {
+    user: String,
+    dir: &'static str,
 }
 
 /// Where a container's process list is read.
@@ -307,10 +314,13 @@ impl DockerDriver {
             Err(e) => return Err(e),
         }
         if spec.runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
-            self.sandboxed
-                .lock()
-                .unwrap()
-                .insert(name.to_owned(), format!("{}:{}", spec.uid, spec.gid));
+            self.sandboxed.lock().unwrap().insert(
+                name.to_owned(),
+                Sandboxed {
+                    user: format!("{}:{}", spec.uid, spec.gid),
+                    dir: WORKSPACE_MOUNT,
+                },
+            );
         }
         let io = self.attach_and_start(docker, name).await?;
         // The exit is watched from now on: a prepared container that dies while it waits
@@ -352,15 +362,19 @@ impl DockerDriver {
 
 impl DockerDriver {
     /// Creates, attaches and starts a long-lived container whose stdin stays open (an MCP
-    /// session, see `broker::mcp_container`): its stdout and stderr, and its stdin.
+    /// session, see `broker::mcp_container`): its stdout and stderr, and its stdin. Under
+    /// gVisor the files its processes hold open are counted inside, on `measured` (the
+    /// session's data mount), by the image's `/roundtable-guest --held-files`.
     pub(crate) async fn start_attached(
         &self,
         name: &str,
         body: ContainerCreateBody,
+        measured: &'static str,
     ) -> Result<bollard::container::AttachContainerResults, DriverError> {
         let docker = self.client().await?;
         let image = body.image.clone().unwrap_or_default();
         let runtime = body.host_config.as_ref().and_then(|h| h.runtime.clone());
+        let user = body.user.clone().unwrap_or_default();
         let create = CreateContainerOptionsBuilder::new().name(name).build();
         match self
             .call("create", name, docker.create_container(Some(create), body))
@@ -380,6 +394,16 @@ impl DockerDriver {
                 })
             }
             Err(e) => return Err(e),
+        }
+        if runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
+            let sandboxed = Sandboxed {
+                user,
+                dir: measured,
+            };
+            self.sandboxed
+                .lock()
+                .unwrap()
+                .insert(name.to_owned(), sandboxed);
         }
         self.attach_and_start(docker, name).await
     }
@@ -785,14 +809,18 @@ impl ContainerDriver for DockerDriver {
         Box::pin(self.remove_inner(name))
     }
 
-    /// One inspect: the engine sets the flag when the container's cgroup saw an OOM kill.
+    /// Inspects: the engine sets the flag when the container's cgroup saw an OOM kill.
     fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
         Box::pin(async move {
             let docker = self.client().await?;
-            // The engine may record an OOM kill a moment after the exit (seen under gVisor:
-            // exit 137, `OOMKilled` still false at the first inspect): a container that
-            // ended by SIGKILL is asked again, a few times, before the answer is no.
-            for ask in 1..=OOM_ASKS {
+            // The engine may record an OOM kill a while after the exit (seen under gVisor:
+            // exit 137, `OOMKilled` still false at the first inspect; under load, still false
+            // 600 ms later), and may not have seen the exit yet when the caller has (an MCP
+            // session's stdio closed by the kill: still `running`). A container that ended by
+            // SIGKILL, or still runs, is asked again, 150 ms apart, for up to 3 s before the
+            // answer is no; any other end is answered at once.
+            let asked = std::time::Instant::now();
+            loop {
                 let state = self
                     .call("inspect", name, docker.inspect_container(name, None))
                     .await?
@@ -801,10 +829,16 @@ impl ContainerDriver for DockerDriver {
                 if state.oom_killed == Some(true) {
                     return Ok(true);
                 }
-                let killed = state.exit_code == Some(128 + libc::SIGKILL as i64)
-                    && state.running != Some(true);
-                if !killed || ask == OOM_ASKS {
+                let killed = state.exit_code == Some(128 + libc::SIGKILL as i64);
+                let undecided = state.running == Some(true) || killed;
+                if !undecided {
                     break;
+                }
+                if asked.elapsed() >= OOM_ASK_WITHIN {
+                    // The engine may also lose the flag for good while it did see the kill
+                    // (its `oom` event handled before the exit, which then clears the flag:
+                    // seen 1 in 40 containers started 10 at once): its event log says so.
+                    return Ok(killed && self.oom_event_logged(docker, name).await);
                 }
                 tokio::time::sleep(OOM_ASK_PAUSE).await;
             }
@@ -906,7 +940,7 @@ impl ContainerDriver for DockerDriver {
         Box::pin(async move {
             let sandboxed = self.sandboxed.lock().unwrap().get(name).cloned();
             match sandboxed {
-                Some(user) => self.held_files_inside(name, &user).await,
+                Some(sandboxed) => self.held_files_inside(name, &sandboxed).await,
                 // runc: the guest's processes are host processes; the host stats them.
                 None => super::held_by_host_processes(self.processes(name).await),
             }
@@ -1100,21 +1134,49 @@ impl DockerDriver {
     /// left: an exec of the guest program's measurer (`--held-files`) as the container's
     /// own user, no tty, no stdin, stdout capped and parsed strictly, under
     /// [`HELD_FILES_TIMEOUT`]. Any failure is [`HeldFiles::Unmeasurable`].
-    async fn held_files_inside(&self, name: &str, user: &str) -> HeldFiles {
+    async fn held_files_inside(&self, name: &str, sandboxed: &Sandboxed) -> HeldFiles {
         let started = std::time::Instant::now();
-        let held =
-            match tokio::time::timeout(HELD_FILES_TIMEOUT, self.exec_measurer(name, user)).await {
-                Ok(Ok(held)) => held,
-                Ok(Err(why)) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(why)),
-                Err(_) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(format!(
-                    "no report within {HELD_FILES_TIMEOUT:?}"
-                ))),
-            };
+        let measure = self.exec_measurer(name, sandboxed);
+        let held = match tokio::time::timeout(HELD_FILES_TIMEOUT, measure).await {
+            Ok(Ok(held)) => held,
+            Ok(Err(why)) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(why)),
+            Err(_) => HeldFiles::Unmeasurable(Unmeasurable::Measurer(format!(
+                "no report within {HELD_FILES_TIMEOUT:?}"
+            ))),
+        };
         tracing::debug!(container = name, took = ?started.elapsed(), ?held, "held files counted inside");
         held
     }
 
-    async fn exec_measurer(&self, name: &str, user: &str) -> Result<HeldFiles, String> {
+    /// Whether the engine's event log holds an `oom` event of container `name` in the last
+    /// ten minutes (the log is bounded and in memory: an older one is gone). Any failure is
+    /// "no".
+    async fn oom_event_logged(&self, docker: &Docker, name: &str) -> bool {
+        use bollard::query_parameters::EventsOptionsBuilder;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let filters: HashMap<&str, Vec<&str>> = HashMap::from([
+            ("type", vec!["container"]),
+            ("event", vec!["oom"]),
+            ("container", vec![name]),
+        ]);
+        let options = EventsOptionsBuilder::new()
+            .since(&now.saturating_sub(600).to_string())
+            .until(&(now + 1).to_string())
+            .filters(&filters)
+            .build();
+        let events = docker.events(Some(options)).take(16).collect::<Vec<_>>();
+        match tokio::time::timeout(self.options.call_timeout, events).await {
+            Ok(events) => events
+                .iter()
+                .any(|e| e.as_ref().is_ok_and(|e| e.action.as_deref() == Some("oom"))),
+            Err(_) => false,
+        }
+    }
+
+    async fn exec_measurer(&self, name: &str, sandboxed: &Sandboxed) -> Result<HeldFiles, String> {
         use bollard::exec::{CreateExecOptions, StartExecOptions, StartExecResults};
         use roundtable_sandbox_protocol::held::{
             HeldReport, GUEST_PROGRAM, HELD_FILES_ARG, MAX_OUTPUT,
@@ -1129,10 +1191,10 @@ impl DockerDriver {
             attach_stderr: Some(false),
             tty: Some(false),
             privileged: Some(false),
-            user: Some(user),
+            user: Some(sandboxed.user.as_str()),
             working_dir: Some("/"),
             env: Some(vec!["PATH=/bin"]),
-            cmd: Some(vec![GUEST_PROGRAM, HELD_FILES_ARG]),
+            cmd: Some(vec![GUEST_PROGRAM, HELD_FILES_ARG, sandboxed.dir]),
             detach_keys: None,
         };
         let exec = match docker.create_exec(name, options).await {

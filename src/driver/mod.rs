@@ -459,7 +459,8 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>>;
 
     /// Whether the memory limit killed a process of the named container, which has exited
-    /// and is not yet removed. The turn asks only when its run did not answer (a non-zero
+    /// (or whose end the caller saw before the engine did: an MCP session's stdio closed by
+    /// the kill) and is not yet removed. The turn asks only when its run did not answer (a non-zero
     /// exit, the output cap, or output that is not a reply): a guest that exits 0 with a
     /// reply has answered, whatever befell its children. A backend that learns it with the
     /// exit sets [`RunOutcome::oom_killed`] instead and answers here explicitly. The default

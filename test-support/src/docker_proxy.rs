@@ -52,11 +52,16 @@ impl DockerProxy {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
-                if m.load(Ordering::SeqCst) == Mode::Closed as u8 {
-                    drop(client);
-                    continue;
-                }
-                let token = c.lock().unwrap().clone();
+                // The mode is read and the token taken under the lock `set` holds, so a
+                // connection accepted as the daemon dies is either refused or cut.
+                let token = {
+                    let cut = c.lock().unwrap();
+                    if m.load(Ordering::SeqCst) == Mode::Closed as u8 {
+                        drop(client);
+                        continue;
+                    }
+                    cut.clone()
+                };
                 let mode = m.clone();
                 tokio::spawn(async move {
                     let Ok(server) = UnixStream::connect(upstream()).await else {
@@ -87,9 +92,9 @@ impl DockerProxy {
     }
 
     pub fn set(&self, mode: Mode) {
+        let mut cut = self.cut.lock().unwrap();
         self.mode.store(mode as u8, Ordering::SeqCst);
         if mode == Mode::Closed {
-            let mut cut = self.cut.lock().unwrap();
             cut.cancel();
             *cut = CancellationToken::new();
         }
@@ -103,7 +108,7 @@ impl Drop for DockerProxy {
     }
 }
 
-/// Copies bytes while the mode is `Forward`; holds them while `Silent`.
+/// Copies bytes while the mode is `Forward`; holds them while `Silent`; ends at `Closed`.
 async fn pipe(
     mut from: tokio::net::unix::OwnedReadHalf,
     mut to: tokio::net::unix::OwnedWriteHalf,
@@ -123,6 +128,10 @@ async fn pipe(
         };
         while mode.load(Ordering::SeqCst) == Mode::Silent as u8 {
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // A dead daemon passes nothing more, whatever a busy scheduler did with the cut.
+        if mode.load(Ordering::SeqCst) == Mode::Closed as u8 {
+            return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

@@ -735,13 +735,9 @@ async fn mcp_data_held_open_after_deletion_is_counted() {
     let mut p = policy("http://127.0.0.1:9/v1");
     p.limits.call_timeout = Duration::from_secs(20);
     p.mcp = vec![hostile_server()];
+    // Under gVisor the host cannot see the sandbox's descriptors: the image's measurer
+    // counts them inside (`/roundtable-guest --held-files /data`).
     let engine = engine(&p);
-    if engine.runtime.as_deref() == Some("runsc") {
-        // The host cannot see a gVisor sandbox's descriptors and the MCP image has no
-        // measurer inside: a known limit (docs/security.md, MCP servers).
-        eprintln!("skipped under gVisor: deleted-but-open files of an MCP session are not counted");
-        return;
-    }
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     // In the call: 48 MiB in 4 deleted files, the call waiting.
