@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use roundtable_sandbox::events::EventKind;
@@ -53,9 +53,21 @@ pub(crate) struct ChannelActor {
     warm: Option<WarmSlot>,
     /// A preparation in flight: its number and its cancellation.
     preparing: Option<(u64, CancellationToken)>,
+    /// While the next message waits for the preparation in flight (at most
+    /// [`PREPARATION_WAIT`]): the timer that admits it cold past that.
+    holding: Option<SpawnHandle>,
+    /// The preparation the waiting message gave up on: no message waits for it again.
+    gave_up_on: Option<u64>,
     warm_seq: u64,
     span: tracing::Span,
 }
+
+/// How long a message admitted while its channel's next container is being prepared waits
+/// for that container before it starts cold. Admitted at once, it would start cold beside
+/// the preparation, and back-to-back messages would all be cold (the bench's 32 channels:
+/// 112 of 183 turns); a preparation takes what a cold start takes, so the wait costs
+/// nothing unless the engine stalls.
+const PREPARATION_WAIT: Duration = Duration::from_secs(3);
 
 /// A prepared container waiting for the channel's next turn.
 struct WarmSlot {
@@ -66,6 +78,10 @@ struct WarmSlot {
     stamp: Stamp,
     ttl: SpawnHandle,
 }
+
+/// What a preparation task ends with.
+type PreparationResult =
+    Result<Result<Option<PreparedTurn>, roundtable_sandbox::TurnError>, tokio::task::JoinError>;
 
 /// Removes a prepared container in the background (its permit is held until it is gone,
 /// so the supervisor's shutdown waits for it).
@@ -132,6 +148,8 @@ impl ChannelActor {
             idle_timer: None,
             warm: None,
             preparing: None,
+            holding: None,
+            gave_up_on: None,
             warm_seq: 0,
             span,
         }
@@ -176,20 +194,34 @@ impl ChannelActor {
         );
     }
 
-    /// A preparation ended: keep its container for the next turn, or remove it.
+    /// A preparation ended: keep its container for the next turn, or remove it; then admit
+    /// the message that waited for it, if one did.
     fn prepared(
         &mut self,
         seq: u64,
         stamp: Stamp,
-        result: Result<
-            Result<Option<PreparedTurn>, roundtable_sandbox::TurnError>,
-            tokio::task::JoinError,
-        >,
+        result: PreparationResult,
         ctx: &mut Context<Self>,
     ) {
         if self.preparing.as_ref().is_some_and(|(s, _)| *s == seq) {
             self.preparing = None;
         }
+        self.keep_prepared(seq, stamp, result, ctx);
+        if let Some(timer) = self.holding.take() {
+            ctx.cancel_future(timer);
+        }
+        if !self.shutting_down {
+            self.admit_next(ctx);
+        }
+    }
+
+    fn keep_prepared(
+        &mut self,
+        seq: u64,
+        stamp: Stamp,
+        result: PreparationResult,
+        ctx: &mut Context<Self>,
+    ) {
         let turn = match result {
             Ok(Ok(Some(turn))) => turn,
             Ok(Ok(None)) => {
@@ -249,10 +281,34 @@ impl ChannelActor {
         if let Some((_, cancel)) = self.preparing.take() {
             cancel.cancel();
         }
+        if let Some(timer) = self.holding.take() {
+            ctx.cancel_future(timer);
+        }
         if let Some(slot) = self.warm.take() {
             ctx.cancel_future(slot.ttl);
             discard(slot.turn, why);
         }
+    }
+
+    /// Whether the next message waits for the preparation in flight (arming the timer that
+    /// admits it cold past [`PREPARATION_WAIT`]).
+    fn waits_for_preparation(&mut self, ctx: &mut Context<Self>) -> bool {
+        let Some(seq) = self.preparing.as_ref().map(|(seq, _)| *seq) else {
+            return false;
+        };
+        if self.warm.is_some() || self.queue.is_empty() || self.gave_up_on == Some(seq) {
+            return false;
+        }
+        if self.holding.is_none() {
+            tracing::debug!("the next turn waits for its container's preparation");
+            self.holding = Some(ctx.run_later(PREPARATION_WAIT, move |act, ctx| {
+                act.holding = None;
+                act.gave_up_on = Some(seq);
+                tracing::debug!("the preparation is slow; the next turn starts cold");
+                act.guarded(ctx, "preparation wait", |act, ctx| act.admit_next(ctx));
+            }));
+        }
+        true
     }
 
     fn is_idle(&self) -> bool {
@@ -297,7 +353,9 @@ impl ChannelActor {
             );
             return Err(SandboxActorError::ShuttingDown);
         }
-        if self.active.is_some() && self.queue.len() >= self.shared.queue_limit {
+        if (self.active.is_some() || self.holding.is_some())
+            && self.queue.len() >= self.shared.queue_limit
+        {
             tracing::info!(waiting = self.queue.len(), "busy: message refused");
             sink.refused(&message.speaker.id, &message.text, TurnFailure::Busy);
             return Err(SandboxActorError::Busy {
@@ -320,7 +378,7 @@ impl ChannelActor {
 
     /// Admits the next queued message if no turn is active; arms the idle timer otherwise.
     fn admit_next(&mut self, ctx: &mut Context<Self>) {
-        if self.active.is_some() {
+        if self.active.is_some() || self.waits_for_preparation(ctx) {
             return;
         }
         while let Some(pending) = self.queue.pop_front() {
@@ -499,9 +557,12 @@ impl Handler<TurnReplied> for ChannelActor {
     type Result = ();
 
     fn handle(&mut self, msg: TurnReplied, ctx: &mut Self::Context) {
-        self.guarded(ctx, "turn replied", |act, _| {
+        self.guarded(ctx, "turn replied", |act, ctx| {
             if act.active.as_ref().is_some_and(|a| a.id == msg.turn) {
                 tracing::debug!(turn = msg.turn, ok = msg.ok, "turn replied; tearing down");
+                // The next turn's container is prepared while this one is torn down (it
+                // waits for its turn, which is admitted only once the teardown is done).
+                act.prepare_next(ctx);
             }
         });
     }
