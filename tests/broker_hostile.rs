@@ -38,6 +38,17 @@ async fn start_turn(broker: &Arc<Broker>) -> BrokerTurn {
     BrokerTurn::start(broker, "chan-h", mallory).await
 }
 
+/// A turn of a broker whose upstream answers with `steps`, one a call (up to 1000 model
+/// calls in the turn): the model, the broker and the turn, each to be kept.
+async fn scripted_turn(steps: Vec<Step>) -> (ScriptedModel, Arc<Broker>, BrokerTurn) {
+    let model = ScriptedModel::start(steps).await;
+    let mut p = policy(&model.url());
+    p.limits.max_model_calls = 1000;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    (model, broker, turn)
+}
+
 /// Every 3-byte piece of the key found in `text`.
 fn key_pieces(text: &str) -> Vec<String> {
     let bytes = text.as_bytes();
@@ -451,11 +462,7 @@ async fn the_key_at_every_offset_across_chunk_boundaries_is_redacted() {
             }
         })
         .collect();
-    let model = ScriptedModel::start(steps).await;
-    let mut p = policy(&model.url());
-    p.limits.max_model_calls = 1000;
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (_model, _broker, turn) = scripted_turn(steps).await;
     for k in offsets {
         let (status, text) = read_stream(turn.socket(), &streamed()).await;
         assert_eq!(status, 200);
@@ -567,11 +574,7 @@ async fn the_error_snippet_cut_sends_no_piece_of_the_key() {
         .map(|j| Step::Status(500, format!("{}{KEY} more", " ".repeat(cut - j))))
         .chain([Step::Status(500, format!("{{\"error\":\"{KEY}\"}}"))])
         .collect();
-    let model = ScriptedModel::start(steps).await;
-    let mut p = policy(&model.url());
-    p.limits.max_model_calls = 1000;
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (_model, _broker, turn) = scripted_turn(steps).await;
     for j in 1..KEY.len() {
         let a = post_json(turn.socket(), CHAT, &json!({"messages": []})).await;
         assert_eq!(a.status, 502);
