@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use actix::prelude::*;
-use roundtable_sandbox::audit::AuditSettings;
+use roundtable_sandbox::audit::{AuditSettings, AuditStats};
 use roundtable_sandbox::budgets::BudgetSettings;
 use roundtable_sandbox::testing::*;
-use roundtable_sandbox::{ApiKey, ChannelId, Config, Sandbox, Speaker, TurnFailure};
+use roundtable_sandbox::{ApiKey, ChannelId, Config, Sandbox, SandboxError, Speaker, TurnFailure};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxActorError, SandboxSupervisor, Shutdown, SupervisorOptions,
 };
@@ -339,14 +339,7 @@ async fn a_timed_out_turn_is_a_line_and_include_text_adds_the_guest_text() {
     assert_eq!(line["text"], "msg-hotel-6f1b wait for it");
     assert_eq!(line["reply"], "turn timed out after 3s");
     assert!(!std::fs::read_to_string(&audit).unwrap().contains(KEY));
-    assert_eq!(
-        sandbox.audit_stats().unwrap(),
-        roundtable_sandbox::audit::AuditStats {
-            written: 1,
-            failed: 0,
-            dropped: 0
-        }
-    );
+    assert_eq!(sandbox.audit_stats().unwrap(), stats(1, 0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -415,24 +408,22 @@ async fn a_full_audit_file_fails_no_turn_and_is_counted() {
     assert_eq!(out.failure, None, "{out:?}");
     assert_eq!(out.reply.text.as_deref(), Some("fine"));
     assert!(sandbox.flush_audit(Duration::from_secs(30)).await);
-    assert_eq!(
-        sandbox.audit_stats().unwrap(),
-        roundtable_sandbox::audit::AuditStats {
-            written: 0,
-            failed: 1,
-            dropped: 0
-        }
-    );
+    assert_eq!(sandbox.audit_stats().unwrap(), stats(0, 1, 0));
 }
 
-#[tokio::test]
-async fn an_unopenable_audit_file_is_a_startup_error() {
-    let env = Env::new();
-    let model = ScriptedModel::start(vec![]).await;
-    let path: PathBuf = env.dir.path().join("readonly.jsonl");
-    std::fs::write(&path, b"").unwrap();
-    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
-    let e = Sandbox::new(config(&env, &model, &path, false))
+/// The audit writer's counts: lines `written`, lines whose write `failed`, turns `dropped`.
+fn stats(written: u64, failed: u64, dropped: u64) -> AuditStats {
+    AuditStats {
+        written,
+        failed,
+        dropped,
+    }
+}
+
+/// The startup error of a runtime whose audit file is `path`, checked to say that the
+/// file cannot be opened for appending.
+async fn unopenable(env: &Env, model: &ScriptedModel, path: &Path) -> SandboxError {
+    let e = Sandbox::new(config(env, model, path, false))
         .await
         .unwrap_err();
     assert_eq!(
@@ -442,18 +433,20 @@ async fn an_unopenable_audit_file_is_a_startup_error() {
             path.display()
         )
     );
+    e
+}
+
+#[tokio::test]
+async fn an_unopenable_audit_file_is_a_startup_error() {
+    let env = Env::new();
+    let model = ScriptedModel::start(vec![]).await;
+    let path: PathBuf = env.dir.path().join("readonly.jsonl");
+    std::fs::write(&path, b"").unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o400)).unwrap();
+    let e = unopenable(&env, &model, &path).await;
     let source = std::error::Error::source(&e).unwrap();
     assert_eq!(source.to_string(), "Permission denied (os error 13)");
     // A directory that does not exist.
     let missing = env.dir.path().join("no/such/dir/audit.jsonl");
-    let e = Sandbox::new(config(&env, &model, &missing, false))
-        .await
-        .unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        format!(
-            "audit file {} cannot be opened for appending",
-            missing.display()
-        )
-    );
+    unopenable(&env, &model, &missing).await;
 }

@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::broker::{
-    ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerPolicy, HostTool,
-    ToolCallContext,
+    ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerPolicy,
 };
-use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn};
+use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{post, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
@@ -37,6 +36,17 @@ async fn start_turn(broker: &Arc<Broker>) -> BrokerTurn {
         name: "Mallory".into(),
     };
     BrokerTurn::start(broker, "chan-h", mallory).await
+}
+
+/// A turn of a broker whose upstream answers with `steps`, one a call (up to 1000 model
+/// calls in the turn): the model, the broker and the turn, each to be kept.
+async fn scripted_turn(steps: Vec<Step>) -> (ScriptedModel, Arc<Broker>, BrokerTurn) {
+    let model = ScriptedModel::start(steps).await;
+    let mut p = policy(&model.url());
+    p.limits.max_model_calls = 1000;
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    (model, broker, turn)
 }
 
 /// Every 3-byte piece of the key found in `text`.
@@ -239,32 +249,15 @@ async fn duplicate_fields_reach_the_upstream_once() {
 // ------------------------------------------------------------ 2. caps
 
 /// A host tool that waits until cancelled.
-struct Waits;
-
-impl HostTool for Waits {
-    fn name(&self) -> &str {
-        "waits"
-    }
-    fn description(&self) -> &str {
-        "waits"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        json!({"type": "object"})
-    }
-    fn call(
-        &self,
-        _: serde_json::Value,
-        _: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(std::future::pending())
-    }
+fn waits() -> FnTool {
+    FnTool::new("waits", "waits", |_, _| std::future::pending())
 }
 
 #[tokio::test]
 async fn calls_in_flight_past_the_cap_are_refused_with_429() {
     let model = ScriptedModel::start((0..8).map(|_| Step::Hang).collect()).await;
     let mut p = policy(&model.url());
-    p.tools = vec![Arc::new(Waits)];
+    p.tools = vec![Arc::new(waits())];
     assert_eq!(p.limits.max_calls_in_flight, 4, "the default");
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
@@ -349,6 +342,13 @@ async fn read_all(s: &mut tokio::net::UnixStream, limit: Duration) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// A raw connection to `socket` that has sent `bytes`.
+async fn connect_sending(socket: &Path, bytes: &[u8]) -> tokio::net::UnixStream {
+    let mut s = tokio::net::UnixStream::connect(socket).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    s
+}
+
 #[tokio::test]
 async fn connections_past_the_cap_are_refused_with_503() {
     let broker = start_broker(policy("http://127.0.0.1:9/v1")).await;
@@ -357,13 +357,7 @@ async fn connections_past_the_cap_are_refused_with_503() {
     // Sixteen idle connections (each sends half a request head and waits).
     let mut idle = Vec::new();
     for _ in 0..16 {
-        let mut s = tokio::net::UnixStream::connect(turn.socket())
-            .await
-            .unwrap();
-        s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\n")
-            .await
-            .unwrap();
-        idle.push(s);
+        idle.push(connect_sending(turn.socket(), b"POST /v1/chat/completions HTTP/1.1\r\n").await);
     }
     // The accept loop takes them in order: the seventeenth is answered 503 and closed.
     let mut s = tokio::net::UnixStream::connect(turn.socket())
@@ -382,12 +376,11 @@ async fn connections_past_the_cap_are_refused_with_503() {
     drop(idle.pop());
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let mut s = tokio::net::UnixStream::connect(turn.socket())
-            .await
-            .unwrap();
-        s.write_all(b"GET /nowhere HTTP/1.1\r\nhost: b\r\nconnection: close\r\n\r\n")
-            .await
-            .unwrap();
+        let mut s = connect_sending(
+            turn.socket(),
+            b"GET /nowhere HTTP/1.1\r\nhost: b\r\nconnection: close\r\n\r\n",
+        )
+        .await;
         let answer = read_all(&mut s, Duration::from_secs(10)).await;
         if answer.starts_with("HTTP/1.1 404") {
             break;
@@ -402,34 +395,17 @@ async fn connections_past_the_cap_are_refused_with_503() {
 }
 
 /// A host tool that says what it was given.
-struct Echo;
-
-impl HostTool for Echo {
-    fn name(&self) -> &str {
-        "echo"
-    }
-    fn description(&self) -> &str {
-        "echo"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        json!({"type": "object"})
-    }
-    fn call(
-        &self,
-        args: serde_json::Value,
-        _: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async move { Ok(args["say"].as_str().unwrap_or("?").to_owned()) })
-    }
-    fn secrets(&self) -> Vec<SecretString> {
-        vec![SecretString::from("tool-secret-Hh6Gg5Ff4")]
-    }
+fn echo() -> FnTool {
+    FnTool::new("echo", "echo", |args, _| async move {
+        Ok(args["say"].as_str().unwrap_or("?").to_owned())
+    })
+    .with_secret("tool-secret-Hh6Gg5Ff4")
 }
 
 #[tokio::test]
 async fn tool_arguments_that_would_inflate_are_refused_before_parsing() {
     let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![Arc::new(Echo)];
+    p.tools = vec![Arc::new(echo())];
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     // 1 MiB of empty arrays: ~350,000 values, ~16 MiB as a serde_json::Value.
@@ -486,11 +462,7 @@ async fn the_key_at_every_offset_across_chunk_boundaries_is_redacted() {
             }
         })
         .collect();
-    let model = ScriptedModel::start(steps).await;
-    let mut p = policy(&model.url());
-    p.limits.max_model_calls = 1000;
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (_model, _broker, turn) = scripted_turn(steps).await;
     for k in offsets {
         let (status, text) = read_stream(turn.socket(), &streamed()).await;
         assert_eq!(status, 200);
@@ -602,11 +574,7 @@ async fn the_error_snippet_cut_sends_no_piece_of_the_key() {
         .map(|j| Step::Status(500, format!("{}{KEY} more", " ".repeat(cut - j))))
         .chain([Step::Status(500, format!("{{\"error\":\"{KEY}\"}}"))])
         .collect();
-    let model = ScriptedModel::start(steps).await;
-    let mut p = policy(&model.url());
-    p.limits.max_model_calls = 1000;
-    let broker = start_broker(p).await;
-    let turn = start_turn(&broker).await;
+    let (_model, _broker, turn) = scripted_turn(steps).await;
     for j in 1..KEY.len() {
         let a = post_json(turn.socket(), CHAT, &json!({"messages": []})).await;
         assert_eq!(a.status, 502);
@@ -638,7 +606,7 @@ async fn declared_secrets_are_redacted_from_host_tool_and_mcp_results() {
         env.insert("STUB_API_TOKEN".into(), mcp_token.into());
     }
     let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![Arc::new(Echo)];
+    p.tools = vec![Arc::new(echo())];
     p.mcp = vec![stub];
     p.api_key = ApiKey::from_provider(Provider);
     let broker = start_broker(p).await;

@@ -126,7 +126,7 @@ async fn attack_call_tools_that_are_not_allow_listed() {
     let stub_dir = tempfile::tempdir().unwrap();
     let mut config = hostile::config(&env, &["broker", "tools"]);
     config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["echo"])];
-    config.tools = vec![hostile::Whoami::new()];
+    config.tools = vec![hostile::whoami().0];
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#tools", "x")).await;
     let f = hostile::findings(&reply);
@@ -161,9 +161,9 @@ async fn attack_call_tools_that_are_not_allow_listed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_pose_as_another_speaker() {
     let env = Env::new();
-    let whoami = hostile::Whoami::new();
+    let (whoami, calls) = hostile::whoami();
     let mut config = hostile::config(&env, &["broker", "speaker"]);
-    config.tools = vec![whoami.clone()];
+    config.tools = vec![whoami];
     config.turn_timeout = Some(Duration::from_secs(30));
     let sandbox = Sandbox::new(config).await.unwrap();
     let reply = sandbox.run_turn(request("#speakers", "x")).await;
@@ -175,7 +175,7 @@ async fn attack_pose_as_another_speaker() {
         "{f:?}"
     );
     assert!(f["not_json"].starts_with("400"), "{f:?}");
-    let calls = whoami.calls.lock().unwrap().clone();
+    let calls = calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1);
     let (channel, speaker, args) = &calls[0];
     assert_eq!(channel, "#speakers");

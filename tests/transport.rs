@@ -6,31 +6,14 @@
 
 use std::sync::Arc;
 
-use roundtable_sandbox::broker::BoxFuture;
-use roundtable_sandbox::testing::{self as support, FakeDriver};
-use roundtable_sandbox::{HostTool, Sandbox, ToolCallContext, TurnFailure};
+use roundtable_sandbox::testing::{self as support, FakeDriver, FnTool};
+use roundtable_sandbox::{Sandbox, TurnFailure};
 
 /// Answers with the channel and speaker the broker bound to the call.
-#[derive(Debug)]
-struct WhoAmI;
-
-impl HostTool for WhoAmI {
-    fn name(&self) -> &str {
-        "whoami"
-    }
-    fn description(&self) -> &str {
-        "who calls"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        serde_json::json!({"type": "object"})
-    }
-    fn call(
-        &self,
-        _: serde_json::Value,
-        ctx: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async move { Ok(format!("{} as {}", ctx.channel, ctx.speaker.name)) })
-    }
+fn whoami() -> FnTool {
+    FnTool::new("whoami", "who calls", |_, ctx| async move {
+        Ok(format!("{} as {}", ctx.channel, ctx.speaker.name))
+    })
 }
 
 #[tokio::test]
@@ -41,7 +24,7 @@ async fn a_backend_carries_the_brokers_http_over_its_own_streams() {
     let driver = FakeDriver::relaying();
     let mut config = env.config();
     config.driver = Some(driver.clone());
-    config.tools = vec![Arc::new(WhoAmI)];
+    config.tools = vec![Arc::new(whoami())];
     let sandbox = Sandbox::new(config).await.unwrap();
     let outcome = sandbox
         .run_turn_outcome(support::request("#relay", "/v1/tools/whoami"))

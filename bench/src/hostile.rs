@@ -47,9 +47,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
-use roundtable_sandbox::broker::{BoxFuture, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
+use roundtable_sandbox::broker::{BrokerPolicy, TurnContext};
 use roundtable_sandbox::protocol::Speaker;
-use roundtable_sandbox::testing::broker_policy;
+use roundtable_sandbox::testing::{broker_policy, FnTool};
 use roundtable_sandbox::Broker;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -59,21 +59,10 @@ use tokio_util::sync::CancellationToken;
 /// The target: the hostile turn's peak over idle.
 pub const TARGET_MIB: f64 = 64.0;
 
-struct Echo;
-
-impl HostTool for Echo {
-    fn name(&self) -> &str {
-        "echo"
-    }
-    fn description(&self) -> &str {
-        "echoes its arguments"
-    }
-    fn parameters(&self) -> Value {
-        json!({"type": "object"})
-    }
-    fn call(&self, args: Value, _ctx: ToolCallContext) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async move { Ok(args.to_string().chars().take(100).collect()) })
-    }
+fn echo() -> FnTool {
+    FnTool::new("echo", "echoes its arguments", |args, _| async move {
+        Ok(args.to_string().chars().take(100).collect())
+    })
 }
 
 /// The other channel's turn socket beside `socket`.
@@ -107,7 +96,7 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
     rt.block_on(async {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
-            tools: vec![Arc::new(Echo)],
+            tools: vec![Arc::new(echo())],
             ..broker_policy(model_url, "sk-bench-hostile-never-leaves")
         };
         // The other channel's turn has calls to spare for its 10 calls a second (a broker

@@ -11,6 +11,7 @@
 //!   guest image, the leftover checks run after every turn, and polling helpers.
 //! - [`BrokerTurn`]: a broker driven alone ([`broker_policy`], [`start_broker`]) and one
 //!   turn's listener on a socket in a private temp dir.
+//! - [`FnTool`]: a host tool made of a function, for the tests' small tools.
 //!
 //! ```ignore
 //! // Cargo.toml: [dev-dependencies] roundtable-sandbox = { path = "..", features = ["testing"] }
@@ -24,6 +25,7 @@
 mod env;
 mod fake;
 mod lone_broker;
+mod tool;
 
 pub use env::{
     assert_no_leftovers, assert_no_leftovers_in, containers_labelled, eventually, image,
@@ -32,6 +34,7 @@ pub use env::{
 };
 pub use fake::{FakeDriver, HandedRun, Record, Run, RunEnd, WhoAmI};
 pub use lone_broker::{broker_policy, start_broker, BrokerTurn};
+pub use tool::FnTool;
 
 mod events;
 pub use events::Recorder;

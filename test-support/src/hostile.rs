@@ -12,10 +12,9 @@ use std::collections::BTreeMap;
 
 use std::sync::{Arc, Mutex};
 
-use roundtable_sandbox::broker::BoxFuture;
-use roundtable_sandbox::{Config, HostTool, Reply, Speaker, ToolCallContext};
+use roundtable_sandbox::{Config, Reply, Speaker};
 
-use roundtable_sandbox::testing::Env;
+use roundtable_sandbox::testing::{Env, FnTool};
 
 /// The hostile image the test script builds.
 pub fn image() -> String {
@@ -68,43 +67,28 @@ pub fn findings(reply: &Reply) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// A host tool that answers with the channel and speaker it was called for, and records
-/// every call (its arguments included).
-#[derive(Debug, Default)]
-pub struct Whoami {
-    pub calls: Mutex<Vec<(String, Speaker, serde_json::Value)>>,
-}
+/// What a [`whoami`] tool was called with: the channel, the speaker and the arguments of
+/// each call.
+pub type Calls = Arc<Mutex<Vec<(String, Speaker, serde_json::Value)>>>;
 
-impl Whoami {
-    pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
-    }
-}
-
-impl HostTool for Whoami {
-    fn name(&self) -> &str {
-        "whoami"
-    }
-    fn description(&self) -> &str {
-        "Tells who is asking"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        serde_json::json!({"type": "object"})
-    }
-    fn call(
-        &self,
-        args: serde_json::Value,
-        ctx: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async move {
-            self.calls
-                .lock()
-                .unwrap()
-                .push((ctx.channel.clone(), ctx.speaker.clone(), args));
-            Ok(format!(
+/// A host tool that answers with the channel and speaker it was called for, and the record
+/// of every call (its arguments included).
+pub fn whoami() -> (Arc<FnTool>, Calls) {
+    let calls = Calls::default();
+    let record = calls.clone();
+    let tool = FnTool::new("whoami", "Tells who is asking", move |args, ctx| {
+        let record = record.clone();
+        async move {
+            let answer = format!(
                 "channel {} speaker {} {}",
                 ctx.channel, ctx.speaker.id, ctx.speaker.name
-            ))
-        })
-    }
+            );
+            record
+                .lock()
+                .unwrap()
+                .push((ctx.channel, ctx.speaker, args));
+            Ok(answer)
+        }
+    });
+    (Arc::new(tool), calls)
 }

@@ -38,7 +38,7 @@ async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
     let model = ScriptedModel::start(vec![Step::text("a"), Step::text("b")]).await;
     let base = || {
         let mut p = policy(&model.url());
-        p.tools = vec![Arc::new(Weather::default()), Arc::new(Waits::default())];
+        p.tools = vec![weather().0, waits().0];
         p
     };
     let weather = "/v1/tools/weather";
@@ -200,7 +200,7 @@ async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
 async fn a_model_call_and_a_tool_call_yield_one_event_each() {
     let model = ScriptedModel::start(vec![Step::text("a")]).await;
     let mut p = policy(&model.url());
-    p.tools = vec![Arc::new(Weather::default())];
+    p.tools = vec![weather().0];
     let (turn, seen) = observed(p).await;
     assert_eq!(
         post_json(turn.socket(), CHAT, &chat_body(false))

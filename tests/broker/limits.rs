@@ -7,7 +7,7 @@ async fn an_oversized_body_gives_413() {
     let model = ScriptedModel::start(vec![]).await;
     let mut p = policy(&model.url());
     p.limits.max_request_bytes = 4096;
-    p.tools = vec![Arc::new(Weather::default())];
+    p.tools = vec![weather().0];
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     let big = json!({"city": "x".repeat(5000)}).to_string();
@@ -45,7 +45,7 @@ async fn one_call_too_many_gives_429() {
     let mut p = policy(&model.url());
     p.limits.max_model_calls = 2;
     p.limits.max_tool_calls = 1;
-    p.tools = vec![Arc::new(Weather::default())];
+    p.tools = vec![weather().0];
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     let s = turn.socket();
@@ -76,7 +76,7 @@ async fn one_call_too_many_gives_429() {
 async fn malformed_json_gives_400() {
     let model = ScriptedModel::start(vec![]).await;
     let mut p = policy(&model.url());
-    p.tools = vec![Arc::new(Weather::default())];
+    p.tools = vec![weather().0];
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     let a = post(turn.socket(), CHAT, &[], "{not json").await.unwrap();

@@ -38,7 +38,7 @@ fn logs_never_hold_the_key_nor_guest_text_at_info() {
         .await;
         let mut p = policy(&model.url());
         p.limits.call_timeout = Duration::from_millis(300);
-        p.tools = vec![Arc::new(Weather::default())];
+        p.tools = vec![weather().0];
         let broker = start_broker(p).await;
         let turn = start_turn(&broker).await;
         let s = turn.socket();

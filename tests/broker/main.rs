@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::broker::{
-    validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerPolicy, HostTool,
-    McpScope, McpServer, McpTransport, ToolCallContext, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
+    validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerPolicy, McpScope,
+    McpServer, McpTransport, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
 };
-use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn};
+use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
 use roundtable_sandbox::turn::channel_segment;
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
@@ -48,12 +48,13 @@ fn speaker() -> Speaker {
     }
 }
 
-/// A broker offering the host tool `weather` (its model at no address), and the tool.
-async fn weather_broker() -> (Arc<Weather>, Arc<Broker>) {
-    let weather = Arc::new(Weather::default());
+/// A broker offering the host tool `weather` (its model at no address), and the record of
+/// the tool's calls.
+async fn weather_broker() -> (Seen, Arc<Broker>) {
+    let (weather, seen) = weather();
     let mut p = policy("http://127.0.0.1:9/v1");
-    p.tools = vec![weather.clone()];
-    (weather, start_broker(p).await)
+    p.tools = vec![weather];
+    (seen, start_broker(p).await)
 }
 
 /// A turn of `chan-1`.
@@ -129,36 +130,17 @@ fn kill9(pid: i32) {
 
 // ---------------------------------------------------------------- host tools shared by the topics
 
-#[derive(Default)]
-struct Weather {
-    seen: Mutex<Vec<(String, Speaker)>>,
-}
+/// Who the host tool `weather` was called for: the channel and speaker of each call.
+type Seen = Arc<Mutex<Vec<(String, Speaker)>>>;
 
-impl HostTool for Weather {
-    fn name(&self) -> &str {
-        "weather"
-    }
-    fn description(&self) -> &str {
-        "The weather in a city"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        json!({
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer", "minimum": 1}
-            },
-            "required": ["city"],
-            "additionalProperties": false
-        })
-    }
-    fn call(
-        &self,
-        args: serde_json::Value,
-        ctx: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async move {
-            self.seen
+/// The host tool `weather`, and the record of its calls.
+fn weather() -> (Arc<FnTool>, Seen) {
+    let seen = Seen::default();
+    let record = seen.clone();
+    let tool = FnTool::new("weather", "The weather in a city", move |args, ctx| {
+        let record = record.clone();
+        async move {
+            record
                 .lock()
                 .unwrap()
                 .push((ctx.channel.clone(), ctx.speaker.clone()));
@@ -173,33 +155,27 @@ impl HostTool for Weather {
                 "sunny in {city} (channel {}, asked by {} {})",
                 ctx.channel, ctx.speaker.name, ctx.speaker.id
             ))
-        })
-    }
+        }
+    })
+    .with_parameters(json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer", "minimum": 1}
+        },
+        "required": ["city"],
+        "additionalProperties": false
+    }));
+    (Arc::new(tool), seen)
 }
 
-/// Waits until its call is cancelled, and tells.
-#[derive(Default)]
-struct Waits {
-    cancelled: Arc<AtomicBool>,
-}
-
-impl HostTool for Waits {
-    fn name(&self) -> &str {
-        "waits"
-    }
-    fn description(&self) -> &str {
-        "Waits forever"
-    }
-    fn parameters(&self) -> serde_json::Value {
-        json!({"type": "object"})
-    }
-    fn call(
-        &self,
-        _args: serde_json::Value,
-        ctx: ToolCallContext,
-    ) -> BoxFuture<'_, Result<String, String>> {
-        let flag = self.cancelled.clone();
-        Box::pin(async move {
+/// The host tool `waits`: waits until its call is cancelled, and tells (the flag).
+fn waits() -> (Arc<FnTool>, Arc<AtomicBool>) {
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let flag = cancelled.clone();
+    let tool = FnTool::new("waits", "Waits forever", move |_, ctx| {
+        let flag = flag.clone();
+        async move {
             let token = ctx.cancel.clone();
             tokio::spawn(async move {
                 token.cancelled().await;
@@ -207,8 +183,9 @@ impl HostTool for Waits {
             });
             std::future::pending::<()>().await;
             Ok(String::new())
-        })
-    }
+        }
+    });
+    (Arc::new(tool), cancelled)
 }
 
 mod events;

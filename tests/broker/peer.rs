@@ -33,9 +33,9 @@ async fn the_peer_check_can_be_turned_off_for_runtimes_that_hide_the_uid() {
 #[tokio::test]
 async fn cancelling_the_turn_ends_calls_in_flight() {
     let model = ScriptedModel::start(vec![Step::Hang]).await;
-    let waits = Arc::new(Waits::default());
+    let (waits, cancelled) = waits();
     let mut p = policy(&model.url());
-    p.tools = vec![waits.clone()];
+    p.tools = vec![waits];
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
     let socket = turn.socket().to_owned();
@@ -68,7 +68,7 @@ async fn cancelling_the_turn_ends_calls_in_flight() {
     assert!(m.is_err(), "{m:?}");
     assert!(t.is_err(), "{t:?}");
     let deadline = Instant::now() + Duration::from_secs(3);
-    while !waits.cancelled.load(Ordering::SeqCst) {
+    while !cancelled.load(Ordering::SeqCst) {
         assert!(Instant::now() < deadline, "the handler's token never fired");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

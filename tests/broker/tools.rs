@@ -5,7 +5,7 @@ use super::*;
 
 #[tokio::test]
 async fn host_tool_runs_with_channel_and_speaker() {
-    let (weather, broker) = weather_broker().await;
+    let (seen, broker) = weather_broker().await;
     let (tools, mcp) = broker.turn_tools();
     assert_eq!(tools.len(), 1);
     assert_eq!(tools[0].name, "weather");
@@ -23,7 +23,7 @@ async fn host_tool_runs_with_channel_and_speaker() {
         json!({"ok": true, "content": "sunny in Oslo (channel chan-1, asked by Ann u-17)"})
     );
     assert_eq!(
-        weather.seen.lock().unwrap().clone(),
+        seen.lock().unwrap().clone(),
         vec![("chan-1".to_owned(), speaker())]
     );
     // A handler's error is a readable result; a key in a result is redacted.
@@ -47,7 +47,7 @@ async fn host_tool_runs_with_channel_and_speaker() {
 
 #[tokio::test]
 async fn host_tool_invalid_arguments_give_400_naming_the_property() {
-    let (weather, broker) = weather_broker().await;
+    let (seen, broker) = weather_broker().await;
     let turn = start_turn(&broker).await;
     let s = turn.socket();
     let a = post_json(s, "/v1/tools/weather", &json!({"city": 42})).await;
@@ -77,7 +77,7 @@ async fn host_tool_invalid_arguments_give_400_naming_the_property() {
     let a = post_json(s, "/v1/tools/weather", &json!(["Oslo"])).await;
     assert_eq!(a.status, 400);
     assert_eq!(a.error(), "the request body must be a JSON object");
-    assert!(weather.seen.lock().unwrap().is_empty(), "a handler ran");
+    assert!(seen.lock().unwrap().is_empty(), "a handler ran");
 }
 
 #[tokio::test]
