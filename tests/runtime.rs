@@ -304,3 +304,35 @@ async fn a_fork_bomb_is_held_at_the_pids_limit() {
     assert!((12..=24).contains(&n), "{n} processes");
     assert_no_leftovers(&sandbox).await;
 }
+
+/// A test that fails before its runtime is shut down leaves no container behind: its
+/// scratch area, dropped while the test's thread unwinds, removes the containers of its
+/// runtime instance (here one created with the instance's label, as a prepared container
+/// waiting for its message is, and never started).
+#[test]
+fn a_failed_test_leaves_no_container_of_its_instance() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let failed = std::thread::spawn(move || {
+        let env = Env::new();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let instance = rt.block_on(env.instance());
+        let out = std::process::Command::new("docker")
+            .args(["create", "--label"])
+            .arg(format!("roundtable-sandbox={instance}"))
+            .arg(image())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(rt.block_on(labelled_containers_of(&instance)).len(), 1);
+        tx.send(instance).unwrap();
+        panic!("a test's assertion failed (on purpose)");
+    })
+    .join();
+    assert!(failed.is_err(), "the thread was to panic");
+    let instance = rx.recv().unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    assert_eq!(
+        rt.block_on(labelled_containers_of(&instance)),
+        Vec::<String>::new()
+    );
+}

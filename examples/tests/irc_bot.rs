@@ -159,6 +159,16 @@ type Said = std::sync::Arc<std::sync::Mutex<Vec<(Instant, String)>>>;
 /// Starts the bot joined to `channels`; returns it once it has registered, with its stderr
 /// lines as they come.
 fn start_bot(d: &Path, port: u16, channels: &str) -> (Proc, Said, std::thread::JoinHandle<()>) {
+    start_bot_with(d, port, channels, &[])
+}
+
+/// [`start_bot`] with more arguments for the bot.
+fn start_bot_with(
+    d: &Path,
+    port: u16,
+    channels: &str,
+    extra: &[&str],
+) -> (Proc, Said, std::thread::JoinHandle<()>) {
     let mut bot = Command::new(env!("CARGO_BIN_EXE_irc-bot"))
         .args([
             "--server",
@@ -175,6 +185,7 @@ fn start_bot(d: &Path, port: u16, channels: &str) -> (Proc, Said, std::thread::J
         .arg("--offline")
         .arg("--config")
         .arg(floor_config(d))
+        .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -300,7 +311,8 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     let d = dir.path();
     let port = free_port();
     let _server = start_server(d, port);
-    let (bot, said, echo) = start_bot(d, port, "#test");
+    let (bot, said, echo) = start_bot_with(d, port, "#test", &["--metrics", "127.0.0.1:0"]);
+    let metrics = metrics_addr(&said);
     let Client {
         _proc: _client,
         mut chan,
@@ -357,7 +369,61 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         "{log:?}"
     );
 
+    // `--metrics`: the bot's endpoint counts the four turns it served (the reset is no turn),
+    // with no channel or nick in any label.
+    let body = std::cell::RefCell::new(String::new());
+    wait_until_or(
+        "the metrics to count four turns",
+        || {
+            *body.borrow_mut() = scrape(&metrics);
+            metric_sum(&body.borrow(), "roundtable_turns_total{") == 4.0
+        },
+        || body.borrow().clone(),
+    );
+    let body = body.into_inner();
+    assert_eq!(
+        metric_sum(&body, "roundtable_turns_total{outcome=\"ok\""),
+        4.0,
+        "{body}"
+    );
+    assert!(
+        !body.contains("#test") && !body.contains("tester"),
+        "{body}"
+    );
+
     stop_bot(bot, &said, echo, d);
+}
+
+/// The address the bot said its metrics are served at.
+fn metrics_addr(said: &Said) -> String {
+    let (i, _) = wait_for_said(said, "irc-bot: metrics at http://", 0);
+    let line = said.lock().unwrap()[i].1.clone();
+    let rest = line.split_once("http://").unwrap().1;
+    rest.strip_suffix("/metrics").unwrap_or(rest).to_owned()
+}
+
+/// A GET of `/metrics` at `addr`: the body.
+fn scrape(addr: &str) -> String {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.starts_with("HTTP/1.") && head.contains(" 200 "),
+        "{head}"
+    );
+    body.to_owned()
+}
+
+/// The sum of the samples whose line starts with `prefix` (a metric's name and `{`, maybe
+/// its first label).
+fn metric_sum(body: &str, prefix: &str) -> f64 {
+    body.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 /// A message whose turn prints long lines (the offline model shows a `run:` command's whole

@@ -49,6 +49,8 @@ pub use error::ConfigError;
 #[cfg(feature = "cli")]
 pub(crate) use file::read_env_secret;
 #[cfg(feature = "testing")]
+pub(crate) use validate::default_instance;
+#[cfg(feature = "testing")]
 pub use file::{CompactionFile, ConfigFile};
 pub use limits::Limits;
 pub use validate::is_private_dir;

@@ -413,7 +413,7 @@ fn valid_instance(s: &str) -> bool {
 }
 
 /// `rt-` and 12 hex digits of the sha256 of the canonical run root.
-fn default_instance(run_root: &Path) -> String {
+pub(crate) fn default_instance(run_root: &Path) -> String {
     use sha2::Digest;
     let digest = sha2::Sha256::digest(run_root.as_os_str().as_encoded_bytes());
     format!("rt-{}", &hex::encode(digest)[..12])

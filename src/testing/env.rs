@@ -63,6 +63,57 @@ pub struct Env {
     pub workspace_root: PathBuf,
 }
 
+/// A test that panics (an assertion failed) before its runtime was shut down can leave the
+/// containers of its runtime instance running (a prepared container waits for its stdin to
+/// close), and no later sweep matches an instance label of a removed scratch area: the
+/// scratch area removes them, by the instance label its run root derives, when it is
+/// dropped while its thread unwinds. A passing test's own leftover checks stay the test of
+/// the runtime's teardown; this only keeps a failed run from leaking containers on the
+/// machine.
+impl Drop for Env {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            reap_instance(&self.run_root);
+        }
+    }
+}
+
+/// Removes (best effort, through the engine's CLI: a drop cannot await) every container
+/// labelled with the default runtime instance of `run_root`; says how many on stderr.
+fn reap_instance(run_root: &Path) {
+    let root = run_root
+        .canonicalize()
+        .unwrap_or_else(|_| run_root.to_owned());
+    let label = format!(
+        "label={LABEL_RUNTIME}={}",
+        crate::config::default_instance(&root)
+    );
+    let Ok(out) = std::process::Command::new("docker")
+        .args(["ps", "-aq", "--filter", &label])
+        .output()
+    else {
+        return;
+    };
+    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    if ids.is_empty() {
+        return;
+    }
+    let removed = std::process::Command::new("docker")
+        .args(["rm", "-f"])
+        .args(&ids)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    eprintln!(
+        "test scratch area dropped in a panic: {} container(s) of {label} left by the test {}",
+        ids.len(),
+        if removed { "removed" } else { "NOT removed" }
+    );
+}
+
 impl Default for Env {
     fn default() -> Self {
         Self::new()
