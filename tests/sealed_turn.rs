@@ -790,3 +790,35 @@ async fn sweep_spares_live_turns_and_other_runtimes_containers() {
     drop(_cleanup);
     assert_no_leftovers(&sandbox).await;
 }
+
+/// A turn asks the engine for no inspect when it ends in a reply: where its container's
+/// processes are listed (the liveness check, the quota's count of held files) is found by
+/// the id the engine gave at creation, in the engine's cgroup layout (`docker/<id>` or
+/// `docker-<id>.scope`, the two cgroup drivers'), not by asking the engine. Cold and warm
+/// alike (the warm turn's container is started the same way). The guest holds a deleted
+/// file open for a second, so the quota's watcher lists its processes a few times.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_that_replies_asks_the_engine_for_no_inspect() {
+    let env = Env::new();
+    let ops = Arc::new(Mutex::new(Vec::<&'static str>::new()));
+    let mut config = env.sh_config(
+        "cat >/dev/null; exec 3>/workspace/held; rm /workspace/held; \
+         head -c 3000000 /dev/zero >&3; sleep 1; \
+         printf '{\"ok\":true,\"text\":\"done\"}'",
+    );
+    config.observer = Some({
+        let ops = ops.clone();
+        Arc::new(move |e: &roundtable_sandbox::events::Event| {
+            if let roundtable_sandbox::events::EventKind::Engine { op, .. } = e.kind {
+                ops.lock().unwrap().push(op);
+            }
+        })
+    });
+    let sandbox = Sandbox::new(config).await.unwrap();
+    let outcome = sandbox.run_turn_outcome(request("#no-inspect", "x")).await;
+    assert!(outcome.reply.ok, "{:?}", outcome.reply);
+    let ops = ops.lock().unwrap().clone();
+    assert!(ops.contains(&"create") && ops.contains(&"start"), "{ops:?}");
+    assert!(!ops.contains(&"inspect"), "{ops:?}");
+    assert_no_leftovers(&sandbox).await;
+}

@@ -134,7 +134,7 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
 }
 
 /// The child's CPU time (user + system), in clock ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
+pub(crate) fn cpu_ticks(pid: u32) -> Result<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
     let rest = text.rsplit_once(')').context("/proc/pid/stat")?.1;

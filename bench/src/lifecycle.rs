@@ -299,15 +299,10 @@ pub async fn timed_turn(
     ))
 }
 
-/// The driver alone: the sealed container of a turn (same spec as the runtime's, with a
-/// fixed run dir and workspace), run then removed; no broker, no dir creation.
-pub async fn driver_turn(
-    driver: &DockerDriver,
-    image: &str,
-    roots: &Roots,
-    stdin: &[u8],
-) -> Result<Timing> {
-    let spec = ContainerSpec {
+/// The sealed container of the driver's turn (the runtime's limits, the bench's fixed dirs),
+/// under a fresh name.
+pub fn driver_spec(image: &str, roots: &Roots) -> ContainerSpec {
+    ContainerSpec {
         name: format!(
             "rtbench-driver-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..12]
@@ -327,7 +322,70 @@ pub async fn driver_turn(
         labels: BTreeMap::from([(BENCH_LABEL.to_owned(), "driver".to_owned())]),
         command: Some(command()),
         runtime: None,
-    };
+    }
+}
+
+/// The sealed container's options, each taken away in turn (issue 24: where the engine's
+/// time per sealed container goes): the variant's name and the body without it.
+pub fn ablations(spec: &ContainerSpec) -> Vec<(&'static str, ContainerCreateBody)> {
+    type Strip = fn(&mut ContainerCreateBody, &mut HostConfig);
+    let strips: [(&'static str, Strip); 11] = [
+        ("sealed (all options)", |_, _| {}),
+        ("without init", |_, h| h.init = None),
+        ("without the /tmp tmpfs", |_, h| h.tmpfs = None),
+        ("without the two bind mounts", |_, h| h.mounts = None),
+        ("without memory/cpu/pids limits", |_, h| {
+            (h.memory, h.memory_swap, h.nano_cpus, h.pids_limit) = (None, None, None, None)
+        }),
+        ("without ulimits", |_, h| h.ulimits = None),
+        ("without the read-only root", |_, h| {
+            h.readonly_rootfs = None
+        }),
+        ("without cap drop and no-new-privileges", |_, h| {
+            (h.cap_drop, h.security_opt) = (None, None)
+        }),
+        ("without ipc private and oom score", |_, h| {
+            (h.ipc_mode, h.oom_score_adj) = (None, None)
+        }),
+        ("without the user and working dir", |b, _| {
+            (b.user, b.working_dir) = (None, None)
+        }),
+        ("without all of them", |b, h| {
+            let keep = HostConfig {
+                network_mode: h.network_mode.take(),
+                log_config: h.log_config.take(),
+                runtime: h.runtime.take(),
+                ..Default::default()
+            };
+            *h = keep;
+            (b.user, b.working_dir, b.env) = (None, None, None);
+        }),
+    ];
+    strips
+        .into_iter()
+        .map(|(what, strip)| {
+            let mut body = roundtable_sandbox::driver::docker::create_body(spec);
+            let mut host = body.host_config.take().unwrap_or_default();
+            strip(&mut body, &mut host);
+            body.host_config = Some(host);
+            body.labels = Some(HashMap::from([(
+                BENCH_LABEL.to_owned(),
+                "ablation".to_owned(),
+            )]));
+            (what, body)
+        })
+        .collect()
+}
+
+/// The driver alone: the sealed container of a turn (same spec as the runtime's, with a
+/// fixed run dir and workspace), run then removed; no broker, no dir creation.
+pub async fn driver_turn(
+    driver: &DockerDriver,
+    image: &str,
+    roots: &Roots,
+    stdin: &[u8],
+) -> Result<Timing> {
+    let spec = driver_spec(image, roots);
     let t0 = Instant::now();
     // What the turn does with a run: the driver's outcome, judged into a reply.
     let reply = driver
@@ -395,7 +453,19 @@ pub async fn bare_turn_on(
         }),
         ..Default::default()
     };
-    let create = CreateContainerOptionsBuilder::new().name(&name).build();
+    body_turn(docker, &name, body, stdin, t0).await
+}
+
+/// One lifecycle of a container made of `body` (named `name`): create, attach, start, write
+/// stdin, read to the end and wait, remove; `t0` is when the turn began.
+pub async fn body_turn(
+    docker: &Docker,
+    name: &str,
+    body: ContainerCreateBody,
+    stdin: &[u8],
+    t0: Instant,
+) -> Result<Timing> {
+    let create = CreateContainerOptionsBuilder::new().name(name).build();
     docker.create_container(Some(create), body).await?;
     let created = t0.elapsed();
     let attach = AttachContainerOptions {
@@ -406,10 +476,10 @@ pub async fn bare_turn_on(
         logs: false,
         detach_keys: None,
     };
-    let io = docker.attach_container(&name, Some(attach)).await?;
+    let io = docker.attach_container(name, Some(attach)).await?;
     let attached = t0.elapsed();
-    let mut wait = docker.wait_container(&name, None::<WaitContainerOptions>);
-    docker.start_container(&name, None).await?;
+    let mut wait = docker.wait_container(name, None::<WaitContainerOptions>);
+    docker.start_container(name, None).await?;
     let started = t0.elapsed();
     let bollard::container::AttachContainerResults {
         mut output,
@@ -439,7 +509,7 @@ pub async fn bare_turn_on(
         .force(true)
         .v(true)
         .build();
-    docker.remove_container(&name, Some(opts)).await?;
+    docker.remove_container(name, Some(opts)).await?;
     let total = t0.elapsed();
     check_output(code, &out)?;
     Ok(Timing {
@@ -453,6 +523,53 @@ pub async fn bare_turn_on(
             ("remove", total - reply_at),
         ]),
     })
+}
+
+/// The bare lifecycle with no stdio at all (create, start, wait, remove: no attach, no stdin;
+/// the guest's answer goes nowhere): what the engine's lifecycle costs without the attach
+/// stream, for the ablation part (a turn that fetched its input and sent its reply over the
+/// broker's socket would need no attach).
+pub async fn detached_turn(docker: &Docker, image: &str) -> Result<()> {
+    let name = format!(
+        "rtbench-detached-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    let body = ContainerCreateBody {
+        image: Some(image.into()),
+        entrypoint: Some(command()),
+        labels: Some(HashMap::from([(
+            BENCH_LABEL.to_owned(),
+            "detached".to_owned(),
+        )])),
+        network_disabled: Some(true),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            log_config: Some(HostConfigLogConfig {
+                typ: Some("none".into()),
+                config: None,
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let create = CreateContainerOptionsBuilder::new().name(&name).build();
+    docker.create_container(Some(create), body).await?;
+    let mut wait = docker.wait_container(&name, None::<WaitContainerOptions>);
+    docker.start_container(&name, None).await?;
+    let code = match wait.next().await {
+        Some(Ok(r)) => r.status_code,
+        Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
+        other => bail!("wait: {other:?}"),
+    };
+    let opts = RemoveContainerOptionsBuilder::new()
+        .force(true)
+        .v(true)
+        .build();
+    docker.remove_container(&name, Some(opts)).await?;
+    if code != 0 {
+        bail!("the detached guest exited {code}");
+    }
+    Ok(())
 }
 
 /// `docker run --rm -i --network none` of the same image with the same stdin: the path of

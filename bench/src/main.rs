@@ -19,6 +19,8 @@ mod memory;
 mod runtimes;
 mod stats;
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -55,13 +57,21 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "throughput", "broker", "memory", "accounting", "observed"],
+        value_parser = ["turn", "gvisor", "concurrency", "throughput", "ablation", "broker", "memory", "accounting", "observed"],
         default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting,observed"
     )]
     only: Vec<String>,
     /// Seconds of each side of the throughput part (per round)
     #[arg(long, value_name = "N", default_value_t = 30)]
     throughput_seconds: u64,
+    /// Seconds each side of the throughput part runs before the turns it counts (its steady
+    /// state)
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    throughput_settle: u64,
+    /// Seconds of each variant of the ablation part (per round; `--only ablation`, not run
+    /// by default)
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    ablation_seconds: u64,
     /// Channels (and bare lifecycles) of the throughput part
     #[arg(long, value_name = "N", default_value_t = 32)]
     throughput_channels: usize,
@@ -290,6 +300,9 @@ async fn run(o: &Options) -> Result<Value> {
     }
     if o.wants("throughput") {
         results["throughput"] = throughput(o, &docker, &roots, &model.url(), &stdin).await?;
+    }
+    if o.wants("ablation") {
+        results["ablation"] = ablation(o, &docker, &roots, &stdin).await?;
     }
     if o.wants("broker") {
         results["broker"] = broker(o, &model).await?;
@@ -708,8 +721,13 @@ async fn throughput(
     stdin: &[u8],
 ) -> Result<Value> {
     let (n, secs) = (o.throughput_channels, o.throughput_seconds);
+    let settle = Duration::from_secs(o.throughput_settle);
+    // The engine calls the runtime makes (where the daemon's time per warm turn goes).
+    let engine_calls = EngineCalls::default();
+    let dockerd = find_process("dockerd");
     println!(
-        "\n== 2b. throughput: {n} channels back to back with warm turns vs {n} bare lifecycles looping (and {n} sealed containers alone, the driver's), {secs} s each side, {} rotating rounds",
+        "\n== 2b. throughput: {n} channels back to back with warm turns vs {n} bare lifecycles looping (and {n} sealed containers alone, the driver's), {secs} s each side (the turns that end in it, after {} s of settling), {} rotating rounds",
+        settle.as_secs(),
         o.rounds
     );
     let c = lifecycle::bench_config(
@@ -725,6 +743,7 @@ async fn throughput(
         max: 2 * n,
         ttl_secs: None,
     })
+    .observer(engine_calls.observer())
     .build();
     let warm = roundtable_sandbox::Sandbox::new(c)
         .await
@@ -737,30 +756,39 @@ async fn throughput(
     let (mut fell_cold, mut failed) = (0u64, 0u64);
     for r in 0..o.rounds {
         for k in 0..3 {
-            let until = Instant::now() + Duration::from_secs(secs);
+            // Every side runs `settle` seconds before its window and is counted only for
+            // the turns that end inside the window: each in its steady state (the warm
+            // side's first preparations, a loop's last turn and the discard of its unused
+            // prepared container fall outside), the same rule for all three.
             let t0 = Instant::now();
+            let from = t0 + settle;
+            let until = from + Duration::from_secs(secs);
+            let counted = move || (from..=until).contains(&Instant::now());
+            let cpu0 = cpu_now(dockerd);
             if (r + k) % 3 == 2 {
                 // The sealed container alone (the driver's run and removal, no runtime):
                 // what the engine's work per sealed container allows.
                 let loops = (0..n).map(|_| async {
-                    let mut done = 0u64;
+                    let (mut done, mut all) = (0u64, 0u64);
                     while Instant::now() < until {
                         lifecycle::driver_turn(&driver, &o.image, roots, stdin).await?;
-                        done += 1;
+                        all += 1;
+                        done += u64::from(counted());
                     }
-                    Ok::<_, anyhow::Error>(done)
+                    Ok::<_, anyhow::Error>((done, all))
                 });
                 let counts = futures_util::future::try_join_all(loops).await?;
                 let wall = t0.elapsed().as_secs_f64();
-                let done: u64 = counts.iter().sum();
-                driver_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
-                rounds.push(json!({"side": "driver", "turns": done, "wall_s": round3(wall)}));
+                let done: u64 = counts.iter().map(|c| c.0).sum();
+                let all: u64 = counts.iter().map(|c| c.1).sum();
+                driver_rates.push(Duration::from_secs_f64(done as f64 / secs as f64 / 1000.0));
+                rounds.push(json!({"side": "driver", "turns": done, "turns_all": all, "wall_s": round3(wall), "cpu_ms_per_turn": cpu_per_turn(cpu0, cpu_now(dockerd), all)}));
             } else if (r + k) % 3 == 0 {
                 let loops = (0..n).map(|c| {
                     let warm = &warm;
                     async move {
                         let channel = format!("#tput-{c}");
-                        let (mut done, mut cold, mut bad) = (0u64, 0u64, 0u64);
+                        let (mut done, mut cold, mut bad, mut all) = (0u64, 0u64, 0u64, 0u64);
                         let mut prepared = lifecycle::prepare(warm, &channel).await.ok();
                         while Instant::now() < until {
                             if prepared.is_none() {
@@ -798,7 +826,8 @@ async fn throughput(
                             let (outcome, next) = tokio::join!(turn, next);
                             prepared = next;
                             if outcome.reply.ok {
-                                done += 1;
+                                all += 1;
+                                done += u64::from(counted());
                             } else {
                                 bad += 1;
                             }
@@ -806,53 +835,234 @@ async fn throughput(
                         if let Some(p) = prepared {
                             p.discard("the throughput part ended").await;
                         }
-                        (done, cold, bad)
+                        (done, cold, bad, all)
                     }
                 });
                 let counts = futures_util::future::join_all(loops).await;
                 let wall = t0.elapsed().as_secs_f64();
                 let done: u64 = counts.iter().map(|c| c.0).sum();
+                let all: u64 = counts.iter().map(|c| c.3).sum();
                 fell_cold += counts.iter().map(|c| c.1).sum::<u64>();
                 failed += counts.iter().map(|c| c.2).sum::<u64>();
-                runtime_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
-                rounds.push(json!({"side": "runtime_warm", "turns": done, "wall_s": round3(wall)}));
+                runtime_rates.push(Duration::from_secs_f64(done as f64 / secs as f64 / 1000.0));
+                rounds.push(json!({"side": "runtime_warm", "turns": done, "turns_all": all, "wall_s": round3(wall), "cpu_ms_per_turn": cpu_per_turn(cpu0, cpu_now(dockerd), all)}));
             } else {
                 let loops = (0..n).map(|_| async move {
-                    let mut done = 0u64;
+                    let (mut done, mut all) = (0u64, 0u64);
                     while Instant::now() < until {
                         lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
-                        done += 1;
+                        all += 1;
+                        done += u64::from(counted());
                     }
-                    Ok::<_, anyhow::Error>(done)
+                    Ok::<_, anyhow::Error>((done, all))
                 });
                 let counts = futures_util::future::try_join_all(loops).await?;
                 let wall = t0.elapsed().as_secs_f64();
-                let done: u64 = counts.iter().sum();
-                bare_rates.push(Duration::from_secs_f64(done as f64 / wall / 1000.0));
-                rounds.push(json!({"side": "bare_api", "turns": done, "wall_s": round3(wall)}));
+                let done: u64 = counts.iter().map(|c| c.0).sum();
+                let all: u64 = counts.iter().map(|c| c.1).sum();
+                bare_rates.push(Duration::from_secs_f64(done as f64 / secs as f64 / 1000.0));
+                rounds.push(json!({"side": "bare_api", "turns": done, "turns_all": all, "wall_s": round3(wall), "cpu_ms_per_turn": cpu_per_turn(cpu0, cpu_now(dockerd), all)}));
             }
         }
     }
     // Rates were stored as durations of `rate` ms: their p50 in ms is the rate in turns/s.
     let (rt, bare, sealed) = (runtime_rates.p50(), bare_rates.p50(), driver_rates.p50());
+    let warm_turns: u64 = rounds
+        .iter()
+        .filter(|r| r["side"] == "runtime_warm")
+        .filter_map(|r| r["turns_all"].as_u64())
+        .sum();
+    let per_turn = engine_calls.per(warm_turns.max(1));
+    for side in ["runtime_warm", "driver", "bare_api"] {
+        let of_side: Vec<&Value> = rounds.iter().filter(|r| r["side"] == side).collect();
+        let mean = |k: &str| {
+            of_side
+                .iter()
+                .filter_map(|r| r["cpu_ms_per_turn"][k].as_f64())
+                .sum::<f64>()
+                / of_side.len().max(1) as f64
+        };
+        println!(
+            "CPU per turn, {side}: this process {:.1} ms, dockerd {:.1} ms",
+            mean("bench"),
+            mean("dockerd")
+        );
+    }
+    println!(
+        "engine calls per warm turn (the runtime's, preparation included): {}",
+        per_turn
+            .iter()
+            .map(|(op, (calls, ms))| format!("{op} {calls:.2} ({ms:.1} ms)"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "turns/s (p50 of rounds): runtime warm {rt:.2}, bare API {bare:.2} => {:.3}x; sealed container alone (driver) {sealed:.2} => {:.3}x of bare ({fell_cold} turns started cold, {failed} failed)",
         rt / bare,
         sealed / bare
     );
+    let whole = |side: &str| {
+        let of: Vec<&Value> = rounds.iter().filter(|r| r["side"] == side).collect();
+        let turns: u64 = of.iter().filter_map(|r| r["turns_all"].as_u64()).sum();
+        let wall: f64 = of.iter().filter_map(|r| r["wall_s"].as_f64()).sum();
+        turns as f64 / wall.max(1e-9)
+    };
+    let (rt_whole, bare_whole) = (whole("runtime_warm"), whole("bare_api"));
+    println!(
+        "counted as before (every turn over the whole wall time, the settling and the last discards in it): runtime warm {rt_whole:.2}, bare API {bare_whole:.2} => {:.3}x",
+        rt_whole / bare_whole
+    );
     warm.shutdown().await;
     Ok(json!({
         "channels": n,
         "seconds": secs,
+        "settle_seconds": settle.as_secs(),
         "rounds": rounds,
         "runtime_warm_turns_per_s_p50": round3(rt),
         "bare_api_turns_per_s_p50": round3(bare),
         "ratio": ratio(rt, bare),
+        "ratio_whole_wall": ratio(rt_whole, bare_whole),
         "driver_turns_per_s_p50": round3(sealed),
         "driver_vs_bare_ratio": ratio(sealed, bare),
         "turns_started_cold": fell_cold,
         "turns_failed": failed,
+        "engine_calls_per_warm_turn": per_turn
+            .iter()
+            .map(|(op, (calls, ms))| (op.to_string(), json!({"calls": round3(*calls), "mean_ms": round3(*ms)})))
+            .collect::<serde_json::Map<_, _>>(),
     }))
+}
+
+/// 2c. Where the engine's time per sealed container goes: the throughput of N lifecycles
+/// looping at once for each variant of the sealed container with one of its options taken
+/// away (and the bare lifecycle), variants rotated between rounds.
+async fn ablation(
+    o: &Options,
+    docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
+    stdin: &[u8],
+) -> Result<Value> {
+    let (n, secs) = (o.throughput_channels, o.ablation_seconds);
+    println!(
+        "\n== 2c. ablation: {n} lifecycles looping at once for each variant of the sealed container, {secs} s each, {} rotating rounds",
+        o.rounds
+    );
+    let names: Vec<&'static str> = lifecycle::ablations(&lifecycle::driver_spec(&o.image, roots))
+        .into_iter()
+        .map(|(what, _)| what)
+        .chain(["bare lifecycle", "bare lifecycle without attach (no stdio)"])
+        .collect();
+    let mut rates: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
+    for r in 0..o.rounds {
+        for k in 0..names.len() {
+            let v = (r + k) % names.len();
+            let until = Instant::now() + Duration::from_secs(secs);
+            let t0 = Instant::now();
+            let (bare_variant, detached_variant) = (v + 2 == names.len(), v + 1 == names.len());
+            let loops = (0..n).map(|_| async move {
+                let mut done = 0u64;
+                while Instant::now() < until {
+                    if bare_variant {
+                        lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
+                    } else if detached_variant {
+                        lifecycle::detached_turn(docker, &o.image).await?;
+                    } else {
+                        let spec = lifecycle::driver_spec(&o.image, roots);
+                        let (_, body) = lifecycle::ablations(&spec).swap_remove(v);
+                        lifecycle::body_turn(docker, &spec.name, body, stdin, Instant::now())
+                            .await?;
+                    }
+                    done += 1;
+                }
+                Ok::<_, anyhow::Error>(done)
+            });
+            let done: u64 = futures_util::future::try_join_all(loops)
+                .await?
+                .iter()
+                .sum();
+            rates[v].push(Duration::from_secs_f64(
+                done as f64 / t0.elapsed().as_secs_f64() / 1000.0,
+            ));
+        }
+    }
+    let bare = rates[names.len() - 2].p50();
+    let sealed = rates[0].p50();
+    let mut out = serde_json::Map::new();
+    for (what, r) in names.iter().zip(&rates) {
+        let rate = r.p50();
+        println!(
+            "{what:<42} {rate:>6.2} turns/s  {:.3}x of bare  {:.3}x of sealed",
+            rate / bare,
+            rate / sealed
+        );
+        out.insert(
+            what.to_string(),
+            json!({"turns_per_s_p50": round3(rate), "vs_bare": ratio(rate, bare), "vs_sealed": ratio(rate, sealed)}),
+        );
+    }
+    Ok(json!({"channels": n, "seconds": secs, "rounds": o.rounds, "variants": out}))
+}
+
+/// The pid of the first process named `comm` (for its CPU time), if any is visible.
+fn find_process(comm: &str) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+        (name.trim() == comm).then_some(pid)
+    })
+}
+
+/// This process's and dockerd's CPU time so far, in clock ticks.
+fn cpu_now(dockerd: Option<u32>) -> (u64, Option<u64>) {
+    (
+        hostile::cpu_ticks(std::process::id()).unwrap_or(0),
+        dockerd.and_then(|p| hostile::cpu_ticks(p).ok()),
+    )
+}
+
+/// CPU ms per turn between two readings of [`cpu_now`] (clock ticks of 10 ms).
+fn cpu_per_turn(a: (u64, Option<u64>), b: (u64, Option<u64>), turns: u64) -> Value {
+    let per = |t: u64| round3(t as f64 * 10.0 / turns.max(1) as f64);
+    json!({
+        "bench": per(b.0.saturating_sub(a.0)),
+        "dockerd": a.1.zip(b.1).map(|(a, b)| per(b.saturating_sub(a))),
+    })
+}
+
+/// Counts the runtime's engine calls by operation (its events' `Engine`), with their time.
+#[derive(Clone, Default)]
+struct EngineCalls(Arc<Mutex<BTreeMap<&'static str, (u64, Duration)>>>);
+
+impl EngineCalls {
+    fn observer(&self) -> roundtable_sandbox::events::Observer {
+        let calls = self.0.clone();
+        Arc::new(move |e: &roundtable_sandbox::events::Event| {
+            if let roundtable_sandbox::events::EventKind::Engine { op, latency, .. } = e.kind {
+                let mut calls = calls.lock().unwrap();
+                let c = calls.entry(op).or_default();
+                c.0 += 1;
+                c.1 += latency;
+            }
+        })
+    }
+
+    /// Calls per turn of `turns`, and each call's mean time in ms, by operation.
+    fn per(&self, turns: u64) -> Vec<(&'static str, (f64, f64))> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(op, (n, t))| {
+                (
+                    *op,
+                    (
+                        *n as f64 / turns as f64,
+                        t.as_secs_f64() * 1000.0 / (*n).max(1) as f64,
+                    ),
+                )
+            })
+            .collect()
+    }
 }
 
 async fn broker(o: &Options, model: &broker_bench::Model) -> Result<Value> {

@@ -287,7 +287,7 @@ impl DockerDriver {
         self.retry_pending_removals().await;
         let name = spec.name.as_str();
         let create = CreateContainerOptionsBuilder::new().name(name).build();
-        match self
+        let id = match self
             .call(
                 "create",
                 name,
@@ -295,7 +295,7 @@ impl DockerDriver {
             )
             .await
         {
-            Ok(_) => {}
+            Ok(created) => created.id,
             Err(DriverError::Call {
                 status, message, ..
             }) if status == Some(404) || message.contains("No such image") => {
@@ -312,7 +312,7 @@ impl DockerDriver {
                 })
             }
             Err(e) => return Err(e),
-        }
+        };
         if spec.runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
             self.sandboxed.lock().unwrap().insert(
                 name.to_owned(),
@@ -323,6 +323,18 @@ impl DockerDriver {
             );
         }
         let io = self.attach_and_start(docker, name).await?;
+        // Where its processes are listed, found by the id the engine gave at creation where
+        // the engine's cgroup layout puts it (no inspect on a turn's way; otherwise the
+        // first look asks the engine, see `process_source`).
+        if let Some(procs) = cgroup_procs_by_id(&id) {
+            self.process_files.lock().unwrap().insert(
+                name.to_owned(),
+                ProcessSource {
+                    id,
+                    procs: Some(procs),
+                },
+            );
+        }
         // The exit is watched from now on: a prepared container that dies while it waits
         // for its turn is known before the turn is written to it.
         let (exit_tx, exit) = tokio::sync::oneshot::channel();
@@ -1256,6 +1268,29 @@ impl DockerDriver {
             None => Err("the measurer's report is not one".into()),
         }
     }
+}
+
+/// The `cgroup.procs` file of container `id`'s cgroup where the engine's two cgroup
+/// drivers put it (v1: the `pids` hierarchy; v2: the unified one; `cgroupfs`:
+/// `docker/<id>`; `systemd`: `system.slice/docker-<id>.scope`), if it lists a process (the
+/// container has started: its init is in it). A container started with another cgroup
+/// parent is found by its init's `/proc/<pid>/cgroup` instead ([`cgroup_procs_file`]).
+/// The names are the engine's: a guest cannot make a cgroup on the host's hierarchy.
+fn cgroup_procs_by_id(id: &str) -> Option<std::path::PathBuf> {
+    if id.len() != 64 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    [
+        format!("/sys/fs/cgroup/pids/docker/{id}"),
+        format!("/sys/fs/cgroup/pids/system.slice/docker-{id}.scope"),
+        format!("/sys/fs/cgroup/docker/{id}"),
+        format!("/sys/fs/cgroup/system.slice/docker-{id}.scope"),
+    ]
+    .into_iter()
+    .map(|dir| std::path::PathBuf::from(dir).join("cgroup.procs"))
+    .find(|procs| {
+        std::fs::read_to_string(procs).is_ok_and(|t| t.lines().any(|l| !l.trim().is_empty()))
+    })
 }
 
 /// The `cgroup.procs` file of the cgroup that `/proc/<pid>/cgroup` (its `text`) names, if
