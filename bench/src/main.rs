@@ -953,11 +953,16 @@ async fn ablation(
         .chain(["bare lifecycle", "bare lifecycle without attach (no stdio)"])
         .collect();
     let mut rates: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
+    // CPU ms per lifecycle, by variant: the whole machine's and dockerd's.
+    let mut machine_ms: Vec<Vec<f64>> = names.iter().map(|_| Vec::new()).collect();
+    let mut dockerd_ms: Vec<Vec<f64>> = names.iter().map(|_| Vec::new()).collect();
+    let dockerd = find_process("dockerd");
     for r in 0..o.rounds {
         for k in 0..names.len() {
             let v = (r + k) % names.len();
             let until = Instant::now() + Duration::from_secs(secs);
             let t0 = Instant::now();
+            let (busy0, d0) = (machine_busy(), cpu_now(dockerd).1);
             let (bare_variant, detached_variant) = (v + 2 == names.len(), v + 1 == names.len());
             let loops = (0..n).map(|_| async move {
                 let mut done = 0u64;
@@ -983,21 +988,29 @@ async fn ablation(
             rates[v].push(Duration::from_secs_f64(
                 done as f64 / t0.elapsed().as_secs_f64() / 1000.0,
             ));
+            let per = |ticks: u64| ticks as f64 * 10.0 / done.max(1) as f64;
+            machine_ms[v].push(per(machine_busy().saturating_sub(busy0)));
+            if let (Some(a), Some(b)) = (d0, cpu_now(dockerd).1) {
+                dockerd_ms[v].push(per(b.saturating_sub(a)));
+            }
         }
     }
     let bare = rates[names.len() - 2].p50();
     let sealed = rates[0].p50();
     let mut out = serde_json::Map::new();
-    for (what, r) in names.iter().zip(&rates) {
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    for (i, (what, r)) in names.iter().zip(&rates).enumerate() {
         let rate = r.p50();
+        let (machine, dockerd) = (mean(&machine_ms[i]), mean(&dockerd_ms[i]));
         println!(
-            "{what:<42} {rate:>6.2} turns/s  {:.3}x of bare  {:.3}x of sealed",
+            "{what:<42} {rate:>6.2} turns/s  {:.3}x of bare  {:.3}x of sealed  CPU/turn: machine {machine:.1} ms, dockerd {dockerd:.1} ms",
             rate / bare,
             rate / sealed
         );
         out.insert(
             what.to_string(),
-            json!({"turns_per_s_p50": round3(rate), "vs_bare": ratio(rate, bare), "vs_sealed": ratio(rate, sealed)}),
+            json!({"turns_per_s_p50": round3(rate), "vs_bare": ratio(rate, bare), "vs_sealed": ratio(rate, sealed),
+                   "machine_cpu_ms_per_turn": round3(machine), "dockerd_cpu_ms_per_turn": round3(dockerd)}),
         );
     }
     Ok(json!({"channels": n, "seconds": secs, "rounds": o.rounds, "variants": out}))
@@ -1010,6 +1023,23 @@ fn find_process(comm: &str) -> Option<u32> {
         let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
         (name.trim() == comm).then_some(pid)
     })
+}
+
+/// The whole machine's busy CPU time so far (every CPU's user, nice, system, irq, softirq
+/// and steal from `/proc/stat`), in clock ticks.
+fn machine_busy() -> u64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|t| {
+            let cpu = t.lines().next()?.strip_prefix("cpu ")?.to_owned();
+            let f: Vec<u64> = cpu
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            // user nice system idle iowait irq softirq steal
+            Some([0, 1, 2, 5, 6, 7].iter().filter_map(|&i| f.get(i)).sum())
+        })
+        .unwrap_or(0)
 }
 
 /// This process's and dockerd's CPU time so far, in clock ticks.
