@@ -16,8 +16,8 @@
 //! - [`BudgetSettings`]: the `[budgets]` section, all optional;
 //! - [`BudgetBook`]: the counters in memory (today's tokens by speaker, channel and bot; the
 //!   speakers' turns of the last minute), the checks, and a writer thread that commits the
-//!   changes to the store off the callers' threads (charges gathered for
-//!   [`COMMIT_INTERVAL`], then one transaction);
+//!   changes to the store off the callers' threads (charges and started turns gathered
+//!   for [`COMMIT_INTERVAL`], then one transaction);
 //! - [`BudgetRefusal`]: which budget refused, and the message a guest reads.
 //!
 //! **The bound.** A turn is admitted only while every budget has room; each model call is
@@ -612,9 +612,10 @@ impl Drop for BudgetBook {
     }
 }
 
-/// How long the writer gathers charges after the first before it commits them: at most
-/// this much of the last charges is lost with a crash of the process (what was committed
-/// stays), and under load one commit (one fsync) serves every call of the interval.
+/// How long the writer gathers charges and started turns after the first before it commits
+/// them: at most this much of the last charges and turns is lost with a crash of the
+/// process (what was committed stays), and under load one commit (one fsync) serves every
+/// call and turn of the interval.
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Commits the writes in order. Charges are gathered in memory and taken by the writer
@@ -627,40 +628,47 @@ fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: Sha
             tracing::error!(error = %e, "budget state write failed");
         }
     };
-    let commit = |store: &mut Box<dyn BudgetStore>| {
+    // Turns started, gathered like the charges (one commit for the interval's turns: an
+    // fsync per turn at its admission slowed the turn beside it).
+    let mut turns: Vec<(String, i64)> = Vec::new();
+    let commit = |store: &mut Box<dyn BudgetStore>, turns: &mut Vec<(String, i64)>| {
         if let Some((day, deltas)) = take_unsaved(&state) {
             report(store.add_tokens(&day, &deltas));
         }
-    };
-    let handle = |store: &mut Box<dyn BudgetStore>, w: Write| match w {
-        Write::Tokens { day, deltas } => report(store.add_tokens(&day, &deltas)),
-        Write::Turn { speaker, at_ms } => {
-            report(store.record_turn(&speaker, at_ms, at_ms - MINUTE_MS));
+        if let Some(&(_, last)) = turns.last() {
+            report(store.record_turns(turns, last - MINUTE_MS));
+            turns.clear();
         }
+    };
+    let handle = |store: &mut Box<dyn BudgetStore>, turns: &mut Vec<(String, i64)>, w: Write| match w
+    {
+        Write::Tokens { day, deltas } => report(store.add_tokens(&day, &deltas)),
+        Write::Turn { speaker, at_ms } => turns.push((speaker, at_ms)),
         Write::NewDay(day) => report(store.forget_days_before(&day)),
         Write::Flush(done) => {
-            commit(store);
+            commit(store, turns);
             let _ = done.send(());
         }
         Write::Wake => {}
     };
     while let Ok(w) = rx.recv() {
-        if !matches!(w, Write::Wake) {
-            handle(&mut store, w);
+        if !matches!(w, Write::Wake | Write::Turn { .. }) {
+            handle(&mut store, &mut turns, w);
             continue;
         }
+        handle(&mut store, &mut turns, w);
         // Gather the interval's charges; other writes are served as they come.
         let until = std::time::Instant::now() + COMMIT_INTERVAL;
         loop {
             let left = until.saturating_duration_since(std::time::Instant::now());
             match rx.recv_timeout(left) {
-                Ok(w) => handle(&mut store, w),
+                Ok(w) => handle(&mut store, &mut turns, w),
                 Err(_) => break,
             }
         }
-        commit(&mut store);
+        commit(&mut store, &mut turns);
     }
-    commit(&mut store);
+    commit(&mut store, &mut turns);
 }
 
 #[cfg(test)]
@@ -685,6 +693,10 @@ mod tests {
             Ok(())
         }
         fn forget_days_before(&mut self, _: &str) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn record_turns(&mut self, turns: &[(String, i64)], _: i64) -> Result<(), StoreError> {
+            self.0.lock().unwrap().push(format!("turns {}", turns.len()));
             Ok(())
         }
     }
@@ -761,6 +773,38 @@ mod tests {
         );
         *now.lock().unwrap() = t0 + chrono::Duration::seconds(60);
         book.admit("bob", "c1").unwrap();
+    }
+
+    /// Turns admitted at once are committed at once, after the interval (not one commit,
+    /// one fsync, per turn as it is admitted, beside the turn), and a flush commits them.
+    #[test]
+    fn turns_admitted_together_are_one_commit() {
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_turns_per_minute: Some(100),
+            ..Default::default()
+        };
+        let (book, log) = book_at(settings, "UTC", now);
+        for speaker in ["a", "b", "c", "d", "e"] {
+            book.admit(speaker, "c1").unwrap();
+        }
+        book.flush();
+        // One commit, or two should this thread be preempted past an interval mid-loop.
+        let commits = log.lock().unwrap().clone();
+        let turns: Vec<usize> = commits
+            .iter()
+            .map(|c| c.strip_prefix("turns ").unwrap().parse().unwrap())
+            .collect();
+        assert!(
+            turns.iter().sum::<usize>() == 5 && turns.len() <= 2,
+            "{commits:?}"
+        );
+        book.admit("a", "c1").unwrap();
+        book.flush();
+        assert_eq!(log.lock().unwrap()[turns.len()..], ["turns 1"]);
     }
 
     #[test]

@@ -101,6 +101,18 @@ pub trait BudgetStore: Send + 'static {
     /// Forgets old days' token counters (the 30 days before `day` are kept, for the
     /// operator's reading; only the current day's are loaded).
     fn forget_days_before(&mut self, day: &str) -> Result<(), StoreError>;
+    /// Records `turns` (speaker, at_ms), and forgets turns before `forget_before_ms`; by
+    /// default one [`BudgetStore::record_turn`] each, a store may commit them at once.
+    fn record_turns(
+        &mut self,
+        turns: &[(String, i64)],
+        forget_before_ms: i64,
+    ) -> Result<(), StoreError> {
+        for (speaker, at_ms) in turns {
+            self.record_turn(speaker, *at_ms, forget_before_ms)?;
+        }
+        Ok(())
+    }
 }
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -290,6 +302,27 @@ impl BudgetStore for SqliteStore {
                 "INSERT INTO turns (speaker, at_ms) VALUES (?1, ?2)",
                 rusqlite::params![speaker, at_ms],
             )?;
+            tx.execute("DELETE FROM turns WHERE at_ms < ?1", [forget_before_ms])?;
+            tx.commit()
+        };
+        run().map_err(|e| classify(&path, &e))
+    }
+
+    fn record_turns(
+        &mut self,
+        turns: &[(String, i64)],
+        forget_before_ms: i64,
+    ) -> Result<(), StoreError> {
+        let path = self.path.clone();
+        let mut run = || -> rusqlite::Result<()> {
+            let tx = self.conn.transaction()?;
+            {
+                let mut stmt =
+                    tx.prepare_cached("INSERT INTO turns (speaker, at_ms) VALUES (?1, ?2)")?;
+                for (speaker, at_ms) in turns {
+                    stmt.execute(rusqlite::params![speaker, at_ms])?;
+                }
+            }
             tx.execute("DELETE FROM turns WHERE at_ms < ?1", [forget_before_ms])?;
             tx.commit()
         };
