@@ -91,28 +91,16 @@ pub trait BudgetStore: Send + 'static {
     fn load_turns(&mut self, since_ms: i64) -> Result<Vec<(String, i64)>, StoreError>;
     /// Adds `deltas` to `day`'s counters, all in one commit.
     fn add_tokens(&mut self, day: &str, deltas: &[(CounterKey, u64)]) -> Result<(), StoreError>;
-    /// Records a turn of `speaker` at `at_ms`, and forgets turns before `forget_before_ms`.
-    fn record_turn(
-        &mut self,
-        speaker: &str,
-        at_ms: i64,
-        forget_before_ms: i64,
-    ) -> Result<(), StoreError>;
     /// Forgets old days' token counters (the 30 days before `day` are kept, for the
     /// operator's reading; only the current day's are loaded).
     fn forget_days_before(&mut self, day: &str) -> Result<(), StoreError>;
-    /// Records `turns` (speaker, at_ms), and forgets turns before `forget_before_ms`; by
-    /// default one [`BudgetStore::record_turn`] each, a store may commit them at once.
+    /// Records `turns` (speaker, at_ms), all in one commit, and forgets turns before
+    /// `forget_before_ms`.
     fn record_turns(
         &mut self,
         turns: &[(String, i64)],
         forget_before_ms: i64,
-    ) -> Result<(), StoreError> {
-        for (speaker, at_ms) in turns {
-            self.record_turn(speaker, *at_ms, forget_before_ms)?;
-        }
-        Ok(())
-    }
+    ) -> Result<(), StoreError>;
 }
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -284,25 +272,6 @@ impl BudgetStore for SqliteStore {
                     stmt.execute(rusqlite::params![day, scope, k, to_i64(*n)])?;
                 }
             }
-            tx.commit()
-        };
-        run().map_err(|e| classify(&path, &e))
-    }
-
-    fn record_turn(
-        &mut self,
-        speaker: &str,
-        at_ms: i64,
-        forget_before_ms: i64,
-    ) -> Result<(), StoreError> {
-        let path = self.path.clone();
-        let mut run = || -> rusqlite::Result<()> {
-            let tx = self.conn.transaction()?;
-            tx.execute(
-                "INSERT INTO turns (speaker, at_ms) VALUES (?1, ?2)",
-                rusqlite::params![speaker, at_ms],
-            )?;
-            tx.execute("DELETE FROM turns WHERE at_ms < ?1", [forget_before_ms])?;
             tx.commit()
         };
         run().map_err(|e| classify(&path, &e))
