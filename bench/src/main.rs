@@ -947,9 +947,12 @@ async fn ablation(
         "\n== 2c. ablation: {n} lifecycles looping at once for each variant of the sealed container, {secs} s each, {} rotating rounds",
         o.rounds
     );
-    let names: Vec<&'static str> = lifecycle::ablations(&lifecycle::driver_spec(&o.image, roots))
-        .into_iter()
-        .map(|(what, _)| what)
+    // The variants' bodies, made once (a body names no container: each lifecycle its own).
+    let bodies = lifecycle::ablations(&lifecycle::driver_spec(&o.image, roots));
+    let bodies = &bodies;
+    let names: Vec<&'static str> = bodies
+        .iter()
+        .map(|(what, _)| *what)
         .chain(["bare lifecycle", "bare lifecycle without attach (no stdio)"])
         .collect();
     let mut rates: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
@@ -972,10 +975,9 @@ async fn ablation(
                     } else if detached_variant {
                         lifecycle::detached_turn(docker, &o.image).await?;
                     } else {
-                        let spec = lifecycle::driver_spec(&o.image, roots);
-                        let (_, body) = lifecycle::ablations(&spec).swap_remove(v);
-                        lifecycle::body_turn(docker, &spec.name, body, stdin, Instant::now())
-                            .await?;
+                        let name = lifecycle::driver_spec(&o.image, roots).name;
+                        let body = bodies[v].1.clone();
+                        lifecycle::body_turn(docker, &name, body, stdin, Instant::now()).await?;
                     }
                     done += 1;
                 }
