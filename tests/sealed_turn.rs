@@ -800,12 +800,31 @@ async fn sweep_spares_live_turns_and_other_runtimes_containers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_turn_that_replies_asks_the_engine_for_no_inspect() {
     let env = Env::new();
+    engine_calls_of_a_replying_turn(&env, None).await;
+}
+
+/// The same on a slow engine: the quota's watcher ticks while the container is being
+/// started (seen in CI beside a build: its look at the processes asked the engine), and
+/// finds that no process runs yet without asking.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_on_an_engine_slow_to_start_asks_for_no_inspect() {
+    let env = Env::new();
+    let proxy = roundtable_sandbox_test_support::docker_proxy::DockerProxy::start(env.dir.path());
+    // Three ticks of the quota watcher (`quota::WATCH_INTERVAL`, 250 ms).
+    proxy.delay_starts(Duration::from_millis(750));
+    engine_calls_of_a_replying_turn(&env, Some(proxy.host())).await;
+}
+
+/// One turn whose guest holds a deleted file open for a second, through the engine at
+/// `docker_host`: its engine calls have no inspect.
+async fn engine_calls_of_a_replying_turn(env: &Env, docker_host: Option<String>) {
     let ops = Arc::new(Mutex::new(Vec::<&'static str>::new()));
     let mut config = env.sh_config(
         "cat >/dev/null; exec 3>/workspace/held; rm /workspace/held; \
          head -c 3000000 /dev/zero >&3; sleep 1; \
          printf '{\"ok\":true,\"text\":\"done\"}'",
     );
+    config.docker_host = docker_host;
     config.observer = Some({
         let ops = ops.clone();
         Arc::new(move |e: &roundtable_sandbox::events::Event| {

@@ -78,6 +78,10 @@ pub struct DockerDriver {
     /// Per running container: its id and the host file listing its processes (its
     /// cgroup's `cgroup.procs`), found once by [`ContainerDriver::processes`].
     process_files: Arc<std::sync::Mutex<HashMap<String, ProcessSource>>>,
+    /// Containers being attached and started: no process of theirs runs yet, so a look at
+    /// their processes (the quota's watcher, ticking while a slow engine starts a cold
+    /// turn's container) finds none without asking the engine.
+    starting: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// The engine's data root (`DockerRootDir`), asked once.
     data_root: Arc<OnceCell<Option<std::path::PathBuf>>>,
     /// Containers created under gVisor: their processes are not host processes, so what
@@ -111,6 +115,7 @@ impl DockerDriver {
             docker: Arc::new(OnceCell::new()),
             pending_removal: Default::default(),
             process_files: Default::default(),
+            starting: Default::default(),
             data_root: Arc::new(OnceCell::new()),
             sandboxed: Default::default(),
             events: None,
@@ -199,6 +204,9 @@ impl DockerDriver {
     async fn process_source(&self, name: &str) -> Result<Option<ProcessSource>, DriverError> {
         if let Some(found) = self.process_files.lock().unwrap().get(name) {
             return Ok(Some(found.clone()));
+        }
+        if self.starting.lock().unwrap().contains(name) {
+            return Ok(None);
         }
         let docker = self.client().await?;
         let inspected = match self
@@ -322,6 +330,15 @@ impl DockerDriver {
                 },
             );
         }
+        // Until its processes' file is known (below), a look at them finds none.
+        struct Starting<'a>(&'a DockerDriver, &'a str);
+        impl Drop for Starting<'_> {
+            fn drop(&mut self) {
+                self.0.starting.lock().unwrap().remove(self.1);
+            }
+        }
+        self.starting.lock().unwrap().insert(name.to_owned());
+        let starting = Starting(self, name);
         let io = self.attach_and_start(docker, name).await?;
         // Where its processes are listed, found by the id the engine gave at creation where
         // the engine's cgroup layout puts it (no inspect on a turn's way; otherwise the
@@ -335,6 +352,7 @@ impl DockerDriver {
                 },
             );
         }
+        drop(starting);
         // The exit is watched from now on: a prepared container that dies while it waits
         // for its turn is known before the turn is written to it.
         let (exit_tx, exit) = tokio::sync::oneshot::channel();
