@@ -411,10 +411,20 @@ impl Upstream {
                         ),
                     );
                 }
+                // Read once, for the budgets and for the call's event; not at all when
+                // neither is there.
+                let wire = (account.is_some() || events.is_some())
+                    .then(|| answer_usage(&bytes))
+                    .flatten();
                 if let Some(a) = &account {
-                    charge_whole(a, sent_bytes, &bytes);
+                    charge_whole(a, sent_bytes, bytes.len(), wire);
                 }
-                let usage = upstream_usage(&bytes);
+                let usage = wire.map(|u| roundtable_sandbox_protocol::Usage {
+                    model_calls: 1,
+                    prompt_tokens: u.prompt_tokens,
+                    completion_tokens: u.completion_tokens,
+                    ..Default::default()
+                });
                 let out = redact_whole(&secrets, bytes);
                 let mut response = hyper::Response::builder()
                     .status(StatusCode::OK)
@@ -581,11 +591,15 @@ struct UsageWire {
     completion_tokens: Option<u64>,
 }
 
-/// Charges a whole answer: its `usage`, or the estimate when it has none.
-fn charge_whole(account: &TurnAccount, sent_bytes: usize, bytes: &[u8]) {
-    let usage = serde_json::from_slice::<WithUsage>(bytes)
+/// A whole answer's `usage`, if it has one (the rest of the answer is skipped unparsed).
+fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
+    serde_json::from_slice::<WithUsage>(bytes)
         .ok()
-        .and_then(|w| w.usage);
+        .and_then(|w| w.usage)
+}
+
+/// Charges a whole answer: its `usage`, or the estimate when it has none.
+fn charge_whole(account: &TurnAccount, sent_bytes: usize, answer_bytes: usize, usage: Option<UsageWire>) {
     match usage {
         Some(UsageWire {
             prompt_tokens: Some(p),
@@ -593,7 +607,7 @@ fn charge_whole(account: &TurnAccount, sent_bytes: usize, bytes: &[u8]) {
         }) => account.charge(p, c.unwrap_or(0), false),
         _ => account.charge(
             estimate_tokens(sent_bytes),
-            estimate_tokens(bytes.len()),
+            estimate_tokens(answer_bytes),
             true,
         ),
     }
@@ -776,27 +790,6 @@ fn data_chunk(event: &[u8]) -> Option<ChunkShape> {
         return None;
     }
     serde_json::from_str::<ChunkShape>(json).ok()
-}
-
-/// The token usage a whole chat completion reports (`usage.prompt_tokens`,
-/// `usage.completion_tokens`), for the turn's events; `None` when it says nothing.
-fn upstream_usage(body: &[u8]) -> Option<roundtable_sandbox_protocol::Usage> {
-    #[derive(serde::Deserialize)]
-    struct Answer {
-        usage: Option<Counts>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Counts {
-        prompt_tokens: Option<u64>,
-        completion_tokens: Option<u64>,
-    }
-    let counts = serde_json::from_slice::<Answer>(body).ok()?.usage?;
-    Some(roundtable_sandbox_protocol::Usage {
-        model_calls: 1,
-        prompt_tokens: counts.prompt_tokens,
-        completion_tokens: counts.completion_tokens,
-        ..Default::default()
-    })
 }
 
 /// A whole answer with every secret replaced; an answer that ends with the start of a

@@ -308,18 +308,95 @@ enum Write {
     Wake,
 }
 
+/// Token counts by speaker, channel and for the whole bot, looked up and added to by the
+/// speaker's and channel's `&str` (no key is allocated on the per-call path but a new one).
+#[derive(Default)]
+struct Counters {
+    speakers: HashMap<String, u64>,
+    channels: HashMap<String, u64>,
+    bot: Option<u64>,
+}
+
+impl Counters {
+    fn from_keys(keys: impl IntoIterator<Item = (CounterKey, u64)>) -> Self {
+        let mut c = Self::default();
+        for (key, n) in keys {
+            match key {
+                CounterKey::Speaker(s) => *c.speakers.entry(s).or_default() += n,
+                CounterKey::Channel(h) => *c.channels.entry(h).or_default() += n,
+                CounterKey::Bot => c.bot = Some(c.bot.unwrap_or(0).saturating_add(n)),
+            }
+        }
+        c
+    }
+
+    fn speaker(&self, speaker: &str) -> u64 {
+        self.speakers.get(speaker).copied().unwrap_or(0)
+    }
+
+    fn channel(&self, channel: &str) -> u64 {
+        self.channels.get(channel).copied().unwrap_or(0)
+    }
+
+    fn get(&self, key: &CounterKey) -> u64 {
+        match key {
+            CounterKey::Speaker(s) => self.speaker(s),
+            CounterKey::Channel(h) => self.channel(h),
+            CounterKey::Bot => self.bot.unwrap_or(0),
+        }
+    }
+
+    /// Adds `n` to the speaker's, the channel's and the bot's counts.
+    fn add(&mut self, speaker: &str, channel: &str, n: u64) {
+        fn bump(map: &mut HashMap<String, u64>, key: &str, n: u64) {
+            match map.get_mut(key) {
+                Some(v) => *v = v.saturating_add(n),
+                None => {
+                    map.insert(key.to_owned(), n);
+                }
+            }
+        }
+        bump(&mut self.speakers, speaker, n);
+        bump(&mut self.channels, channel, n);
+        self.bot = Some(self.bot.unwrap_or(0).saturating_add(n));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.speakers.is_empty() && self.channels.is_empty() && self.bot.is_none()
+    }
+
+    fn clear(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Every count, as the store's keys; empties the counters.
+    fn drain(&mut self) -> Vec<(CounterKey, u64)> {
+        let mut out: Vec<(CounterKey, u64)> = self
+            .speakers
+            .drain()
+            .map(|(k, n)| (CounterKey::Speaker(k), n))
+            .chain(self.channels.drain().map(|(k, n)| (CounterKey::Channel(k), n)))
+            .collect();
+        out.extend(self.bot.take().map(|n| (CounterKey::Bot, n)));
+        out
+    }
+}
+
 /// Charges not yet handed to the writer: one day's deltas.
 #[derive(Default)]
 struct Unsaved {
     day: String,
-    deltas: HashMap<CounterKey, u64>,
+    deltas: Counters,
     /// A [`Write::Wake`] is on its way (cleared when the writer takes the deltas).
     woken: bool,
 }
 
 struct BookState {
     day: NaiveDate,
-    tokens: HashMap<CounterKey, u64>,
+    /// The UTC instants `day` starts and ends at in the configured zone: a call inside them
+    /// is of `day`, without a time-zone conversion.
+    day_span: (DateTime<Utc>, DateTime<Utc>),
+    tokens: Counters,
     /// Each speaker's turn starts (Unix ms) within the last minute.
     turns: HashMap<String, VecDeque<i64>>,
     /// Charged, not yet taken by the writer.
@@ -335,7 +412,7 @@ fn take_unsaved(state: &SharedState) -> Option<(String, Vec<(CounterKey, u64)>)>
     if st.unsaved.deltas.is_empty() {
         return None;
     }
-    let deltas = st.unsaved.deltas.drain().collect();
+    let deltas = st.unsaved.deltas.drain();
     Some((std::mem::take(&mut st.unsaved.day), deltas))
 }
 
@@ -385,7 +462,7 @@ impl BudgetBook {
         let tz: chrono_tz::Tz = time_zone.parse().unwrap_or(chrono_tz::UTC);
         let now = clock();
         let day = now.with_timezone(&tz).date_naive();
-        let tokens = store.load_tokens(&day.to_string())?.into_iter().collect();
+        let tokens = Counters::from_keys(store.load_tokens(&day.to_string())?);
         let mut turns: HashMap<String, VecDeque<i64>> = HashMap::new();
         for (speaker, at) in store.load_turns(now.timestamp_millis() - MINUTE_MS)? {
             turns.entry(speaker).or_default().push_back(at);
@@ -393,6 +470,7 @@ impl BudgetBook {
         let (tx, rx) = mpsc::channel::<Write>();
         let state: SharedState = Arc::new(Mutex::new(BookState {
             day,
+            day_span: day_span(tz, now),
             tokens,
             turns,
             unsaved: Unsaved::default(),
@@ -435,11 +513,15 @@ impl BudgetBook {
     /// The state, rolled over to the day of `now` in the configured zone.
     fn state(&self, now: DateTime<Utc>) -> std::sync::MutexGuard<'_, BookState> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if now >= st.day_span.0 && now < st.day_span.1 {
+            return st;
+        }
+        st.day_span = day_span(self.tz, now);
         let day = now.with_timezone(&self.tz).date_naive();
         if day != st.day {
             // The last day's unsaved charges go first, under their own day.
             if !st.unsaved.deltas.is_empty() {
-                let deltas = st.unsaved.deltas.drain().collect();
+                let deltas = st.unsaved.deltas.drain();
                 let old = std::mem::take(&mut st.unsaved.day);
                 self.send(Write::Tokens { day: old, deltas });
             }
@@ -460,31 +542,30 @@ impl BudgetBook {
         speaker: &str,
         channel: &str,
     ) -> Result<(), BudgetRefusal> {
-        let used = |k: &CounterKey| st.tokens.get(k).copied().unwrap_or(0);
         let s = &self.settings;
         let checks = [
             (
                 Budget::SpeakerTokensPerDay,
                 s.speaker_tokens_per_day,
-                CounterKey::Speaker(speaker.to_owned()),
+                st.tokens.speaker(speaker),
                 "this speaker",
             ),
             (
                 Budget::ChannelTokensPerDay,
                 s.channel_tokens_per_day,
-                CounterKey::Channel(channel.to_owned()),
+                st.tokens.channel(channel),
                 "this channel",
             ),
             (
                 Budget::BotTokensPerDay,
                 s.bot_tokens_per_day,
-                CounterKey::Bot,
+                st.tokens.bot.unwrap_or(0),
                 "the bot",
             ),
         ];
-        for (budget, limit, key, who) in checks {
+        for (budget, limit, used, who) in checks {
             if let Some(limit) = limit {
-                if used(&key) >= limit {
+                if used >= limit {
                     return Err(BudgetRefusal {
                         budget,
                         limit,
@@ -557,16 +638,8 @@ impl BudgetBook {
         if st.unsaved.deltas.is_empty() {
             st.unsaved.day = st.day.to_string();
         }
-        for key in [
-            CounterKey::Speaker(speaker.to_owned()),
-            CounterKey::Channel(channel.to_owned()),
-            CounterKey::Bot,
-        ] {
-            let slot = st.unsaved.deltas.entry(key.clone()).or_insert(0);
-            *slot = slot.saturating_add(tokens);
-            let slot = st.tokens.entry(key).or_insert(0);
-            *slot = slot.saturating_add(tokens);
-        }
+        st.unsaved.deltas.add(speaker, channel, tokens);
+        st.tokens.add(speaker, channel, tokens);
         // One wake-up of the writer per commit interval, not one per charge.
         if !std::mem::replace(&mut st.unsaved.woken, true) {
             self.send(Write::Wake);
@@ -576,7 +649,7 @@ impl BudgetBook {
     /// Today's tokens of a counter (in memory: what is charged, committed or about to be).
     pub fn tokens(&self, key: &CounterKey) -> u64 {
         let st = self.state((self.clock)());
-        st.tokens.get(key).copied().unwrap_or(0)
+        st.tokens.get(key)
     }
 
     /// Waits (blocking) until every write sent so far is committed.
@@ -590,6 +663,18 @@ impl BudgetBook {
     pub fn next_reset(&self) -> DateTime<Utc> {
         next_midnight(self.tz, (self.clock)())
     }
+}
+
+/// The first instant of `now`'s day in `tz` and of the next (a day of a time-zone change
+/// included: its start is its first local instant that exists).
+fn day_span(tz: chrono_tz::Tz, now: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
+    let day = now.with_timezone(&tz).date_naive();
+    let start = day
+        .and_hms_opt(0, 0, 0)
+        .and_then(|m| tz.from_local_datetime(&m).earliest())
+        .map_or(now, |t| t.with_timezone(&Utc))
+        .min(now);
+    (start, next_midnight(tz, now).max(now + chrono::Duration::milliseconds(1)))
 }
 
 /// The first instant of the day after `now`'s in `tz`.
