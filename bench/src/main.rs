@@ -1315,11 +1315,11 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         }
         calls += 1;
     }
-    // Eight interleaved runs of 9,600 calls each (under the bench broker's 10,000 calls per
+    // Twelve interleaved runs of 9,600 calls each (under the bench broker's 10,000 calls per
     // "turn"; about a second each): short runs of a few thousand calls spread by ±25 %.
     // The process's CPU time per request (callers, broker and model all in this process)
     // is measured beside each run: it moves less than the rate with what else runs.
-    let (workers, per, runs) = (8usize, 1_200usize, 8usize);
+    let (workers, per, runs) = (8usize, 1_200usize, 12usize);
     let (mut rps_off, mut rps_on) = (Vec::new(), Vec::new());
     let (mut cpu_off, mut cpu_on) = (Vec::new(), Vec::new());
     for k in 0..runs {
@@ -1357,10 +1357,17 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     let rps_ratio = best(&rps_on) / best(&rps_off);
     let rps_median_ratio = median(&rps_on) / median(&rps_off);
     let cpu_ratio = median(&cpu_on) / median(&cpu_off);
+    // Each pair ran back to back: the median of the pairs' ratios cancels the machine's
+    // drift between pairs (seen: one side's rate moving 8,000 to 11,600 over a part).
+    let paired = |on: &[f64], off: &[f64]| {
+        median(&on.iter().zip(off).map(|(a, b)| a / b).collect::<Vec<_>>())
+    };
+    let rps_paired = paired(&rps_on, &rps_off);
+    let cpu_paired = paired(&cpu_on, &cpu_off);
     println!(
         "warm reply p50: on {:.2} ms, off {:.2} ms ({:.3}×); broker round trip p50: on {:.3} ms, off {:.3} ms; \
-         requests/s with {workers} callers (best of {runs}): on {:.0}, off {:.0} ({:.3}×; medians {:.3}×); \
-         process CPU per request (median): on {:.1} µs, off {:.1} µs ({:.3}×)",
+         requests/s with {workers} callers (best of {runs}): on {:.0}, off {:.0} ({:.3}×; medians {:.3}×; median of the {runs} pairs' ratios {:.3}×); \
+         process CPU per request (median): on {:.1} µs, off {:.1} µs ({:.3}×; pairs {:.3}×)",
         reply_on.p50(),
         reply_off.p50(),
         reply_ratio,
@@ -1370,9 +1377,11 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         best(&rps_off),
         rps_ratio,
         rps_median_ratio,
+        rps_paired,
         median(&cpu_on),
         median(&cpu_off),
-        cpu_ratio
+        cpu_ratio,
+        cpu_paired
     );
     let scrapes = scraper.map(Scraper::stop);
     let model_calls = metrics.as_ref().and_then(|m| {
@@ -1395,6 +1404,8 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         "cpu_us_per_request": {"on": cpu_on.iter().map(|x| round3(*x)).collect::<Vec<_>>(),
                                "off": cpu_off.iter().map(|x| round3(*x)).collect::<Vec<_>>()},
         "cpu_per_request_on_vs_off": round3(cpu_ratio),
+        "rps_paired_on_vs_off": round3(rps_paired),
+        "cpu_per_request_paired_on_vs_off": round3(cpu_paired),
     }))
 }
 
