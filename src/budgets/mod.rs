@@ -796,6 +796,34 @@ mod tests {
     }
 
     #[test]
+    fn a_day_whose_midnight_does_not_exist_still_starts_and_ends() {
+        // Havana springs forward at 00:00: 8 March 2026 starts at 01:00 CDT (05:00 UTC);
+        // 04:59:59 UTC is 23:59:59 on the 7th. The day's span (kept so a call needs no
+        // time-zone conversion) must end there all the same.
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 3, 8, 4, 59, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(100),
+            ..Default::default()
+        };
+        let (book, _) = book_at(settings, "America/Havana", now.clone());
+        book.charge("alice", "c", 100);
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 8, 4, 59, 59).unwrap();
+        assert!(book.admit("alice", "c").is_err(), "still the 7th");
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 8, 5, 0, 0).unwrap();
+        book.admit("alice", "c").unwrap();
+        assert_eq!(book.tokens(&CounterKey::Speaker("alice".into())), 0);
+        // And the 8th (23 hours long) ends at midnight of the 9th, 04:00 UTC.
+        book.charge("alice", "c", 100);
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 9, 3, 59, 59).unwrap();
+        assert!(book.admit("alice", "c").is_err(), "still the 8th");
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 3, 9, 4, 0, 0).unwrap();
+        book.admit("alice", "c").unwrap();
+    }
+
+    #[test]
     fn the_day_rolls_over_at_midnight_in_the_configured_zone() {
         // 22:59:59 UTC on 31 March is 00:59:59 on 1 April in Paris (summer time, +2).
         let now = Arc::new(Mutex::new(
