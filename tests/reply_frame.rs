@@ -251,3 +251,57 @@ async fn the_next_turn_sees_the_session_of_a_turn_killed_right_after_its_reply()
     assert!(second.contains("remember the otter"), "{second}");
     assert_no_leftovers(&sandbox).await;
 }
+
+/// A guest that exits on its own just after its reply (the real guest's way: its last act
+/// is the reply) is not killed: the teardown gives it a moment (the driver's
+/// `EXIT_GRACE`, 250 ms: the engine reported a bare container's exit 57–119 ms after
+/// its output at load 10–34) before the engine's forced removal, which costs more than the
+/// removal of an exited container (bench part 1: teardown 69–71 ms with the kill, 52 ms
+/// without). The engine's own events tell: no `kill` of this runtime's containers, cold
+/// or warm.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_guest_that_exits_just_after_its_reply_is_not_killed() {
+    use futures_util::StreamExt as _;
+    let env = Env::new();
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - 1;
+    let reply = answer(&env, REPLY, |_| {}).await;
+    assert_eq!(text(&reply), "answered");
+    let instance = env.instance().await;
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 1;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let driver = roundtable_sandbox::DockerDriver::default();
+    let docker = driver.client().await.unwrap();
+    let filters = std::collections::HashMap::from([
+        ("type".to_owned(), vec!["container".to_owned()]),
+        (
+            "label".to_owned(),
+            vec![format!(
+                "{}={instance}",
+                roundtable_sandbox::driver::LABEL_RUNTIME
+            )],
+        ),
+    ]);
+    let events: Vec<String> = docker
+        .events(Some(bollard::query_parameters::EventsOptions {
+            since: Some(since.to_string()),
+            until: Some(until.to_string()),
+            filters: Some(filters),
+        }))
+        .filter_map(|e| async move { e.ok().and_then(|e| e.action) })
+        .collect()
+        .await;
+    assert_eq!(
+        events.iter().filter(|a| a.as_str() == "destroy").count(),
+        2,
+        "a cold and a warm container: {events:?}"
+    );
+    assert!(!events.iter().any(|a| a == "kill"), "{events:?}");
+}

@@ -82,6 +82,11 @@ pub struct DockerDriver {
     /// their processes (the quota's watcher, ticking while a slow engine starts a cold
     /// turn's container) finds none without asking the engine.
     starting: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Containers whose run ended at the reply's frame, still running then: their exit
+    /// watcher goes on, and the removal waits up to [`EXIT_GRACE`] for the exit the
+    /// guest makes on its own (the engine's forced removal of a running container costs
+    /// more than the removal of an exited one).
+    answered: Arc<std::sync::Mutex<HashMap<String, Answered>>>,
     /// The engine's data root (`DockerRootDir`), asked once.
     data_root: Arc<OnceCell<Option<std::path::PathBuf>>>,
     /// Containers created under gVisor: their processes are not host processes, so what
@@ -98,6 +103,17 @@ struct Sandboxed {
     user: String,
     dir: &'static str,
 }
+
+/// A container answered at its reply's frame: whether it has exited, and its watcher.
+#[derive(Debug)]
+struct Answered {
+    exited: tokio::sync::watch::Receiver<bool>,
+    watcher: tokio::task::AbortHandle,
+}
+
+/// How long the removal of a container that answered waits for the guest's own exit
+/// before it forces it (a guest that hangs after its reply is killed then).
+const EXIT_GRACE: Duration = Duration::from_millis(250);
 
 /// Where a container's process list is read.
 #[derive(Debug, Clone)]
@@ -116,6 +132,7 @@ impl DockerDriver {
             pending_removal: Default::default(),
             process_files: Default::default(),
             starting: Default::default(),
+            answered: Default::default(),
             data_root: Arc::new(OnceCell::new()),
             sandboxed: Default::default(),
             events: None,
@@ -356,6 +373,7 @@ impl DockerDriver {
         // The exit is watched from now on: a prepared container that dies while it waits
         // for its turn is known before the turn is written to it.
         let (exit_tx, exit) = tokio::sync::oneshot::channel();
+        let (exited_tx, exited) = tokio::sync::watch::channel(false);
         let wait = docker.wait_container(name, None::<WaitContainerOptions>);
         let (waited, container) = (self.clone(), name.to_owned());
         let watcher = tokio::spawn(async move {
@@ -373,6 +391,7 @@ impl DockerDriver {
                 }),
             };
             drop(waited);
+            let _ = exited_tx.send(true);
             let _ = exit_tx.send(status);
         });
         let bollard::container::AttachContainerResults { output, input } = io;
@@ -383,7 +402,8 @@ impl DockerDriver {
             output,
             input,
             exit,
-            watcher,
+            exited,
+            watcher: Some(watcher),
             collector: OutputCollector::new(spec),
             procs: None,
         })
@@ -511,7 +531,10 @@ pub struct DockerStarted {
         std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<LogOutput, BollardError>> + Send>>,
     input: std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
     exit: tokio::sync::oneshot::Receiver<Result<i64, DriverError>>,
-    watcher: tokio::task::JoinHandle<()>,
+    exited: tokio::sync::watch::Receiver<bool>,
+    /// Aborted when this is dropped, unless the run ended at the reply's frame (then the
+    /// removal's: see [`DockerDriver::answered`]).
+    watcher: Option<tokio::task::JoinHandle<()>>,
     collector: OutputCollector,
     /// The host file listing the container's processes (its cgroup's `cgroup.procs`),
     /// found when it was prepared: the liveness check reads it instead of asking the engine.
@@ -528,7 +551,9 @@ impl std::fmt::Debug for DockerStarted {
 
 impl Drop for DockerStarted {
     fn drop(&mut self) {
-        self.watcher.abort();
+        if let Some(w) = self.watcher.take() {
+            w.abort();
+        }
     }
 }
 
@@ -589,6 +614,15 @@ impl DockerStarted {
                         // output and the container are the turn's teardown's (it removes
                         // the container, killing whatever still runs).
                         if out.reply_ready() && !cancelled {
+                            if let Some(w) = self.watcher.take() {
+                                driver.answered.lock().unwrap().insert(
+                                    name.to_owned(),
+                                    Answered {
+                                        exited: self.exited.clone(),
+                                        watcher: w.abort_handle(),
+                                    },
+                                );
+                            }
                             return Ok(out.finish_at_frame());
                         }
                     }
@@ -745,6 +779,11 @@ impl DockerDriver {
     }
 
     async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {
+        let answered = self.answered.lock().unwrap().remove(name);
+        if let Some(mut a) = answered {
+            let _ = tokio::time::timeout(EXIT_GRACE, a.exited.wait_for(|e| *e)).await;
+            a.watcher.abort();
+        }
         self.process_files.lock().unwrap().remove(name);
         self.sandboxed.lock().unwrap().remove(name);
         let result = self.remove_once(name).await;
