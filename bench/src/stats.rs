@@ -77,3 +77,98 @@ pub fn round3(x: f64) -> f64 {
 pub fn ratio(a: f64, b: f64) -> f64 {
     round3(a / b)
 }
+
+/// The median of `v` (NaN when empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+/// The median of the ratios `a[i] / b[i]` of pairs measured in the same round (the
+/// machine's drift between rounds cancels).
+pub fn paired_median(a: &[f64], b: &[f64]) -> f64 {
+    median(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>())
+}
+
+/// The order in which round `round` runs `n` sides, a Williams design: over `n` rounds
+/// (`2 n` when `n` is odd) every side runs in every position equally often and runs right
+/// after every other side equally often, so neither a position in the round nor what ran
+/// just before favours a side (the rotation `k, k+1, k+2` put one side after another in
+/// two rounds of three, and an A/A control read 0.94).
+pub fn balanced_order(n: usize, round: usize) -> Vec<usize> {
+    if n == 0 {
+        return Vec::new();
+    }
+    // First row 0, 1, n-1, 2, n-2, …; row i adds i to each (mod n).
+    let mut first = Vec::with_capacity(n);
+    let (mut lo, mut hi) = (0usize, n);
+    for j in 0..n {
+        if j % 2 == 0 {
+            first.push(lo);
+            lo += 1;
+        } else {
+            hi -= 1;
+            first.push(hi);
+        }
+    }
+    // For odd n a row and its mirror image together balance what follows what.
+    let cycle = if n.is_multiple_of(2) { n } else { 2 * n };
+    let block = round % cycle;
+    let mut row: Vec<usize> = first.iter().map(|s| (s + block % n) % n).collect();
+    if block >= n {
+        row.reverse();
+    }
+    row
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Over one cycle every side is in every position equally often and follows every other
+    /// side equally often.
+    #[test]
+    fn balanced_orders_are_balanced() {
+        for n in 2..=6 {
+            let cycle = if n.is_multiple_of(2) { n } else { 2 * n };
+            let mut position = vec![vec![0; n]; n];
+            let mut follows = vec![vec![0; n]; n];
+            for r in 0..cycle {
+                let row = balanced_order(n, r);
+                let mut sorted = row.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "n={n} row {row:?}");
+                for (p, s) in row.iter().enumerate() {
+                    position[*s][p] += 1;
+                }
+                for w in row.windows(2) {
+                    follows[w[0]][w[1]] += 1;
+                }
+            }
+            let per_position = cycle / n;
+            assert!(
+                position.iter().flatten().all(|c| *c == per_position),
+                "n={n}: {position:?}"
+            );
+            let per_pair = cycle * (n - 1) / (n * (n - 1));
+            for (a, row) in follows.iter().enumerate() {
+                for (b, c) in row.iter().enumerate() {
+                    if a != b {
+                        assert_eq!(*c, per_pair, "n={n}: {a} then {b}: {follows:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn paired_median_reads_the_rounds_ratios() {
+        assert_eq!(paired_median(&[2.0, 9.0, 3.0], &[1.0, 10.0, 3.0]), 1.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert!(median(&[]).is_nan());
+    }
+}
