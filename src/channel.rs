@@ -17,6 +17,9 @@ pub struct ChannelId(Arc<Inner>);
 struct Inner {
     key: String,
     segment: String,
+    /// The first [`SHORT`] hex digits of `segment`, shared: every event of the channel
+    /// carries it without an allocation.
+    short: Arc<str>,
 }
 
 /// How many hex digits of the segment name the channel in labels, names, logs and events.
@@ -26,9 +29,11 @@ impl ChannelId {
     /// The channel of `key` (hashed here, once).
     pub fn new(key: &str) -> Self {
         let segment = hex::encode(sha2::Sha256::digest(key.as_bytes()));
+        let short = Arc::from(&segment[..SHORT]);
         Self(Arc::new(Inner {
             key: key.to_owned(),
             segment,
+            short,
         }))
     }
 
@@ -45,7 +50,12 @@ impl ChannelId {
     /// The first 16 hex digits of [`segment`](Self::segment): the channel in container
     /// names, labels, logs and events.
     pub fn short(&self) -> &str {
-        &self.0.segment[..SHORT]
+        &self.0.short
+    }
+
+    /// [`short`](Self::short), shared (what an [`Event`](crate::events::Event) carries).
+    pub fn short_shared(&self) -> Arc<str> {
+        self.0.short.clone()
     }
 }
 

@@ -43,8 +43,9 @@ pub struct Event {
     /// The turn's runtime-wide number ([`AdmittedTurn::number`](crate::turn::AdmittedTurn::number)),
     /// when the event is a turn's.
     pub turn: Option<u64>,
-    /// The channel's short hash ([`ChannelId::short`]), when the event is a channel's.
-    pub channel: Option<String>,
+    /// The channel's short hash ([`ChannelId::short`]), when the event is a channel's
+    /// (shared: no allocation per event).
+    pub channel: Option<Arc<str>>,
     /// What happened.
     pub kind: EventKind,
 }
@@ -361,7 +362,7 @@ impl EventHub {
         let event = Event {
             at: Instant::now(),
             turn,
-            channel: channel.map(|c| c.short().to_owned()),
+            channel: channel.map(ChannelId::short_shared),
             kind,
         };
         if let Some(observer) = &self.observer {

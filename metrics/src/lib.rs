@@ -311,7 +311,7 @@ impl Metrics {
             }
             EventKind::Queued { .. } => {
                 if let Some(channel) = &event.channel {
-                    *self.state().queued.entry(channel.clone()).or_default() += 1;
+                    *self.state().queued.entry(channel.to_string()).or_default() += 1;
                     self.queue_depth.inc();
                 }
             }

@@ -162,12 +162,12 @@ enum Message {
 struct Gathered {
     turns: HashMap<u64, Pending>,
     /// A refused message's facts, by channel, until its `Ended` (the same thread, next).
-    refused: HashMap<String, Box<TurnFacts>>,
+    refused: HashMap<Arc<str>, Box<TurnFacts>>,
 }
 
 /// One turn's events so far.
 struct Pending {
-    channel: Option<String>,
+    channel: Option<Arc<str>>,
     admitted: Option<Instant>,
     first: Instant,
     phases: Vec<(TurnPhase, Instant)>,
@@ -184,7 +184,7 @@ struct Pending {
 }
 
 impl Pending {
-    fn new(at: Instant, channel: Option<String>) -> Self {
+    fn new(at: Instant, channel: Option<Arc<str>>) -> Self {
         Self {
             channel,
             admitted: None,
@@ -285,7 +285,7 @@ impl AuditTrail {
                     let mut pending = Pending::new(event.at, channel.clone());
                     pending.ended = Some(*failure);
                     pending.warm = *warm;
-                    pending.facts = channel.as_ref().and_then(|c| g.refused.remove(c));
+                    pending.facts = channel.as_ref().and_then(|c| g.refused.remove(&**c));
                     drop(g);
                     self.hand(None, pending, event.at);
                 }
@@ -655,7 +655,7 @@ fn line(f: Finished, include_text: bool) -> Line {
         Some(Some(failure)) => (snake(&failure), Some(explain(failure))),
     };
     let facts = p.facts.as_deref();
-    let channel = p.channel.clone();
+    let channel = p.channel.as_deref().map(str::to_owned);
     let usage = facts.map(|f| f.usage).unwrap_or_default();
     let text = facts.and_then(|f| f.text.as_ref()).filter(|_| include_text);
     Line {

@@ -310,7 +310,7 @@ impl Upstream {
         policy: &BrokerPolicy,
         account: Option<Arc<TurnAccount>>,
         events: Option<&TurnEvents>,
-    ) -> Response {
+    ) -> Answer {
         let started = std::time::Instant::now();
         let Prepared {
             body,
@@ -322,7 +322,7 @@ impl Upstream {
             Ok(k) => k.filter(|k| !k.expose_secret().is_empty()),
             Err(e) => {
                 tracing::warn!(error = %e, "model key unavailable");
-                return error_response(StatusCode::BAD_GATEWAY, "model key unavailable");
+                return Answer::plain(error_response(StatusCode::BAD_GATEWAY, "model key unavailable"));
             }
         };
         let key_str = key.as_ref().map(|k| k.expose_secret());
@@ -348,7 +348,7 @@ impl Upstream {
         if let Some(k) = key_str {
             let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {k}")) else {
                 tracing::warn!("model key is not a valid header value");
-                return error_response(StatusCode::BAD_GATEWAY, "model key unavailable");
+                return Answer::plain(error_response(StatusCode::BAD_GATEWAY, "model key unavailable"));
             };
             value.set_sensitive(true);
             request = request.header(AUTHORIZATION, value);
@@ -371,16 +371,16 @@ impl Upstream {
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, send) => r,
             _ = cancel.cancelled() => {
-                return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
+                return Answer::plain(error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled"));
             }
         };
         let whole = match outcome {
             Err(_) => {
                 tracing::info!(timeout = ?timeout, "model call timed out");
-                return error_response(
+                return Answer::plain(error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     &format!("model call timed out after {timeout:?}"),
-                );
+                ));
             }
             Ok(Err(e)) => {
                 let e: reqwest::Error = e;
@@ -392,7 +392,7 @@ impl Upstream {
                 } else {
                     "model upstream request failed"
                 };
-                return error_response(StatusCode::BAD_GATEWAY, msg);
+                return Answer::plain(error_response(StatusCode::BAD_GATEWAY, msg));
             }
             Ok(Ok(w)) => w,
         };
@@ -403,13 +403,13 @@ impl Upstream {
         match whole {
             Whole::Body(status, bytes, truncated) if status.is_success() => {
                 if truncated {
-                    return error_response(
+                    return Answer::plain(error_response(
                         StatusCode::BAD_GATEWAY,
                         &format!(
                             "model response too large (limit {} bytes)",
                             self.limits.max_response_bytes
                         ),
-                    );
+                    ));
                 }
                 // Read once, for the budgets and for the call's event; not at all when
                 // neither is there.
@@ -426,15 +426,16 @@ impl Upstream {
                     ..Default::default()
                 });
                 let out = redact_whole(&secrets, bytes);
-                let mut response = hyper::Response::builder()
+                let response = hyper::Response::builder()
                     .status(StatusCode::OK)
                     .header(CONTENT_TYPE, "application/json")
                     .body(super::http::full(out))
                     .expect("a valid response");
-                if let Some(usage) = usage {
-                    response.extensions_mut().insert(usage);
+                Answer {
+                    response,
+                    usage,
+                    streamed: false,
                 }
-                response
             }
             Whole::Body(status, bytes, truncated) => {
                 // Redacted before it is cut: a secret straddling the read's end (its start
@@ -458,7 +459,7 @@ impl Upstream {
                         status.as_u16()
                     )
                 };
-                error_response(StatusCode::BAD_GATEWAY, &msg)
+                Answer::plain(error_response(StatusCode::BAD_GATEWAY, &msg))
             }
             Whole::Stream(response) => {
                 // The stream's event is sent when it ends (with its usage chunk's counts),
@@ -471,9 +472,11 @@ impl Upstream {
                     streamed: 0,
                     usage: None,
                 });
-                let mut response = self.relay(response, secrets, SseFilter::new(!usage_asked), tap);
-                response.extensions_mut().insert(StreamReported);
-                response
+                Answer {
+                    response: self.relay(response, secrets, SseFilter::new(!usage_asked), tap),
+                    usage: None,
+                    streamed: true,
+                }
             }
         }
     }
@@ -613,10 +616,27 @@ fn charge_whole(account: &TurnAccount, sent_bytes: usize, answer_bytes: usize, u
     }
 }
 
-/// The mark of a streamed answer on its response: its [`BrokerEvent::ModelCall`] is sent
-/// by the stream's [`UsageTap`] when the stream ends, not by the server.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct StreamReported;
+/// A model call's answer: the response for the guest, the usage of a whole answer (for
+/// the call's event; `None` when neither budgets nor events read it), and whether it is a
+/// stream, whose [`BrokerEvent::ModelCall`] its [`UsageTap`] sends when the stream ends (not
+/// the server). Returned beside the response, not in its extensions (no allocation per
+/// call).
+pub(super) struct Answer {
+    pub(super) response: Response,
+    pub(super) usage: Option<roundtable_sandbox_protocol::Usage>,
+    pub(super) streamed: bool,
+}
+
+impl Answer {
+    /// An answer that is not the upstream's (a refusal, an error) or carries no usage.
+    fn plain(response: Response) -> Self {
+        Self {
+            response,
+            usage: None,
+            streamed: false,
+        }
+    }
+}
 
 /// What a stream used, charged (and its model call's event sent, with the usage chunk's
 /// counts) when the stream ends however it ends (its last `usage`, or the estimate).

@@ -440,7 +440,11 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
         tracing::debug!("model call");
         let started = std::time::Instant::now();
-        let mut response = turn
+        let super::model::Answer {
+            mut response,
+            usage,
+            streamed,
+        } = turn
             .broker
             .upstream
             .chat(
@@ -452,16 +456,9 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 turn.ctx.events.as_ref(),
             )
             .await;
-        // Forwarded: whatever the upstream answered is the model call's outcome.
+        // Forwarded: whatever the upstream answered is the model call's outcome. A
+        // stream's event is sent by the stream when it ends (with its usage chunk's).
         response.extensions_mut().remove::<Refused>();
-        let usage = response
-            .extensions_mut()
-            .remove::<roundtable_sandbox_protocol::Usage>();
-        // A stream's event is sent by the stream when it ends (with its usage chunk's).
-        let streamed = response
-            .extensions_mut()
-            .remove::<super::model::StreamReported>()
-            .is_some();
         if let (Some(events), false) = (&turn.ctx.events, streamed) {
             events.broker(BrokerEvent::ModelCall {
                 operation: crate::events::ModelOperation::Chat,
