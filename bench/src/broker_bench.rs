@@ -123,6 +123,8 @@ pub struct BrokerUnderTest {
     book: Option<Arc<BudgetBook>>,
     /// Events on: each "turn"'s broker events go to this observer (the metrics adapter).
     observer: Option<roundtable_sandbox::events::Observer>,
+    /// The turns of [`BrokerUnderTest::listen_turns`] (one caller each).
+    turns: Vec<BrokerListener>,
 }
 
 impl BrokerUnderTest {
@@ -165,6 +167,7 @@ impl BrokerUnderTest {
             n: 0,
             book,
             observer,
+            turns: Vec::new(),
         };
         me.relisten().await?;
         Ok(me)
@@ -175,28 +178,47 @@ impl BrokerUnderTest {
         if let Some(l) = self.listener.take() {
             l.stop().await?;
         }
+        self.listener = Some(self.turn("#bench", "u1").await?);
+        Ok(())
+    }
+
+    /// `k` fresh turns at once, each in its own channel with its own speaker (as a busy
+    /// bot's broker serves them: every turn's own account and events, the book shared), in
+    /// place of the last ones; their sockets.
+    pub async fn listen_turns(&mut self, k: usize) -> Result<Vec<PathBuf>> {
+        for l in self.turns.drain(..) {
+            l.stop().await?;
+        }
+        for i in 0..k {
+            let turn = self.turn(&format!("#bench-{i}"), &format!("u{i}")).await?;
+            self.turns.push(turn);
+        }
+        Ok(self.turns.iter().map(|l| l.path().to_owned()).collect())
+    }
+
+    /// A listener for a new turn of `speaker` in `channel`.
+    async fn turn(&mut self, channel: &str, speaker: &str) -> Result<BrokerListener> {
         self.n += 1;
         let socket = self.dir.path().join(format!("broker-{}.sock", self.n));
         let ctx = TurnContext {
-            channel: "#bench".into(),
+            channel: channel.into(),
             speaker: Speaker {
-                id: "u1".into(),
+                id: speaker.into(),
                 name: "ann".into(),
             },
             cancel: CancellationToken::new(),
             events: self.observer.clone().map(|o| {
-                roundtable_sandbox::events::TurnEvents::observed(o, u64::from(self.n), "#bench")
+                roundtable_sandbox::events::TurnEvents::observed(o, u64::from(self.n), channel)
             }),
             account: self.book.as_ref().map(|b| {
                 Arc::new(TurnAccount::new(
-                    "u1",
-                    &roundtable_sandbox::turn::channel_segment("#bench"),
+                    speaker,
+                    &roundtable_sandbox::turn::channel_segment(channel),
                     Some(b.clone()),
                 ))
             }),
         };
-        self.listener = Some(self.broker.listen(&socket, ctx).await?);
-        Ok(())
+        Ok(self.broker.listen(&socket, ctx).await?)
     }
 
     pub fn socket(&self) -> PathBuf {
@@ -344,11 +366,16 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 /// Calls per second with `workers` concurrent callers, `per_worker` calls each.
 pub async fn throughput(target: &Target, workers: usize, per_worker: usize) -> Result<f64> {
+    throughput_over(std::slice::from_ref(target), workers, per_worker).await
+}
+
+/// [`throughput`] with caller `i` calling `targets[i % len]`.
+pub async fn throughput_over(targets: &[Target], workers: usize, per_worker: usize) -> Result<f64> {
     let body = Arc::new(chat_body(false));
     let t0 = Instant::now();
     let mut set = tokio::task::JoinSet::new();
-    for _ in 0..workers {
-        let (target, body) = (target.clone(), body.clone());
+    for i in 0..workers {
+        let (target, body) = (targets[i % targets.len()].clone(), body.clone());
         set.spawn_blocking(move || {
             for _ in 0..per_worker {
                 call_blocking(&target, &body, false)?;

@@ -78,14 +78,16 @@ pub fn ratio(a: f64, b: f64) -> f64 {
     round3(a / b)
 }
 
-/// The median of `v` (NaN when empty).
+/// The median of `v` (the mean of the two middle values when their number is even; NaN
+/// when empty).
 pub fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return f64::NAN;
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
-    v[v.len() / 2]
 }
 
 /// The median of the ratios `a[i] / b[i]` of pairs measured in the same round (the
@@ -169,6 +171,7 @@ mod tests {
     fn paired_median_reads_the_rounds_ratios() {
         assert_eq!(paired_median(&[2.0, 9.0, 3.0], &[1.0, 10.0, 3.0]), 1.0);
         assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
         assert!(median(&[]).is_nan());
     }
 }
