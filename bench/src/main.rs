@@ -1660,7 +1660,7 @@ fn targets(r: &Value) -> Value {
         "×",
     );
     // The median of the interleaved pairs' ratios (the best-of ratio spread ±10 % in an
-    // A/A control of two identical brokers; the pairs' median ±3 %).
+    // A/A control of two identical brokers; the pairs' median, balanced, ±1.6 %).
     let at_least = |name: &str, value: Option<f64>, limit: f64| {
         json!({
             "target": name, "value": value.map(round3), "limit": limit, "unit": "× (at least)",
@@ -1689,8 +1689,6 @@ fn targets(r: &Value) -> Value {
         f(&r["observed"]["warm_reply_on_vs_off_p50"]),
         1.02,
     ));
-    // The median of the interleaved pairs' ratios (the best-of ratio spread ±10 % in an
-    // A/A control of two identical brokers; the pairs' median ±3 %).
     t.push(at_least(
         "broker throughput with metrics and accounting / all off (pairs' median), 8 callers in one turn",
         f(&r["observed"]["rps_paired_on_vs_off"]),
