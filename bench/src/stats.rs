@@ -135,7 +135,7 @@ mod tests {
     /// side equally often.
     #[test]
     fn balanced_orders_are_balanced() {
-        for n in 2..=6 {
+        for n in 2..=6usize {
             let cycle = if n.is_multiple_of(2) { n } else { 2 * n };
             let mut position = vec![vec![0; n]; n];
             let mut follows = vec![vec![0; n]; n];
