@@ -57,7 +57,7 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "throughput", "ablation", "broker", "memory", "accounting", "observed"],
+        value_parser = ["turn", "gvisor", "concurrency", "throughput", "ablation", "broker", "memory", "accounting", "observed", "soak"],
         default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting,observed"
     )]
     only: Vec<String>,
@@ -84,6 +84,13 @@ struct Options {
     /// by default)
     #[arg(long, value_name = "N", default_value_t = 10)]
     ablation_seconds: u64,
+    /// Windows of the soak part (`--only soak`, not run by default): each runs the warm
+    /// side, then the bare lifecycles, on one runtime kept for the whole part
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    soak_windows: usize,
+    /// Seconds of the warm side in each soak window (the bare side runs a third of it)
+    #[arg(long, value_name = "N", default_value_t = 60)]
+    soak_seconds: u64,
     /// Channels (and bare lifecycles) of the throughput part
     #[arg(long, value_name = "N", default_value_t = 32)]
     throughput_channels: usize,
@@ -312,6 +319,9 @@ async fn run(o: &Options) -> Result<Value> {
     }
     if o.wants("throughput") {
         results["throughput"] = throughput(o, &docker, &roots, &model.url(), &stdin).await?;
+    }
+    if o.wants("soak") {
+        results["soak"] = soak(o, &docker, &roots, &model.url(), &stdin).await?;
     }
     if o.wants("ablation") {
         results["ablation"] = ablation(o, &docker, &roots, &stdin).await?;
@@ -949,6 +959,110 @@ async fn throughput(
             .map(|(op, (calls, ms))| (op.to_string(), json!({"calls": round3(*calls), "mean_ms": round3(*ms)})))
             .collect::<serde_json::Map<_, _>>(),
     }))
+}
+
+/// 2d. Soak: one runtime serving warm turns in `n` channels back to back for
+/// `--soak-windows` windows of `--soak-seconds`, each followed by the bare lifecycles for a
+/// third of it (the machine's own drift). Per window: the turns/s of each, the runtime's
+/// CPU and dockerd's per turn, the engine calls' mean time, and what the process holds
+/// (RSS, open files, threads, tokio tasks): a runtime that slows or grows with its age
+/// shows here.
+async fn soak(
+    o: &Options,
+    docker: &bollard::Docker,
+    roots: &lifecycle::Roots,
+    model_url: &str,
+    stdin: &[u8],
+) -> Result<Value> {
+    let n = o.throughput_channels;
+    let secs = o.soak_seconds.max(3);
+    let bare_secs = (secs / 3).max(1);
+    println!(
+        "\n== 2d. soak: {n} channels of warm turns on one runtime, {} windows of {secs} s, each followed by {bare_secs} s of {n} bare lifecycles",
+        o.soak_windows
+    );
+    let engine_calls = EngineCalls::default();
+    let dockerd = find_process("dockerd");
+    let c = lifecycle::bench_config(
+        &roots.actors_run_root,
+        &roots.actors_workspace_root,
+        &o.image,
+        model_url,
+    )
+    .command(lifecycle::command())
+    .instance(format!("bench-soak-{}", std::process::id()))
+    .warm(roundtable_sandbox::WarmSettings {
+        enabled: true,
+        max: 2 * n,
+        ttl_secs: None,
+    })
+    .observer(engine_calls.observer())
+    .build();
+    let warm = roundtable_sandbox::Sandbox::new(c)
+        .await
+        .context("start the soak runtime")?;
+    let mut windows = Vec::new();
+    let mut total = 0u64;
+    for w in 0..o.soak_windows {
+        engine_calls.0.lock().unwrap().clear();
+        let cpu0 = cpu_now(dockerd);
+        let t0 = Instant::now();
+        let until = t0 + Duration::from_secs(secs);
+        let run = warm_loops(&warm, n, until, || true).await;
+        let warm_wall = t0.elapsed().as_secs_f64();
+        let cpu = cpu_per_turn(cpu0, cpu_now(dockerd), run.all);
+        let calls = engine_calls.per(run.all.max(1));
+        total += run.all;
+        let held = process_held();
+        let cpu_b0 = cpu_now(dockerd);
+        let t1 = Instant::now();
+        let until = t1 + Duration::from_secs(bare_secs);
+        let loops = (0..n).map(|_| async move {
+            let mut s = SideRun::default();
+            while Instant::now() < until {
+                lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
+                s.all += 1;
+            }
+            Ok::<_, anyhow::Error>(s)
+        });
+        let bare = sum_runs(futures_util::future::try_join_all(loops).await?);
+        let bare_wall = t1.elapsed().as_secs_f64();
+        let bare_cpu = cpu_per_turn(cpu_b0, cpu_now(dockerd), bare.all);
+        let (warm_rate, bare_rate) = (run.all as f64 / warm_wall, bare.all as f64 / bare_wall);
+        println!(
+            "window {w}: {total} warm turns so far; warm {warm_rate:.2} turns/s (bench {} ms, dockerd {} ms per turn; {} cold, {} failed), bare {bare_rate:.2} (dockerd {} ms); warm / bare {:.3}; engine ms: {}; held: {held}",
+            cpu["bench"], cpu["dockerd"], run.cold, run.failed, bare_cpu["dockerd"],
+            warm_rate / bare_rate,
+            calls
+                .iter()
+                .map(|(op, (_, ms))| format!("{op} {ms:.1}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        );
+        windows.push(json!({
+            "window": w, "warm_turns": run.all, "warm_turns_total": total,
+            "warm_turns_per_s": round3(warm_rate), "bare_turns_per_s": round3(bare_rate),
+            "warm_vs_bare": round3(warm_rate / bare_rate),
+            "cold": run.cold, "failed": run.failed,
+            "warm_cpu_ms_per_turn": cpu, "bare_cpu_ms_per_turn": bare_cpu,
+            "engine_mean_ms": calls.iter().map(|(op, (_, ms))| (op.to_string(), json!(round3(*ms)))).collect::<serde_json::Map<_, _>>(),
+            "held": held,
+        }));
+    }
+    warm.shutdown().await;
+    Ok(json!({"channels": n, "seconds": secs, "bare_seconds": bare_secs, "windows": windows}))
+}
+
+/// What this process holds now: RSS (KiB), open files, threads, the tokio runtime's live
+/// tasks.
+fn process_held() -> Value {
+    let count = |dir: &str| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    json!({
+        "rss_kib": rss_kib(),
+        "fds": count("/proc/self/fd"),
+        "threads": count("/proc/self/task"),
+        "tokio_tasks": tokio::runtime::Handle::current().metrics().num_alive_tasks(),
+    })
 }
 
 /// The sum of the loops' runs of one side.
