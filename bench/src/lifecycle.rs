@@ -92,10 +92,13 @@ pub struct Roots {
 }
 
 impl Roots {
+    /// In `ROUNDTABLE_BENCH_DIR` (default `/tmp`): a tmpfs there shows what the run dirs'
+    /// filesystem costs per turn.
     pub fn new() -> Result<Self> {
+        let parent = std::env::var_os("ROUNDTABLE_BENCH_DIR").unwrap_or_else(|| "/tmp".into());
         let dir = tempfile::Builder::new()
             .prefix("rtb-")
-            .tempdir_in("/tmp")
+            .tempdir_in(parent)
             .context("make the bench dir")?;
         let run_root = dir.path().join("run");
         let workspace_root = dir.path().join("ws");

@@ -44,7 +44,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -111,7 +111,48 @@ pub struct Metrics {
     engine: HistFamily<Labels2>,
     model_duration: HistFamily<Labels3>,
     model_tokens: HistFamily<Labels3>,
+    hot: Hot,
     state: Mutex<State>,
+}
+
+/// The series every model call touches, each resolved from its family once (on its first
+/// use, so the exported text is the same) and then observed without the family's lookup
+/// (a lock and a hash of its labels).
+#[derive(Default)]
+struct Hot {
+    /// `roundtable_turn_phase_duration` by phase (by [`phase_slot`]).
+    phase: [OnceLock<Histogram>; PHASES],
+    /// `gen_ai_client_operation_duration` of a forwarded chat call answered 2xx.
+    chat_ok: OnceLock<Histogram>,
+    /// `gen_ai_client_token_usage` of a forwarded chat call: input, output.
+    chat_tokens: [OnceLock<Histogram>; 2],
+}
+
+/// The phases with a slot of their own in [`Hot::phase`] (the rest take the family's path).
+const PHASES: usize = 8;
+
+/// Observes `value` in the slot's series (resolved by `family` on its first use), or in
+/// `family`'s when there is no slot.
+fn observe(slot: Option<&OnceLock<Histogram>>, family: impl FnOnce() -> Histogram, value: f64) {
+    match slot {
+        Some(slot) => slot.get_or_init(family).observe(value),
+        None => family().observe(value),
+    }
+}
+
+fn phase_slot(phase: TurnPhase) -> Option<usize> {
+    Some(match phase {
+        TurnPhase::Preparing => 0,
+        TurnPhase::BrokerListening => 1,
+        TurnPhase::ContainerRunning => 2,
+        TurnPhase::ModelCall => 3,
+        TurnPhase::ToolCall => 4,
+        TurnPhase::Replied => 5,
+        TurnPhase::TearingDown => 6,
+        TurnPhase::Done => 7,
+        #[allow(unreachable_patterns)]
+        _ => return None,
+    })
 }
 
 impl std::fmt::Debug for Metrics {
@@ -262,6 +303,7 @@ impl Metrics {
             engine,
             model_duration,
             model_tokens,
+            hot: Hot::default(),
             state: Mutex::default(),
         }
     }
@@ -391,9 +433,13 @@ impl Metrics {
         if let Some((was, since)) = previous {
             // Each phase's time runs to the next phase event (a repeated model or tool
             // call is a phase of its own each time).
-            self.phase_duration
-                .get_or_create(&[("phase", labels::phase(was))])
-                .observe(event.at.saturating_duration_since(since).as_secs_f64());
+            let took = event.at.saturating_duration_since(since).as_secs_f64();
+            let family = || {
+                self.phase_duration
+                    .get_or_create(&[("phase", labels::phase(was))])
+                    .clone()
+            };
+            observe(phase_slot(was).map(|i| &self.hot.phase[i]), family, took);
         }
     }
 
@@ -436,24 +482,33 @@ impl Metrics {
                 ..
             } => {
                 let op = operation.key();
-                self.model_duration
-                    .get_or_create(&[
-                        ("gen_ai_operation_name", "chat"),
-                        ("roundtable_operation", op),
-                        ("error_type", labels::error_type(*status)),
-                    ])
-                    .observe(latency.as_secs_f64());
+                let error_type = labels::error_type(*status);
+                let family = || {
+                    self.model_duration
+                        .get_or_create(&[
+                            ("gen_ai_operation_name", "chat"),
+                            ("roundtable_operation", op),
+                            ("error_type", error_type),
+                        ])
+                        .clone()
+                };
+                let chat = *operation == roundtable_sandbox::events::ModelOperation::Chat;
+                let slot = (chat && error_type == "none").then_some(&self.hot.chat_ok);
+                observe(slot, family, latency.as_secs_f64());
                 if let Some(u) = usage {
-                    for (kind, n) in [("input", u.prompt_tokens), ("output", u.completion_tokens)] {
-                        if let Some(n) = n {
+                    let kinds = [("input", u.prompt_tokens), ("output", u.completion_tokens)];
+                    for (i, (kind, n)) in kinds.into_iter().enumerate() {
+                        let Some(n) = n else { continue };
+                        let family = || {
                             self.model_tokens
                                 .get_or_create(&[
                                     ("gen_ai_operation_name", "chat"),
                                     ("roundtable_operation", op),
                                     ("gen_ai_token_type", kind),
                                 ])
-                                .observe(n as f64);
-                        }
+                                .clone()
+                        };
+                        observe(chat.then_some(&self.hot.chat_tokens[i]), family, n as f64);
                     }
                 }
             }
