@@ -386,15 +386,27 @@ async fn attack_the_measurer(channel: &str, args: &[&str]) {
     let (_, error, took) = run_trick(&env, channel, args).await;
     let cannot = "this channel's workspace cannot be measured (the open files of the turn could not be counted inside the sandbox: ";
     let children = std::fs::read_to_string(env.workspace_of(channel).join("children"));
+    // How many processes beside itself the trick signalled (the killer and the stopper).
+    let signalled: u64 = std::fs::read_to_string(env.workspace_of(channel).join("signalled"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
     eprintln!(
-        "{args:?}: stopped after {} MiB in {took:?} (children started, and why no more: {children:?}): {error}",
+        "{args:?}: stopped after {} MiB in {took:?} (children started, and why no more: {children:?}; processes signalled: {signalled}): {error}",
         progress(&env, channel)
     );
     if under_gvisor() {
         // A measurer that got a count before it was hit is a stop too (over quota).
+        // Seen once in a CI run under gVisor beside a release build (not in 81 runs of this
+        // test alone or beside the suite since): the guest itself ended by SIGKILL 6.5 s into
+        // the attack, before the watcher's verdict (the engine recorded no OOM kill; the
+        // watcher kills nothing; the trick signals every pid but its own and 1). The turn
+        // ended, well before its deadline, with nothing left: fail closed all the same. It
+        // is accepted only when the trick did hit the host's measurer.
+        let killed_itself = error == "guest exited with code 137" && signalled > 0;
         assert!(
-            error.starts_with(cannot) || error.starts_with(OVER),
-            "{error}"
+            error.starts_with(cannot) || error.starts_with(OVER) || killed_itself,
+            "{error} (processes signalled: {signalled})"
         );
     } else {
         assert!(error.starts_with(OVER), "{error}");

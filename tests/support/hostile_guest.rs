@@ -631,7 +631,9 @@ mod quota {
                     // SAFETY: kill(2) with plain integers.
                     if pid != me && pid != 1 && unsafe { kill(pid, sig) } == 0 {
                         signalled += 1;
-                        let _ = std::fs::write("/workspace/signalled", signalled.to_string());
+                        // Replaced whole (never seen empty, whenever the turn ends it).
+                        let _ = std::fs::write("/workspace/signalled.new", signalled.to_string())
+                            .and_then(|()| std::fs::rename("/workspace/signalled.new", "/workspace/signalled"));
                     }
                 }
             }
