@@ -274,6 +274,14 @@ impl AuditTrail {
     /// One event of the runtime (called by the event hub, on the emitting thread: a short
     /// lock, no I/O).
     pub(crate) fn observe(&self, event: &Event) {
+        // A model or tool call's phase mark adds nothing to the line (the call's own event
+        // does): not even the lock is taken for it (it comes on the broker's hot path).
+        if matches!(
+            event.kind,
+            EventKind::Phase(TurnPhase::ModelCall | TurnPhase::ToolCall)
+        ) {
+            return;
+        }
         let mut g = self.gathered.lock().unwrap_or_else(|e| e.into_inner());
         let Some(number) = event.turn else {
             // A message refused before it became a turn: its facts, then its end.
@@ -307,7 +315,6 @@ impl AuditTrail {
         match &event.kind {
             EventKind::Admitted => p.admitted = Some(event.at),
             EventKind::WaitedForSlot { waited } => p.slot_wait = Some(*waited),
-            EventKind::Phase(TurnPhase::ModelCall | TurnPhase::ToolCall) => {}
             EventKind::Phase(phase) => p.phases.push((*phase, event.at)),
             EventKind::Ended { failure, warm } => {
                 p.ended = Some(*failure);
