@@ -398,8 +398,8 @@ async fn attack_the_measurer(channel: &str, args: &[&str]) {
     if under_gvisor() {
         // A measurer that got a count before it was hit is a stop too (over quota).
         // Or the guest's own container ends (137) when the measurer is killed: gVisor's,
-        // reproduced without this runtime (docs/security.md, "Under gVisor"); seen about 1
-        // run in 70 here beside a build. The turn ended, well before its deadline, with
+        // reproduced without this runtime (docs/security.md, "Under gVisor"); seen 2 times in
+        // about 310 runs here beside a build. The turn ended, well before its deadline, with
         // nothing left: fail closed all the same. It is accepted only when the trick did
         // hit the host's measurer.
         let killed_itself = error == "guest exited with code 137" && signalled > 0;
