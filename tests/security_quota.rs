@@ -385,9 +385,10 @@ async fn attack_the_measurer(channel: &str, args: &[&str]) {
     let env = Env::new();
     let (_, error, took) = run_trick(&env, channel, args).await;
     let cannot = "this channel's workspace cannot be measured (the open files of the turn could not be counted inside the sandbox: ";
-    let children = std::fs::read_to_string(env.workspace_of(channel).join("children"));
+    let ws = env.workspace_of(channel);
+    let children = std::fs::read_to_string(ws.join("children"));
     // How many processes beside itself the trick signalled (the killer and the stopper).
-    let signalled: u64 = std::fs::read_to_string(env.workspace_of(channel).join("signalled"))
+    let signalled: u64 = std::fs::read_to_string(ws.join("signalled"))
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0);

@@ -91,14 +91,18 @@ pub struct Roots {
     pub fixed_ws: PathBuf,
 }
 
+/// Where the bench makes its dirs (run and workspace roots, the budgets' state files):
+/// `ROUNDTABLE_BENCH_DIR`, default `/tmp`. A tmpfs there shows what their filesystem costs.
+pub fn bench_dir() -> PathBuf {
+    std::env::var_os("ROUNDTABLE_BENCH_DIR").map_or_else(|| "/tmp".into(), PathBuf::from)
+}
+
 impl Roots {
-    /// In `ROUNDTABLE_BENCH_DIR` (default `/tmp`): a tmpfs there shows what the run dirs'
-    /// filesystem costs per turn.
+    /// In [`bench_dir`].
     pub fn new() -> Result<Self> {
-        let parent = std::env::var_os("ROUNDTABLE_BENCH_DIR").unwrap_or_else(|| "/tmp".into());
         let dir = tempfile::Builder::new()
             .prefix("rtb-")
-            .tempdir_in(parent)
+            .tempdir_in(bench_dir())
             .context("make the bench dir")?;
         let run_root = dir.path().join("run");
         let workspace_root = dir.path().join("ws");

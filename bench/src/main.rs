@@ -1426,11 +1426,9 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         o.iterations,
         o.broker_calls
     );
-    // Beside the run dirs (`ROUNDTABLE_BENCH_DIR`, default /tmp): on a tmpfs the writer's
-    // commits cost no disk flush.
     let state_dir = tempfile::Builder::new()
         .prefix("rtb-budgets-")
-        .tempdir_in(std::env::var_os("ROUNDTABLE_BENCH_DIR").unwrap_or_else(|| "/tmp".into()))?;
+        .tempdir_in(lifecycle::bench_dir())?;
     let state_file = state_dir.path().join("budgets.sqlite");
     let (off_roots, on_roots) = (lifecycle::Roots::new()?, lifecycle::Roots::new()?);
     let off = lifecycle::warm_sandbox(&o.image, &off_roots, &model.url()).await?;
