@@ -541,7 +541,21 @@ pub async fn detached_turn(docker: &Docker, image: &str) -> Result<()> {
         "rtbench-detached-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..12]
     );
-    let body = ContainerCreateBody {
+    detached_body_turn(docker, &name, detached_body(image)).await
+}
+
+/// The sealed container of `body` with its stdio taken away (no stdin, no attach): what a
+/// turn that fetched its input and sent its reply over the broker's socket would ask of
+/// the engine (the ablation's "sealed without attach").
+pub fn without_stdio(mut body: ContainerCreateBody) -> ContainerCreateBody {
+    (body.attach_stdin, body.attach_stdout, body.attach_stderr) = (None, None, None);
+    (body.open_stdin, body.stdin_once) = (None, None);
+    body
+}
+
+/// The bare body with no stdio (for [`detached_turn`]).
+fn detached_body(image: &str) -> ContainerCreateBody {
+    ContainerCreateBody {
         image: Some(image.into()),
         entrypoint: Some(command()),
         labels: Some(HashMap::from([(
@@ -558,11 +572,19 @@ pub async fn detached_turn(docker: &Docker, image: &str) -> Result<()> {
             ..Default::default()
         }),
         ..Default::default()
-    };
-    let create = CreateContainerOptionsBuilder::new().name(&name).build();
+    }
+}
+
+/// One lifecycle of a container made of `body` without stdio: create, start, wait, remove.
+pub async fn detached_body_turn(
+    docker: &Docker,
+    name: &str,
+    body: ContainerCreateBody,
+) -> Result<()> {
+    let create = CreateContainerOptionsBuilder::new().name(name).build();
     docker.create_container(Some(create), body).await?;
-    let mut wait = docker.wait_container(&name, None::<WaitContainerOptions>);
-    docker.start_container(&name, None).await?;
+    let mut wait = docker.wait_container(name, None::<WaitContainerOptions>);
+    docker.start_container(name, None).await?;
     let code = match wait.next().await {
         Some(Ok(r)) => r.status_code,
         Some(Err(bollard::errors::Error::DockerContainerWaitError { code, .. })) => code,
@@ -572,7 +594,7 @@ pub async fn detached_turn(docker: &Docker, image: &str) -> Result<()> {
         .force(true)
         .v(true)
         .build();
-    docker.remove_container(&name, Some(opts)).await?;
+    docker.remove_container(name, Some(opts)).await?;
     if code != 0 {
         bail!("the detached guest exited {code}");
     }

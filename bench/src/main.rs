@@ -1154,10 +1154,16 @@ async fn ablation(
     // The variants' bodies, made once (a body names no container: each lifecycle its own).
     let bodies = lifecycle::ablations(&lifecycle::driver_spec(&o.image, roots));
     let bodies = &bodies;
+    // The sealed container without its stdio: what an attach-free turn would cost.
+    let detached_sealed = &lifecycle::without_stdio(bodies[0].1.clone());
     let names: Vec<&'static str> = bodies
         .iter()
         .map(|(what, _)| *what)
-        .chain(["bare lifecycle", "bare lifecycle without attach (no stdio)"])
+        .chain([
+            "sealed without attach (no stdio)",
+            "bare lifecycle",
+            "bare lifecycle without attach (no stdio)",
+        ])
         .collect();
     let mut rates: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
     // CPU ms per lifecycle, by variant: the whole machine's and dockerd's.
@@ -1170,7 +1176,11 @@ async fn ablation(
             let until = Instant::now() + Duration::from_secs(secs);
             let t0 = Instant::now();
             let (busy0, d0) = (machine_busy(), cpu_now(dockerd).1);
-            let (bare_variant, detached_variant) = (v + 2 == names.len(), v + 1 == names.len());
+            let (sealed_detached, bare_variant, detached_variant) = (
+                v + 3 == names.len(),
+                v + 2 == names.len(),
+                v + 1 == names.len(),
+            );
             let loops = (0..n).map(|_| async move {
                 let mut done = 0u64;
                 while Instant::now() < until {
@@ -1178,6 +1188,10 @@ async fn ablation(
                         lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
                     } else if detached_variant {
                         lifecycle::detached_turn(docker, &o.image).await?;
+                    } else if sealed_detached {
+                        let name = lifecycle::driver_spec(&o.image, roots).name;
+                        let body = detached_sealed.clone();
+                        lifecycle::detached_body_turn(docker, &name, body).await?;
                     } else {
                         let name = lifecycle::driver_spec(&o.image, roots).name;
                         let body = bodies[v].1.clone();
