@@ -1467,6 +1467,8 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     )
     .await?;
     let (mut reply_off, mut reply_on) = (Samples::default(), Samples::default());
+    // When each phase of the warm turns began, by side (on, off): where a difference is.
+    let mut phases: [BTreeMap<String, Samples>; 2] = Default::default();
     for i in 0..(o.iterations + o.warmup) {
         let channel = format!("#bench-{}", i % 8);
         let order: [(&roundtable_sandbox::Sandbox, bool); 2] = if i % 2 == 0 {
@@ -1475,8 +1477,14 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
             [(&on, true), (&off, false)]
         };
         for (sandbox, counted) in order {
-            let (t, _) = lifecycle::warm_turn(sandbox, &channel).await?;
+            let (t, began) = lifecycle::warm_turn(sandbox, &channel).await?;
             if i >= o.warmup {
+                for (phase, at) in began {
+                    phases[usize::from(!counted)]
+                        .entry(phase)
+                        .or_default()
+                        .push(at);
+                }
                 if counted {
                     reply_on.push(t.reply);
                 } else {
@@ -1556,6 +1564,26 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         rt_on.p50(),
         rt_off.p50(),
     );
+    let phase_starts: serde_json::Map<String, Value> = phases[0]
+        .iter()
+        .filter_map(|(phase, on)| Some((phase, on, phases[1].get(phase)?)))
+        .map(|(phase, on, off)| {
+            (
+                phase.clone(),
+                json!({"on_p50_ms": round3(on.p50()), "off_p50_ms": round3(off.p50())}),
+            )
+        })
+        .collect();
+    println!(
+        "  warm turns' phases began at (p50 ms, on / off): {}; the reply: deciles on {} / off {}",
+        phase_starts
+            .iter()
+            .map(|(p, v)| format!("{p} {} / {}", v["on_p50_ms"], v["off_p50_ms"]))
+            .collect::<Vec<_>>()
+            .join(", "),
+        deciles(&reply_on),
+        deciles(&reply_off),
+    );
     let one = one_turn.report(&format!("{workers} callers in one turn"));
     let eight = eight_turns.report(&format!("{workers} turns of one caller"));
     let scrapes = scraper.map(Scraper::stop);
@@ -1571,11 +1599,20 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         "model_calls_recorded": model_calls,
         "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
         "warm_reply_on_vs_off_p50": round3(reply_ratio),
+        "warm_phase_starts": phase_starts,
         "broker_round_trip": {"on": rt_on.json(), "off": rt_off.json()},
         "rps_paired_on_vs_off": one["rps_paired_on_vs_off"],
         "one_turn": one,
         "turns": eight,
     }))
+}
+
+/// The 10th to 90th percentiles of `s` (ms), for a distribution's shape at a glance.
+fn deciles(s: &Samples) -> String {
+    (1..10)
+        .map(|d| format!("{:.2}", s.pct(f64::from(d) * 10.0)))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The broker throughput rounds of parts 7 and 8, by side (*off*, *on*, the control): each
