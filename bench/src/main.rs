@@ -1151,20 +1151,33 @@ async fn ablation(
         "\n== 2c. ablation: {n} lifecycles looping at once for each variant of the sealed container, {secs} s each, {} rotating rounds",
         o.rounds
     );
-    // The variants' bodies, made once (a body names no container: each lifecycle its own).
+    // The variants, their bodies made once (a body names no container: each lifecycle its
+    // own): the sealed container with each option taken away, then without its stdio (what
+    // an attach-free turn would cost), then the bare lifecycle with and without attach.
+    enum Run {
+        Sealed(bollard::models::ContainerCreateBody),
+        SealedDetached(bollard::models::ContainerCreateBody),
+        Bare,
+        BareDetached,
+    }
     let bodies = lifecycle::ablations(&lifecycle::driver_spec(&o.image, roots));
-    let bodies = &bodies;
-    // The sealed container without its stdio: what an attach-free turn would cost.
-    let detached_sealed = &lifecycle::without_stdio(bodies[0].1.clone());
-    let names: Vec<&'static str> = bodies
-        .iter()
-        .map(|(what, _)| *what)
+    let detached_sealed = lifecycle::without_stdio(bodies[0].1.clone());
+    let variants: Vec<(&'static str, Run)> = bodies
+        .into_iter()
+        .map(|(what, body)| (what, Run::Sealed(body)))
         .chain([
-            "sealed without attach (no stdio)",
-            "bare lifecycle",
-            "bare lifecycle without attach (no stdio)",
+            (
+                "sealed without attach (no stdio)",
+                Run::SealedDetached(detached_sealed),
+            ),
+            ("bare lifecycle", Run::Bare),
+            (
+                "bare lifecycle without attach (no stdio)",
+                Run::BareDetached,
+            ),
         ])
         .collect();
+    let names: Vec<&'static str> = variants.iter().map(|(what, _)| *what).collect();
     let mut rates: Vec<Samples> = names.iter().map(|_| Samples::default()).collect();
     // CPU ms per lifecycle, by variant: the whole machine's and dockerd's.
     let mut machine_ms: Vec<Vec<f64>> = names.iter().map(|_| Vec::new()).collect();
@@ -1176,26 +1189,24 @@ async fn ablation(
             let until = Instant::now() + Duration::from_secs(secs);
             let t0 = Instant::now();
             let (busy0, d0) = (machine_busy(), cpu_now(dockerd).1);
-            let (sealed_detached, bare_variant, detached_variant) = (
-                v + 3 == names.len(),
-                v + 2 == names.len(),
-                v + 1 == names.len(),
-            );
+            let run = &variants[v].1;
             let loops = (0..n).map(|_| async move {
                 let mut done = 0u64;
                 while Instant::now() < until {
-                    if bare_variant {
-                        lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
-                    } else if detached_variant {
-                        lifecycle::detached_turn(docker, &o.image).await?;
-                    } else if sealed_detached {
-                        let name = lifecycle::driver_spec(&o.image, roots).name;
-                        let body = detached_sealed.clone();
-                        lifecycle::detached_body_turn(docker, &name, body).await?;
-                    } else {
-                        let name = lifecycle::driver_spec(&o.image, roots).name;
-                        let body = bodies[v].1.clone();
-                        lifecycle::body_turn(docker, &name, body, stdin, Instant::now()).await?;
+                    let name = || lifecycle::driver_spec(&o.image, roots).name;
+                    match run {
+                        Run::Sealed(body) => {
+                            let body = body.clone();
+                            lifecycle::body_turn(docker, &name(), body, stdin, Instant::now())
+                                .await?;
+                        }
+                        Run::SealedDetached(body) => {
+                            lifecycle::detached_body_turn(docker, &name(), body.clone()).await?;
+                        }
+                        Run::Bare => {
+                            lifecycle::bare_turn(docker, &o.image, stdin, true).await?;
+                        }
+                        Run::BareDetached => lifecycle::detached_turn(docker, &o.image).await?,
                     }
                     done += 1;
                 }
