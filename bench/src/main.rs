@@ -113,6 +113,11 @@ struct Options {
     /// Internal: the memory child with metrics and accounting on
     #[arg(long, hide = true)]
     memory_observed: bool,
+    /// Internal: one broker of part 8 alone, `on` (the budget book and the metrics
+    /// observer) or `off`, 8 callers in one turn for `--broker-calls` calls in all, no
+    /// Docker: for an instruction count of each side (`valgrind --tool=callgrind`)
+    #[arg(long, value_name = "SIDE", hide = true, value_parser = ["on", "off"])]
+    broker_side: Option<String>,
 }
 
 impl Options {
@@ -163,6 +168,9 @@ fn main() -> Result<()> {
     }
     if nix::unistd::getuid().is_root() {
         bail!("the runtime refuses root: run scripts/bench.sh (it runs this as the service user)");
+    }
+    if let Some(side) = &options.broker_side {
+        return broker_side(&options, side == "on");
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -1616,6 +1624,51 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         "one_turn": one,
         "turns": eight,
     }))
+}
+
+/// `--broker-side`: part 8's *on* or *off* broker alone, 8 callers in one turn.
+fn broker_side(o: &Options, on: bool) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let model = broker_bench::Model::start().await?;
+        let state_dir = tempfile::Builder::new()
+            .prefix("rtb-budgets-")
+            .tempdir_in(lifecycle::bench_dir())?;
+        let metrics = on.then(|| Arc::new(roundtable_sandbox_metrics::Metrics::new()));
+        let book = match on {
+            true => roundtable_sandbox::budgets::BudgetBook::open(
+                &roundtable_sandbox::BudgetSettings {
+                    state_file: Some(state_dir.path().join("broker.sqlite")),
+                    speaker_tokens_per_day: Some(1_000_000_000_000),
+                    channel_tokens_per_day: Some(1_000_000_000_000),
+                    bot_tokens_per_day: Some(1_000_000_000_000),
+                    speaker_turns_per_minute: None,
+                },
+                "UTC",
+            )?,
+            false => None,
+        };
+        let b = broker_bench::BrokerUnderTest::start_observed(
+            &model.url(),
+            book,
+            metrics.as_ref().map(|m| m.observer()),
+        )
+        .await?;
+        let (workers, per) = (8usize, (o.broker_calls / 8).clamp(1, 1_200));
+        let rps =
+            broker_bench::throughput_over(&[Target::Broker(b.socket())], workers, per).await?;
+        let [user, system, ..] = process_usage();
+        println!(
+            "broker {}: {} calls, {rps:.0}/s; process CPU user {:.0} ms, system {:.0} ms",
+            if on { "on" } else { "off" },
+            workers * per,
+            user / 1e3,
+            system / 1e3
+        );
+        Ok(())
+    })
 }
 
 /// The 10th to 90th percentiles of `s` (ms), for a distribution's shape at a glance.

@@ -69,6 +69,7 @@ pub use mcp_container::{McpEngine, LABEL_MCP};
 mod redact;
 mod server;
 mod tools;
+mod usage;
 mod warn;
 
 use std::collections::BTreeSet;

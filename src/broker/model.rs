@@ -29,6 +29,7 @@ use serde_json::value::RawValue;
 use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
+use super::usage::{answer_usage, UsageWire};
 use crate::budgets::{estimate_tokens, TurnAccount};
 use crate::events::{BrokerEvent, ModelOperation, TurnEvents};
 
@@ -576,29 +577,6 @@ impl Upstream {
             .body(http_body_util::StreamBody::new(body).boxed_unsync())
             .expect("a valid response")
     }
-}
-
-/// The `usage` of a completion, and nothing else of it (the rest is skipped unparsed).
-#[derive(serde::Deserialize)]
-struct WithUsage {
-    #[serde(default)]
-    usage: Option<UsageWire>,
-}
-
-/// An upstream's `usage`.
-#[derive(serde::Deserialize, Clone, Copy)]
-struct UsageWire {
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(default)]
-    completion_tokens: Option<u64>,
-}
-
-/// A whole answer's `usage`, if it has one (the rest of the answer is skipped unparsed).
-fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
-    serde_json::from_slice::<WithUsage>(bytes)
-        .ok()
-        .and_then(|w| w.usage)
 }
 
 /// Charges a whole answer: its `usage`, or the estimate when it has none.
