@@ -114,9 +114,10 @@ struct Options {
     #[arg(long, hide = true)]
     memory_observed: bool,
     /// Internal: one broker of part 8 alone, `on` (the budget book and the metrics
-    /// observer) or `off`, 8 callers in one turn for `--broker-calls` calls in all, no
-    /// Docker: for an instruction count of each side (`valgrind --tool=callgrind`)
-    #[arg(long, value_name = "SIDE", hide = true, value_parser = ["on", "off"])]
+    /// observer) or `off`, 8 callers in one turn (`on8`, `off8`: in 8 turns) for
+    /// `--broker-calls` calls in all, no Docker: for an instruction count of each side
+    /// (`valgrind --tool=callgrind`) and its CPU time by thread
+    #[arg(long, value_name = "SIDE", hide = true, value_parser = ["on", "off", "on8", "off8"])]
     broker_side: Option<String>,
 }
 
@@ -170,7 +171,7 @@ fn main() -> Result<()> {
         bail!("the runtime refuses root: run scripts/bench.sh (it runs this as the service user)");
     }
     if let Some(side) = &options.broker_side {
-        return broker_side(&options, side == "on");
+        return broker_side(&options, side.starts_with("on"), side.ends_with('8'));
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -1626,8 +1627,9 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     }))
 }
 
-/// `--broker-side`: part 8's *on* or *off* broker alone, 8 callers in one turn.
-fn broker_side(o: &Options, on: bool) -> Result<()> {
+/// `--broker-side on|off|on8|off8`: part 8's *on* or *off* broker alone, 8 callers in one
+/// turn (or in 8 turns of their own); prints the rate and the CPU time by thread name.
+fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -1650,15 +1652,25 @@ fn broker_side(o: &Options, on: bool) -> Result<()> {
             )?,
             false => None,
         };
-        let b = broker_bench::BrokerUnderTest::start_observed(
+        let mut b = broker_bench::BrokerUnderTest::start_observed(
             &model.url(),
             book,
             metrics.as_ref().map(|m| m.observer()),
         )
         .await?;
+        let targets: Vec<Target> = match eight {
+            true => b
+                .listen_turns(8)
+                .await?
+                .into_iter()
+                .map(Target::Broker)
+                .collect(),
+            false => vec![Target::Broker(b.socket())],
+        };
         let (workers, per) = (8usize, (o.broker_calls / 8).clamp(1, 1_200));
-        let rps =
-            broker_bench::throughput_over(&[Target::Broker(b.socket())], workers, per).await?;
+        let before = thread_cpu();
+        let rps = broker_bench::throughput_over(&targets, workers, per).await?;
+        let after = thread_cpu();
         let [user, system, ..] = process_usage();
         println!(
             "broker {}: {} calls, {rps:.0}/s; process CPU user {:.0} ms, system {:.0} ms",
@@ -1667,8 +1679,53 @@ fn broker_side(o: &Options, on: bool) -> Result<()> {
             user / 1e3,
             system / 1e3
         );
+        let mut by: Vec<(String, f64)> = after
+            .into_iter()
+            .map(|(name, t)| {
+                let t0 = before.get(&name).copied().unwrap_or(0.0);
+                (name, t - t0)
+            })
+            .filter(|(_, t)| *t > 0.0)
+            .collect();
+        by.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (name, t) in by {
+            println!(
+                "  thread {name}: {:.1} µs per call",
+                t / (workers * per) as f64
+            );
+        }
         Ok(())
     })
+}
+
+/// CPU time (user + system, µs) of this process's threads, summed by thread name.
+fn thread_cpu() -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return out;
+    };
+    let tick = 1e6
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+    for task in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_owned();
+        let rest: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let ticks = |i: usize| {
+            rest.get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        *out.entry(name).or_insert(0.0) += (ticks(11) + ticks(12)) * tick;
+    }
+    out
 }
 
 /// The 10th to 90th percentiles of `s` (ms), for a distribution's shape at a glance.

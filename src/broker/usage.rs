@@ -43,8 +43,13 @@ pub(super) fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
 fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
     let mut c = Cursor { b: bytes, i: 0 };
     let mut depth = 0usize;
-    while let Some(&b) = bytes.get(c.i) {
-        match b {
+    loop {
+        // To the next byte that opens a string or a level or closes one.
+        c.i += bytes
+            .get(c.i..)?
+            .iter()
+            .position(|b| matches!(b, b'"' | b'{' | b'[' | b'}' | b']'))?;
+        match bytes[c.i] {
             b'"' => {
                 let (start, end) = c.string()?;
                 if depth == 1 && &bytes[start..end] == key {
@@ -56,12 +61,10 @@ fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
                 continue;
             }
             b'{' | b'[' => depth += 1,
-            b'}' | b']' => depth = depth.checked_sub(1)?,
-            _ => {}
+            _ => depth = depth.checked_sub(1)?,
         }
         c.i += 1;
     }
-    None
 }
 
 /// A position in an answer.
@@ -98,11 +101,12 @@ impl Cursor<'_> {
         let start = self.i + 1;
         let mut j = start;
         loop {
-            match *self.b.get(j)? {
-                b'"' => break,
-                b'\\' => j += 2,
-                _ => j += 1,
+            // A model's text is most of an answer's bytes: searched, not stepped through.
+            j += memchr::memchr2(b'"', b'\\', self.b.get(j..)?)?;
+            if self.b[j] == b'"' {
+                break;
             }
+            j += 2;
         }
         self.i = j + 1;
         Some((start, j))

@@ -17,7 +17,10 @@
 //! - [`BudgetBook`]: the counters in memory (today's tokens by speaker, channel and bot; the
 //!   speakers' turns of the last minute), the checks, and a writer thread that commits the
 //!   changes to the store off the callers' threads (charges and started turns gathered
-//!   for [`COMMIT_INTERVAL`], then one transaction);
+//!   for [`COMMIT_INTERVAL`], then one transaction). Each token counter is a shared cell
+//!   (`Slot`: total and unsaved, atomics); a turn's account resolves its speaker's,
+//!   channel's and the bot's once per day, so a model call's check and charge take no lock
+//!   of the book and hash no key (the day's end is checked against the clock each call);
 //! - [`BudgetRefusal`]: which budget refused, and the message a guest reads.
 //!
 //! **The bound.** A turn is admitted only while every budget has room; each model call is
@@ -33,7 +36,7 @@ mod store;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
@@ -84,6 +87,8 @@ pub struct TurnAccount {
     tool_calls: AtomicU32,
     estimated: AtomicBool,
     refusal: Mutex<Option<BudgetRefusal>>,
+    /// The turn's three counters in the book, resolved at its first call of each day.
+    slots: Mutex<Option<TurnSlots>>,
 }
 
 impl TurnAccount {
@@ -99,6 +104,7 @@ impl TurnAccount {
             tool_calls: AtomicU32::new(0),
             estimated: AtomicBool::new(false),
             refusal: Mutex::new(None),
+            slots: Mutex::new(None),
         }
     }
 
@@ -108,7 +114,7 @@ impl TurnAccount {
         let Some(book) = &self.book else {
             return Ok(());
         };
-        book.check_tokens(&self.speaker, &self.channel)
+        self.with_slots(book, |slots| book.check_slots(slots))
             .inspect_err(|r| {
                 *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
             })
@@ -132,13 +138,21 @@ impl TurnAccount {
         if estimated {
             self.estimated.store(true, Ordering::Relaxed);
         }
-        if let Some(book) = &self.book {
-            book.charge(
-                &self.speaker,
-                &self.channel,
-                prompt.saturating_add(completion),
-            );
+        let tokens = prompt.saturating_add(completion);
+        if let (Some(book), true) = (&self.book, tokens > 0) {
+            self.with_slots(book, |slots| book.charge_slots(slots, tokens));
         }
+    }
+
+    /// Runs `f` on the turn's counters of today (resolved again after a day rolled over).
+    fn with_slots<T>(&self, book: &BudgetBook, f: impl FnOnce(&TurnSlots) -> T) -> T {
+        let day = book.day_now();
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = match &mut *slots {
+            Some(s) if s.generation == day => s,
+            other => other.insert(book.resolve(&self.speaker, &self.channel)),
+        };
+        f(slots)
     }
 
     /// What the turn used so far.
@@ -308,87 +322,143 @@ enum Write {
     Wake,
 }
 
-/// Token counts by speaker, channel and for the whole bot, looked up and added to by the
-/// speaker's and channel's `&str` (no key is allocated on the per-call path but a new one).
-#[derive(Default)]
+/// One of today's token counters (a speaker's, a channel's or the bot's): its total and
+/// what the writer has not taken yet. A turn's account holds its three (resolved once per
+/// day), so a model call's check and charge are a few atomic operations, no lookup and no
+/// lock of the book (the book's lock is taken when a counter turns dirty, once per commit
+/// interval per counter).
+#[derive(Debug)]
+struct Slot {
+    key: CounterKey,
+    total: AtomicU64,
+    unsaved: AtomicU64,
+}
+
+impl Slot {
+    fn new(key: CounterKey, total: u64) -> Arc<Self> {
+        Arc::new(Self {
+            key,
+            total: AtomicU64::new(total),
+            unsaved: AtomicU64::new(0),
+        })
+    }
+
+    fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+
+    /// Adds `n`, saturating (an upstream's `usage` is any `u64`); whether the slot had
+    /// nothing unsaved (the caller lists it for the writer).
+    fn add(&self, n: u64) -> bool {
+        fn saturating_add(a: &AtomicU64, n: u64) -> u64 {
+            let was = a.fetch_add(n, Ordering::Relaxed);
+            if was.checked_add(n).is_none() {
+                a.store(u64::MAX, Ordering::Relaxed);
+            }
+            was
+        }
+        saturating_add(&self.total, n);
+        saturating_add(&self.unsaved, n) == 0
+    }
+}
+
+/// The three counters a turn's calls are checked against and charged to, of one day
+/// (`generation`: the book's day count when they were resolved).
+#[derive(Debug)]
+struct TurnSlots {
+    generation: u64,
+    speaker: Arc<Slot>,
+    channel: Arc<Slot>,
+    bot: Arc<Slot>,
+}
+
+/// Today's token counters by speaker, channel and for the whole bot.
 struct Counters {
-    speakers: HashMap<String, u64>,
-    channels: HashMap<String, u64>,
-    bot: Option<u64>,
+    speakers: HashMap<String, Arc<Slot>>,
+    channels: HashMap<String, Arc<Slot>>,
+    bot: Arc<Slot>,
 }
 
 impl Counters {
+    fn new() -> Self {
+        Self {
+            speakers: HashMap::new(),
+            channels: HashMap::new(),
+            bot: Slot::new(CounterKey::Bot, 0),
+        }
+    }
+
     fn from_keys(keys: impl IntoIterator<Item = (CounterKey, u64)>) -> Self {
-        let mut c = Self::default();
+        let mut c = Self::new();
         for (key, n) in keys {
-            match key {
-                CounterKey::Speaker(s) => *c.speakers.entry(s).or_default() += n,
-                CounterKey::Channel(h) => *c.channels.entry(h).or_default() += n,
-                CounterKey::Bot => c.bot = Some(c.bot.unwrap_or(0).saturating_add(n)),
-            }
+            let slot = match &key {
+                CounterKey::Speaker(s) => c.speaker_slot(s),
+                CounterKey::Channel(h) => c.channel_slot(h),
+                CounterKey::Bot => c.bot.clone(),
+            };
+            slot.add(n);
+            slot.unsaved.store(0, Ordering::Relaxed);
         }
         c
     }
 
+    fn slot(map: &mut HashMap<String, Arc<Slot>>, key: &str, make: fn(String) -> CounterKey) -> Arc<Slot> {
+        match map.get(key) {
+            Some(s) => s.clone(),
+            None => {
+                let s = Slot::new(make(key.to_owned()), 0);
+                map.insert(key.to_owned(), s.clone());
+                s
+            }
+        }
+    }
+
+    fn speaker_slot(&mut self, speaker: &str) -> Arc<Slot> {
+        Self::slot(&mut self.speakers, speaker, CounterKey::Speaker)
+    }
+
+    fn channel_slot(&mut self, channel: &str) -> Arc<Slot> {
+        Self::slot(&mut self.channels, channel, CounterKey::Channel)
+    }
+
     fn speaker(&self, speaker: &str) -> u64 {
-        self.speakers.get(speaker).copied().unwrap_or(0)
+        self.speakers.get(speaker).map_or(0, |s| s.total())
     }
 
     fn channel(&self, channel: &str) -> u64 {
-        self.channels.get(channel).copied().unwrap_or(0)
+        self.channels.get(channel).map_or(0, |s| s.total())
     }
 
     fn get(&self, key: &CounterKey) -> u64 {
         match key {
             CounterKey::Speaker(s) => self.speaker(s),
             CounterKey::Channel(h) => self.channel(h),
-            CounterKey::Bot => self.bot.unwrap_or(0),
+            CounterKey::Bot => self.bot.total(),
         }
-    }
-
-    /// Adds `n` to the speaker's, the channel's and the bot's counts.
-    fn add(&mut self, speaker: &str, channel: &str, n: u64) {
-        fn bump(map: &mut HashMap<String, u64>, key: &str, n: u64) {
-            match map.get_mut(key) {
-                Some(v) => *v = v.saturating_add(n),
-                None => {
-                    map.insert(key.to_owned(), n);
-                }
-            }
-        }
-        bump(&mut self.speakers, speaker, n);
-        bump(&mut self.channels, channel, n);
-        self.bot = Some(self.bot.unwrap_or(0).saturating_add(n));
-    }
-
-    fn is_empty(&self) -> bool {
-        self.speakers.is_empty() && self.channels.is_empty() && self.bot.is_none()
-    }
-
-    fn clear(&mut self) {
-        *self = Self::default();
-    }
-
-    /// Every count, as the store's keys; empties the counters.
-    fn drain(&mut self) -> Vec<(CounterKey, u64)> {
-        let mut out: Vec<(CounterKey, u64)> = self
-            .speakers
-            .drain()
-            .map(|(k, n)| (CounterKey::Speaker(k), n))
-            .chain(self.channels.drain().map(|(k, n)| (CounterKey::Channel(k), n)))
-            .collect();
-        out.extend(self.bot.take().map(|n| (CounterKey::Bot, n)));
-        out
     }
 }
 
-/// Charges not yet handed to the writer: one day's deltas.
+/// Counters charged since the writer last took them, of one day.
 #[derive(Default)]
 struct Unsaved {
     day: String,
-    deltas: Counters,
+    dirty: Vec<Arc<Slot>>,
     /// A [`Write::Wake`] is on its way (cleared when the writer takes the deltas).
     woken: bool,
+}
+
+impl Unsaved {
+    /// The dirty counters' unsaved tokens, as the store's keys; each counter's unsaved is
+    /// taken (a charge after this lists its counter again).
+    fn drain(&mut self) -> Vec<(CounterKey, u64)> {
+        self.dirty
+            .drain(..)
+            .filter_map(|s| {
+                let n = s.unsaved.swap(0, Ordering::Relaxed);
+                (n > 0).then(|| (s.key.clone(), n))
+            })
+            .collect()
+    }
 }
 
 struct BookState {
@@ -409,11 +479,9 @@ type SharedState = Arc<Mutex<BookState>>;
 fn take_unsaved(state: &SharedState) -> Option<(String, Vec<(CounterKey, u64)>)> {
     let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
     st.unsaved.woken = false;
-    if st.unsaved.deltas.is_empty() {
-        return None;
-    }
-    let deltas = st.unsaved.deltas.drain();
-    Some((std::mem::take(&mut st.unsaved.day), deltas))
+    let deltas = st.unsaved.drain();
+    let day = std::mem::take(&mut st.unsaved.day);
+    (!deltas.is_empty()).then_some((day, deltas))
 }
 
 /// The budgets' counters, checks and writer (see the module doc).
@@ -422,6 +490,12 @@ pub struct BudgetBook {
     tz: chrono_tz::Tz,
     clock: Clock,
     state: SharedState,
+    /// Days begun since the book opened (bumped at each rollover, under the state's lock):
+    /// a turn's resolved counters are of the current day while theirs matches.
+    generation: AtomicU64,
+    /// The current day's span as Unix ms (floor of its start, floor of its end), for a
+    /// check without the lock that a call is inside it.
+    span_ms: [AtomicI64; 2],
     writer: Mutex<Option<mpsc::Sender<Write>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     state_file: Option<PathBuf>,
@@ -468,9 +542,10 @@ impl BudgetBook {
             turns.entry(speaker).or_default().push_back(at);
         }
         let (tx, rx) = mpsc::channel::<Write>();
+        let span = day_span(tz, now);
         let state: SharedState = Arc::new(Mutex::new(BookState {
             day,
-            day_span: day_span(tz, now),
+            day_span: span,
             tokens,
             turns,
             unsaved: Unsaved::default(),
@@ -488,6 +563,11 @@ impl BudgetBook {
             tz,
             clock,
             state,
+            generation: AtomicU64::new(0),
+            span_ms: [
+                AtomicI64::new(span.0.timestamp_millis()),
+                AtomicI64::new(span.1.timestamp_millis()),
+            ],
             writer: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             state_file: settings.state_file.clone(),
@@ -517,19 +597,79 @@ impl BudgetBook {
             return st;
         }
         st.day_span = day_span(self.tz, now);
+        self.span_ms[0].store(st.day_span.0.timestamp_millis(), Ordering::Relaxed);
+        self.span_ms[1].store(st.day_span.1.timestamp_millis(), Ordering::Relaxed);
         let day = now.with_timezone(&self.tz).date_naive();
         if day != st.day {
             // The last day's unsaved charges go first, under their own day.
-            if !st.unsaved.deltas.is_empty() {
-                let deltas = st.unsaved.deltas.drain();
-                let old = std::mem::take(&mut st.unsaved.day);
+            let deltas = st.unsaved.drain();
+            let old = std::mem::take(&mut st.unsaved.day);
+            if !deltas.is_empty() {
                 self.send(Write::Tokens { day: old, deltas });
             }
             st.day = day;
-            st.tokens.clear();
+            st.tokens = Counters::new();
+            self.generation.fetch_add(1, Ordering::Release);
             self.send(Write::NewDay(day.to_string()));
         }
         st
+    }
+
+    /// The current day's number ([`Self::generation`]), rolled over first when the clock
+    /// has left the day; without the lock while it has not.
+    fn day_now(&self) -> u64 {
+        let now = (self.clock)();
+        let ms = now.timestamp_millis();
+        // Inside for sure: `now` is at or past the start's ms floor + 1 and before the
+        // end's ms floor (both spans' instants are compared exactly under the lock).
+        let inside = ms > self.span_ms[0].load(Ordering::Relaxed)
+            && ms < self.span_ms[1].load(Ordering::Relaxed);
+        if !inside {
+            drop(self.state(now));
+        }
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The counters of `speaker`, `channel` and the bot today.
+    fn resolve(&self, speaker: &str, channel: &str) -> TurnSlots {
+        let mut st = self.state((self.clock)());
+        TurnSlots {
+            generation: self.generation.load(Ordering::Acquire),
+            speaker: st.tokens.speaker_slot(speaker),
+            channel: st.tokens.channel_slot(channel),
+            bot: st.tokens.bot.clone(),
+        }
+    }
+
+    /// Every token budget has room in `slots`' counters.
+    fn check_slots(&self, slots: &TurnSlots) -> Result<(), BudgetRefusal> {
+        self.token_check_of(
+            slots.speaker.total(),
+            slots.channel.total(),
+            slots.bot.total(),
+        )
+    }
+
+    /// Adds `tokens` to `slots`' counters; a counter that turns dirty is listed for the
+    /// writer.
+    fn charge_slots(&self, slots: &TurnSlots, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let turned = [&slots.speaker, &slots.channel, &slots.bot].map(|s| s.add(tokens).then_some(s));
+        if turned.iter().all(Option::is_none) {
+            return;
+        }
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *st;
+        if st.unsaved.dirty.is_empty() {
+            st.unsaved.day = st.day.to_string();
+        }
+        st.unsaved.dirty.extend(turned.into_iter().flatten().cloned());
+        // One wake-up of the writer per commit interval, not one per charge.
+        if !std::mem::replace(&mut st.unsaved.woken, true) {
+            self.send(Write::Wake);
+        }
     }
 
     fn resets(&self) -> String {
@@ -542,26 +682,35 @@ impl BudgetBook {
         speaker: &str,
         channel: &str,
     ) -> Result<(), BudgetRefusal> {
+        self.token_check_of(
+            st.tokens.speaker(speaker),
+            st.tokens.channel(channel),
+            st.tokens.bot.total(),
+        )
+    }
+
+    /// Every token budget has room, with these counts used today.
+    fn token_check_of(
+        &self,
+        speaker: u64,
+        channel: u64,
+        bot: u64,
+    ) -> Result<(), BudgetRefusal> {
         let s = &self.settings;
         let checks = [
             (
                 Budget::SpeakerTokensPerDay,
                 s.speaker_tokens_per_day,
-                st.tokens.speaker(speaker),
+                speaker,
                 "this speaker",
             ),
             (
                 Budget::ChannelTokensPerDay,
                 s.channel_tokens_per_day,
-                st.tokens.channel(channel),
+                channel,
                 "this channel",
             ),
-            (
-                Budget::BotTokensPerDay,
-                s.bot_tokens_per_day,
-                st.tokens.bot.unwrap_or(0),
-                "the bot",
-            ),
+            (Budget::BotTokensPerDay, s.bot_tokens_per_day, bot, "the bot"),
         ];
         for (budget, limit, used, who) in checks {
             if let Some(limit) = limit {
@@ -630,19 +779,8 @@ impl BudgetBook {
     /// Adds `tokens` to today's counters of the speaker, the channel and the bot; the
     /// write is committed by the writer thread.
     pub fn charge(&self, speaker: &str, channel: &str, tokens: u64) {
-        if tokens == 0 {
-            return;
-        }
-        let mut st = self.state((self.clock)());
-        let st = &mut *st;
-        if st.unsaved.deltas.is_empty() {
-            st.unsaved.day = st.day.to_string();
-        }
-        st.unsaved.deltas.add(speaker, channel, tokens);
-        st.tokens.add(speaker, channel, tokens);
-        // One wake-up of the writer per commit interval, not one per charge.
-        if !std::mem::replace(&mut st.unsaved.woken, true) {
-            self.send(Write::Wake);
+        if tokens > 0 {
+            self.charge_slots(&self.resolve(speaker, channel), tokens);
         }
     }
 
@@ -859,6 +997,73 @@ mod tests {
             vec!["2026-03-31 100".to_owned(), "2026-04-01 7".to_owned()]
         );
         assert_eq!(book.tokens(&CounterKey::Speaker("alice".into())), 7);
+    }
+
+    #[test]
+    fn a_turns_account_follows_the_day_and_its_charges_are_committed() {
+        // A turn that runs across midnight UTC: its calls before are of the old day, its
+        // calls after are checked against and charged to the new one.
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 12, 4, 23, 59, 58).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(100),
+            ..Default::default()
+        };
+        let (book, log) = book_at(settings, "UTC", now.clone());
+        let account = TurnAccount::new("alice", "c", Some(book.clone()));
+        let other = TurnAccount::new("alice", "d", Some(book.clone()));
+        account.check_call().unwrap();
+        account.charge(60, 0, false);
+        other.check_call().unwrap();
+        other.charge(30, 10, false);
+        // Both turns' charges are one speaker's: the budget is full for either.
+        assert_eq!(
+            account.check_call().unwrap_err().budget,
+            Budget::SpeakerTokensPerDay
+        );
+        assert!(other.check_call().is_err());
+        assert_eq!(book.tokens(&CounterKey::Channel("d".into())), 40);
+        *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 12, 5, 0, 0, 1).unwrap();
+        account.check_call().unwrap();
+        account.charge(7, 0, false);
+        book.flush();
+        let day = |d: &str| -> u64 {
+            let log = log.lock().unwrap();
+            log.iter()
+                .filter_map(|l| l.strip_prefix(d))
+                .map(|n| n.trim().parse::<u64>().unwrap())
+                .sum()
+        };
+        // The log holds each commit's first delta; the three counters move together here
+        // but for the channel, so each commit's first is the speaker's.
+        assert_eq!((day("2026-12-04 "), day("2026-12-05 ")), (100, 7));
+        assert_eq!(book.tokens(&CounterKey::Speaker("alice".into())), 7);
+        assert_eq!(account.usage().tokens(), 67);
+    }
+
+    #[test]
+    fn a_hostile_usage_saturates_the_counters() {
+        // An upstream's `usage` is any u64: the counters stop at u64::MAX, never wrap
+        // round to a small count that would pass the budget again.
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 12, 4, 12, 0, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            bot_tokens_per_day: Some(1_000),
+            ..Default::default()
+        };
+        let (book, _log) = book_at(settings, "UTC", now);
+        let account = TurnAccount::new("mallory", "c", Some(book.clone()));
+        account.charge(u64::MAX, 0, false);
+        account.charge(5, 0, false);
+        assert_eq!(book.tokens(&CounterKey::Bot), u64::MAX);
+        assert_eq!(
+            account.check_call().unwrap_err().budget,
+            Budget::BotTokensPerDay
+        );
     }
 
     #[test]
