@@ -41,30 +41,44 @@ pub(super) fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
 /// The key must be written without escapes; a key inside a string, or in a nested object
 /// or array, is not it.
 fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
-    let mut c = Cursor { b: bytes, i: 0 };
+    // From quote to quote (one SIMD search over the answer): each string's end is the next
+    // quote after an even run of backslashes, and only the short stretches between strings
+    // are stepped through, for the brackets.
+    let mut quotes = memchr::memchr_iter(b'"', bytes);
     let mut depth = 0usize;
-    loop {
-        // To the next byte that opens a string or a level or closes one.
-        c.i += bytes
-            .get(c.i..)?
-            .iter()
-            .position(|b| matches!(b, b'"' | b'{' | b'[' | b'}' | b']'))?;
-        match bytes[c.i] {
-            b'"' => {
-                let (start, end) = c.string()?;
-                if depth == 1 && &bytes[start..end] == key {
-                    c.ws();
-                    if c.byte(b':') {
-                        return Some(c.i);
-                    }
-                }
-                continue;
+    let mut outside = 0;
+    while let Some(open) = quotes.next() {
+        for &b in &bytes[outside..open] {
+            match b {
+                b'{' | b'[' => depth += 1,
+                b'}' | b']' => depth = depth.checked_sub(1)?,
+                _ => {}
             }
-            b'{' | b'[' => depth += 1,
-            _ => depth = depth.checked_sub(1)?,
         }
-        c.i += 1;
+        let close = loop {
+            let q = quotes.next()?;
+            let escapes = bytes[open + 1..q]
+                .iter()
+                .rev()
+                .take_while(|&&b| b == b'\\')
+                .count();
+            if escapes % 2 == 0 {
+                break q;
+            }
+        };
+        if depth == 1 && &bytes[open + 1..close] == key {
+            let mut c = Cursor {
+                b: bytes,
+                i: close + 1,
+            };
+            c.ws();
+            if c.byte(b':') {
+                return Some(c.i);
+            }
+        }
+        outside = close + 1;
     }
+    None
 }
 
 /// A position in an answer.
