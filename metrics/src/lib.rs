@@ -165,11 +165,33 @@ impl std::fmt::Debug for Metrics {
 /// and channel hash, never exported.
 #[derive(Default)]
 struct State {
-    turns: HashMap<u64, TurnState>,
+    turns: HashMap<u64, TurnState, std::hash::BuildHasherDefault<TurnNumberHasher>>,
     /// Messages queued per channel (by its short hash), not yet admitted.
     queued: HashMap<String, u64>,
     /// Prepared containers per channel (by its short hash).
     prepared: HashMap<String, u64>,
+}
+
+/// Hashes a turn number by one multiply (Fibonacci hashing), not SipHash: the numbers are
+/// the runtime's own, counted up from 1, never a guest's, so there is no flooding to
+/// resist, and the map is looked up at every phase of every turn.
+#[derive(Default)]
+struct TurnNumberHasher(u64);
+
+impl std::hash::Hasher for TurnNumberHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
 }
 
 struct TurnState {

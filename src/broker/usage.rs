@@ -10,11 +10,13 @@
 //! object's `usage` member, for every valid answer (a property test checks it), with three
 //! differences: a key written with escapes (`"us\u0061ge"`) is not recognised (the answer is
 //! counted by the estimate, as an answer without usage is), an answer with two top-level
-//! `usage` members is read by its first (serde refused it), and an answer that is invalid
-//! JSON *outside* the counts may still be counted by them (a full parse gave up on it and
-//! fell back to the estimate). All three are the upstream's own doing: the upstream is the one
-//! party that reports usage, and a model's output cannot write either (it sits inside JSON
-//! strings, where a quote is escaped).
+//! `usage` members is read by its last (serde refused it), and an answer that is invalid
+//! JSON *before* its `usage` member may still be counted by it (the walk reads back from the
+//! end; a full parse gave up on it and fell back to the estimate; one broken after it is
+//! not read). All three are the upstream's own doing: the upstream is the one party that
+//! reports usage, and a model's output cannot write any of them (it sits inside JSON
+//! strings, where a quote is escaped, and the walk tells an escaped quote from one that
+//! ends a string exactly, backwards as forwards).
 
 /// An upstream's `usage`: its two counts, each absent or `null` as `None`.
 #[derive(serde::Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,32 +39,42 @@ pub(super) fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
     c.usage_object()
 }
 
-/// Where the value of the top-level object's first `key` starts (just past its colon).
+/// Where the value of the top-level object's last `key` starts (just past its colon).
 /// The key must be written without escapes; a key inside a string, or in a nested object
 /// or array, is not it.
+///
+/// Walked from the end: upstreams write `usage` as the answer's last member, so the walk
+/// reads its last ~70 bytes, not the model's text before them. Backwards is as exact as
+/// forwards: a quote is escaped exactly when an odd run of backslashes precedes it, and a
+/// valid answer ends outside any string, so each unescaped quote met going back opens or
+/// closes a string. Strings are passed with one SIMD search from quote to quote; only the
+/// stretches between strings are stepped through, for the brackets.
 fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
-    // From quote to quote (one SIMD search over the answer): each string's end is the next
-    // quote after an even run of backslashes, and only the short stretches between strings
-    // are stepped through, for the brackets.
-    let mut quotes = memchr::memchr_iter(b'"', bytes);
+    let escaped = |q: usize| {
+        bytes[..q].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
+    };
+    let mut quotes = memchr::memrchr_iter(b'"', bytes);
     let mut depth = 0usize;
-    let mut outside = 0;
-    while let Some(open) = quotes.next() {
-        for &b in &bytes[outside..open] {
+    let mut outside = bytes.len();
+    while let Some(close) = quotes.next() {
+        // Outside every string, a quote ends one (read backwards); escaped, it is not JSON.
+        if escaped(close) {
+            return None;
+        }
+        for &b in bytes[close + 1..outside].iter().rev() {
             match b {
-                b'{' | b'[' => depth += 1,
-                b'}' | b']' => depth = depth.checked_sub(1)?,
+                b'}' | b']' => depth += 1,
+                b'{' | b'[' => depth = depth.checked_sub(1)?,
                 _ => {}
             }
         }
-        let close = loop {
+        if depth == 0 {
+            // A string outside the top-level object: not an answer.
+            return None;
+        }
+        let open = loop {
             let q = quotes.next()?;
-            let escapes = bytes[open + 1..q]
-                .iter()
-                .rev()
-                .take_while(|&&b| b == b'\\')
-                .count();
-            if escapes % 2 == 0 {
+            if !escaped(q) {
                 break q;
             }
         };
@@ -76,7 +88,7 @@ fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
                 return Some(c.i);
             }
         }
-        outside = close + 1;
+        outside = open;
     }
     None
 }
@@ -333,15 +345,23 @@ mod tests {
                 "{b}"
             );
         }
-        // Where the two differ, by design: an answer broken after its `usage` still has
-        // it read (a full parse gives up on the whole answer), and a key with escapes is
-        // not read.
+        // Where the two differ, by design: an answer broken before its `usage` member (the
+        // walk reads back from the end) still has it read where a full parse gives up on
+        // the whole answer, two top-level `usage` members are read by the last (a full
+        // parse refuses them), and a key with escapes is not read. An answer broken after
+        // its `usage` is not read, as a full parse does not.
         assert_eq!(
-            walked(r#"{"usage":{"prompt_tokens":4}, oops"#),
+            walked(r#"}}{"usage":{"prompt_tokens":4}}"#),
             Some((Some(4), None))
         );
+        assert_eq!(
+            walked(r#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#),
+            Some((Some(2), None))
+        );
         assert_eq!(walked(r#"{"us\u0061ge":{"prompt_tokens":4}}"#), None);
-        assert_eq!(walked(r#"}}{"usage":{"prompt_tokens":4}}"#), None);
+        assert_eq!(walked(r#"{"usage":{"prompt_tokens":4}, oops"#), None);
+        assert_eq!(walked(r#"{"usage":{"prompt_tokens":4}}""#), None);
+        assert_eq!(walked(r#"{"usage":{"prompt_tokens":4}}\""#), None);
     }
 
     /// A JSON value whose strings and keys are drawn from words that trip a naive scan.
