@@ -51,12 +51,15 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::histogram::exponential_buckets;
 use prometheus_client::registry::{Registry, Unit};
 use roundtable_sandbox::events::{BrokerEvent, Event, EventKind, Observer, WarmEvent};
 use roundtable_sandbox::TurnPhase;
 
+mod histogram;
 mod server;
+
+use histogram::Histogram;
 
 pub use server::{bindable, check_address, MetricsError, MetricsServer};
 

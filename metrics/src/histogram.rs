@@ -1,0 +1,130 @@
+//! A histogram of atomics, exported as prometheus-client exports its own.
+//!
+//! prometheus-client's `Histogram` takes a write lock for each observation; every model
+//! call observes three (its duration, its input and its output tokens), each shared by
+//! every turn's calls on every core. Here an observation is two relaxed atomic adds (its
+//! bucket and a compare-and-swap on the sum's bits), no lock. A scrape reads the buckets
+//! and derives the count from them, so `_count` always equals the `+Inf` bucket; the sum
+//! may miss an observation in flight.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::{MetricType, TypedMetric};
+
+/// A histogram (cheap to clone: a shared handle).
+#[derive(Clone, Debug)]
+pub(crate) struct Histogram(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    /// The buckets' upper bounds, ascending, the last `f64::MAX` (as prometheus-client's).
+    bounds: Box<[f64]>,
+    /// Observations per bucket (not cumulative: the encoder adds them up).
+    buckets: Box<[AtomicU64]>,
+    /// The sum's `f64` bits.
+    sum: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram with these upper bounds (and one above them all).
+    pub(crate) fn new(bounds: impl IntoIterator<Item = f64>) -> Self {
+        let bounds: Box<[f64]> = bounds.into_iter().chain([f64::MAX]).collect();
+        let buckets = bounds.iter().map(|_| AtomicU64::new(0)).collect();
+        Self(Arc::new(Inner {
+            bounds,
+            buckets,
+            sum: AtomicU64::new(0f64.to_bits()),
+        }))
+    }
+
+    /// Counts `v` in the first bucket whose bound is at least `v` (none for a NaN, which
+    /// is not counted).
+    pub(crate) fn observe(&self, v: f64) {
+        let Some(i) = self.0.bounds.iter().position(|b| *b >= v) else {
+            return;
+        };
+        self.0.buckets[i].fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .0
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + v).to_bits())
+            });
+    }
+
+    /// The sum, the count and each bucket's (upper bound, observations).
+    fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let buckets: Vec<(f64, u64)> = self
+            .0
+            .bounds
+            .iter()
+            .zip(self.0.buckets.iter())
+            .map(|(b, n)| (*b, n.load(Ordering::Relaxed)))
+            .collect();
+        let count = buckets.iter().map(|(_, n)| n).sum();
+        (
+            f64::from_bits(self.0.sum.load(Ordering::Relaxed)),
+            count,
+            buckets,
+        )
+    }
+}
+
+impl TypedMetric for Histogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Histogram {
+    fn encode(&self, mut encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let (sum, count, buckets) = self.snapshot();
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::encoding::text::encode;
+    use prometheus_client::registry::Registry;
+
+    /// The text a scrape reads is prometheus-client's own histogram's, observation for
+    /// observation, including from several threads at once.
+    #[test]
+    fn encodes_as_prometheus_clients_histogram() {
+        let bounds = [0.5, 1.0, 4.0];
+        let (ours, theirs) = (
+            Histogram::new(bounds),
+            prometheus_client::metrics::histogram::Histogram::new(bounds),
+        );
+        let values = [0.1, 0.5, 0.75, 1.0, 3.0, 4.0, 9.0, 1e300, 0.25];
+        std::thread::scope(|s| {
+            for chunk in values.chunks(3) {
+                let ours = ours.clone();
+                s.spawn(move || chunk.iter().for_each(|v| ours.observe(*v)));
+            }
+        });
+        values.iter().for_each(|v| theirs.observe(*v));
+        let text = |h: Box<dyn Fn(&mut Registry)>| {
+            let mut r = Registry::default();
+            h(&mut r);
+            let mut out = String::new();
+            encode(&mut out, &r).unwrap();
+            out
+        };
+        let a = text(Box::new(move |r| {
+            r.register("h", "a histogram", ours.clone())
+        }));
+        let b = text(Box::new(move |r| {
+            r.register("h", "a histogram", theirs.clone())
+        }));
+        assert_eq!(a, b);
+        assert!(a.contains("h_count 9"), "{a}");
+        assert!(a.contains("h_bucket{le=\"1.0\"} 5"), "{a}");
+    }
+}
