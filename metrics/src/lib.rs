@@ -116,7 +116,15 @@ pub struct Metrics {
     model_tokens: HistFamily<Labels3>,
     hot: Hot,
     state: Mutex<State>,
+    /// Each turn in flight's admission and phase, in shards by turn number: every model
+    /// and tool call is a phase event, and turns on different cores take different locks.
+    turns_in_flight: [Mutex<TurnMap>; SHARDS],
 }
+
+/// How many locks the turns in flight are spread over.
+const SHARDS: usize = 16;
+
+type TurnMap = HashMap<u64, TurnState, std::hash::BuildHasherDefault<TurnNumberHasher>>;
 
 /// The series every model call touches, each resolved from its family once (on its first
 /// use, so the exported text is the same) and then observed without the family's lookup
@@ -168,7 +176,6 @@ impl std::fmt::Debug for Metrics {
 /// and channel hash, never exported.
 #[derive(Default)]
 struct State {
-    turns: HashMap<u64, TurnState, std::hash::BuildHasherDefault<TurnNumberHasher>>,
     /// Messages queued per channel (by its short hash), not yet admitted.
     queued: HashMap<String, u64>,
     /// Prepared containers per channel (by its short hash).
@@ -330,6 +337,7 @@ impl Metrics {
             model_tokens,
             hot: Hot::default(),
             state: Mutex::default(),
+            turns_in_flight: Default::default(),
         }
     }
 
@@ -351,17 +359,25 @@ impl Metrics {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The shard of the turns in flight that holds `turn`.
+    fn turns(&self, turn: u64) -> std::sync::MutexGuard<'_, TurnMap> {
+        self.turns_in_flight[turn as usize % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Records one event.
     pub fn record(&self, event: &Event) {
         match &event.kind {
             EventKind::Admitted => {
-                let mut st = self.state();
-                if st.turns.len() >= MAX_TRACKED_TURNS {
-                    st.turns.clear();
-                    self.running.set(0);
-                }
                 if let Some(turn) = event.turn {
-                    st.turns.insert(
+                    let mut turns = self.turns(turn);
+                    if turns.len() >= MAX_TRACKED_TURNS / SHARDS {
+                        let running = turns.values().filter(|t| t.running).count();
+                        turns.clear();
+                        self.running.dec_by(running as i64);
+                    }
+                    turns.insert(
                         turn,
                         TurnState {
                             admitted: event.at,
@@ -370,6 +386,7 @@ impl Metrics {
                         },
                     );
                 }
+                let mut st = self.state();
                 if let Some(channel) = &event.channel {
                     if take_one(&mut st.queued, channel) {
                         self.queue_depth.dec();
@@ -402,15 +419,17 @@ impl Metrics {
                         }
                     }
                 }
+                drop(st);
                 let Some(turn) = event.turn else { return };
-                let Some(t) = st.turns.get(&turn) else { return };
+                let mut turns = self.turns(turn);
+                let Some(t) = turns.get(&turn) else { return };
                 let took = event.at.saturating_duration_since(t.admitted);
                 let never_ran = t.phase.is_none();
                 if never_ran {
                     // The actor layer ended it before the core ran it: no phases follow.
-                    st.turns.remove(&turn);
+                    turns.remove(&turn);
                 }
-                drop(st);
+                drop(turns);
                 let launch = if *warm { "warm" } else { "cold" };
                 self.turn_duration
                     .get_or_create(&[("launch_type", launch), ("outcome", outcome)])
@@ -438,8 +457,8 @@ impl Metrics {
 
     fn phase(&self, event: &Event, phase: TurnPhase) {
         let Some(turn) = event.turn else { return };
-        let mut st = self.state();
-        let Some(t) = st.turns.get_mut(&turn) else {
+        let mut turns = self.turns(turn);
+        let Some(t) = turns.get_mut(&turn) else {
             return;
         };
         let previous = t.phase.replace((phase, event.at));
@@ -448,13 +467,13 @@ impl Metrics {
             self.running.inc();
         }
         if phase == TurnPhase::Done {
-            if let Some(t) = st.turns.remove(&turn) {
+            if let Some(t) = turns.remove(&turn) {
                 if t.running {
                     self.running.dec();
                 }
             }
         }
-        drop(st);
+        drop(turns);
         if let Some((was, since)) = previous {
             // Each phase's time runs to the next phase event (a repeated model or tool
             // call is a phase of its own each time).
