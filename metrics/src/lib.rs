@@ -7,6 +7,9 @@
 //!   `SupervisorOptions::observer`; [`Metrics::encode`] writes the OpenMetrics text;
 //! - [`MetricsServer`]: `GET /metrics` over HTTP/1 (hyper 1) on a TCP listener, served on a
 //!   thread of its own (a scrape never waits on the actor thread, nor it on a scrape);
+//! - `histogram`: the histograms, of atomics (an observation takes no lock; every model
+//!   call observes three, shared by every turn), exported through prometheus-client's own
+//!   encoder;
 //! - [`labels`]: the fixed label values every event is mapped to (outcomes, phases, warm
 //!   reasons, refusals, budgets, engine operations). No label ever holds a channel key, a
 //!   channel hash, a speaker, a tool's name or any text a guest or the host wrote: each
