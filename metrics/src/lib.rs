@@ -99,7 +99,7 @@ fn tokens() -> Histogram {
     Histogram::new(exponential_buckets(1.0, 4.0, 14))
 }
 
-/// The registry and its metrics, fed from the event seam (see the [crate](crate) docs).
+/// The registry and its metrics, fed from the event seam (see the [crate] docs).
 pub struct Metrics {
     registry: Registry,
     turns: Family<Labels1, Counter>,
