@@ -87,8 +87,11 @@ pub struct TurnAccount {
     tool_calls: AtomicU32,
     estimated: AtomicBool,
     refusal: Mutex<Option<BudgetRefusal>>,
-    /// The turn's three counters in the book, resolved at its first call of each day.
-    slots: Mutex<Option<TurnSlots>>,
+    /// The turn's three counters in the book, resolved at its first call (read without a
+    /// lock by every later call of that day: a turn's calls run on several threads at once).
+    first: std::sync::OnceLock<TurnSlots>,
+    /// Those of a later day, for a turn that runs past midnight.
+    later: Mutex<Option<TurnSlots>>,
 }
 
 impl TurnAccount {
@@ -104,7 +107,8 @@ impl TurnAccount {
             tool_calls: AtomicU32::new(0),
             estimated: AtomicBool::new(false),
             refusal: Mutex::new(None),
-            slots: Mutex::new(None),
+            first: std::sync::OnceLock::new(),
+            later: Mutex::new(None),
         }
     }
 
@@ -147,8 +151,14 @@ impl TurnAccount {
     /// Runs `f` on the turn's counters of today (resolved again after a day rolled over).
     fn with_slots<T>(&self, book: &BudgetBook, f: impl FnOnce(&TurnSlots) -> T) -> T {
         let day = book.day_now();
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let slots = match &mut *slots {
+        let first = self
+            .first
+            .get_or_init(|| book.resolve(&self.speaker, &self.channel));
+        if first.generation == day {
+            return f(first);
+        }
+        let mut later = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = match &mut *later {
             Some(s) if s.generation == day => s,
             other => other.insert(book.resolve(&self.speaker, &self.channel)),
         };
