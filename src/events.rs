@@ -35,6 +35,33 @@ use crate::ChannelId;
 /// Receives every [`Event`] of a runtime (see the [module](self)).
 pub type Observer = Arc<dyn Fn(&Event) + Send + Sync>;
 
+/// A map keyed by [`Event::turn`] numbers, hashed by [`TurnNumberHasher`].
+pub type TurnMap<V> =
+    std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<TurnNumberHasher>>;
+
+/// Hashes a turn number by one multiply (Fibonacci hashing), not SipHash: the numbers are
+/// the runtime's own, counted up from 1, never a guest's, so there is no flooding to
+/// resist, and the maps keyed by them (the metrics adapter's, the audit trail's) are
+/// looked up at every event of every turn.
+#[derive(Debug, Default)]
+pub struct TurnNumberHasher(u64);
+
+impl std::hash::Hasher for TurnNumberHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
 /// One thing the runtime did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
@@ -423,6 +450,31 @@ impl TurnEvents {
     }
 
     /// Sends one of the turn's events; a phase goes to its phase observer too.
+    /// A turn's events sent to `observer` and to the audit trail `audit` (as a runtime
+    /// with both on sends them), for a broker driven without a runtime (the bench).
+    #[cfg(feature = "testing")]
+    pub fn observed_and_audited(
+        observer: Option<Observer>,
+        audit: Option<Arc<crate::audit::AuditTrail>>,
+        turn: u64,
+        channel: &str,
+    ) -> Self {
+        let audit = audit.map(|a| a as Arc<dyn EventSink>);
+        Self::new(
+            Arc::new(EventHub::new(observer, audit)),
+            turn,
+            ChannelId::new(channel),
+            None,
+        )
+    }
+
+    /// Sends `kind` as this turn's (what the runtime sends around a broker: its
+    /// `Admitted`, its `Phase(Done)`), for a broker driven without a runtime (the bench).
+    #[cfg(feature = "testing")]
+    pub fn emit_as_runtime(&self, kind: EventKind) {
+        self.emit(kind);
+    }
+
     pub(crate) fn emit(&self, kind: EventKind) {
         if let (EventKind::Phase(phase), Some(phases)) = (&kind, &self.phases) {
             phases(*phase);

@@ -18,12 +18,15 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
+use roundtable_sandbox::audit::AuditTrail;
 use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
 use roundtable_sandbox::budgets::{BudgetBook, TurnAccount};
+use roundtable_sandbox::events::{EventKind, TurnEvents};
 use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;
 use roundtable_sandbox::testing::broker_policy;
 use roundtable_sandbox::Broker;
+use roundtable_sandbox::TurnPhase;
 use roundtable_sandbox_guest_http as http;
 use std::io::{Read, Write};
 use tokio_util::sync::CancellationToken;
@@ -117,14 +120,34 @@ impl Model {
 pub struct BrokerUnderTest {
     broker: Arc<Broker>,
     dir: tempfile::TempDir,
-    listener: Option<BrokerListener>,
     n: u32,
     /// Accounting on: each "turn" counted and checked against these budgets.
     book: Option<Arc<BudgetBook>>,
     /// Events on: each "turn"'s broker events go to this observer (the metrics adapter).
     observer: Option<roundtable_sandbox::events::Observer>,
+    /// Audit on: each "turn"'s events are gathered and its line written at its end.
+    audit: Option<Arc<AuditTrail>>,
+    /// The one long turn's listener and events.
+    listener: Option<Listening>,
     /// The turns of [`BrokerUnderTest::listen_turns`] (one caller each).
-    turns: Vec<BrokerListener>,
+    turns: Vec<Listening>,
+}
+
+/// A "turn" of the bench: its listener and its events (sent as a runtime sends them).
+struct Listening {
+    listener: BrokerListener,
+    events: Option<TurnEvents>,
+}
+
+impl Listening {
+    /// Stops the listener and ends the turn's events (its audit line is written).
+    async fn stop(self) -> Result<()> {
+        self.listener.stop().await?;
+        if let Some(e) = &self.events {
+            e.emit_as_runtime(EventKind::Phase(TurnPhase::Done));
+        }
+        Ok(())
+    }
 }
 
 impl BrokerUnderTest {
@@ -134,7 +157,7 @@ impl BrokerUnderTest {
 
     /// [`BrokerUnderTest::start`], each turn's usage counted and checked against `book`.
     pub async fn start_counted(model_url: &str, book: Option<Arc<BudgetBook>>) -> Result<Self> {
-        Self::start_observed(model_url, book, None).await
+        Self::start_observed(model_url, book, None, None).await
     }
 
     /// [`BrokerUnderTest::start_counted`], each turn's events sent to `observer`.
@@ -142,6 +165,7 @@ impl BrokerUnderTest {
         model_url: &str,
         book: Option<Arc<BudgetBook>>,
         observer: Option<roundtable_sandbox::events::Observer>,
+        audit: Option<Arc<AuditTrail>>,
     ) -> Result<Self> {
         let policy = BrokerPolicy {
             model: "bench-model".into(),
@@ -167,6 +191,7 @@ impl BrokerUnderTest {
             n: 0,
             book,
             observer,
+            audit,
             turns: Vec::new(),
         };
         me.relisten().await?;
@@ -193,11 +218,15 @@ impl BrokerUnderTest {
             let turn = self.turn(&format!("#bench-{i}"), &format!("u{i}")).await?;
             self.turns.push(turn);
         }
-        Ok(self.turns.iter().map(|l| l.path().to_owned()).collect())
+        Ok(self
+            .turns
+            .iter()
+            .map(|l| l.listener.path().to_owned())
+            .collect())
     }
 
     /// A listener for a new turn of `speaker` in `channel`.
-    async fn turn(&mut self, channel: &str, speaker: &str) -> Result<BrokerListener> {
+    async fn turn(&mut self, channel: &str, speaker: &str) -> Result<Listening> {
         self.n += 1;
         let socket = self.dir.path().join(format!("broker-{}.sock", self.n));
         let ctx = TurnContext {
@@ -207,8 +236,13 @@ impl BrokerUnderTest {
                 name: "ann".into(),
             },
             cancel: CancellationToken::new(),
-            events: self.observer.clone().map(|o| {
-                roundtable_sandbox::events::TurnEvents::observed(o, u64::from(self.n), channel)
+            events: (self.observer.is_some() || self.audit.is_some()).then(|| {
+                TurnEvents::observed_and_audited(
+                    self.observer.clone(),
+                    self.audit.clone(),
+                    u64::from(self.n),
+                    channel,
+                )
             }),
             account: self.book.as_ref().map(|b| {
                 Arc::new(TurnAccount::new(
@@ -218,11 +252,21 @@ impl BrokerUnderTest {
                 ))
             }),
         };
-        Ok(self.broker.listen(&socket, ctx).await?)
+        let events = ctx.events.clone();
+        if let Some(e) = &events {
+            e.emit_as_runtime(EventKind::Admitted);
+        }
+        let listener = self.broker.listen(&socket, ctx).await?;
+        Ok(Listening { listener, events })
     }
 
     pub fn socket(&self) -> PathBuf {
-        self.listener.as_ref().expect("listening").path().to_owned()
+        self.listener
+            .as_ref()
+            .expect("listening")
+            .listener
+            .path()
+            .to_owned()
     }
 }
 

@@ -1529,8 +1529,19 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     )?
     .context("a state file is named")?;
     let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
-    let mut b_on =
-        broker_bench::BrokerUnderTest::start_observed(&model.url(), Some(book), observer).await?;
+    // The *on* broker's turns audited too, as the warm turns' runtime's are: each "turn"'s
+    // model calls gathered, its line written when the round stops it.
+    let audit = roundtable_sandbox::audit::AuditTrail::open(
+        &state_dir.path().join("broker-audit.jsonl"),
+        false,
+    )?;
+    let mut b_on = broker_bench::BrokerUnderTest::start_observed(
+        &model.url(),
+        Some(book),
+        observer,
+        Some(audit.clone()),
+    )
+    .await?;
     let plain = broker_bench::chat_body(false);
     let (mut rt_off, mut rt_on) = (Samples::default(), Samples::default());
     let mut calls = 0usize;
@@ -1614,7 +1625,18 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         println!("  (metrics: {scrapes} scrapes of /metrics during the part; {calls} model calls recorded)");
     }
     drop(server);
+    drop(brokers);
+    let audited = audit
+        .flush(std::time::Duration::from_secs(30))
+        .then(|| audit.stats());
+    if let Some(st) = audited {
+        println!(
+            "  (audit: {} lines of the broker's turns written)",
+            st.written
+        );
+    }
     Ok(json!({
+        "broker_audit_lines": audited.map(|s| s.written),
         "scrapes": scrapes,
         "model_calls_recorded": model_calls,
         "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
@@ -1652,10 +1674,18 @@ fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
             )?,
             false => None,
         };
+        let audit = match on {
+            true => Some(roundtable_sandbox::audit::AuditTrail::open(
+                &state_dir.path().join("audit.jsonl"),
+                false,
+            )?),
+            false => None,
+        };
         let mut b = broker_bench::BrokerUnderTest::start_observed(
             &model.url(),
             book,
             metrics.as_ref().map(|m| m.observer()),
+            audit,
         )
         .await?;
         let targets: Vec<Target> = match eight {
@@ -1667,7 +1697,7 @@ fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
                 .collect(),
             false => vec![Target::Broker(b.socket())],
         };
-        let (workers, per) = (8usize, (o.broker_calls / 8).clamp(1, 1_200));
+        let (workers, per) = (8usize, (o.broker_calls / 8).clamp(1, 100_000));
         let before = thread_cpu();
         let rps = broker_bench::throughput_over(&targets, workers, per).await?;
         let after = thread_cpu();
@@ -1698,32 +1728,27 @@ fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
     })
 }
 
-/// CPU time (user + system, µs) of this process's threads, summed by thread name.
+/// CPU time (µs) of this process's threads, summed by thread name: each thread's time on a
+/// CPU from `schedstat` (nanoseconds; `stat`'s ticks are 10 ms, too coarse for a writer
+/// thread's share).
 fn thread_cpu() -> std::collections::BTreeMap<String, f64> {
     let mut out = std::collections::BTreeMap::new();
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return out;
     };
-    let tick = 1e6
-        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-            .ok()
-            .flatten()
-            .unwrap_or(100) as f64;
     for task in dir.flatten() {
-        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+        let (Ok(name), Ok(stat)) = (
+            std::fs::read_to_string(task.path().join("comm")),
+            std::fs::read_to_string(task.path().join("schedstat")),
+        ) else {
             continue;
         };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let name = stat[open + 1..close].to_owned();
-        let rest: Vec<&str> = stat[close + 2..].split(' ').collect();
-        let ticks = |i: usize| {
-            rest.get(i)
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        *out.entry(name).or_insert(0.0) += (ticks(11) + ticks(12)) * tick;
+        let ns = stat
+            .split(' ')
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        *out.entry(name.trim().to_owned()).or_insert(0.0) += ns / 1e3;
     }
     out
 }

@@ -127,7 +127,7 @@ pub struct Metrics {
 /// How many locks the turns in flight are spread over.
 const SHARDS: usize = 16;
 
-type TurnMap = HashMap<u64, TurnState, std::hash::BuildHasherDefault<TurnNumberHasher>>;
+type TurnMap = roundtable_sandbox::events::TurnMap<TurnState>;
 
 /// The series every model call touches, each resolved from its family once (on its first
 /// use, so the exported text is the same) and then observed without the family's lookup
@@ -183,28 +183,6 @@ struct State {
     queued: HashMap<String, u64>,
     /// Prepared containers per channel (by its short hash).
     prepared: HashMap<String, u64>,
-}
-
-/// Hashes a turn number by one multiply (Fibonacci hashing), not SipHash: the numbers are
-/// the runtime's own, counted up from 1, never a guest's, so there is no flooding to
-/// resist, and the map is looked up at every phase of every turn.
-#[derive(Default)]
-struct TurnNumberHasher(u64);
-
-impl std::hash::Hasher for TurnNumberHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
 }
 
 struct TurnState {

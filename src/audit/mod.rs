@@ -104,6 +104,9 @@ const QUEUE: usize = 4096;
 const MAX_REFUSALS_KEPT: usize = 64;
 /// Turns gathered at most (a turn that never ends is written, incomplete, past it).
 const MAX_PENDING: usize = 10_000;
+/// The gathered turns are spread over this many locks by turn number: a model call's event
+/// of one turn does not wait for, nor pull to its core, the lock of every other turn.
+const SHARDS: usize = 16;
 /// At most one warning per this long.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
@@ -139,7 +142,8 @@ impl Throttle {
 pub struct AuditTrail {
     path: PathBuf,
     include_text: bool,
-    gathered: Mutex<Gathered>,
+    /// By turn number ([`SHARDS`]); a message refused before it was a turn goes to the first.
+    gathered: [Mutex<Gathered>; SHARDS],
     queue: mpsc::SyncSender<Message>,
     counters: Arc<Counters>,
 }
@@ -160,7 +164,7 @@ enum Message {
 
 #[derive(Default)]
 struct Gathered {
-    turns: HashMap<u64, Pending>,
+    turns: crate::events::TurnMap<Pending>,
     /// A refused message's facts, by channel, until its `Ended` (the same thread, next).
     refused: HashMap<Arc<str>, Box<TurnFacts>>,
 }
@@ -241,7 +245,7 @@ impl AuditTrail {
         Ok(Arc::new(Self {
             path: path.to_owned(),
             include_text,
-            gathered: Mutex::new(Gathered::default()),
+            gathered: std::array::from_fn(|_| Mutex::default()),
             queue,
             counters,
         }))
@@ -282,11 +286,14 @@ impl AuditTrail {
         ) {
             return;
         }
-        let mut g = self.gathered.lock().unwrap_or_else(|e| e.into_inner());
+        let shard = event.turn.map_or(0, |n| n as usize % SHARDS);
+        let mut g = self.gathered[shard]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let Some(number) = event.turn else {
             // A message refused before it became a turn: its facts, then its end.
             match (&event.kind, &event.channel) {
-                (EventKind::Facts(facts), Some(channel)) if g.refused.len() < MAX_PENDING => {
+                (EventKind::Facts(facts), Some(channel)) if g.refused.len() < MAX_PENDING / SHARDS => {
                     g.refused.insert(channel.clone(), facts.clone());
                 }
                 (EventKind::Ended { failure, warm }, channel) => {
@@ -301,7 +308,7 @@ impl AuditTrail {
             }
             return;
         };
-        if !g.turns.contains_key(&number) && g.turns.len() >= MAX_PENDING {
+        if !g.turns.contains_key(&number) && g.turns.len() >= MAX_PENDING / SHARDS {
             // A turn that never ended: written as it is, to bound the memory.
             if let Some(oldest) = g.turns.keys().min().copied() {
                 let pending = g.turns.remove(&oldest).expect("present");
@@ -328,7 +335,7 @@ impl AuditTrail {
                 latency,
                 usage,
             }) => p.model_calls.push(ModelCallLine {
-                operation: operation.key().to_owned(),
+                operation: std::borrow::Cow::Borrowed(operation.key()),
                 status: *status,
                 latency_ms: ms(*latency),
                 prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
@@ -566,7 +573,7 @@ pub(crate) struct Durations {
 pub(crate) struct ModelCallLine {
     /// `chat` (the guest's), `compaction_summarizer`, `compaction_model`.
     #[serde(default)]
-    pub(crate) operation: String,
+    pub(crate) operation: std::borrow::Cow<'static, str>,
     pub(crate) status: u16,
     pub(crate) latency_ms: f64,
     #[serde(default)]
@@ -760,6 +767,38 @@ mod tests {
         );
         let back: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
         assert_eq!(back["speaker"], speaker);
+    }
+
+    /// Turns that never end do not grow the gathered turns without bound: past
+    /// `MAX_PENDING` (spread over the shards) the oldest of a shard is written as it is.
+    #[test]
+    fn turns_that_never_end_are_written_past_the_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let trail = AuditTrail::open(&path, false).unwrap();
+        let extra = SHARDS as u64;
+        for n in 1..=MAX_PENDING as u64 + extra {
+            trail.observe(&Event {
+                at: Instant::now(),
+                turn: Some(n),
+                channel: Some("0123456789abcdef".into()),
+                kind: EventKind::Admitted,
+            });
+        }
+        assert!(trail.flush(Duration::from_secs(10)));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut written: Vec<u64> = text
+            .lines()
+            .map(|l| serde_json::from_str::<Line>(l).unwrap().turn.unwrap())
+            .collect();
+        written.sort_unstable();
+        assert_eq!(written, (1..=extra).collect::<Vec<_>>());
+        let gathered: usize = trail
+            .gathered
+            .iter()
+            .map(|g| g.lock().unwrap().turns.len())
+            .sum();
+        assert_eq!(gathered, MAX_PENDING);
     }
 
     /// A guest can make the broker refuse it as fast as it can send (unknown routes,
