@@ -3,11 +3,13 @@
 //! prometheus-client's `Histogram` takes a write lock for each observation; every model
 //! call observes three (its duration, its input and its output tokens), each shared by
 //! every turn's calls on every core. Here an observation is two relaxed atomic adds (its
-//! bucket and a compare-and-swap on the sum's bits), no lock. A scrape reads the buckets
-//! and derives the count from them, so `_count` always equals the `+Inf` bucket; the sum
-//! may miss an observation in flight.
+//! bucket and a compare-and-swap on the sum's bits), no lock, on one of [`STRIPES`] copies
+//! of the buckets and sum picked by the observing thread, each on cache lines of its own:
+//! two cores observing at once do not pull the same line back and forth. A scrape adds the
+//! stripes up and derives the count from the buckets, so `_count` always equals the `+Inf`
+//! bucket; the sum may miss an observation in flight.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
@@ -17,26 +19,52 @@ use prometheus_client::metrics::{MetricType, TypedMetric};
 #[derive(Clone, Debug)]
 pub(crate) struct Histogram(Arc<Inner>);
 
+/// Copies of a histogram's counts, one picked by each observing thread.
+const STRIPES: usize = 4;
+
 #[derive(Debug)]
 struct Inner {
     /// The buckets' upper bounds, ascending, the last `f64::MAX` (as prometheus-client's).
     bounds: Box<[f64]>,
+    stripes: [Stripe; STRIPES],
+}
+
+/// One copy of the counts, on cache lines of its own.
+#[derive(Debug)]
+#[repr(align(128))]
+struct Stripe {
     /// Observations per bucket (not cumulative: the encoder adds them up).
     buckets: Box<[AtomicU64]>,
     /// The sum's `f64` bits.
     sum: AtomicU64,
 }
 
+/// This thread's stripe: threads take them in turn as they first observe.
+fn stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        // A `const` initializer: no lazy-init check on each read, just the thread's slot.
+        static MINE: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+    }
+    MINE.with(|mine| match mine.get() {
+        usize::MAX => {
+            let i = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            mine.set(i);
+            i
+        }
+        i => i,
+    })
+}
+
 impl Histogram {
     /// A histogram with these upper bounds (and one above them all).
     pub(crate) fn new(bounds: impl IntoIterator<Item = f64>) -> Self {
         let bounds: Box<[f64]> = bounds.into_iter().chain([f64::MAX]).collect();
-        let buckets = bounds.iter().map(|_| AtomicU64::new(0)).collect();
-        Self(Arc::new(Inner {
-            bounds,
-            buckets,
+        let stripes = std::array::from_fn(|_| Stripe {
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
             sum: AtomicU64::new(0f64.to_bits()),
-        }))
+        });
+        Self(Arc::new(Inner { bounds, stripes }))
     }
 
     /// Counts `v` in the first bucket whose bound is at least `v` (none for a NaN, which
@@ -45,9 +73,9 @@ impl Histogram {
         let Some(i) = self.0.bounds.iter().position(|b| *b >= v) else {
             return;
         };
-        self.0.buckets[i].fetch_add(1, Ordering::Relaxed);
-        let _ = self
-            .0
+        let stripe = &self.0.stripes[stripe()];
+        stripe.buckets[i].fetch_add(1, Ordering::Relaxed);
+        let _ = stripe
             .sum
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
                 Some((f64::from_bits(bits) + v).to_bits())
@@ -56,19 +84,18 @@ impl Histogram {
 
     /// The sum, the count and each bucket's (upper bound, observations).
     fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
-        let buckets: Vec<(f64, u64)> = self
-            .0
-            .bounds
-            .iter()
-            .zip(self.0.buckets.iter())
-            .map(|(b, n)| (*b, n.load(Ordering::Relaxed)))
+        let stripes = &self.0.stripes;
+        let buckets: Vec<(f64, u64)> = (self.0.bounds.iter().enumerate())
+            .map(|(i, b)| {
+                let n = stripes.iter().map(|s| s.buckets[i].load(Ordering::Relaxed));
+                (*b, n.sum())
+            })
             .collect();
         let count = buckets.iter().map(|(_, n)| n).sum();
-        (
-            f64::from_bits(self.0.sum.load(Ordering::Relaxed)),
-            count,
-            buckets,
-        )
+        let sum = (stripes.iter())
+            .map(|s| f64::from_bits(s.sum.load(Ordering::Relaxed)))
+            .sum();
+        (sum, count, buckets)
     }
 }
 

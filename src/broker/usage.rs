@@ -47,48 +47,50 @@ pub(super) fn answer_usage(bytes: &[u8]) -> Option<UsageWire> {
 /// reads its last ~70 bytes, not the model's text before them. Backwards is as exact as
 /// forwards: a quote is escaped exactly when an odd run of backslashes precedes it, and a
 /// valid answer ends outside any string, so each unescaped quote met going back opens or
-/// closes a string. Strings are passed with one SIMD search from quote to quote; only the
-/// stretches between strings are stepped through, for the brackets.
+/// closes a string. The bytes between strings are stepped through once (brackets and the
+/// next string's closing quote); a string is passed with one SIMD search for its opening
+/// quote.
 fn top_level_value(bytes: &[u8], key: &[u8]) -> Option<usize> {
     let escaped = |q: usize| {
         bytes[..q].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
     };
-    let mut quotes = memchr::memrchr_iter(b'"', bytes);
     let mut depth = 0usize;
-    let mut outside = bytes.len();
-    while let Some(close) = quotes.next() {
-        // Outside every string, a quote ends one (read backwards); escaped, it is not JSON.
-        if escaped(close) {
-            return None;
-        }
-        for &b in bytes[close + 1..outside].iter().rev() {
-            match b {
-                b'}' | b']' => depth += 1,
-                b'{' | b'[' => depth = depth.checked_sub(1)?,
-                _ => {}
+    let mut i = bytes.len();
+    // Stepping back through the bytes outside every string; a string is passed at once.
+    while i > 0 {
+        i -= 1;
+        match bytes[i] {
+            b'}' | b']' => depth += 1,
+            b'{' | b'[' => depth = depth.checked_sub(1)?,
+            b'"' => {
+                // Outside every string, a quote ends one (read backwards); escaped, it is
+                // not JSON. A string outside the top-level object: not an answer.
+                let close = i;
+                if escaped(close) || depth == 0 {
+                    return None;
+                }
+                let mut end = close;
+                let open = loop {
+                    let q = memchr::memrchr(b'"', &bytes[..end])?;
+                    if !escaped(q) {
+                        break q;
+                    }
+                    end = q;
+                };
+                if depth == 1 && &bytes[open + 1..close] == key {
+                    let mut c = Cursor {
+                        b: bytes,
+                        i: close + 1,
+                    };
+                    c.ws();
+                    if c.byte(b':') {
+                        return Some(c.i);
+                    }
+                }
+                i = open;
             }
+            _ => {}
         }
-        if depth == 0 {
-            // A string outside the top-level object: not an answer.
-            return None;
-        }
-        let open = loop {
-            let q = quotes.next()?;
-            if !escaped(q) {
-                break q;
-            }
-        };
-        if depth == 1 && &bytes[open + 1..close] == key {
-            let mut c = Cursor {
-                b: bytes,
-                i: close + 1,
-            };
-            c.ws();
-            if c.byte(b':') {
-                return Some(c.i);
-            }
-        }
-        outside = open;
     }
     None
 }
