@@ -16,8 +16,8 @@
 //! C1, bidi overrides, line separators, any non-ASCII letter) is a `\uXXXX` escape, so a
 //! `tail` of the file cannot be steered by a guest's speaker id.
 //!
-//! **Appending.** The events of a turn are gathered in memory (a short lock, on the thread
-//! that emits them); at its last event the turn is handed to one writer thread per runtime
+//! **Appending.** The events of a turn are gathered in memory (a short lock, one of 16 by
+//! turn number, on the thread that emits them); at its last event the turn is handed to one writer thread per runtime
 //! through a bounded queue (`try_send`: a turn never waits for it). The writer makes the
 //! line and appends it with one `write` under `flock(LOCK_EX)` on a descriptor opened
 //! `O_APPEND`: one writer in the process, and the lock for any other process appending to
