@@ -450,24 +450,6 @@ impl TurnEvents {
     }
 
     /// Sends one of the turn's events; a phase goes to its phase observer too.
-    /// A turn's events sent to `observer` and to the audit trail `audit` (as a runtime
-    /// with both on sends them), for a broker driven without a runtime (the bench).
-    #[cfg(feature = "testing")]
-    pub fn observed_and_audited(
-        observer: Option<Observer>,
-        audit: Option<Arc<crate::audit::AuditTrail>>,
-        turn: u64,
-        channel: &str,
-    ) -> Self {
-        let audit = audit.map(|a| a as Arc<dyn EventSink>);
-        Self::new(
-            Arc::new(EventHub::new(observer, audit)),
-            turn,
-            ChannelId::new(channel),
-            None,
-        )
-    }
-
     /// Sends `kind` as this turn's (what the runtime sends around a broker: its
     /// `Admitted`, its `Phase(Done)`), for a broker driven without a runtime (the bench).
     #[cfg(feature = "testing")]

@@ -237,7 +237,7 @@ impl BrokerUnderTest {
             },
             cancel: CancellationToken::new(),
             events: (self.observer.is_some() || self.audit.is_some()).then(|| {
-                TurnEvents::observed_and_audited(
+                roundtable_sandbox::audit::turn_events(
                     self.observer.clone(),
                     self.audit.clone(),
                     u64::from(self.n),

@@ -138,6 +138,25 @@ impl Throttle {
     }
 }
 
+/// A turn's events sent to `observer` and to the audit trail `audit` (as a runtime with
+/// both on sends them), for a broker driven without a runtime (the bench). Here, not in
+/// [`crate::events`], which does not depend on the audit trail.
+#[cfg(feature = "testing")]
+pub fn turn_events(
+    observer: Option<crate::events::Observer>,
+    audit: Option<Arc<AuditTrail>>,
+    turn: u64,
+    channel: &str,
+) -> crate::events::TurnEvents {
+    let audit = audit.map(|a| a as Arc<dyn crate::events::EventSink>);
+    crate::events::TurnEvents::new(
+        Arc::new(crate::events::EventHub::new(observer, audit)),
+        turn,
+        crate::ChannelId::new(channel),
+        None,
+    )
+}
+
 /// The audit trail of a runtime: the turns' events gathered, and the writer thread.
 pub struct AuditTrail {
     path: PathBuf,
