@@ -4,7 +4,7 @@
 //! call observes three (its duration, its input and its output tokens), each shared by
 //! every turn's calls on every core. Here an observation is two relaxed atomic adds (its
 //! bucket and a compare-and-swap on the sum's bits), no lock, on one of [`STRIPES`] copies
-//! of the buckets and sum picked by the observing thread, each on cache lines of its own:
+//! of the buckets and sum picked by the observing thread, 128 bytes apart in one allocation:
 //! two cores observing at once do not pull the same line back and forth. A scrape adds the
 //! stripes up and derives the count from the buckets, so `_count` always equals the `+Inf`
 //! bucket; the sum may miss an observation in flight.
@@ -26,17 +26,12 @@ const STRIPES: usize = 4;
 struct Inner {
     /// The buckets' upper bounds, ascending, the last `f64::MAX` (as prometheus-client's).
     bounds: Box<[f64]>,
-    stripes: [Stripe; STRIPES],
-}
-
-/// One copy of the counts, on cache lines of its own.
-#[derive(Debug)]
-#[repr(align(128))]
-struct Stripe {
-    /// Observations per bucket (not cumulative: the encoder adds them up).
-    buckets: Box<[AtomicU64]>,
-    /// The sum's `f64` bits.
-    sum: AtomicU64,
+    /// [`STRIPES`] stripes of `stride` words each, in one allocation: a stripe's sum (its
+    /// `f64` bits), then its observations per bucket (not cumulative: the encoder adds them
+    /// up), then 16 words (128 bytes) of padding, so no two stripes share a cache line or
+    /// an adjacent-line prefetch pair.
+    words: Box<[AtomicU64]>,
+    stride: usize,
 }
 
 /// This thread's stripe: threads take them in turn as they first observe.
@@ -60,11 +55,15 @@ impl Histogram {
     /// A histogram with these upper bounds (and one above them all).
     pub(crate) fn new(bounds: impl IntoIterator<Item = f64>) -> Self {
         let bounds: Box<[f64]> = bounds.into_iter().chain([f64::MAX]).collect();
-        let stripes = std::array::from_fn(|_| Stripe {
-            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-            sum: AtomicU64::new(0f64.to_bits()),
-        });
-        Self(Arc::new(Inner { bounds, stripes }))
+        let stride = 1 + bounds.len() + 16;
+        let words = (0..STRIPES * stride)
+            .map(|_| AtomicU64::new(0f64.to_bits()))
+            .collect();
+        Self(Arc::new(Inner {
+            bounds,
+            words,
+            stride,
+        }))
     }
 
     /// Counts `v` in the first bucket whose bound is at least `v` (none for a NaN, which
@@ -73,27 +72,26 @@ impl Histogram {
         let Some(i) = self.0.bounds.iter().position(|b| *b >= v) else {
             return;
         };
-        let stripe = &self.0.stripes[stripe()];
-        stripe.buckets[i].fetch_add(1, Ordering::Relaxed);
-        let _ = stripe
-            .sum
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) + v).to_bits())
-            });
+        let at = stripe() * self.0.stride;
+        let stripe = &self.0.words[at..at + self.0.stride];
+        stripe[1 + i].fetch_add(1, Ordering::Relaxed);
+        let _ = stripe[0].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+            Some((f64::from_bits(bits) + v).to_bits())
+        });
     }
 
     /// The sum, the count and each bucket's (upper bound, observations).
     fn snapshot(&self) -> (f64, u64, Vec<(f64, u64)>) {
-        let stripes = &self.0.stripes;
+        let stripes: Vec<&[AtomicU64]> = self.0.words.chunks(self.0.stride).collect();
         let buckets: Vec<(f64, u64)> = (self.0.bounds.iter().enumerate())
             .map(|(i, b)| {
-                let n = stripes.iter().map(|s| s.buckets[i].load(Ordering::Relaxed));
+                let n = stripes.iter().map(|s| s[1 + i].load(Ordering::Relaxed));
                 (*b, n.sum())
             })
             .collect();
         let count = buckets.iter().map(|(_, n)| n).sum();
         let sum = (stripes.iter())
-            .map(|s| f64::from_bits(s.sum.load(Ordering::Relaxed)))
+            .map(|s| f64::from_bits(s[0].load(Ordering::Relaxed)))
             .sum();
         (sum, count, buckets)
     }
