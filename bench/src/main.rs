@@ -1587,11 +1587,13 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     let one_turn = broker_rounds(&mut brokers, runs, workers, per, 1).await?;
     let eight_turns = broker_rounds(&mut brokers, runs, workers, per, workers).await?;
     let reply_ratio = reply_on.p50() / reply_off.p50();
+    let reply_ci = stats::paired_p50_ratio_ci(&reply_on, &reply_off);
     println!(
-        "warm reply p50: on {:.2} ms, off {:.2} ms ({:.3}×); broker round trip p50: on {:.3} ms, off {:.3} ms",
+        "warm reply p50: on {:.2} ms, off {:.2} ms ({:.3}×, 95 % interval {}); broker round trip p50: on {:.3} ms, off {:.3} ms",
         reply_on.p50(),
         reply_off.p50(),
         reply_ratio,
+        interval(reply_ci),
         rt_on.p50(),
         rt_off.p50(),
     );
@@ -1641,6 +1643,7 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         "model_calls_recorded": model_calls,
         "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
         "warm_reply_on_vs_off_p50": round3(reply_ratio),
+        "warm_reply_on_vs_off_p50_ci95": reply_ci.map(|(a, b)| [round3(a), round3(b)]),
         "warm_phase_starts": phase_starts,
         "broker_round_trip": {"on": rt_on.json(), "off": rt_off.json()},
         "rps_paired_on_vs_off": one["rps_paired_on_vs_off"],
@@ -1826,17 +1829,24 @@ impl BrokerRounds {
         let rps_paired = paired(on, off);
         let cpu_paired = paired(&cpu_on, &cpu_off);
         let (rps_aa, cpu_aa) = (paired(ctl, off), paired(&cpu_ctl, &cpu_off));
+        // The pairs' median's 95 % interval (distribution-free): what the run can tell apart.
+        let (rps_ci, aa_ci) = (
+            stats::paired_median_ci(on, off),
+            stats::paired_median_ci(ctl, off),
+        );
         println!(
-            "requests/s, {what} (medians of {runs}): on {:.0}, off {:.0}; median of the {runs} pairs' ratios {rps_paired:.3}×; \
-             process CPU per request (medians): on {:.1} µs, off {:.1} µs (pairs {cpu_paired:.3}×)",
+            "requests/s, {what} (medians of {runs}): on {:.0}, off {:.0}; median of the {runs} pairs' ratios {rps_paired:.3}× \
+             (95 % interval {}); process CPU per request (medians): on {:.1} µs, off {:.1} µs (pairs {cpu_paired:.3}×)",
             median(on),
             median(off),
+            interval(rps_ci),
             median(&cpu_on),
             median(&cpu_off),
         );
         println!(
-            "  A/A control (a second all-off broker / off, same rounds): requests/s pairs {rps_aa:.3}×, \
-             CPU per request pairs {cpu_aa:.3}×"
+            "  A/A control (a second all-off broker / off, same rounds): requests/s pairs {rps_aa:.3}× ({}), \
+             CPU per request pairs {cpu_aa:.3}×",
+            interval(aa_ci),
         );
         for (name, d) in ["off", "on", "control"].iter().zip(&self.usage) {
             let col = |i: usize| median(&d.iter().map(|x| x[i]).collect::<Vec<_>>());
@@ -1853,11 +1863,21 @@ impl BrokerRounds {
             "rps": {"on": list(on), "off": list(off), "control": list(ctl)},
             "cpu_us_per_request": {"on": list(&cpu_on), "off": list(&cpu_off), "control": list(&cpu_ctl)},
             "rps_paired_on_vs_off": round3(rps_paired),
+            "rps_paired_on_vs_off_ci95": rps_ci.map(|(a, b)| [round3(a), round3(b)]),
             "cpu_per_request_paired_on_vs_off": round3(cpu_paired),
             "control_rps_paired": round3(rps_aa),
+            "control_rps_paired_ci95": aa_ci.map(|(a, b)| [round3(a), round3(b)]),
             "control_cpu_per_request_paired": round3(cpu_aa),
         })
     }
+}
+
+/// A 95 % interval as `[lo, hi]`, or why there is none.
+fn interval(ci: Option<(f64, f64)>) -> String {
+    ci.map_or_else(
+        || "too few samples".to_owned(),
+        |(lo, hi)| format!("[{lo:.3}, {hi:.3}]"),
+    )
 }
 
 /// This process's user and system CPU time so far (µs) and its voluntary and involuntary
