@@ -189,20 +189,31 @@ pub async fn observed_warm_sandbox(
         max: 64,
         ttl_secs: None,
     })
-    .budgets(roundtable_sandbox::BudgetSettings {
-        state_file: Some(state_file.to_owned()),
-        speaker_tokens_per_day: Some(1_000_000_000),
-        channel_tokens_per_day: Some(1_000_000_000),
-        bot_tokens_per_day: Some(1_000_000_000),
-        speaker_turns_per_minute: Some(10_000),
-    })
-    // The audit trail beside the state file (issue 23 item 8: audit and accounting on).
-    .audit(roundtable_sandbox::audit::AuditSettings {
-        path: Some(state_file.with_file_name("audit.jsonl")),
-        include_text: false,
-    })
     .build();
-    c.observer = observer;
+    // `RTB_OBSERVED` (a comma list of `budgets`, `turns`, `audit`, `metrics`; all when unset): which
+    // parts the *on* side has, to find which one a difference comes from.
+    let parts =
+        std::env::var("RTB_OBSERVED").unwrap_or_else(|_| "budgets,turns,audit,metrics".into());
+    let has = |part: &str| parts.split(',').any(|p| p.trim() == part);
+    if has("budgets") {
+        c.budgets = roundtable_sandbox::BudgetSettings {
+            state_file: Some(state_file.to_owned()),
+            speaker_tokens_per_day: Some(1_000_000_000),
+            channel_tokens_per_day: Some(1_000_000_000),
+            bot_tokens_per_day: Some(1_000_000_000),
+            // `budgets` alone: token budgets only (`turns` adds the speakers' turns per
+            // minute, whose admissions the writer commits).
+            speaker_turns_per_minute: has("turns").then_some(10_000),
+        };
+    }
+    // The audit trail beside the state file (issue 23 item 8: audit and accounting on).
+    if has("audit") {
+        c.audit = roundtable_sandbox::audit::AuditSettings {
+            path: Some(state_file.with_file_name("audit.jsonl")),
+            include_text: false,
+        };
+    }
+    c.observer = observer.filter(|_| has("metrics"));
     Sandbox::new(c)
         .await
         .context("start the budgeted warm runtime")

@@ -1607,6 +1607,32 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
             )
         })
         .collect();
+    // Each iteration ran one turn a side back to back: the median of the iterations' on −
+    // off differences (µs), with its interval, says where a difference is.
+    let paired_diff = |on: &Samples, off: &Samples| {
+        let d: Vec<f64> = on
+            .values()
+            .iter()
+            .zip(off.values())
+            .map(|(a, b)| (a - b) * 1000.0)
+            .collect();
+        format!(
+            "{:+.0} µs {}",
+            stats::median(&d),
+            stats::median_ci(&d)
+                .map_or_else(String::new, |(lo, hi)| format!("[{lo:+.0}, {hi:+.0}]"))
+        )
+    };
+    println!(
+        "  on − off, the iterations' median (95 % interval): reply {}; phase began: {}",
+        paired_diff(&reply_on, &reply_off),
+        phases[0]
+            .iter()
+            .filter_map(|(phase, on)| Some((phase, paired_diff(on, phases[1].get(phase)?))))
+            .map(|(phase, d)| format!("{phase} {d}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "  warm turns' phases began at (p50 ms, on / off): {}; the reply: deciles on {} / off {}",
         phase_starts
@@ -1642,6 +1668,11 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
         "scrapes": scrapes,
         "model_calls_recorded": model_calls,
         "warm_reply": {"on": reply_on.json(), "off": reply_off.json()},
+        // Each iteration's pair (ms, in order): runs of the same code can be pooled.
+        "warm_reply_pairs": {
+            "on": reply_on.values().iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+            "off": reply_off.values().iter().map(|x| round3(*x)).collect::<Vec<_>>(),
+        },
         "warm_reply_on_vs_off_p50": round3(reply_ratio),
         "warm_reply_on_vs_off_p50_ci95": reply_ci.map(|(a, b)| [round3(a), round3(b)]),
         "warm_phase_starts": phase_starts,

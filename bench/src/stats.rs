@@ -13,6 +13,11 @@ impl Samples {
         self.ms.push(d.as_secs_f64() * 1000.0);
     }
 
+    /// The samples in the order they were pushed (ms).
+    pub fn values(&self) -> &[f64] {
+        &self.ms
+    }
+
     pub fn len(&self) -> usize {
         self.ms.len()
     }
