@@ -46,6 +46,10 @@ echo "== MCP servers' image" >&2
 scripts/build-mcp-image.sh
 echo "== tests" >&2
 cargo test --workspace --no-fail-fast "$@"
+# The bench is not a test target (`cargo test` does not build it); its statistics (the
+# balanced orders, the 95 % intervals its verdicts print) have unit tests of their own.
+echo "== the bench's own unit tests" >&2
+cargo test --workspace --no-fail-fast --bin roundtable-bench
 # The hostile guests again, each turn in a container prepared before its message (warm
 # turns, on by default in the actor layer): the same attacks, the same results.
 echo "== hostile guests through prepared containers (ROUNDTABLE_WARM=1)" >&2
