@@ -17,7 +17,7 @@ rng=random.Random(1)
 rs=[]
 for _ in range(2000):
     idx=[rng.randrange(n) for _ in range(n)]
-    rs.append(statistics.median([on[i] for i in idx])/statistics.median([off[i] for i in idx]))
+    rs.append(p50([on[i] for i in idx])/p50([off[i] for i in idx]))
 rs.sort()
 d=sorted((a-b)*1000 for a,b in zip(on,off))
 print(f"pairs {n}: p50 on {p50(on):.3f} off {p50(off):.3f} ratio {ratio:.3f} [{rs[49]:.3f}, {rs[1949]:.3f}]; median diff {statistics.median(d):+.0f} us")

@@ -30,12 +30,7 @@ impl Samples {
 
     /// Nearest-rank percentile, in milliseconds (NaN when empty).
     pub fn pct(&self, p: f64) -> f64 {
-        let v = self.sorted();
-        if v.is_empty() {
-            return f64::NAN;
-        }
-        let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-        v[rank.clamp(1, v.len()) - 1]
+        nearest_rank(&self.sorted(), p)
     }
 
     pub fn p50(&self) -> f64 {
@@ -73,6 +68,15 @@ impl Samples {
     }
 }
 
+/// The nearest-rank percentile `p` of `sorted` (NaN when empty).
+fn nearest_rank(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
 /// Rounds to 3 decimals (JSON readability); NaN becomes null through serde_json.
 pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
@@ -98,7 +102,12 @@ pub fn median(v: &[f64]) -> f64 {
 /// The median of the ratios `a[i] / b[i]` of pairs measured in the same round (the
 /// machine's drift between rounds cancels).
 pub fn paired_median(a: &[f64], b: &[f64]) -> f64 {
-    median(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>())
+    median(&ratios(a, b))
+}
+
+/// The pairs' ratios `a[i] / b[i]`.
+fn ratios(a: &[f64], b: &[f64]) -> Vec<f64> {
+    a.iter().zip(b).map(|(a, b)| a / b).collect()
 }
 
 /// A distribution-free 95 % confidence interval for the median of `v`: the order
@@ -129,10 +138,10 @@ pub fn median_ci(v: &[f64]) -> Option<(f64, f64)> {
 
 /// [`median_ci`] of the pairs' ratios `a[i] / b[i]`.
 pub fn paired_median_ci(a: &[f64], b: &[f64]) -> Option<(f64, f64)> {
-    median_ci(&a.iter().zip(b).map(|(a, b)| a / b).collect::<Vec<_>>())
+    median_ci(&ratios(a, b))
 }
 
-/// A 95 % bootstrap interval for `p50(a) / p50(b)` where `a[i]` and `b[i]` were measured
+/// A 95 % bootstrap interval for `p50(a) / p50(b)` (nearest rank, as [`Samples::p50`]) where `a[i]` and `b[i]` were measured
 /// side by side (one iteration): 2,000 resamples of the iterations, pairs kept together (so
 /// the machine's drift between iterations stays cancelled), the 2.5th and 97.5th
 /// percentiles of the resampled ratios. The generator is seeded: the same samples give the
@@ -150,7 +159,7 @@ pub fn paired_p50_ratio_ci(a: &Samples, b: &Samples) -> Option<(f64, f64)> {
         state ^= state >> 27;
         state.wrapping_mul(0x2545_f491_4f6c_dd1d)
     };
-    let mut ratios = Vec::with_capacity(2_000);
+    let mut resampled = Vec::with_capacity(2_000);
     let (mut ra, mut rb) = (vec![0.0; n], vec![0.0; n]);
     for _ in 0..2_000 {
         for j in 0..n {
@@ -158,10 +167,12 @@ pub fn paired_p50_ratio_ci(a: &Samples, b: &Samples) -> Option<(f64, f64)> {
             ra[j] = a.ms[i];
             rb[j] = b.ms[i];
         }
-        ratios.push(median(&ra) / median(&rb));
+        ra.sort_by(f64::total_cmp);
+        rb.sort_by(f64::total_cmp);
+        resampled.push(nearest_rank(&ra, 50.0) / nearest_rank(&rb, 50.0));
     }
-    ratios.sort_by(f64::total_cmp);
-    Some((ratios[49], ratios[1_949]))
+    resampled.sort_by(f64::total_cmp);
+    Some((resampled[49], resampled[1_949]))
 }
 
 /// The order in which round `round` runs `n` sides, a Williams design: over `n` rounds

@@ -886,9 +886,13 @@ impl ContainerDriver for DockerDriver {
             // exit 137, `OOMKilled` still false at the first inspect; under load, still false
             // 600 ms later), and may not have seen the exit yet when the caller has (an MCP
             // session's stdio closed by the kill: still `running`). A container that ended by
-            // SIGKILL, or still runs, is asked again, 150 ms apart, for up to 3 s before the
-            // answer is no; any other end is asked once more after 150 ms, then the event log
-            // (a turn that did not answer: the call is on its failure path only).
+            // SIGKILL, or still runs, is asked again, 150 ms apart, for up to 3 s; any other
+            // end (a guest that went on after a child's kill and ended by itself) once more
+            // after 150 ms. The engine may also lose the flag for good while it did see the
+            // kill (its `oom` event handled before the exit, which then clears the flag: seen
+            // 1 in 40 containers started 10 at once, and once in CI for a child's kill in a
+            // guest that exited 0): an ended container's event log has the last word. Only a
+            // turn that did not answer asks (its failure path).
             let asked = std::time::Instant::now();
             loop {
                 let state = self
@@ -899,25 +903,15 @@ impl ContainerDriver for DockerDriver {
                 if state.oom_killed == Some(true) {
                     return Ok(true);
                 }
+                let running = state.running == Some(true);
                 let killed = state.exit_code == Some(128 + libc::SIGKILL as i64);
-                let undecided = state.running == Some(true) || killed;
-                if !undecided {
-                    // A process of the container killed for memory while the guest went on
-                    // and ended by itself: the flag can come a moment late, or be lost (the
-                    // exit handled after the `oom` event; seen once in CI, a child killed in a
-                    // guest that then printed garbage and exited 0, under a parallel build):
-                    // asked once more after a pause, then the event log.
-                    if asked.elapsed() < OOM_ASK_PAUSE {
-                        tokio::time::sleep(OOM_ASK_PAUSE).await;
-                        continue;
-                    }
-                    return Ok(self.oom_event_logged(docker, name).await);
-                }
-                if asked.elapsed() >= OOM_ASK_WITHIN {
-                    // The engine may also lose the flag for good while it did see the kill
-                    // (its `oom` event handled before the exit, which then clears the flag:
-                    // seen 1 in 40 containers started 10 at once): its event log says so.
-                    return Ok(killed && self.oom_event_logged(docker, name).await);
+                let within = if running || killed {
+                    OOM_ASK_WITHIN
+                } else {
+                    OOM_ASK_PAUSE
+                };
+                if asked.elapsed() >= within {
+                    return Ok(!running && self.oom_event_logged(docker, name).await);
                 }
                 tokio::time::sleep(OOM_ASK_PAUSE).await;
             }
