@@ -322,13 +322,10 @@ enum Write {
         day: String,
         deltas: Vec<(CounterKey, u64)>,
     },
-    Turn {
-        speaker: String,
-        at_ms: i64,
-    },
     NewDay(String),
     Flush(mpsc::SyncSender<()>),
-    /// Charges are waiting in [`BookState::unsaved`] (sent once per commit interval).
+    /// Charges or started turns wait in [`BookState::unsaved`] and the writer was asleep
+    /// (sent by the first of them after it fell asleep, not once per charge or turn).
     Wake,
 }
 
@@ -448,12 +445,17 @@ impl Counters {
     }
 }
 
-/// Counters charged since the writer last took them, of one day.
+/// Counters charged and turns started since the writer last took them (the counters' of
+/// one day).
 #[derive(Default)]
 struct Unsaved {
     day: String,
     dirty: Vec<Arc<Slot>>,
-    /// A [`Write::Wake`] is on its way (cleared when the writer takes the deltas).
+    /// Turns started (speaker, Unix ms), for the speakers' turns per minute.
+    turns: Vec<(String, i64)>,
+    /// The writer is awake (it takes what waits here at its next tick) or a
+    /// [`Write::Wake`] is on its way: nothing to send. Cleared by the writer only, under
+    /// the lock, when it finds nothing here and falls asleep.
     woken: bool,
 }
 
@@ -485,13 +487,29 @@ struct BookState {
 
 type SharedState = Arc<Mutex<BookState>>;
 
-/// The unsaved deltas, taken for a commit.
-fn take_unsaved(state: &SharedState) -> Option<(String, Vec<(CounterKey, u64)>)> {
+/// What the writer takes for a commit: the unsaved deltas (and their day) and the turns
+/// started.
+struct Taken {
+    day: String,
+    deltas: Vec<(CounterKey, u64)>,
+    turns: Vec<(String, i64)>,
+}
+
+/// Takes what waits for the writer. With nothing waiting and `may_sleep`, the writer falls
+/// asleep (`woken` cleared under the same lock: the next charge or turn wakes it) and
+/// `None` is returned.
+fn take_unsaved(state: &SharedState, may_sleep: bool) -> Option<Taken> {
     let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-    st.unsaved.woken = false;
     let deltas = st.unsaved.drain();
+    let turns = std::mem::take(&mut st.unsaved.turns);
     let day = std::mem::take(&mut st.unsaved.day);
-    (!deltas.is_empty()).then_some((day, deltas))
+    if deltas.is_empty() && turns.is_empty() {
+        if may_sleep {
+            st.unsaved.woken = false;
+        }
+        return None;
+    }
+    Some(Taken { day, deltas, turns })
 }
 
 /// The budgets' counters, checks and writer (see the module doc).
@@ -510,6 +528,9 @@ pub struct BudgetBook {
     writer: Mutex<Option<mpsc::Sender<Write>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     state_file: Option<PathBuf>,
+    /// The writer's wake-ups sent (tests: a busy book sends one).
+    #[cfg(test)]
+    wakes: AtomicU64,
 }
 
 impl std::fmt::Debug for BudgetBook {
@@ -591,6 +612,8 @@ impl BudgetBook {
             writer: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
             state_file: settings.state_file.clone(),
+            #[cfg(test)]
+            wakes: AtomicU64::new(0),
         }))
     }
 
@@ -694,8 +717,16 @@ impl BudgetBook {
             st.unsaved.day = st.day.to_string();
         }
         st.unsaved.dirty.extend(turned.into_iter().flatten().cloned());
-        // One wake-up of the writer per commit interval, not one per charge.
+        self.wake_writer(st);
+    }
+
+    /// Wakes the writer if it sleeps (with the state's lock held: the writer falls asleep
+    /// under it). An awake writer takes what waits at its next tick: a busy bot's charges
+    /// and turns wake no thread.
+    fn wake_writer(&self, st: &mut BookState) {
         if !std::mem::replace(&mut st.unsaved.woken, true) {
+            #[cfg(test)]
+            self.wakes.fetch_add(1, Ordering::Relaxed);
             self.send(Write::Wake);
         }
     }
@@ -794,12 +825,9 @@ impl BudgetBook {
             st.turns
                 .retain(|_, w| w.back().is_some_and(|&t| t > now_ms - MINUTE_MS));
         }
-        drop(st);
         if self.settings.speaker_turns_per_minute.is_some() {
-            self.send(Write::Turn {
-                speaker: speaker.to_owned(),
-                at_ms: now_ms,
-            });
+            st.unsaved.turns.push((speaker.to_owned(), now_ms));
+            self.wake_writer(&mut st);
         }
         Ok(())
     }
@@ -863,65 +891,86 @@ impl Drop for BudgetBook {
     }
 }
 
-/// How long the writer gathers charges and started turns after the first before it commits
-/// them: at most this much of the last charges and turns is lost with a crash of the
-/// process (what was committed stays), and under load one commit (one fsync) serves every
-/// call and turn of the interval. 100 ms: a commit with its fsync costs the writer thread
-/// ~260 µs of CPU on the bench's VM, which at 20 ms was 1.0 µs of every broker call's
-/// ~145 µs at 13,000 calls a second (0.7 %); at 100 ms it is a fifth of that.
+/// How often an awake writer commits what was charged and started since its last commit: at
+/// most this much of the last charges and turns is lost with a crash of the process (what
+/// was committed stays), and under load one commit (one fsync) serves every call and turn
+/// of the interval. 100 ms: a commit with its fsync costs the writer thread ~260 µs of CPU
+/// on the bench's VM, which at 20 ms was 1.0 µs of every broker call's ~145 µs at 13,000
+/// calls a second (0.7 %); at 100 ms it is a fifth of that.
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// Commits the writes in order. Charges are gathered in memory and taken by the writer
-/// [`COMMIT_INTERVAL`] after the first of them woke it, all in one transaction (under load
-/// one commit, one fsync, per interval; no wake-up per call); a flush takes them at once.
+/// How many ticks with nothing to commit an awake writer waits before it falls asleep
+/// (10 s): while a bot is busy, its charges and turns find the writer awake and wake no
+/// thread (a wake-up is a cross-thread signal on the charging or admitting thread, the
+/// turn's own); an idle bot's writer sleeps until the next charge or turn.
+const IDLE_TICKS: u32 = 100;
+
+/// Commits the writes in order. Charges and started turns are gathered in memory
+/// ([`BookState::unsaved`]); the first of them after the writer fell asleep wakes it, and an
+/// awake writer takes them every [`COMMIT_INTERVAL`], in one transaction each (under load one
+/// commit, one fsync, per interval; no wake-up per call or turn), until [`IDLE_TICKS`] ticks
+/// found nothing; a flush takes them at once.
 fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: SharedState) {
+    use mpsc::RecvTimeoutError;
     let report = |r: Result<(), StoreError>| {
         if let Err(e) = r {
             // Kept in memory for this run; the next start reads what was committed.
             tracing::error!(error = %e, "budget state write failed");
         }
     };
-    // Turns started, gathered like the charges (one commit for the interval's turns: an
-    // fsync per turn at its admission slowed the turn beside it).
-    let mut turns: Vec<(String, i64)> = Vec::new();
-    let commit = |store: &mut Box<dyn BudgetStore>, turns: &mut Vec<(String, i64)>| {
-        if let Some((day, deltas)) = take_unsaved(&state) {
-            report(store.add_tokens(&day, &deltas));
+    // Commits what waits; whether there was anything (none and `may_sleep`: asleep).
+    let commit = |store: &mut Box<dyn BudgetStore>, may_sleep: bool| {
+        let Some(t) = take_unsaved(&state, may_sleep) else {
+            return false;
+        };
+        if !t.deltas.is_empty() {
+            report(store.add_tokens(&t.day, &t.deltas));
         }
-        if let Some(&(_, last)) = turns.last() {
-            report(store.record_turns(turns, last - MINUTE_MS));
-            turns.clear();
+        if let Some(&(_, last)) = t.turns.last() {
+            report(store.record_turns(&t.turns, last - MINUTE_MS));
         }
+        true
     };
-    let handle = |store: &mut Box<dyn BudgetStore>, turns: &mut Vec<(String, i64)>, w: Write| match w
-    {
+    let handle = |store: &mut Box<dyn BudgetStore>, w: Write| match w {
         Write::Tokens { day, deltas } => report(store.add_tokens(&day, &deltas)),
-        Write::Turn { speaker, at_ms } => turns.push((speaker, at_ms)),
         Write::NewDay(day) => report(store.forget_days_before(&day)),
         Write::Flush(done) => {
-            commit(store, turns);
+            commit(store, false);
             let _ = done.send(());
         }
         Write::Wake => {}
     };
-    while let Ok(w) = rx.recv() {
-        let gather = matches!(w, Write::Wake | Write::Turn { .. });
-        handle(&mut store, &mut turns, w);
-        if !gather {
+    // Asleep: until a write comes.
+    'asleep: while let Ok(w) = rx.recv() {
+        let woken = matches!(w, Write::Wake);
+        handle(&mut store, w);
+        if !woken {
             continue;
         }
-        // Gather the interval's charges; other writes are served as they come.
-        let until = std::time::Instant::now() + COMMIT_INTERVAL;
+        // Awake: a commit every interval while there is something to commit.
+        let mut next = std::time::Instant::now() + COMMIT_INTERVAL;
+        let mut idle = 0;
         loop {
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(w) => handle(&mut store, &mut turns, w),
-                Err(_) => break,
+            match rx.recv_timeout(next.saturating_duration_since(std::time::Instant::now())) {
+                Ok(w) => {
+                    handle(&mut store, w);
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break 'asleep,
+            }
+            next = std::time::Instant::now() + COMMIT_INTERVAL;
+            if commit(&mut store, idle + 1 >= IDLE_TICKS) {
+                idle = 0;
+            } else {
+                idle += 1;
+                if idle >= IDLE_TICKS {
+                    continue 'asleep;
+                }
             }
         }
-        commit(&mut store, &mut turns);
     }
-    commit(&mut store, &mut turns);
+    commit(&mut store, false);
 }
 
 #[cfg(test)]
@@ -1150,6 +1199,48 @@ mod tests {
         book.admit("a", "c1").unwrap();
         book.flush();
         assert_eq!(log.lock().unwrap()[turns.len()..], ["turns 1"]);
+    }
+
+    /// A busy book's charges and turns find the writer awake: one wake-up for all of them
+    /// (none on the turn's or the call's thread after the first), and each interval's are
+    /// committed at its tick, not held until a flush.
+    #[test]
+    fn a_busy_book_wakes_its_writer_once_and_commits_every_interval() {
+        let now = Arc::new(Mutex::new(
+            Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap(),
+        ));
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(1_000_000),
+            speaker_turns_per_minute: Some(1_000),
+            ..Default::default()
+        };
+        let (book, log) = book_at(settings, "UTC", now);
+        let turn_commits = |log: &Mutex<Vec<String>>| {
+            let log = log.lock().unwrap();
+            log.iter().filter(|c| c.starts_with("turns ")).count()
+        };
+        // A turn and a charge every 10 ms until three ticks have committed (about 300 ms;
+        // on a loaded machine, longer).
+        let started = std::time::Instant::now();
+        let mut rounds = 0;
+        while turn_commits(&log) < 3 {
+            assert!(started.elapsed() < std::time::Duration::from_secs(60), "no tick committed");
+            book.admit("a", "c1").unwrap();
+            book.charge("a", "c1", 1);
+            rounds += 1;
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        book.flush();
+        assert_eq!(book.wakes.load(Ordering::Relaxed), 1, "{rounds} rounds");
+        let commits = log.lock().unwrap().clone();
+        let turns: usize = commits
+            .iter()
+            .filter_map(|c| c.strip_prefix("turns "))
+            .map(|n| n.parse::<usize>().unwrap())
+            .sum();
+        assert_eq!(turns, rounds, "{commits:?}");
+        assert_eq!(book.tokens(&CounterKey::Speaker("a".into())), rounds as u64);
     }
 
     #[test]
