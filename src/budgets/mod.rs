@@ -960,13 +960,14 @@ fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: Sha
                 Err(RecvTimeoutError::Disconnected) => break 'asleep,
             }
             next = std::time::Instant::now() + COMMIT_INTERVAL;
-            if commit(&mut store, idle + 1 >= IDLE_TICKS) {
+            // The last idle tick: with nothing to commit, the writer falls asleep.
+            let last = idle + 1 >= IDLE_TICKS;
+            if commit(&mut store, last) {
                 idle = 0;
+            } else if last {
+                continue 'asleep;
             } else {
                 idle += 1;
-                if idle >= IDLE_TICKS {
-                    continue 'asleep;
-                }
             }
         }
     }
@@ -1216,15 +1217,19 @@ mod tests {
             ..Default::default()
         };
         let (book, log) = book_at(settings, "UTC", now);
-        let turn_commits = |log: &Mutex<Vec<String>>| {
+        // Each turns commit's count, in order.
+        let turn_commits = |log: &Mutex<Vec<String>>| -> Vec<usize> {
             let log = log.lock().unwrap();
-            log.iter().filter(|c| c.starts_with("turns ")).count()
+            log.iter()
+                .filter_map(|c| c.strip_prefix("turns "))
+                .map(|n| n.parse().unwrap())
+                .collect()
         };
         // A turn and a charge every 10 ms until three ticks have committed (about 300 ms;
         // on a loaded machine, longer).
         let started = std::time::Instant::now();
         let mut rounds = 0;
-        while turn_commits(&log) < 3 {
+        while turn_commits(&log).len() < 3 {
             assert!(started.elapsed() < std::time::Duration::from_secs(60), "no tick committed");
             book.admit("a", "c1").unwrap();
             book.charge("a", "c1", 1);
@@ -1233,13 +1238,8 @@ mod tests {
         }
         book.flush();
         assert_eq!(book.wakes.load(Ordering::Relaxed), 1, "{rounds} rounds");
-        let commits = log.lock().unwrap().clone();
-        let turns: usize = commits
-            .iter()
-            .filter_map(|c| c.strip_prefix("turns "))
-            .map(|n| n.parse::<usize>().unwrap())
-            .sum();
-        assert_eq!(turns, rounds, "{commits:?}");
+        let turns = turn_commits(&log);
+        assert_eq!(turns.iter().sum::<usize>(), rounds, "{turns:?}");
         assert_eq!(book.tokens(&CounterKey::Speaker("a".into())), rounds as u64);
     }
 
