@@ -181,3 +181,77 @@ async fn shutdown_stops_every_channels_mcp_session() {
     wait_mcp_containers(&instance, 0).await;
     assert!(labelled_containers_of(&instance).await.is_empty());
 }
+
+/// Issue 43 item 1: while one channel's MCP call is reading a hostile answer (the stub's
+/// `dribble`: the first 100 kB of a 15 MB `_meta`, the rest held back), another channel's
+/// turn runs and is answered; then the hostile answer is cut at the message cap, and its
+/// channel's turn ends with the tool's error. The replies come in that order.
+#[actix_rt::test]
+async fn another_channels_turn_is_answered_while_a_hostile_mcp_answer_is_read() {
+    use roundtable_sandbox_test_support::mcp_stub::stub_server;
+    let env = Env::new();
+    let stub = tempfile::tempdir().unwrap();
+    let model =
+        ScriptedModel::start(vec![Step::tool_call("h1", "mcp__stub__dribble", json!({}))]).await;
+    let mut c = env.config();
+    c.model_url = model.url();
+    c.turn_timeout = Some(Duration::from_secs(90));
+    c.mcp = vec![stub_server(stub.path(), &["dribble"])];
+    let addr = SandboxSupervisor::start(SupervisorOptions::new(c))
+        .await
+        .unwrap();
+    let (tx, mut replies) = tokio::sync::mpsc::unbounded_channel();
+    let hostile = {
+        let (addr, tx) = (addr.clone(), tx.clone());
+        actix_rt::spawn(async move {
+            let r = addr
+                .send(GuestMessage::new("#hostile", speaker("mallory"), "read it"))
+                .await;
+            tx.send(("#hostile", r)).unwrap();
+        })
+    };
+    // The hostile call is being read: its first 100 kB are in.
+    let log = stub.path().join("log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("dribbling")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the hostile call never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let started = std::time::Instant::now();
+    model.push(Step::text("calm answer"));
+    let r = addr
+        .send(GuestMessage::new("#calm", speaker("ann"), "hello"))
+        .await;
+    let calm_took = started.elapsed();
+    tx.send(("#calm", r)).unwrap();
+    // Only now is the rest of the hostile answer written.
+    model.push(Step::text("hostile turn over"));
+    std::fs::write(stub.path().join("gate"), "go").unwrap();
+    hostile.await.unwrap();
+    let (first, calm) = replies.recv().await.unwrap();
+    let (second, hostile) = replies.recv().await.unwrap();
+    assert_eq!((first, second), ("#calm", "#hostile"));
+    let calm = calm.unwrap().unwrap();
+    assert_eq!(calm.text.as_deref(), Some("calm answer"), "{calm:?}");
+    let hostile = hostile.unwrap().unwrap();
+    assert_eq!(
+        hostile.text.as_deref(),
+        Some("hostile turn over"),
+        "{hostile:?}"
+    );
+    // The hostile answer was cut at the cap: the model saw the tool's error.
+    let results = tool_results(&model.requests()[2].json());
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert!(
+        results[0].contains("sent a message larger than 262144 bytes"),
+        "{results:?}"
+    );
+    eprintln!("the calm channel's turn took {calm_took:?} while the hostile answer was read");
+    addr.send(Shutdown).await.unwrap();
+}

@@ -77,6 +77,63 @@ pub enum Attack {
     Chat,
     /// Compactions answered with 4 MB.
     Compaction,
+    /// Hostile MCP answers.
+    Mcp,
+}
+
+/// The child's MCP servers (`--attack mcp`): `ROUNDTABLE_BENCH_MCP` = the stub's dir, a
+/// space, the hostile HTTP server's URL.
+const MCP_ENV: &str = "ROUNDTABLE_BENCH_MCP";
+
+/// The hostile MCP servers of the child, from [`MCP_ENV`].
+fn mcp_servers() -> Vec<roundtable_sandbox::McpServer> {
+    use roundtable_sandbox::{McpConfine, McpServer, McpTransport};
+    let Some(spec) = std::env::var(MCP_ENV).ok() else {
+        return Vec::new();
+    };
+    let (dir, url) = spec.split_once(' ').unwrap_or((&spec, ""));
+    let stub = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/support/mcp_stub.py");
+    let mut stdio = McpServer::new(
+        "stub",
+        McpTransport::Stdio {
+            command: "python3".into(),
+            args: vec![stub.display().to_string()],
+            env: [("STUB_DIR".to_owned(), dir.to_owned())].into(),
+        },
+        &["echo", "bigmeta", "structured", "notify", "endless"],
+    );
+    stdio.confine = McpConfine::Host;
+    let http = McpServer::new(
+        "hostile",
+        McpTransport::Http {
+            url: url.to_owned(),
+            headers: Default::default(),
+        },
+        &["bigbody", "bigevent"],
+    );
+    vec![stdio, http]
+}
+
+/// The hostile streamable-HTTP MCP server, on a free loopback port.
+fn hostile_http() -> Result<(std::process::Child, String)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/support/mcp_hostile_http.py");
+    let child = Command::new("python3")
+        .arg(script)
+        .arg(port.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("start the hostile HTTP MCP server")?;
+    for _ in 0..200 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok((child, format!("http://127.0.0.1:{port}/mcp")));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("the hostile HTTP MCP server did not start")
 }
 
 /// In the child: a broker listening on `socket` (the hostile turn) and beside it (another
@@ -94,11 +151,16 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let policy = BrokerPolicy {
+        let mut policy = BrokerPolicy {
             model: "bench-model".into(),
             tools: vec![Arc::new(echo())],
+            mcp: mcp_servers(),
             ..broker_policy(model_url, "sk-bench-hostile-never-leaves")
         };
+        if !policy.mcp.is_empty() {
+            policy.allow_http = true;
+            policy.limits.max_tool_calls = 10_000;
+        }
         // The other channel's turn has calls to spare for its 10 calls a second (a broker
         // of its own, in the same process and runtime: what it measures is the host's
         // threads and CPU that the hostile turn leaves it).
@@ -456,7 +518,14 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
         .prefix("rtb-hostile-")
         .tempdir_in("/tmp")?;
     let socket = dir.path().join("broker.sock");
-    let mut child = Command::new(std::env::current_exe()?)
+    let mut mcp_http = None;
+    let mut command = Command::new(std::env::current_exe()?);
+    if attack == Attack::Mcp {
+        let (server, url) = hostile_http()?;
+        mcp_http = Some(server);
+        command.env(MCP_ENV, format!("{} {url}", dir.path().display()));
+    }
+    let mut child = command
         .args([
             "--hostile-host",
             socket.to_str().context("socket path")?,
@@ -571,6 +640,34 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
             tally.clone(),
         ));
     }
+    if attack == Attack::Mcp {
+        let calls: [(&'static str, &str); 6] = [
+            ("/v1/mcp/stub/bigmeta", "{}"),
+            ("/v1/mcp/stub/structured", "{}"),
+            ("/v1/mcp/stub/notify", r#"{"count":4}"#),
+            ("/v1/mcp/stub/endless", "{}"),
+            ("/v1/mcp/hostile/bigbody", "{}"),
+            ("/v1/mcp/hostile/bigevent", "{}"),
+        ];
+        // `ROUNDTABLE_BENCH_MCP_ONLY=PATH`: that answer alone (each measured on its own).
+        let only = std::env::var("ROUNDTABLE_BENCH_MCP_ONLY").ok();
+        let mut calls = calls.to_vec();
+        calls.push(("/v1/mcp/stub/structured", r#"{"mb":0.2}"#));
+        calls.retain(|(path, body)| {
+            only.as_deref()
+                .is_none_or(|o| o == *path || o == format!("{path} {body}"))
+        });
+        for (path, body) in calls {
+            set.spawn(flood(
+                socket.clone(),
+                path,
+                Bytes::from(body.to_owned()),
+                Duration::ZERO,
+                end,
+                tally.clone(),
+            ));
+        }
+    }
     let readers: &[usize] = if attack == Attack::Chat {
         &[0, 0, 1024, 1024]
     } else {
@@ -598,6 +695,10 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
     drop(child.stdin.take());
     let exited = tokio::task::spawn_blocking(move || child.wait()).await??;
     upstream_task.abort();
+    if let Some(mut server) = mcp_http {
+        let _ = server.kill();
+        let _ = server.wait();
+    }
     if !exited.success() {
         bail!("the hostile host child failed ({exited})");
     }

@@ -134,9 +134,10 @@ struct HostileOptions {
     /// How long the attack lasts
     #[arg(long, value_name = "N", default_value_t = 20)]
     seconds: u64,
-    /// Which attack: `chat` (model and tool calls, slow clients, endless streams) or
-    /// `compaction` (compactions answered with 4 MB)
-    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction"])]
+    /// Which attack: `chat` (model and tool calls, slow clients, endless streams),
+    /// `compaction` (compactions answered with 4 MB) or `mcp` (hostile MCP answers over
+    /// stdio and streamable HTTP: the review of issue 43)
+    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction", "mcp"])]
     attack: String,
     /// Where the JSON result goes
     #[arg(long, value_name = "PATH", default_value = "target/bench/hostile.json")]
@@ -261,10 +262,10 @@ fn hostile_main(o: &HostileOptions) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let attack = if o.attack == "compaction" {
-        hostile::Attack::Compaction
-    } else {
-        hostile::Attack::Chat
+    let attack = match o.attack.as_str() {
+        "compaction" => hostile::Attack::Compaction,
+        "mcp" => hostile::Attack::Mcp,
+        _ => hostile::Attack::Chat,
     };
     let result = rt.block_on(hostile::run(o.seconds, attack))?;
     write_json(&o.json, &result)

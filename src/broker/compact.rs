@@ -44,9 +44,10 @@ use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::http::{holding, json_values_over, MAX_ARGUMENT_VALUES};
+use super::http::holding;
 use super::http::{json_response, Response, Turn};
-use super::model::{chat_url, read_capped};
+use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
+use super::model::chat_url;
 use super::redact::Secrets;
 use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
 
@@ -127,11 +128,11 @@ struct Refusal {
 /// The body's checks and typed parse (run off the async threads): the JSON-values
 /// pre-check, the typed request, its rules.
 fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
-    if json_values_over(body, MAX_ARGUMENT_VALUES) {
+    if values_over(body, MAX_VALUES) {
         return Err(Refusal {
             status: StatusCode::BAD_REQUEST,
             message: format!(
-                "compaction request too complex (more than {MAX_ARGUMENT_VALUES} JSON values)"
+                "compaction request too complex (more than {MAX_VALUES} JSON values)"
             ),
             reason: "compaction request too complex",
         });
@@ -481,10 +482,13 @@ async fn call(
     }
     let cap = limits.max_response_bytes.min(MAX_ANSWER_BYTES);
     let exchange = async {
-        let response = http.send().await?;
+        let mut response = http.send().await.map_err(Exchange::Send)?;
         let status = response.status();
-        let (bytes, truncated) = read_capped(response, cap).await?;
-        Ok::<_, reqwest::Error>((status, bytes, truncated))
+        match read_body(&mut response, cap).await {
+            Ok(bytes) => Ok((status, bytes, false)),
+            Err(ReadError::TooLarge { .. }) => Ok((status, Vec::new(), true)),
+            Err(_) => Err(Exchange::Read),
+        }
     };
     // One model call event per call that was tried, as the guest's calls have: the
     // upstream's status (or what a guest would have got), its latency and usage.
@@ -522,13 +526,13 @@ async fn call(
                 format!("the {name} timed out after {timeout:?}"),
             )
         }
-        Ok(Err(e)) if e.is_connect() => {
+        Ok(Err(Exchange::Send(e))) if e.is_connect() => {
             return failed(
                 StatusCode::BAD_GATEWAY,
                 format!("the {name} is unreachable"),
             )
         }
-        Ok(Err(e)) if e.is_timeout() => {
+        Ok(Err(Exchange::Send(e))) if e.is_timeout() => {
             return failed(StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
         }
         Ok(Err(_)) => {
@@ -554,10 +558,12 @@ async fn call(
     // runs off the async threads and the answer's bytes are dropped there.
     let keep = request.limits().bytes.saturating_add(1);
     let answer_bytes = bytes.len();
-    let parsed = tokio::task::spawn_blocking(move || parse_answer(&bytes, keep))
-        .await
-        .ok()
-        .flatten();
+    let caps = Caps::bytes(cap);
+    let parsed = bounded::off_thread(move || {
+        bounded::check(&bytes, caps).ok()?;
+        parse_answer(&bytes, keep)
+    })
+    .await;
     report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
     // Host-counted, from the upstream's own usage (or the estimate), answer or not.
     if let Some(account) = &turn.ctx.account {
@@ -585,6 +591,14 @@ async fn call(
         usage.completion_tokens = Some(usage.completion_tokens.unwrap_or(0).saturating_add(n));
     }
     finish_summary(request, &content).ok_or_else(|| format!("the {name} answer is empty"))
+}
+
+/// Why a summary call's exchange failed.
+enum Exchange {
+    /// The request was not sent or not answered.
+    Send(reqwest::Error),
+    /// The answer could not be read.
+    Read,
 }
 
 // ---------------------------------------------------------------- the answer, typed

@@ -1,7 +1,6 @@
 //! What the broker's routes share, below the server that dispatches to them: the body and
 //! response types, the JSON answers (every refusal is `{"error": "..."}`), one turn's state
-//! as its connections see it, a body that holds its call's permit, and the JSON-values
-//! pre-check every parsed body goes through.
+//! as its connections see it, and a body that holds its call's permit.
 
 use std::convert::Infallible;
 use std::sync::atomic::AtomicU32;
@@ -98,9 +97,6 @@ pub(crate) fn failure(status: StatusCode, msg: &str) -> Response {
 /// The mark of a broker refusal on its response: the limit that refused.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Refused(pub(crate) Refusal);
-/// The most JSON values (roughly: commas and opening brackets) tool arguments may hold:
-/// parsed, each costs up to ~80 bytes, so a 1 MiB body of empty arrays would be ~16 MiB.
-pub(crate) const MAX_ARGUMENT_VALUES: usize = 65_536;
 
 /// A body that holds its call's in-flight permit until it is sent or dropped.
 struct Holding {
@@ -137,35 +133,4 @@ pub(super) fn holding(response: Response, permit: OwnedSemaphorePermit) -> Respo
         }
         .boxed_unsync()
     })
-}
-
-/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
-/// plus one. Stops counting past `limit`.
-pub(super) fn json_values_over(raw: &[u8], limit: usize) -> bool {
-    let mut n = 1usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for &b in raw {
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else {
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' | b',' => {
-                    n += 1;
-                    if n > limit {
-                        return true;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    false
 }

@@ -56,16 +56,16 @@
 //!   connections (written raw, then closed), `504` past the per-call deadline; always
 //!   `{"error": "..."}`.
 
+pub(crate) mod bounded;
 mod compact;
 mod http;
 mod mcp;
 mod model;
 #[cfg(feature = "testing")]
 pub use mcp::{CHANNEL_PLACEHOLDER, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT};
-mod mcp_container;
 #[cfg(feature = "testing")]
-pub use mcp_container::DATA_MOUNT as MCP_DATA_MOUNT;
-pub use mcp_container::{McpEngine, LABEL_MCP};
+pub use mcp::container::DATA_MOUNT as MCP_DATA_MOUNT;
+pub use mcp::container::{McpEngine, LABEL_MCP};
 mod redact;
 mod server;
 mod tools;
@@ -431,6 +431,13 @@ pub struct McpServer {
     /// The caps of each of a container-confined server's sessions.
     #[serde(default)]
     pub limits: McpLimits,
+    /// The largest message the server may send, in KiB (default
+    /// [`McpServer::DEFAULT_MAX_MESSAGE_KB`], 16 to 16384): a stdio session that sends a
+    /// longer one (or a line that never ends) is stopped at the cap, an http answer past it
+    /// fails its call. Every message is also held to 65,536 JSON values, counted before
+    /// it is parsed.
+    #[serde(default = "McpServer::default_max_message_kb")]
+    pub max_message_kb: usize,
 }
 
 /// Where a stdio MCP server runs.
@@ -501,6 +508,17 @@ impl McpLimits {
 impl McpServer {
     /// Live channel sessions per server when `max_sessions` is not set.
     pub const DEFAULT_MAX_SESSIONS: usize = 16;
+    /// The message cap in KiB when `max_message_kb` is not set.
+    pub const DEFAULT_MAX_MESSAGE_KB: usize = 256;
+
+    fn default_max_message_kb() -> usize {
+        Self::DEFAULT_MAX_MESSAGE_KB
+    }
+
+    /// The caps on each message the server sends.
+    pub(crate) fn message_caps(&self) -> bounded::Caps {
+        bounded::Caps::bytes(self.max_message_kb.saturating_mul(1024))
+    }
 
     /// A server with the transport's default scope and session cap.
     pub fn new(name: impl Into<String>, transport: McpTransport, tools: &[&str]) -> Self {
@@ -514,6 +532,7 @@ impl McpServer {
             image: None,
             network: false,
             limits: McpLimits::default(),
+            max_message_kb: Self::DEFAULT_MAX_MESSAGE_KB,
         }
     }
 

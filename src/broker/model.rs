@@ -26,10 +26,11 @@ use tokio_util::sync::CancellationToken;
 use serde::de::{DeserializeSeed, Error as _, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
+use super::bounded::{self, read_body, read_prefix, ReadError};
 use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
-use super::usage::{answer_usage, UsageWire};
+use super::usage::{answer_usage, UsageShape, UsageWire};
 use crate::budgets::{estimate_tokens, TurnAccount};
 use crate::events::{BrokerEvent, ModelOperation, TurnEvents};
 
@@ -356,18 +357,26 @@ impl Upstream {
         }
         let timeout = self.limits.call_timeout;
         let send = async {
-            let response = request.send().await?;
+            let mut response = request.send().await.map_err(Upstream::failed)?;
             if stream && response.status().is_success() {
                 return Ok(Whole::Stream(response));
             }
             let status = response.status();
-            let cap = if status.is_success() {
-                self.limits.max_response_bytes
+            // The one bounded reader: a whole answer past the cap is refused (its length
+            // header, or the chunk that passes it); an error's body is shown cut.
+            if status.is_success() {
+                let read = read_body(&mut response, self.limits.max_response_bytes).await;
+                match read {
+                    Ok(bytes) => Ok(Whole::Body(status, bytes, false)),
+                    Err(ReadError::TooLarge { .. }) => Ok(Whole::Body(status, Vec::new(), true)),
+                    Err(e) => Err(Failure::Read(e)),
+                }
             } else {
-                ERROR_READ
-            };
-            let (bytes, truncated) = read_capped(response, cap).await?;
-            Ok(Whole::Body(status, bytes, truncated))
+                let (bytes, cut) = read_prefix(&mut response, ERROR_READ)
+                    .await
+                    .map_err(Failure::Read)?;
+                Ok(Whole::Body(status, bytes, cut))
+            }
         };
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, send) => r,
@@ -384,14 +393,21 @@ impl Upstream {
                 ));
             }
             Ok(Err(e)) => {
-                let e: reqwest::Error = e;
-                tracing::warn!(error = %secrets.redact(&e.to_string()), "model call failed");
-                let msg = if e.is_connect() {
-                    "model upstream unreachable"
-                } else if e.is_timeout() {
-                    "model upstream timed out"
-                } else {
-                    "model upstream request failed"
+                let msg = match &e {
+                    Failure::Send(e) => {
+                        tracing::warn!(error = %secrets.redact(&e.to_string()), "model call failed");
+                        if e.is_connect() {
+                            "model upstream unreachable"
+                        } else if e.is_timeout() {
+                            "model upstream timed out"
+                        } else {
+                            "model upstream request failed"
+                        }
+                    }
+                    Failure::Read(e) => {
+                        tracing::warn!(error = %secrets.redact(&e.to_string()), "model answer not read");
+                        "model upstream request failed"
+                    }
                 };
                 return Answer::plain(error_response(StatusCode::BAD_GATEWAY, msg));
             }
@@ -412,13 +428,17 @@ impl Upstream {
                         ),
                     ));
                 }
-                // Read once, for the budgets and for the call's event; not at all when
-                // neither is there.
-                let wire = (account.is_some() || events.is_some())
-                    .then(|| answer_usage(&bytes))
-                    .flatten();
+                // Read once, for the budgets and for the call's event (not at all when
+                // neither is there), and redacted: both off the async threads.
+                let read_usage = account.is_some() || events.is_some();
+                let answer_bytes = bytes.len();
+                let (wire, out) = bounded::off_thread(move || {
+                    let wire = read_usage.then(|| answer_usage(&bytes)).flatten();
+                    (wire, redact_whole(&secrets, bytes))
+                })
+                .await;
                 if let Some(a) = &account {
-                    charge_whole(a, sent_bytes, bytes.len(), wire);
+                    charge_whole(a, sent_bytes, answer_bytes, wire);
                 }
                 let usage = wire.map(|u| roundtable_sandbox_protocol::Usage {
                     model_calls: 1,
@@ -426,7 +446,6 @@ impl Upstream {
                     completion_tokens: u.completion_tokens,
                     ..Default::default()
                 });
-                let out = redact_whole(&secrets, bytes);
                 let response = hyper::Response::builder()
                     .status(StatusCode::OK)
                     .header(CONTENT_TYPE, "application/json")
@@ -675,11 +694,8 @@ struct SseFilter {
 }
 
 /// One `data:` event's shape, only what is read of it.
-#[derive(serde::Deserialize)]
 struct ChunkShape {
-    #[serde(default)]
     choices: Option<Vec<serde::de::IgnoredAny>>,
-    #[serde(default)]
     usage: Option<UsageWire>,
 }
 
@@ -787,7 +803,11 @@ fn data_chunk(event: &[u8]) -> Option<ChunkShape> {
     if json.contains('\n') {
         return None;
     }
-    serde_json::from_str::<ChunkShape>(json).ok()
+    let shape = serde_json::from_str::<UsageShape<'_>>(json).ok()?;
+    Some(ChunkShape {
+        usage: shape.usage(),
+        choices: shape.choices,
+    })
 }
 
 /// A whole answer with every secret replaced; an answer that ends with the start of a
@@ -808,20 +828,18 @@ enum Whole {
     Stream(reqwest::Response),
 }
 
-/// Reads at most `cap` bytes; the flag tells whether there was more.
-pub(super) async fn read_capped(
-    mut response: reqwest::Response,
-    cap: usize,
-) -> Result<(Vec<u8>, bool), reqwest::Error> {
-    let mut out = Vec::new();
-    while let Some(chunk) = response.chunk().await? {
-        if out.len() + chunk.len() > cap {
-            out.extend_from_slice(&chunk[..cap - out.len()]);
-            return Ok((out, true));
-        }
-        out.extend_from_slice(&chunk);
+/// Why a model call's exchange failed.
+enum Failure {
+    /// The request was not sent or not answered.
+    Send(reqwest::Error),
+    /// The answer could not be read.
+    Read(ReadError),
+}
+
+impl Upstream {
+    fn failed(e: reqwest::Error) -> Failure {
+        Failure::Send(e)
     }
-    Ok((out, false))
 }
 
 #[cfg(test)]

@@ -31,9 +31,8 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use super::http::{
-    error_response, holding, json_values_over, refuse, Refused, Response, Turn, MAX_ARGUMENT_VALUES,
-};
+use super::bounded::MAX_VALUES;
+use super::http::{error_response, holding, refuse, Refused, Response, Turn};
 use super::{Broker, TurnContext};
 use crate::driver::GuestStream;
 use crate::events::{BrokerEvent, EventKind, Refusal};
@@ -469,11 +468,11 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         }
         return response;
     }
-    if json_values_over(&body, MAX_ARGUMENT_VALUES) {
+    if super::bounded::values_over(&body, MAX_VALUES) {
         return refuse(
             StatusCode::BAD_REQUEST,
             Refusal::ArgumentComplexity,
-            &format!("tool arguments too complex (more than {MAX_ARGUMENT_VALUES} JSON values)"),
+            &format!("tool arguments too complex (more than {MAX_VALUES} JSON values)"),
         );
     }
     let value: serde_json::Value = match serde_json::from_slice(&body) {

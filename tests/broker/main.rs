@@ -193,6 +193,7 @@ mod limits;
 mod logs;
 mod mcp;
 mod mcp_confined;
+mod mcp_hostile;
 mod mcp_http;
 mod mcp_scopes;
 mod model;

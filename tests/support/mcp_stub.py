@@ -12,6 +12,13 @@ one channel's session present a different tool).
 Tools: echo {text} -> text; sleep {seconds} (answered from a thread, so a
 notifications/cancelled is still read and logged); crash (exits mid-call);
 fail (answers isError); meta -> the call's `_meta` as JSON; secret (never allow-listed).
+
+Hostile answers (issue 43), each sized by its `mb` argument (megabytes, default 15):
+bigmeta (a result whose `_meta` is `mb` of `{"":0}` objects, its text "ok"); structured
+(a result with no text whose `structuredContent` is `mb` of `{}`); notify (`count`
+unsolicited notifications/message of `mb` each, then the result "ok"); endless (writes a
+message that never ends, without a newline, until killed); dribble (100 kB of a 15 MB
+message, the rest once the file `gate` exists in $STUB_DIR).
 """
 import json
 import os
@@ -59,6 +66,11 @@ def tools():
         {"name": "fail", "description": "Fail", "inputSchema": obj},
         {"name": "meta", "description": "The call's _meta", "inputSchema": obj},
         {"name": "secret", "description": "Not allow-listed", "inputSchema": obj},
+        {"name": "bigmeta", "description": "A huge _meta", "inputSchema": obj},
+        {"name": "structured", "description": "Huge structured content", "inputSchema": obj},
+        {"name": "notify", "description": "Unsolicited notifications", "inputSchema": obj},
+        {"name": "endless", "description": "A message that never ends", "inputSchema": obj},
+        {"name": "dribble", "description": "A huge message, slowly", "inputSchema": obj},
     ]
 
 
@@ -74,6 +86,27 @@ def result(mid, res):
 
 def text(t, error=False):
     return {"content": [{"type": "text", "text": t}], "isError": error}
+
+
+def raw(line):
+    with OUT:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+def objects(obj, mb):
+    """A JSON list of `obj` repeated to about `mb` megabytes."""
+    n = max(1, int(mb * 1_000_000) // (len(obj) + 1))
+    return "[" + ",".join([obj] * n) + "]"
+
+
+def endless():
+    with OUT:
+        sys.stdout.write('{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"')
+        chunk = "x" * 65536
+        while True:
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
 
 
 def sleeper(mid, seconds):
@@ -110,6 +143,28 @@ for line in sys.stdin:
             result(mid, text("it failed", error=True))
         elif name == "meta":
             result(mid, text(json.dumps(msg["params"].get("_meta"))))
+        elif name == "bigmeta":
+            meta = objects('{"":0}', args.get("mb", 15))
+            raw('{"jsonrpc":"2.0","id":%s,"result":{"_meta":{"rows":%s},"content":[{"type":"text","text":"ok"}]}}\n' % (json.dumps(mid), meta))
+        elif name == "structured":
+            rows = objects("{}", args.get("mb", 15))
+            raw('{"jsonrpc":"2.0","id":%s,"result":{"content":[],"structuredContent":{"rows":%s}}}\n' % (json.dumps(mid), rows))
+        elif name == "notify":
+            data = objects('{"":0}', args.get("mb", 15))
+            for _ in range(int(args.get("count", 4))):
+                raw('{"jsonrpc":"2.0","method":"notifications/message","params":{"level":"info","data":%s}}\n' % data)
+            result(mid, text("ok"))
+        elif name == "endless":
+            endless()
+        elif name == "dribble":
+            # 100 kB of a 15 MB `_meta` now, the rest once the file `gate` exists.
+            head = '{"jsonrpc":"2.0","id":%s,"result":{"_meta":{"rows":[' % json.dumps(mid)
+            raw(head + ",".join(['{"":0}'] * 14_000) + ",")
+            LOG.write("dribbling\n")
+            LOG.flush()
+            while not os.path.exists(os.path.join(DIR, "gate")):
+                time.sleep(0.05)
+            raw(",".join(['{"":0}'] * 2_000_000) + ']},"content":[{"type":"text","text":"ok"}]}}\n')
         else:
             result(mid, text("the secret tool ran"))
     elif method == "ping":

@@ -27,7 +27,7 @@ use bollard::models::{Mount, MountBindOptions, MountBindOptionsPropagationEnum, 
 use futures_util::StreamExt;
 use tokio::io::AsyncWriteExt;
 
-use super::McpServer;
+use crate::broker::McpServer;
 use crate::driver::create_body;
 use crate::driver::{ContainerSpec, DockerDriver, DockerOptions, LABEL_CHANNEL, LABEL_RUNTIME};
 use crate::quota::{Floor, Guarded, Quota, QuotaError};
@@ -39,7 +39,7 @@ pub const DATA_MOUNT: &str = "/data";
 /// The dir name of a shared server's one data dir (a channel's is its 64-hex hash).
 const SHARED_DIR: &str = "shared";
 /// Stderr bytes of one session that reach the debug log; the rest is dropped.
-const STDERR_CAP: usize = 64 * 1024;
+pub(crate) const STDERR_CAP: usize = 64 * 1024;
 
 /// The engine and identity container-confined MCP sessions run with.
 #[derive(Debug, Clone)]
@@ -279,6 +279,19 @@ impl Container {
         }
     }
 
+    /// Removes the container (from a task of its own) once `closed` fires: a session
+    /// that ends (its server stopped, or its client stopped it at a cap) leaves no
+    /// container working until its next call.
+    pub(crate) fn remove_when(&self, closed: tokio_util::sync::CancellationToken) {
+        let (driver, name) = (self.driver.clone(), self.name.clone());
+        tokio::spawn(async move {
+            closed.cancelled().await;
+            if let Err(e) = driver.remove_container(&name).await {
+                tracing::debug!(container = %name, error = %e, "remove MCP container");
+            }
+        });
+    }
+
     /// Whether the kernel's OOM killer ended it.
     pub(crate) async fn oom_killed(&self) -> bool {
         use crate::driver::ContainerDriver;
@@ -300,7 +313,7 @@ impl Drop for Container {
     }
 }
 
-/// The session's stdio as rmcp reads and writes it.
+/// The session's stdio as the MCP client reads and writes it.
 pub(crate) type Stdio = (
     tokio::io::DuplexStream,
     Pin<Box<dyn tokio::io::AsyncWrite + Send>>,
@@ -442,7 +455,7 @@ pub(crate) async fn start(
                 Err(_) => break,
             }
         }
-        // EOF for rmcp: the session is closed.
+        // EOF for the client: the session is closed.
         let _ = from_container.shutdown().await;
     });
     Ok((container, (to_rmcp, input)))

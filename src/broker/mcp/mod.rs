@@ -1,4 +1,5 @@
-//! The MCP bridge: `POST /v1/mcp/{server}/{tool}` through an rmcp client pool.
+//! The MCP bridge: `POST /v1/mcp/{server}/{tool}` through a pool of the broker's own MCP
+//! client's sessions (`client`: every message read through the bounded reader).
 //!
 //! - [`validate_config`]: pure checks of one server's configuration (its scope and where
 //!   `{channel}` may appear);
@@ -22,25 +23,26 @@
 //! A stdio child gets only its configured env plus a few harmless variables, never the
 //! runtime's whole env.
 
-use std::borrow::Cow;
+mod client;
+pub(crate) mod container;
+mod wire;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::header::{HeaderName, HeaderValue};
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::StatusCode;
-use rmcp::model::{CallToolRequestParams, MetaObject, RequestMetaObject};
-use rmcp::service::{RoleClient, RunningService, ServiceError};
-use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
-use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
-use rmcp::ServiceExt;
 use roundtable_sandbox_protocol::{McpServerSpec, ToolSpec};
-use tokio::io::AsyncBufReadExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 use tokio_util::sync::CancellationToken;
 
+use self::client::{Client, ClientError};
+use self::container::{Container, McpEngine};
+use self::wire::AnswerError;
+use super::bounded::Caps;
 use super::http::{error_response, failure, refuse, Response};
-use super::mcp_container::{self, Container, McpEngine};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{
     valid_tool_name, BrokerError, BrokerPolicy, McpConfine, McpScope, McpServer, McpTransport,
@@ -67,6 +69,8 @@ pub const META_CHANNEL: &str = "roundtable-sandbox/channel";
 pub const META_SPEAKER: &str = "roundtable-sandbox/speaker";
 /// The most live sessions one channel-scoped server may be given.
 const MAX_SESSIONS: usize = 1024;
+/// The most pages of `tools/list` read from one server.
+const MAX_TOOL_PAGES: usize = 16;
 
 /// An MCP tool name: 1 to 64 of `A-Z`, `a-z`, `0-9`, `_`, `-` (a path segment).
 fn valid_mcp_tool_name(name: &str) -> bool {
@@ -89,6 +93,12 @@ pub(crate) fn validate_config(config: &McpServer, allow_http: bool) -> Result<()
     }
     if config.tools.is_empty() {
         return Err(err("the tool allow-list is empty".into()));
+    }
+    if !(16..=16_384).contains(&config.max_message_kb) {
+        return Err(err(format!(
+            "max_message_kb must be 16 to 16384, got {}",
+            config.max_message_kb
+        )));
     }
     let mut seen = BTreeSet::new();
     for tool in &config.tools {
@@ -250,29 +260,62 @@ enum State {
     Shutdown,
 }
 
-/// A started session: its rmcp service and, when confined, its container.
+/// A started session: its client and, when confined, its container, or its host child.
 struct Live {
-    service: RunningService<RoleClient, ()>,
+    client: Arc<Client>,
     container: Option<Container>,
+    child: Option<HostChild>,
+}
+
+/// A host child (`confine = "host"`), reaped by a task of its own as soon as it exits.
+/// Once its session ends (closed by the pool, or by the client at a cap) its stdin is
+/// closed; a child that does not exit within half of [`SHUTDOWN_TIMEOUT`] gets SIGTERM,
+/// then SIGKILL after as long again. Dropped, it is killed.
+struct HostChild {
+    exited: tokio::sync::watch::Receiver<bool>,
+    _reaper: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+impl HostChild {
+    fn new(mut child: tokio::process::Child, closed: CancellationToken) -> Self {
+        let (tx, exited) = tokio::sync::watch::channel(false);
+        let grace = SHUTDOWN_TIMEOUT / 2;
+        let reaper = tokio::spawn(async move {
+            tokio::select! {
+                _ = child.wait() => {}
+                _ = closed.cancelled() => {
+                    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                        if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+                            let _ = nix::sys::signal::kill(
+                                nix::unistd::Pid::from_raw(pid),
+                                nix::sys::signal::Signal::SIGTERM,
+                            );
+                        }
+                        if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                            tracing::warn!("MCP server did not close in time; killed");
+                            let _ = child.kill().await;
+                        }
+                    }
+                }
+            }
+            let _ = tx.send(true);
+        });
+        Self {
+            exited,
+            _reaper: tokio_util::task::AbortOnDropHandle::new(reaper),
+        }
+    }
 }
 
 /// Resolves with the error once a container session's data watcher stops it.
 type Stopped = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
 
 impl Live {
-    /// A session with no container of its own (a host child or an http server).
-    fn unconfined(service: RunningService<RoleClient, ()>) -> Self {
-        Self {
-            service,
-            container: None,
-        }
-    }
-
     fn is_closed(&self) -> bool {
-        self.service.is_closed() || self.service.peer().is_transport_closed()
+        self.client.is_closed()
     }
 
-    fn watcher(&self) -> Option<&mcp_container::Watcher> {
+    fn watcher(&self) -> Option<&container::Watcher> {
         self.container.as_ref().and_then(|c| c.watcher.as_ref())
     }
 
@@ -387,7 +430,7 @@ impl McpPool {
             .connect(config, &substitute(&config.transport, PROBE_SEGMENT), probe)
             .await
             .map_err(start_err)?;
-        let listed = match list(&service.service).await {
+        let listed = match list(&service.client).await {
             Ok(l) => l,
             Err(e) => {
                 close(service).await;
@@ -537,18 +580,17 @@ impl McpPool {
                     return Err(CallError::Quota(msg));
                 }
             }
-            let (peer, stopped) = self.ready(srv, &session).await?;
-            let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(args);
-            params.meta = Some(RequestMetaObject(MetaObject(meta)));
+            let (client, stopped) = self.ready(srv, &session).await?;
             // Dropping this future (deadline, turn stop) sends notifications/cancelled. The
             // session's data watcher (a container's) ends the call once it stops the session.
             let called = async {
+                let call = client.call_tool(tool, args, meta);
                 match stopped {
                     Some(stopped) => tokio::select! {
-                        r = peer.call_tool(params) => Ok(r),
+                        r = call => Ok(r),
                         msg = stopped => Err(msg),
                     },
-                    None => Ok(peer.call_tool(params).await),
+                    None => Ok(call.await),
                 }
             };
             let called = called.await;
@@ -564,43 +606,16 @@ impl McpPool {
                     Err(CallError::Quota(msg))
                 }
                 Ok(Ok(result)) => Ok(result),
-                Ok(Err(ServiceError::McpError(e))) => Err(CallError::Tool(e.message.to_string())),
-                Ok(Err(e)) => {
+                Ok(Err(ClientError::Answer(AnswerError::Rpc(e)))) => Err(CallError::Tool(e.message)),
+                Ok(Err(ClientError::Answer(e))) => {
                     tracing::warn!(server, error = %e, "MCP call failed");
-                    let closed = matches!(
-                        e,
-                        ServiceError::TransportClosed | ServiceError::TransportSend(_)
-                    ) || peer.is_transport_closed();
-                    if closed {
-                        // Restarted on next use.
-                        let mut state = session.state.lock().await;
-                        let mut oom = None;
-                        if let State::Running(s) = &*state {
-                            if s.is_closed() {
-                                if let Some(c) = &s.container {
-                                    if c.oom_killed().await {
-                                        oom = Some(c.memory_mb);
-                                    }
-                                }
-                                if let State::Running(live) =
-                                    std::mem::replace(&mut *state, State::Stopped)
-                                {
-                                    close(live).await;
-                                }
-                            }
-                        }
-                        Err(CallError::Failed(match oom {
-                            Some(mb) => format!(
-                                "MCP server {server} ran out of memory during the call (its limit is {mb} MiB) and was stopped; the next call restarts it"
-                            ),
-                            None => format!("MCP server {server} stopped during the call"),
-                        }))
-                    } else {
-                        Err(CallError::Failed(format!(
-                            "MCP server {server} failed the call"
-                        )))
-                    }
+                    Err(CallError::Failed(format!("MCP server {server}: {e}")))
                 }
+                Ok(Err(ClientError::Http(msg))) => {
+                    tracing::warn!(server, error = %msg, "MCP call failed");
+                    Err(CallError::Failed(msg))
+                }
+                Ok(Err(e)) => Err(CallError::Failed(self.ended(&session, server, e).await)),
             }
         };
         let outcome = tokio::select! {
@@ -631,14 +646,8 @@ impl McpPool {
                     Err(CallError::Tool(msg)) => {
                         tool_result(Err(format!("MCP error: {msg}")), policy)
                     }
-                    Ok(result) => {
-                        let text = result_text(&result.content, result.structured_content.as_ref());
-                        if result.is_error == Some(true) {
-                            tool_result(Err(text), policy)
-                        } else {
-                            tool_result(Ok(text), policy)
-                        }
-                    }
+                    Ok(result) if result.is_error => tool_result(Err(result.text), policy),
+                    Ok(result) => tool_result(Ok(result.text), policy),
                 }
             }
         }
@@ -708,7 +717,7 @@ impl McpPool {
         &self,
         srv: &Server,
         session: &Session,
-    ) -> Result<(rmcp::Peer<RoleClient>, Option<Stopped>), CallError> {
+    ) -> Result<(Arc<Client>, Option<Stopped>), CallError> {
         let name = &srv.config.name;
         let mut state = session.state.lock().await;
         let tripped = match &*state {
@@ -723,7 +732,7 @@ impl McpPool {
         }
         match &*state {
             State::Running(s) if !s.is_closed() => {
-                return Ok((s.service.peer().clone(), s.stopped()));
+                return Ok((s.client.clone(), s.stopped()));
             }
             State::Refused(why) => return Err(CallError::Failed(why.clone())),
             State::Shutdown => {
@@ -750,7 +759,7 @@ impl McpPool {
                 tracing::warn!(server = %name, error = %e, "MCP session start failed");
                 unavailable()
             })?;
-        let listed = match list(&service.service).await {
+        let listed = match list(&service.client).await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(server = %name, error = %e, "MCP server listing failed");
@@ -773,10 +782,10 @@ impl McpPool {
                 return Err(CallError::Failed(why));
             }
         }
-        let peer = service.service.peer().clone();
+        let client = service.client.clone();
         let stopped = service.stopped();
         *state = State::Running(Box::new(service));
-        Ok((peer, stopped))
+        Ok((client, stopped))
     }
 
     /// Takes the channel's sessions (by the channel's hash) out of every channel-scoped
@@ -930,62 +939,38 @@ impl McpPool {
         segment: &str,
     ) -> Result<Live, String> {
         let server = config.name.as_str();
-        let http = &self.http;
+        let caps = config.message_caps();
         let start = async {
-            match transport {
+            let live = match transport {
                 McpTransport::Stdio { command, args, env } if config.in_container() => {
                     let Some((engine, driver)) = &self.engine else {
                         return Err("no container engine for MCP containers".to_owned());
                     };
-                    let started = std::time::Instant::now();
-                    let (container, stdio) =
-                        mcp_container::start(engine, driver, config, segment, (command, args, env))
+                    let (container, (output, input)) =
+                        container::start(engine, driver, config, segment, (command, args, env))
                             .await?;
-                    let name = container.name.clone();
-                    match ().serve(stdio).await {
-                        Ok(service) => {
-                            tracing::debug!(server, container = %name, took = ?started.elapsed(), "MCP container session started");
-                            Ok(Live {
-                                service,
-                                container: Some(container),
-                            })
-                        }
-                        Err(e) => {
-                            container.remove().await;
-                            Err(e.to_string())
-                        }
+                    let client = Client::stdio(server, caps, output, input);
+                    // A session that ends (the server stopped, or broke a cap) is removed
+                    // at once, not at its next call.
+                    container.remove_when(client.closed());
+                    Live {
+                        client: Arc::new(client),
+                        container: Some(container),
+                        child: None,
                     }
                 }
                 McpTransport::Stdio { command, args, env } => {
-                    let mut cmd = tokio::process::Command::new(command);
-                    cmd.args(args).env_clear().kill_on_drop(true);
-                    for var in INHERITED_ENV {
-                        if let Some(v) = std::env::var_os(var) {
-                            cmd.env(var, v);
-                        }
+                    let (client, child) = spawn_child(server, caps, command, args, env)?;
+                    let child = HostChild::new(child, client.closed());
+                    Live {
+                        client: Arc::new(client),
+                        container: None,
+                        child: Some(child),
                     }
-                    cmd.envs(env);
-                    let (process, stderr) = TokioChildProcess::builder(cmd)
-                        .stderr(Stdio::piped())
-                        .spawn()
-                        .map_err(|e| format!("spawn {command}: {e}"))?;
-                    if let Some(stderr) = stderr {
-                        let server = server.to_owned();
-                        tokio::spawn(async move {
-                            let mut lines = tokio::io::BufReader::new(stderr).lines();
-                            while let Ok(Some(line)) = lines.next_line().await {
-                                let line: String = line.chars().take(500).collect();
-                                tracing::debug!(server = %server, "MCP stderr: {line}");
-                            }
-                        });
-                    }
-                    ().serve(process)
-                        .await
-                        .map(Live::unconfined)
-                        .map_err(|e| e.to_string())
                 }
                 McpTransport::Http { url, headers } => {
-                    let mut custom = HashMap::new();
+                    let url = reqwest::Url::parse(url).map_err(|e| e.to_string())?;
+                    let mut custom = HeaderMap::new();
                     for (k, v) in headers {
                         let name = HeaderName::try_from(k.as_str()).map_err(|e| e.to_string())?;
                         let mut value =
@@ -993,87 +978,126 @@ impl McpPool {
                         value.set_sensitive(true);
                         custom.insert(name, value);
                     }
-                    let transport = StreamableHttpClientTransport::with_client(
-                        http.clone(),
-                        StreamableHttpClientTransportConfig::with_uri(url.as_str())
-                            .custom_headers(custom),
-                    );
-                    ().serve(transport)
-                        .await
-                        .map(Live::unconfined)
-                        .map_err(|e| e.to_string())
+                    let client = Client::http(server, caps, self.http.clone(), url, custom);
+                    Live {
+                        client: Arc::new(client),
+                        container: None,
+                        child: None,
+                    }
+                }
+            };
+            Ok(live)
+        };
+        let started = std::time::Instant::now();
+        let live = tokio::time::timeout(START_TIMEOUT, start)
+            .await
+            .map_err(|_| format!("no MCP session within {START_TIMEOUT:?}"))??;
+        match tokio::time::timeout(START_TIMEOUT, live.client.initialize()).await {
+            Ok(Ok(())) => {
+                tracing::debug!(server, took = ?started.elapsed(), "MCP session started");
+                Ok(live)
+            }
+            Ok(Err(e)) => {
+                close(live).await;
+                Err(e.to_string())
+            }
+            Err(_) => {
+                close(live).await;
+                Err(format!("no MCP handshake within {START_TIMEOUT:?}"))
+            }
+        }
+    }
+
+    /// A session that ended during a call (`e`): closed, to be restarted on the next call,
+    /// and the guest's error, which tells an out-of-memory kill of its container.
+    async fn ended(&self, session: &Session, server: &str, e: ClientError) -> String {
+        tracing::warn!(server, error = %e, "MCP call failed");
+        let mut state = session.state.lock().await;
+        let mut oom = None;
+        if let State::Running(s) = &*state {
+            if let Some(c) = &s.container {
+                if c.oom_killed().await {
+                    oom = Some(c.memory_mb);
                 }
             }
-        };
-        tokio::time::timeout(START_TIMEOUT, start)
-            .await
-            .map_err(|_| format!("no MCP handshake within {START_TIMEOUT:?}"))?
+            if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+                close(live).await;
+            }
+        }
+        match (oom, e) {
+            (Some(mb), _) => format!(
+                "MCP server {server} ran out of memory during the call (its limit is {mb} MiB) and was stopped; the next call restarts it"
+            ),
+            (None, ClientError::Stopped(_)) => format!("MCP server {server} stopped during the call"),
+            (None, e) => e.to_string(),
+        }
     }
 }
 
-/// The server's tools: name → (description, input schema).
-async fn list(
-    service: &RunningService<RoleClient, ()>,
-) -> Result<BTreeMap<String, (String, serde_json::Value)>, String> {
-    let tools = tokio::time::timeout(START_TIMEOUT, service.peer().list_all_tools())
-        .await
-        .map_err(|_| format!("no tool list within {START_TIMEOUT:?}"))?
-        .map_err(|e| e.to_string())?;
-    Ok(tools
-        .into_iter()
-        .map(|t| {
-            (
-                t.name.to_string(),
-                (
-                    t.description.map(Cow::into_owned).unwrap_or_default(),
-                    serde_json::Value::Object((*t.input_schema).clone()),
-                ),
-            )
-        })
-        .collect())
+/// Starts a host child (`confine = "host"`): its configured env plus a few harmless
+/// variables of the runtime's, stdin and stdout its session, stderr lines to the debug log.
+fn spawn_child(
+    server: &str,
+    caps: Caps,
+    command: &str,
+    args: &[String],
+    env: &BTreeMap<String, String>,
+) -> Result<(Client, tokio::process::Child), String> {
+    let mut cmd = tokio::process::Command::new(command);
+    cmd.args(args)
+        .env_clear()
+        .kill_on_drop(true)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for var in INHERITED_ENV {
+        if let Some(v) = std::env::var_os(var) {
+            cmd.env(var, v);
+        }
+    }
+    cmd.envs(env);
+    let mut child = cmd.spawn().map_err(|e| format!("spawn {command}: {e}"))?;
+    let (Some(stdin), Some(stdout), Some(stderr)) =
+        (child.stdin.take(), child.stdout.take(), child.stderr.take())
+    else {
+        return Err(format!("spawn {command}: no stdio"));
+    };
+    let name = server.to_owned();
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(stderr.take(container::STDERR_CAP as u64)).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            let line: String = line.chars().take(500).collect();
+            tracing::debug!(server = %name, "MCP stderr: {line}");
+        }
+    });
+    Ok((Client::stdio(server, caps, stdout, Box::pin(stdin)), child))
 }
 
-/// Closes a session (for a child: stdin closed, then SIGTERM, then SIGKILL; reaped; for a
-/// container: killed and removed, its data dir kept).
+/// The server's tools: name → (description, input schema).
+async fn list(client: &Client) -> Result<BTreeMap<String, (String, serde_json::Value)>, String> {
+    tokio::time::timeout(START_TIMEOUT, client.list_tools(MAX_TOOL_PAGES))
+        .await
+        .map_err(|_| format!("no tool list within {START_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())
+}
+
+/// Closes a session (for a child: stdin closed, then SIGTERM, then SIGKILL, each after a
+/// wait, and reaped: [`HostChild`]; for a container: killed and removed, its data dir
+/// kept).
 async fn close(live: impl Into<Box<Live>>) {
     let Live {
-        mut service,
+        client,
         container,
+        child,
     } = *live.into();
     if let Some(container) = container {
         // Killed at once: a session being closed has nothing left to finish.
         container.remove().await;
-        let _ = tokio::time::timeout(Duration::from_secs(1), service.close()).await;
+        client.close().await;
         return;
     }
-    if tokio::time::timeout(SHUTDOWN_TIMEOUT, service.close())
-        .await
-        .is_err()
-    {
-        tracing::warn!("MCP server did not close in time");
+    client.close().await;
+    if let Some(mut child) = child {
+        let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, child.exited.wait_for(|e| *e)).await;
     }
-}
-
-/// The text of a tool result: text blocks joined; other blocks (and structured content
-/// when there is no text) as JSON.
-fn result_text(
-    content: &[rmcp::model::ContentBlock],
-    structured: Option<&serde_json::Value>,
-) -> String {
-    let mut parts = Vec::new();
-    for block in content {
-        let v = serde_json::to_value(block).unwrap_or_default();
-        match v.get("text").and_then(|t| t.as_str()) {
-            Some(t) if v.get("type").and_then(|t| t.as_str()) == Some("text") => {
-                parts.push(t.to_owned())
-            }
-            _ => parts.push(v.to_string()),
-        }
-    }
-    if parts.is_empty() {
-        if let Some(s) = structured {
-            parts.push(s.to_string());
-        }
-    }
-    parts.join("\n")
 }
