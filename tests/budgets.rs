@@ -891,3 +891,98 @@ fn values_a_start_never_writes_are_loaded_clamped_with_one_warning() {
         "{rows:?}"
     );
 }
+
+/// Issue 43 item 6: a message's `limits_key` is what the per-speaker budgets count it under
+/// (a bot whose speaker id the sender can change at will, an IRC nick, passes something
+/// the sender cannot): a new nick with the same key is refused, the same nick with another
+/// key is not. The key reaches neither the turn the guest gets nor the audit trail, which
+/// show the speaker; without a key the speaker's id is counted, as before.
+#[actix_rt::test]
+async fn a_limits_key_keys_the_speakers_budgets_and_stays_out_of_the_turn_and_the_audit() {
+    use roundtable_sandbox::AuditSettings;
+    use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Shutdown, SupervisorOptions};
+    const LIMITS: &str = "limits-key-3c9e-never-shown";
+    const OTHER: &str = "limits-key-71fa-never-shown";
+    let env = Env::new();
+    let driver = FakeDriver::new();
+    let audit = env.dir.path().join("audit.jsonl");
+    let mut config = env.config();
+    config.driver = Some(driver.clone());
+    config.audit = AuditSettings {
+        path: Some(audit.clone()),
+        include_text: true,
+    };
+    config.budgets = BudgetSettings {
+        state_file: Some(env.dir.path().join("budgets.sqlite")),
+        speaker_turns_per_minute: Some(1),
+        ..Default::default()
+    };
+    let sandbox = SandboxSupervisor::start(SupervisorOptions::new(config))
+        .await
+        .unwrap();
+    let say = |nick: &str, key: Option<&str>, channel: &str| {
+        let speaker = Speaker {
+            id: nick.into(),
+            name: nick.into(),
+        };
+        let mut message = GuestMessage::new(channel, speaker, "hello");
+        if let Some(key) = key {
+            message = message.with_limits_key(key);
+        }
+        sandbox.send(message)
+    };
+    let failure = |o: roundtable_sandbox::TurnOutcome| (o.failure, o.reply.text, o.reply.error);
+    // ann's turn, under the key.
+    let one = failure(say("ann", Some(LIMITS), "#a").await.unwrap().unwrap());
+    assert_eq!(one.0, None, "{one:?}");
+    // A new nick with the same key (a NICK change on one connection): the same budget.
+    let two = failure(say("bob", Some(LIMITS), "#b").await.unwrap().unwrap());
+    assert_eq!(two.0, Some(TurnFailure::BudgetExceeded), "{two:?}");
+    assert!(
+        two.2
+            .as_deref()
+            .unwrap()
+            .starts_with("budget speaker_turns_per_minute exceeded: this speaker has started 1 turns in the last minute; try again in "),
+        "{two:?}"
+    );
+    // The same nick with another key (another sender): a budget of its own.
+    let three = failure(say("ann", Some(OTHER), "#c").await.unwrap().unwrap());
+    assert_eq!(three.0, None, "{three:?}");
+    // No key: the speaker's id, as before (ann's id has no turn counted yet).
+    let four = failure(say("ann", None, "#d").await.unwrap().unwrap());
+    assert_eq!(four.0, None, "{four:?}");
+    let five = failure(say("ann", None, "#e").await.unwrap().unwrap());
+    assert_eq!(five.0, Some(TurnFailure::BudgetExceeded), "{five:?}");
+    sandbox.send(Shutdown).await.unwrap();
+
+    // The turns the guest got: the speaker, never the key.
+    let runs = driver.runs();
+    assert_eq!(runs.len(), 3);
+    for run in &runs {
+        let turn = serde_json::to_string(&run.turn).unwrap();
+        assert_eq!(run.turn.speaker.id, "ann");
+        assert!(!turn.contains("limits-key"), "{turn}");
+    }
+    // The audit trail: one line per turn, the speaker's id, never the key.
+    eventually("five audit lines", Duration::from_secs(30), || {
+        std::fs::read_to_string(&audit).is_ok_and(|t| t.lines().count() == 5)
+    })
+    .await;
+    let trail = std::fs::read_to_string(&audit).unwrap();
+    assert!(!trail.contains("limits-key"), "{trail}");
+    let mut speakers: Vec<(u64, String)> = trail
+        .lines()
+        .map(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap();
+            (line["turn"].as_u64().unwrap(), line["speaker"].to_string())
+        })
+        .collect();
+    // Written as each turn ends: in the turns' order.
+    speakers.sort();
+    let speakers: Vec<&str> = speakers.iter().map(|(_, s)| s.as_str()).collect();
+    assert_eq!(
+        speakers,
+        ["\"ann\"", "\"bob\"", "\"ann\"", "\"ann\"", "\"ann\""],
+        "{trail}"
+    );
+}

@@ -888,6 +888,7 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
             reset,
             stop: tokio_util::sync::CancellationToken::new(),
             admitted: None,
+            limits_key: None,
         })
         .await;
     sandbox.shutdown().await;

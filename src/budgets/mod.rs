@@ -101,7 +101,8 @@ pub struct TurnAccount {
 }
 
 impl TurnAccount {
-    /// The account of a turn of `speaker` (their id) in the channel of hash `channel`.
+    /// The account of a turn of `speaker` (the key its budgets count under: the speaker's id,
+    /// or the request's `limits_key`) in the channel of hash `channel`.
     pub fn new(speaker: &str, channel: &str, book: Option<Arc<BudgetBook>>) -> Self {
         Self {
             speaker: speaker.to_owned(),

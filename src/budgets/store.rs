@@ -12,8 +12,9 @@
 //! After startup the store is owned by the book's writer thread: no turn and no actor
 //! thread waits for a disk write.
 //!
-//! Keys are what the host admitted, never guest text: the speaker's id (the chat
-//! platform's), the channel's sha256 hex (as its workspace), and `bot`.
+//! Keys are what the host admitted, never guest text: the speaker's limits key (the chat
+//! platform's id, or what a bot passed as `TurnRequest::limits_key`), the channel's sha256
+//! hex (as its workspace), and `bot`.
 //!
 //! **Counts that cannot overflow the store.** A count is at most [`MAX_STORED`]
 //! (`i64::MAX`, SQLite's largest INTEGER). The writer adds with saturation in SQL
