@@ -1,4 +1,5 @@
-//! An IRC bot on actix: each IRC channel is a sandbox channel, each nick the speaker.
+//! An IRC bot on actix: each IRC channel is a sandbox channel, each nick the speaker; the
+//! per-speaker limits count each sender by a keyed hash of their host, not by the nick.
 //!
 //! ```text
 //! irc-bot --server 127.0.0.1:6667 --nick sandbox --join '#general,#dev' [settings flags]
@@ -21,20 +22,32 @@
 //! flood rules (RFC 1459's 2 s per message past a burst; ngIRCd throttles a client past 3
 //! commands or 256 bytes a second and disconnects one whose unread input passes 2 KiB).
 //! Channels are served in turn, one line each; each channel's outbox holds at most
-//! `--channel-outbox` lines and each guest (nick) gets at most `--guest-lines` lines per
+//! `--channel-outbox` lines and each guest (sender) gets at most `--guest-lines` lines per
 //! `--guest-window-secs`: past either, lines are dropped and the channel is told once
 //! (`* nick: output truncated, N line(s) dropped (…)`). When the server closes the link the
 //! bot reconnects with backoff (1 s doubling to `--reconnect-max-secs`) and rejoins; the
 //! sandbox, its channels and their sessions are untouched.
+//!
+//! **What the limits key on.** The model, the turn, the audit trail and the other guests see
+//! the nick (the speaker's id and name). The per-speaker limits (`speaker_tokens_per_day`,
+//! `speaker_turns_per_minute`, `--guest-lines`) count the sender under a keyed hash of the
+//! host part of the message's prefix (see `irc_limits`), passed to the sandbox as the
+//! message's `limits_key`: a `NICK` change gets no fresh limits. The secret is kept in
+//! `--limits-key-file` (default: beside the budgets' state file), made 0600 at the first
+//! start.
 
 #![forbid(unsafe_code)]
 
+mod irc_limits;
+
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use irc_limits::LimitsKeyer;
 use roundtable_sandbox::display;
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
@@ -66,6 +79,11 @@ struct Cli {
         default_value = "#general"
     )]
     join: Vec<String>,
+    /// The secret of the per-sender limits key (32 random bytes, made 0600 at the first start;
+    /// it must be this user's alone). Default: beside the budgets' state file
+    /// (STATE_FILE.irc-limits-key); without a state file, a secret of this run only
+    #[arg(long, value_name = "FILE")]
+    limits_key_file: Option<PathBuf>,
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
@@ -96,7 +114,7 @@ struct OutputOptions {
     #[arg(long, value_name = "LINES", default_value_t = 16,
           value_parser = clap::value_parser!(u64).range(2..=1000))]
     channel_outbox: u64,
-    /// Most lines posted for one guest (nick) per window; past it they are dropped, with a notice
+    /// Most lines posted for one guest (sender, by their host's key) per window; past it they are dropped, with a notice
     #[arg(long, value_name = "LINES", default_value_t = 12,
           value_parser = clap::value_parser!(u64).range(1..=1000))]
     guest_lines: u64,
@@ -146,10 +164,12 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-/// A parsed IRC line: prefix nick, command, params (the trailing one included).
+/// A parsed IRC line: prefix nick and host, command, params (the trailing one included).
 #[derive(Debug, PartialEq)]
 struct IrcLine {
     nick: Option<String>,
+    /// The host of a `nick!user@host` prefix (a user's; a server's prefix has none).
+    host: Option<String>,
     command: String,
     params: Vec<String>,
 }
@@ -175,6 +195,11 @@ fn parse_line(line: &str) -> Option<IrcLine> {
     }
     Some(IrcLine {
         nick: prefix.map(|p| p.split('!').next().unwrap_or(p).to_owned()),
+        host: prefix
+            .and_then(|p| p.split_once('!'))
+            .and_then(|(_, user_host)| user_host.rsplit_once('@'))
+            .map(|(_, host)| host.to_owned())
+            .filter(|h| !h.is_empty()),
         command,
         params,
     })
@@ -360,10 +385,12 @@ impl Outbox {
         }
     }
 
-    /// The lines of one reply to `nick` in `target`, ready at `ready`: queued within the
+    /// The lines of one reply to `to` in `target`, ready at `ready`: queued within the
     /// guest's budget and the channel's cap, the rest dropped with one notice per guest per
-    /// window.
-    fn post(&mut self, target: &str, nick: &str, lines: Vec<String>, ready: Instant) -> Posted {
+    /// window. The budget is the sender's, counted under their limits key (not the nick,
+    /// which they change at will); the notice is addressed to the nick.
+    fn post(&mut self, target: &str, to: Guest<'_>, lines: Vec<String>, ready: Instant) -> Posted {
+        let Guest { nick, key } = to;
         let (budget_lines, window, cap) = (self.budget_lines, self.window, self.cap);
         self.guests
             .retain(|_, b| ready.saturating_duration_since(b.since) < window);
@@ -375,7 +402,7 @@ impl Outbox {
                 depth: 0,
             };
         };
-        let budget = self.guests.entry(nick.to_owned()).or_insert(Budget {
+        let budget = self.guests.entry(key.to_owned()).or_insert(Budget {
             since: ready,
             used: 0,
             noticed: false,
@@ -457,11 +484,20 @@ impl Outbox {
     }
 }
 
+/// Whom a post is for: the nick it is addressed to and the sender's limits key.
+#[derive(Debug, Clone, Copy)]
+struct Guest<'a> {
+    nick: &'a str,
+    key: &'a str,
+}
+
 /// A reply ready to be posted.
 #[derive(Debug)]
 struct Reply {
     target: String,
     nick: String,
+    /// The sender's limits key (their output budget's).
+    key: String,
     lines: Vec<String>,
     ready: Instant,
 }
@@ -477,6 +513,7 @@ async fn run(cli: Cli) -> Result<()> {
         server,
         nick,
         join,
+        limits_key_file,
         output,
         settings,
         metrics,
@@ -484,6 +521,7 @@ async fn run(cli: Cli) -> Result<()> {
     } = cli;
     let join: Vec<String> = join.iter().map(|c| c.to_lowercase()).collect();
     let (mut config, offline) = settings.build().await.context("configuration")?;
+    let keyer = limits_keyer(limits_key_file, &config)?;
     config.tools.push(Arc::new(RollDice));
     let mut supervisor = SupervisorOptions::new(config);
     // Kept to the end of the run: dropping it stops the endpoint.
@@ -523,6 +561,7 @@ async fn run(cli: Cli) -> Result<()> {
                 let session = Session {
                     nick: &nick,
                     join: &join,
+                    keyer: &keyer,
                     sandbox: &sandbox,
                     replies_tx: &replies_tx,
                     pacer: Pacer::new(&output, Instant::now()),
@@ -560,10 +599,38 @@ async fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// The per-sender limits key's secret: `--limits-key-file`, else beside the budgets' state
+/// file, else one of this run only (said on stderr, never the secret).
+fn limits_keyer(file: Option<PathBuf>, config: &roundtable_sandbox::Config) -> Result<LimitsKeyer> {
+    let path = file.or_else(|| {
+        config
+            .budgets
+            .state_file
+            .as_deref()
+            .map(irc_limits::default_path)
+    });
+    let Some(path) = path else {
+        eprintln!(
+            "irc-bot: per-sender limits keyed on the sender's host (HMAC-SHA256; a key of this run only: no budgets state file)"
+        );
+        return Ok(LimitsKeyer::ephemeral()?);
+    };
+    let roots = [config.run_root.as_path(), config.workspace_root.as_path()];
+    let uid = nix::unistd::geteuid().as_raw();
+    let (secret, created) = irc_limits::load_or_create(&path, uid, roots)?;
+    eprintln!(
+        "irc-bot: per-sender limits keyed on the sender's host (HMAC-SHA256, key {} {})",
+        if created { "made in" } else { "read from" },
+        display::escape(&path.display().to_string())
+    );
+    Ok(LimitsKeyer::new(secret))
+}
+
 /// One connection to the server.
 struct Session<'a> {
     nick: &'a str,
     join: &'a [String],
+    keyer: &'a LimitsKeyer,
     sandbox: &'a actix::Addr<SandboxSupervisor>,
     replies_tx: &'a mpsc::Sender<Reply>,
     pacer: Pacer,
@@ -619,7 +686,8 @@ impl Session<'_> {
                 }
                 Some(reply) = replies.recv() => {
                     let n = reply.lines.len();
-                    let posted = outbox.post(&reply.target, &reply.nick, reply.lines, reply.ready);
+                    let to = Guest { nick: &reply.nick, key: &reply.key };
+                    let posted = outbox.post(&reply.target, to, reply.lines, reply.ready);
                     let who = display::escape(&reply.nick);
                     eprintln!("irc-bot: {}: reply for {who} ready ({n} line(s))", reply.target);
                     if posted.dropped > 0 {
@@ -703,12 +771,19 @@ impl Session<'_> {
                 }
                 let text = msg.params[1].trim().to_owned();
                 let from = msg.nick.clone()?;
+                // A user's message always comes with `nick!user@host`: one without cannot
+                // be counted against its sender, so it is not served.
+                let key = self.keyer.key(msg.host.as_deref()?);
+                let to = Guest {
+                    nick: &from,
+                    key: &key,
+                };
                 let channel = format!("irc:{target}");
                 let now = Instant::now();
                 if text == "!reset" {
                     let _ = self.sandbox.send(StartFresh { channel }).await;
                     let line = own_line(&from, "reset: the next turn starts a fresh session");
-                    outbox.post(&target, &from, vec![line], now);
+                    outbox.post(&target, to, vec![line], now);
                 } else if text == "!stop" {
                     let active = self.sandbox.send(Stop { channel }).await.unwrap_or(false);
                     let what = if active {
@@ -718,7 +793,7 @@ impl Session<'_> {
                     };
                     outbox.post(
                         &target,
-                        &from,
+                        to,
                         vec![own_line(&from, &format!("stop: {what}"))],
                         now,
                     );
@@ -736,7 +811,11 @@ impl Session<'_> {
                             id: from.clone(),
                             name: from.clone(),
                         };
-                        let answer = addr.send(GuestMessage::new(&channel, speaker, asked)).await;
+                        // The model, the turn and the audit trail see the nick; the budgets
+                        // count the host's key.
+                        let message = GuestMessage::new(&channel, speaker, asked)
+                            .with_limits_key(key.clone());
+                        let answer = addr.send(message).await;
                         let text = match answer {
                             Ok(Ok(o)) if o.reply.ok => o.reply.text.unwrap_or_default(),
                             // A full queue is not worth an error line on a public channel.
@@ -752,6 +831,7 @@ impl Session<'_> {
                             .send(Reply {
                                 target,
                                 nick: from,
+                                key,
                                 lines,
                                 ready: Instant::now(),
                             })
@@ -791,11 +871,29 @@ mod tests {
             parse_line(":ann!u@h PRIVMSG #Gen :sandbox: hi: there\r\n"),
             Some(IrcLine {
                 nick: Some("ann".into()),
+                host: Some("h".into()),
                 command: "PRIVMSG".into(),
                 params: vec!["#Gen".into(), "sandbox: hi: there".into()],
             })
         );
         assert_eq!(parse_line("PING :abc").unwrap().params, vec!["abc"]);
+        // The host of a user's prefix; a server's prefix has none.
+        let hosted = |l: &str| parse_line(l).unwrap().host;
+        assert_eq!(
+            hosted(":ann!~a@guest-1.example.net PRIVMSG #c :x").as_deref(),
+            Some("guest-1.example.net")
+        );
+        assert_eq!(
+            hosted(":ann!~a@0::1 PRIVMSG #c :x").as_deref(),
+            Some("0::1")
+        );
+        assert_eq!(
+            hosted(":ann!~a@b@host PRIVMSG #c :x").as_deref(),
+            Some("host")
+        );
+        assert_eq!(hosted(":irc.test NOTICE * :hi"), None);
+        assert_eq!(hosted(":ann PRIVMSG #c :x"), None);
+        assert_eq!(hosted(":ann!~a@ PRIVMSG #c :x"), None);
         assert_eq!(
             parse_line(":srv 001 sandbox :Welcome").unwrap().command,
             "001"
@@ -892,6 +990,11 @@ mod tests {
         o
     }
 
+    /// A guest whose limits key is its nick (each nick another sender).
+    fn guest(nick: &str) -> Guest<'_> {
+        Guest { nick, key: nick }
+    }
+
     fn lines(n: usize, what: &str) -> Vec<String> {
         (0..n).map(|i| format!("{what} {i}")).collect()
     }
@@ -900,8 +1003,8 @@ mod tests {
     fn channels_are_served_in_turn_protocol_lines_first() {
         let mut o = outbox(&[]);
         let now = Instant::now();
-        o.post("#a", "ann", lines(5, "a"), now);
-        o.post("#b", "bob", lines(2, "b"), now);
+        o.post("#a", guest("ann"), lines(5, "a"), now);
+        o.post("#b", guest("bob"), lines(2, "b"), now);
         o.control("PONG :x".into());
         let sent: Vec<String> = std::iter::from_fn(|| o.pop().map(|(l, _, _)| l)).collect();
         assert_eq!(
@@ -918,7 +1021,7 @@ mod tests {
             ]
         );
         // A channel not joined (yet, or again after a reconnect) keeps its lines.
-        o.post("#a", "ann", lines(1, "a"), now);
+        o.post("#a", guest("ann"), lines(1, "a"), now);
         o.reconnected();
         assert!(!o.has_ready());
         o.channels[0].joined = true;
@@ -929,21 +1032,26 @@ mod tests {
     fn a_guest_past_its_budget_is_cut_with_one_notice_per_window() {
         let mut o = outbox(&["--guest-lines", "5", "--guest-window-secs", "60"]);
         let now = Instant::now();
-        let p = o.post("#a", "ann", lines(3, "a"), now);
+        let p = o.post("#a", guest("ann"), lines(3, "a"), now);
         assert_eq!((p.queued, p.dropped, p.noticed), (3, 0, false));
-        let p = o.post("#a", "ann", lines(4, "a"), now);
+        let p = o.post("#a", guest("ann"), lines(4, "a"), now);
         assert_eq!((p.queued, p.dropped, p.noticed), (2, 2, true));
         assert_eq!(
             o.channels[0].lines.back().unwrap().text,
             "* ann: output truncated, 2 line(s) dropped (at most 5 line(s) per 60 s for each guest)"
         );
         // Further drops in the window are silent (the notice is no flood of its own).
-        let p = o.post("#a", "ann", lines(4, "a"), now);
+        let p = o.post("#a", guest("ann"), lines(4, "a"), now);
         assert_eq!((p.queued, p.dropped, p.noticed), (0, 4, false));
         // Another guest has a budget of its own.
-        assert_eq!(o.post("#b", "bob", lines(2, "b"), now).queued, 2);
+        assert_eq!(o.post("#b", guest("bob"), lines(2, "b"), now).queued, 2);
         // A new window, a new budget.
-        let p = o.post("#a", "ann", lines(1, "a"), now + Duration::from_secs(61));
+        let p = o.post(
+            "#a",
+            guest("ann"),
+            lines(1, "a"),
+            now + Duration::from_secs(61),
+        );
         assert_eq!((p.queued, p.dropped), (1, 0));
     }
 
@@ -951,19 +1059,48 @@ mod tests {
     fn a_channels_outbox_is_bounded() {
         let mut o = outbox(&["--channel-outbox", "4", "--guest-lines", "1000"]);
         let now = Instant::now();
-        let p = o.post("#a", "ann", lines(10, "a"), now);
+        let p = o.post("#a", guest("ann"), lines(10, "a"), now);
         assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (3, 7, true, 4));
         assert_eq!(
             o.channels[0].lines.back().unwrap().text,
             "* ann: output truncated, 7 line(s) dropped (this channel's outbox is full)"
         );
-        let p = o.post("#a", "bob", lines(10, "a"), now);
+        let p = o.post("#a", guest("bob"), lines(10, "a"), now);
         assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 10, false, 4));
         // Lines for a channel the bot did not join are dropped.
-        assert_eq!(o.post("#zz", "ann", lines(2, "z"), now).dropped, 2);
+        assert_eq!(o.post("#zz", guest("ann"), lines(2, "z"), now).dropped, 2);
         for _ in 0..CONTROL_CAP + 5 {
             o.control("PONG :x".into());
         }
         assert_eq!(o.control.len(), CONTROL_CAP);
+    }
+
+    /// Issue 43 item 6: a guest's output budget is its sender's, under the limits key: a
+    /// new nick with the same key (a `NICK` change) shares it; the same nick from another
+    /// sender has its own. The notice is addressed to the nick.
+    #[test]
+    fn a_guests_output_budget_follows_its_key_not_its_nick() {
+        let mut o = outbox(&["--guest-lines", "3", "--guest-window-secs", "60"]);
+        let now = Instant::now();
+        let ann = Guest {
+            nick: "ann",
+            key: "irc-host:aa",
+        };
+        let renamed = Guest {
+            nick: "ann2",
+            key: "irc-host:aa",
+        };
+        let other = Guest {
+            nick: "ann",
+            key: "irc-host:bb",
+        };
+        assert_eq!(o.post("#a", ann, lines(3, "a"), now).queued, 3);
+        let p = o.post("#a", renamed, lines(2, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed), (0, 2, true));
+        assert_eq!(
+            o.channels[0].lines.back().unwrap().text,
+            "* ann2: output truncated, 2 line(s) dropped (at most 3 line(s) per 60 s for each guest)"
+        );
+        assert_eq!(o.post("#b", other, lines(3, "b"), now).queued, 3);
     }
 }

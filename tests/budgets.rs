@@ -586,3 +586,403 @@ async fn compaction_calls_are_counted_and_refused_past_a_budget() {
     assert_eq!(model.requests().len(), 1);
     assert_eq!(account.usage().model_calls, 1);
 }
+
+/// Today (UTC), as the book names its day.
+fn today() -> String {
+    chrono::Utc::now().date_naive().to_string()
+}
+
+/// Every counter row of the state file as SQLite holds it: (scope, key, typeof, value as
+/// text). Read with the store closed (it holds the file exclusively).
+fn raw_rows(path: &Path) -> Vec<(String, String, String, String)> {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    let mut stmt = conn
+        .prepare(
+            "SELECT scope, key, typeof(tokens), CAST(tokens AS TEXT) FROM tokens ORDER BY scope, key",
+        )
+        .unwrap();
+    let rows = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    rows
+}
+
+/// Runs `f` with a subscriber that captures this thread's logs (the book loads its store on
+/// the caller's thread).
+fn with_logs<T>(
+    f: impl FnOnce() -> T,
+) -> (T, roundtable_sandbox_test_support::captured_logs::Captured) {
+    let logs = roundtable_sandbox_test_support::captured_logs::Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let out = tracing::subscriber::with_default(subscriber, f);
+    (out, logs)
+}
+
+/// Issue 43 item 7: a usage near `u64::MAX`, charged in three commits. The SQL adds with
+/// saturation, so every row stays an INTEGER at `i64::MAX` (`tokens + excluded.tokens`
+/// overflowed to a REAL, 9.22e18, and every later start failed on it until the next day);
+/// after a restart the counters load saturated, with no warning, and still refuse.
+#[test]
+fn a_saturating_usage_is_stored_saturated_and_still_refuses_after_a_restart() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let path = dir.path().join("state.sqlite");
+    let settings = BudgetSettings {
+        speaker_tokens_per_day: Some(1000),
+        bot_tokens_per_day: Some(1_000_000_000_000),
+        ..Default::default()
+    };
+    let first = book(dir.path(), settings.clone());
+    for n in [u64::MAX, u64::MAX - 1, 5] {
+        first.charge("u1", "chan", n);
+        first.flush();
+    }
+    assert_eq!(first.tokens(&CounterKey::Bot), u64::MAX);
+    drop(first);
+    let max = i64::MAX.to_string();
+    let integer_max = |scope: &str, key: &str| {
+        (
+            scope.to_owned(),
+            key.to_owned(),
+            "integer".to_owned(),
+            max.clone(),
+        )
+    };
+    assert_eq!(
+        raw_rows(&path),
+        vec![
+            integer_max("bot", ""),
+            integer_max("channel", "chan"),
+            integer_max("speaker", "u1"),
+        ]
+    );
+
+    // The restart: loaded saturated, nothing to clamp, the budgets still full.
+    let (second, logs) = with_logs(|| book(dir.path(), settings));
+    assert_eq!(logs.text(), "", "a clean file is loaded without a warning");
+    for key in [
+        CounterKey::Bot,
+        CounterKey::Channel("chan".into()),
+        CounterKey::Speaker("u1".into()),
+    ] {
+        assert_eq!(second.tokens(&key), i64::MAX as u64, "{key:?}");
+    }
+    let refused = second.admit("u1", "chan").unwrap_err();
+    assert_eq!(refused.budget, Budget::SpeakerTokensPerDay);
+    let refused = second.admit("u2", "other").unwrap_err();
+    assert_eq!(refused.budget, Budget::BotTokensPerDay);
+    // More charges stay at the top.
+    second.charge("u1", "chan", u64::MAX);
+    second.flush();
+    drop(second);
+    assert!(
+        raw_rows(&path)
+            .iter()
+            .all(|(_, _, t, v)| t == "integer" && *v == max),
+        "{:?}",
+        raw_rows(&path)
+    );
+}
+
+/// Issue 43 item 7: what a damaged or foreign writer left (REAL, TEXT, negative, NULL,
+/// out of range; turns with a REAL or TEXT time) never fails a start: each value is read
+/// by the one rule (`clamp_count`) with one warning per table naming the file and the
+/// rows, the budgets work on the clamped counts, and a counter's next charge rewrites its
+/// row clean with the same rule (the SQL and the loader agree: a negative row charged 10
+/// is 10, not 5).
+#[test]
+fn values_a_start_never_writes_are_loaded_clamped_with_one_warning() {
+    use roundtable_sandbox::budgets::{clamp_count, ReadCount, StoredCount, MAX_STORED};
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let path = dir.path().join("state.sqlite");
+    drop(SqliteStore::open(&path).unwrap());
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let day = today();
+        let put = |scope: &str, key: &str, value: rusqlite::types::Value| {
+            conn.execute(
+                "INSERT INTO tokens (day, scope, key, tokens) VALUES (?1, ?2, ?3, ?4)",
+                rusqlite::params![day, scope, key, value],
+            )
+            .unwrap();
+        };
+        use rusqlite::types::Value;
+        put("speaker", "overflowed", Value::Real(9.223372036854776e18));
+        put("speaker", "fraction", Value::Real(12.7));
+        put("speaker", "text", Value::Text("lots".into()));
+        put("speaker", "negative", Value::Integer(-5));
+        put("speaker", "clean", Value::Integer(7));
+        put("channel", "far-below", Value::Real(-1e300));
+        put("bot", "", Value::Integer(40));
+        for (speaker, at) in [
+            ("u1", Value::Text("soon".into())),
+            ("u2", Value::Real(now_ms as f64 - 1000.5)),
+            ("u3", Value::Integer(now_ms - 5000)),
+            // Far in the future (a foreign writer, a clock set back): counts as now.
+            ("u4", Value::Integer(i64::MAX)),
+        ] {
+            conn.execute(
+                "INSERT INTO turns (speaker, at_ms) VALUES (?1, ?2)",
+                rusqlite::params![speaker, at],
+            )
+            .unwrap();
+        }
+    }
+    let settings = BudgetSettings {
+        speaker_tokens_per_day: Some(100),
+        speaker_turns_per_minute: Some(1),
+        ..Default::default()
+    };
+    let (b, logs) = with_logs(|| book(dir.path(), settings.clone()));
+    let warnings = logs.lines(&["WARN"]);
+    assert_eq!(warnings.len(), 2, "{}", logs.text());
+    let p = path.display();
+    let clamped = format!(
+        "clamped (REAL, TEXT, NULL, BLOB or negative: read as 0 if negative, a REAL as its whole part up to {MAX_STORED}, anything else as spent, {MAX_STORED})"
+    );
+    let tail = "the runtime goes on with them so (a counter's next charge rewrites it clean; an unreadable turn is pruned)";
+    assert!(
+        warnings[0].ends_with(&format!(
+            "budget state file {p}: 5 of 7 counter row(s) loaded were not clean: 5 {clamped}; {tail}"
+        )),
+        "{}",
+        warnings[0]
+    );
+    assert!(
+        warnings[1].ends_with(&format!(
+            "budget state file {p}: 2 of 4 turn row(s) loaded were not clean: 1 {clamped}; 1 skipped (a key, speaker or time that is not readable); {tail}"
+        )),
+        "{}",
+        warnings[1]
+    );
+    let tokens = |key: &str| b.tokens(&CounterKey::Speaker(key.into()));
+    assert_eq!(
+        [
+            tokens("overflowed"),
+            tokens("fraction"),
+            tokens("text"),
+            tokens("negative"),
+            tokens("clean")
+        ],
+        [MAX_STORED, 12, MAX_STORED, 0, 7]
+    );
+    assert_eq!(b.tokens(&CounterKey::Channel("far-below".into())), 0);
+    assert_eq!(b.tokens(&CounterKey::Bot), 40);
+    // The budgets on the clamped counts: a count nobody can read is spent.
+    for (speaker, refused) in [
+        ("overflowed", true),
+        ("text", true),
+        ("fraction", false),
+        ("negative", false),
+    ] {
+        let r = b.check_tokens(speaker, "c");
+        assert_eq!(r.is_err(), refused, "{speaker}: {r:?}");
+    }
+    // The turns: u2's (a REAL time) and u3's count in this minute; u1's (no time) does not.
+    assert_eq!(
+        b.admit("u2", "c").unwrap_err().budget,
+        Budget::SpeakerTurnsPerMinute
+    );
+    assert_eq!(
+        b.admit("u3", "c").unwrap_err().budget,
+        Budget::SpeakerTurnsPerMinute
+    );
+    b.admit("u1", "c").unwrap();
+    assert_eq!(
+        b.admit("u4", "c").unwrap_err().message,
+        "this speaker has started 1 turns in the last minute; try again in 60 s"
+    );
+    // Each damaged row's next charge rewrites it clean, by the same rule.
+    for speaker in ["overflowed", "fraction", "text", "negative"] {
+        b.charge(speaker, "far-below", 10);
+    }
+    b.flush();
+    drop(b);
+    let rows = raw_rows(&path);
+    let row = |scope: &str, key: &str| {
+        let r = rows
+            .iter()
+            .find(|r| r.0 == scope && r.1 == key)
+            .unwrap_or_else(|| panic!("{scope} {key}: {rows:?}"));
+        (r.2.clone(), r.3.clone())
+    };
+    let int = |n: u64| ("integer".to_owned(), n.to_string());
+    assert_eq!(row("speaker", "overflowed"), int(MAX_STORED));
+    assert_eq!(row("speaker", "fraction"), int(22));
+    assert_eq!(row("speaker", "text"), int(MAX_STORED));
+    assert_eq!(row("speaker", "negative"), int(10));
+    assert_eq!(row("channel", "far-below"), int(40));
+    assert_eq!(row("bot", ""), int(80));
+    // The rule itself, as the PostgreSQL store will read its values.
+    assert_eq!(clamp_count(StoredCount::Integer(3)), ReadCount::Clean(3));
+    assert_eq!(
+        clamp_count(StoredCount::Real(f64::NAN)),
+        ReadCount::Clamped(MAX_STORED)
+    );
+    assert_eq!(
+        clamp_count(StoredCount::Real(f64::INFINITY)),
+        ReadCount::Clamped(MAX_STORED)
+    );
+    assert_eq!(
+        clamp_count(StoredCount::Null),
+        ReadCount::Clamped(MAX_STORED)
+    );
+    assert_eq!(
+        clamp_count(StoredCount::Blob),
+        ReadCount::Clamped(MAX_STORED)
+    );
+
+    // A foreign writer's schema, without NOT NULL: a NULL count is spent, a NULL speaker's
+    // turn skipped; the start goes on.
+    let foreign = dir.path().join("foreign.sqlite");
+    {
+        let conn = rusqlite::Connection::open(&foreign).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE tokens (day TEXT, scope TEXT, key TEXT, tokens INTEGER,
+                 PRIMARY KEY (day, scope, key)) WITHOUT ROWID;
+             CREATE TABLE turns (speaker TEXT, at_ms INTEGER);",
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO tokens VALUES (?1, 'speaker', 'nobody-knows', NULL), (?1, 'bot', '', 3)",
+            [today()],
+        )
+        .unwrap();
+        conn.execute("INSERT INTO turns VALUES (NULL, ?1)", [now_ms])
+            .unwrap();
+    }
+    let mut settings = settings;
+    settings.state_file = Some(foreign.clone());
+    let (b, logs) = with_logs(|| BudgetBook::open(&settings, "UTC").unwrap().unwrap());
+    assert_eq!(
+        logs.lines(&["WARN", "1 of 2 counter row(s)"]).len(),
+        1,
+        "{}",
+        logs.text()
+    );
+    assert_eq!(
+        logs.lines(&["WARN", "1 of 1 turn row(s)"]).len(),
+        1,
+        "{}",
+        logs.text()
+    );
+    assert_eq!(
+        b.tokens(&CounterKey::Speaker("nobody-knows".into())),
+        MAX_STORED
+    );
+    assert_eq!(b.tokens(&CounterKey::Bot), 3);
+    b.charge("nobody-knows", "c", 1);
+    b.flush();
+    drop(b);
+    let rows = raw_rows(&foreign);
+    assert!(
+        rows.contains(&(
+            "speaker".into(),
+            "nobody-knows".into(),
+            "integer".into(),
+            i64::MAX.to_string()
+        )),
+        "{rows:?}"
+    );
+}
+
+/// Issue 43 item 6: a message's `limits_key` is what the per-speaker budgets count it under
+/// (a bot whose speaker id the sender can change at will, an IRC nick, passes something
+/// the sender cannot): a new nick with the same key is refused, the same nick with another
+/// key is not. The key reaches neither the turn the guest gets nor the audit trail, which
+/// show the speaker; without a key the speaker's id is counted, as before.
+#[actix_rt::test]
+async fn a_limits_key_keys_the_speakers_budgets_and_stays_out_of_the_turn_and_the_audit() {
+    use roundtable_sandbox::AuditSettings;
+    use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Shutdown, SupervisorOptions};
+    const LIMITS: &str = "limits-key-3c9e-never-shown";
+    const OTHER: &str = "limits-key-71fa-never-shown";
+    let env = Env::new();
+    let driver = FakeDriver::new();
+    let audit = env.dir.path().join("audit.jsonl");
+    let mut config = env.config();
+    config.driver = Some(driver.clone());
+    config.audit = AuditSettings {
+        path: Some(audit.clone()),
+        include_text: true,
+    };
+    config.budgets = BudgetSettings {
+        state_file: Some(env.dir.path().join("budgets.sqlite")),
+        speaker_turns_per_minute: Some(1),
+        ..Default::default()
+    };
+    let sandbox = SandboxSupervisor::start(SupervisorOptions::new(config))
+        .await
+        .unwrap();
+    let say = |nick: &str, key: Option<&str>, channel: &str| {
+        let speaker = Speaker {
+            id: nick.into(),
+            name: nick.into(),
+        };
+        let mut message = GuestMessage::new(channel, speaker, "hello");
+        if let Some(key) = key {
+            message = message.with_limits_key(key);
+        }
+        sandbox.send(message)
+    };
+    let failure = |o: roundtable_sandbox::TurnOutcome| (o.failure, o.reply.text, o.reply.error);
+    // ann's turn, under the key.
+    let one = failure(say("ann", Some(LIMITS), "#a").await.unwrap().unwrap());
+    assert_eq!(one.0, None, "{one:?}");
+    // A new nick with the same key (a NICK change on one connection): the same budget.
+    let two = failure(say("bob", Some(LIMITS), "#b").await.unwrap().unwrap());
+    assert_eq!(two.0, Some(TurnFailure::BudgetExceeded), "{two:?}");
+    assert!(
+        two.2
+            .as_deref()
+            .unwrap()
+            .starts_with("budget speaker_turns_per_minute exceeded: this speaker has started 1 turns in the last minute; try again in "),
+        "{two:?}"
+    );
+    // The same nick with another key (another sender): a budget of its own.
+    let three = failure(say("ann", Some(OTHER), "#c").await.unwrap().unwrap());
+    assert_eq!(three.0, None, "{three:?}");
+    // No key: the speaker's id, as before (ann's id has no turn counted yet).
+    let four = failure(say("ann", None, "#d").await.unwrap().unwrap());
+    assert_eq!(four.0, None, "{four:?}");
+    let five = failure(say("ann", None, "#e").await.unwrap().unwrap());
+    assert_eq!(five.0, Some(TurnFailure::BudgetExceeded), "{five:?}");
+    sandbox.send(Shutdown).await.unwrap();
+
+    // The turns the guest got: the speaker, never the key.
+    let runs = driver.runs();
+    assert_eq!(runs.len(), 3);
+    for run in &runs {
+        let turn = serde_json::to_string(&run.turn).unwrap();
+        assert_eq!(run.turn.speaker.id, "ann");
+        assert!(!turn.contains("limits-key"), "{turn}");
+    }
+    // The audit trail: one line per turn, the speaker's id, never the key.
+    eventually("five audit lines", Duration::from_secs(30), || {
+        std::fs::read_to_string(&audit).is_ok_and(|t| t.lines().count() == 5)
+    })
+    .await;
+    let trail = std::fs::read_to_string(&audit).unwrap();
+    assert!(!trail.contains("limits-key"), "{trail}");
+    let mut speakers: Vec<(u64, String)> = trail
+        .lines()
+        .map(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap();
+            (line["turn"].as_u64().unwrap(), line["speaker"].to_string())
+        })
+        .collect();
+    // Written as each turn ends: in the turns' order.
+    speakers.sort();
+    let speakers: Vec<&str> = speakers.iter().map(|(_, s)| s.as_str()).collect();
+    assert_eq!(
+        speakers,
+        ["\"ann\"", "\"bob\"", "\"ann\"", "\"ann\"", "\"ann\""],
+        "{trail}"
+    );
+}

@@ -415,6 +415,7 @@ impl ChannelActor {
             reset,
             stop: control.stop_token(),
             admitted: Some(admitted),
+            limits_key: message.limits_key,
         });
         let id = turn.number();
         let progress = self.sink(id, message.progress);

@@ -22,6 +22,11 @@ pub struct GuestMessage {
     pub text: String,
     /// Receives this message's progress (queued, waiting for a slot, each turn phase).
     pub progress: Option<Recipient<TurnProgress>>,
+    /// What the per-speaker budgets count this message's turn under instead of
+    /// `speaker.id` (see [`roundtable_sandbox::TurnRequest::limits_key`]): set it when the
+    /// speaker id is something the sender can change at will (an IRC nick). Never shown to
+    /// the model, the guest or the audit trail. `None` (the default): the speaker's id.
+    pub limits_key: Option<String>,
 }
 
 impl GuestMessage {
@@ -32,7 +37,15 @@ impl GuestMessage {
             speaker,
             text: text.into(),
             progress: None,
+            limits_key: None,
         }
+    }
+
+    /// Counts this message's turn under `key` in the per-speaker budgets instead of the
+    /// speaker's id ([`GuestMessage::limits_key`]).
+    pub fn with_limits_key(mut self, key: impl Into<String>) -> Self {
+        self.limits_key = Some(key.into());
+        self
     }
 
     /// Sends this message's progress to `recipient`.

@@ -284,6 +284,7 @@ pub async fn timed_turn(
         reset: false,
         stop: CancellationToken::new(),
         admitted: None,
+        limits_key: None,
     };
     let t0 = Instant::now();
     let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));

@@ -1112,6 +1112,7 @@ async fn warm_loops(
                 reset: false,
                 stop: tokio_util::sync::CancellationToken::new(),
                 admitted: None,
+                limits_key: None,
             };
             let turn = roundtable_sandbox::run_turn_prepared(
                 warm,

@@ -437,7 +437,7 @@ async fn doctor(
         }
     });
     if let Some(file) = &config.budgets.state_file {
-        checks.push(state_file_check(file));
+        checks.push(state_file_check(file, config.effective_time_zone()));
     }
     if let Some(check) = metrics_check(metrics) {
         checks.push(check);
@@ -512,15 +512,31 @@ async fn doctor(
     }
 }
 
-/// The budgets' state file: an existing one must open as the runtime opens it (a
-/// database, undamaged, not locked); a missing one needs a directory to be made in.
-fn state_file_check(file: &Path) -> Check {
+/// The budgets' state file: an existing one must open and load as a start loads it (a
+/// database, undamaged, not locked, today's counters and the last minute's turns readable);
+/// values a start would clamp fail the check with the start's own warning; a missing one
+/// needs a directory to be made in.
+fn state_file_check(file: &Path, time_zone: &str) -> Check {
     const NAME: &str = "state file";
     if !file.exists() {
         return creatable_check(NAME, file);
     }
-    match roundtable_sandbox::operator::SqliteStore::open(file) {
-        Ok(_) => pass(NAME, format!("{} opens (SQLite, WAL, checked)", file.display())),
+    match roundtable_sandbox::operator::check_state_file(file, time_zone) {
+        Ok(c) if c.warnings.is_empty() => pass(
+            NAME,
+            format!(
+                "{} opens and loads (SQLite, WAL, checked; today's {} counter(s), {} turn(s) of the last minute)",
+                file.display(),
+                c.counters,
+                c.turns
+            ),
+        ),
+        Ok(c) => fail(
+            NAME,
+            c.warnings.join("; "),
+            "a start goes on with these values clamped; to clear them now, stop the bot and \
+             fix or delete those rows with sqlite3",
+        ),
         Err(e) => fail(
             NAME,
             e.to_string(),
@@ -872,6 +888,7 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
             reset,
             stop: tokio_util::sync::CancellationToken::new(),
             admitted: None,
+            limits_key: None,
         })
         .await;
     sandbox.shutdown().await;

@@ -442,3 +442,123 @@ fn every_config_violation_is_named_by_doctor() {
     );
     assert!(!std::path::Path::new(&run).exists(), "doctor made a root");
 }
+
+/// Issue 43 item 7: `doctor` loads the day's counters exactly as a start does. A file whose
+/// counters a start reads only clamped (the issue's REAL 9.22e18 of an overflowed sum, and
+/// a TEXT) is a FAIL line with the start's own warning, and is left as it is; a file a
+/// start cannot load at all (a foreign `tokens` table without the column) is a FAIL line
+/// with the error the start fails with; a clean one passes with what it loaded.
+#[test]
+fn a_state_file_a_start_would_clamp_or_cannot_load_is_a_fail_line() {
+    let (d, run, ws) = roots();
+    let state = d.path().join("budgets.sqlite");
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        &format!(
+            "disk_floor_mb = 0\ndisk_floor_percent = 0\n[budgets]\nstate_file = \"{}\"\n\
+             speaker_tokens_per_day = 50000\n",
+            state.display()
+        ),
+    );
+    let today = chrono::Utc::now().date_naive().to_string();
+    // A clean file: today's counters load.
+    drop(roundtable_sandbox::operator::SqliteStore::open(&state).unwrap());
+    let conn = rusqlite::Connection::open(&state).unwrap();
+    conn.execute(
+        "INSERT INTO tokens VALUES (?1, 'speaker', 'ann', 10), (?1, 'bot', '', 10)",
+        [&today],
+    )
+    .unwrap();
+    drop(conn);
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert!(
+        out.contains(&format!(
+            "ok   state file      {} opens and loads (SQLite, WAL, checked; today's 2 counter(s), 0 turn(s) of the last minute)",
+            state.display()
+        )),
+        "{code} {out}"
+    );
+
+    // What the overflowing writer left, and a foreign writer's text.
+    let conn = rusqlite::Connection::open(&state).unwrap();
+    conn.execute(
+        "UPDATE tokens SET tokens = 9223372036854775807.0 + 9223372036854775807.0 WHERE scope = 'bot'",
+        [],
+    )
+    .unwrap();
+    conn.execute(
+        "INSERT INTO tokens VALUES (?1, 'channel', 'c', 'many')",
+        [&today],
+    )
+    .unwrap();
+    drop(conn);
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL state file      budget state file {}: 2 of 3 counter row(s) loaded were not clean: 2 clamped \
+             (REAL, TEXT, NULL, BLOB or negative: read as 0 if negative, a REAL as its whole part up to \
+             9223372036854775807, anything else as spent, 9223372036854775807); the runtime goes on with them \
+             so (a counter's next charge rewrites it clean; an unreadable turn is pruned)\n",
+            state.display()
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("fix: a start goes on with these values clamped; to clear them now, stop the bot and fix or delete those rows with sqlite3"),
+        "{out}"
+    );
+    let conn = rusqlite::Connection::open(&state).unwrap();
+    let kinds: Vec<String> = conn
+        .prepare("SELECT typeof(tokens) FROM tokens ORDER BY scope")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(kinds, ["real", "text", "integer"], "doctor changed a value");
+    drop(conn);
+
+    // A foreign schema that opens but cannot be loaded: what a start says, doctor says.
+    std::fs::remove_file(&state).unwrap();
+    let conn = rusqlite::Connection::open(&state).unwrap();
+    conn.execute_batch(
+        "CREATE TABLE tokens (day TEXT, scope TEXT, key TEXT, used INTEGER,
+             PRIMARY KEY (day, scope, key)) WITHOUT ROWID;",
+    )
+    .unwrap();
+    drop(conn);
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert_eq!(code, 1, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("FAIL state file"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let expected = format!(
+        "budget state file {}: no such column: tokens",
+        state.display()
+    );
+    assert!(line.contains(&expected), "{out}");
+    // The start (the `turn` command starts a runtime) fails on it with the same error,
+    // before any container.
+    let start = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args([
+            "turn",
+            "--config",
+            &config,
+            "--channel",
+            "#c",
+            "--speaker",
+            "s",
+            "hi",
+        ])
+        .env_remove("DOCKER_HOST")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&start.stderr);
+    assert!(!start.status.success(), "{said}");
+    let reason = line.split("FAIL state file      ").nth(1).unwrap();
+    assert!(said.contains(reason), "doctor: {reason}\nstart: {said}");
+}

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{floor_config, scratch};
+use common::{floor_config, floor_config_with, scratch};
 
 /// Kills its child when dropped (each a specific pid we started).
 struct Proc(Child);
@@ -127,13 +127,19 @@ fn expect(out: &Path, skip: usize, needle: &str) -> (usize, String) {
 /// throttled past 3 per second or 256 bytes per second, and a client whose unread input
 /// passes its 2 KiB read buffer is disconnected).
 fn start_server(d: &Path, port: u16) -> Proc {
+    start_server_with(d, port, "127.0.0.1", "")
+}
+
+/// [`start_server`] listening on `listen` (a comma-separated list of addresses), with more
+/// lines for its `[Options]`.
+fn start_server_with(d: &Path, port: u16, listen: &str, options: &str) -> Proc {
     let conf = d.join("ngircd.conf");
     std::fs::write(
         &conf,
         format!(
-            "[Global]\nName = irc.test\nInfo = roundtable test\nListen = 127.0.0.1\nPorts = {port}\n\
+            "[Global]\nName = irc.test\nInfo = roundtable test\nListen = {listen}\nPorts = {port}\n\
              PidFile = {}\nMotdPhrase = test\n[Limits]\nMaxNickLength = 30\n\
-             [Options]\nPAM = no\nIdent = no\nDNS = no\n",
+             [Options]\nPAM = no\nIdent = no\nDNS = no\n{options}",
             d.join("ngircd.pid").display()
         ),
     )
@@ -169,6 +175,17 @@ fn start_bot_with(
     channels: &str,
     extra: &[&str],
 ) -> (Proc, Said, std::thread::JoinHandle<()>) {
+    start_bot_configured(d, port, channels, &floor_config(d), extra)
+}
+
+/// [`start_bot_with`] with the configuration file `config`.
+fn start_bot_configured(
+    d: &Path,
+    port: u16,
+    channels: &str,
+    config: &Path,
+    extra: &[&str],
+) -> (Proc, Said, std::thread::JoinHandle<()>) {
     let mut bot = Command::new(env!("CARGO_BIN_EXE_irc-bot"))
         .args([
             "--server",
@@ -184,7 +201,7 @@ fn start_bot_with(
         .arg(d.join("ws"))
         .arg("--offline")
         .arg("--config")
-        .arg(floor_config(d))
+        .arg(config)
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -228,30 +245,37 @@ fn wait_for_said(said: &Said, needle: &str, skip: usize) -> (usize, Instant) {
     found.unwrap()
 }
 
-/// A real IRC client (`ii`) connected as `nick` and joined to `channel`: its input FIFO
-/// and its channel log.
+/// A real IRC client (`ii`) connected as `nick` and joined to `channel`: its input FIFOs
+/// (the channel's and the server's) and its logs.
 struct Client {
     _proc: Proc,
     chan: Fifo,
     out: PathBuf,
+    server: Fifo,
+    server_out: PathBuf,
 }
 
 fn start_client(d: &Path, port: u16, nick: &str, channel: &str) -> Client {
+    start_client_at(d, "127.0.0.1", port, nick, channel)
+}
+
+/// [`start_client`], connecting to the server at `host` (so from that address).
+fn start_client_at(d: &Path, host: &str, port: u16, nick: &str, channel: &str) -> Client {
     let ii_dir = d.join(format!("ii-{nick}"));
     let proc = Proc(
         Command::new(tool("ii"))
-            .args(["-s", "127.0.0.1", "-p", &port.to_string(), "-n", nick, "-i"])
+            .args(["-s", host, "-p", &port.to_string(), "-n", nick, "-i"])
             .arg(&ii_dir)
             .spawn()
             .unwrap(),
     );
-    let server_in: PathBuf = ii_dir.join("127.0.0.1/in");
+    let server_in: PathBuf = ii_dir.join(format!("{host}/in"));
     wait_until("ii to connect", || server_in.exists());
     std::thread::sleep(Duration::from_millis(300));
     let mut server = Fifo::open(&server_in);
     server.say(&format!("/j {channel}"));
-    let chan_in = ii_dir.join(format!("127.0.0.1/{channel}/in"));
-    let out = ii_dir.join(format!("127.0.0.1/{channel}/out"));
+    let chan_in = ii_dir.join(format!("{host}/{channel}/in"));
+    let out = ii_dir.join(format!("{host}/{channel}/out"));
     wait_until("ii to join", || chan_in.exists());
     // ii keeps the FIFO of a channel it has left: a reconnected client starts on a clean log.
     let chan = Fifo::open(&chan_in);
@@ -259,6 +283,8 @@ fn start_client(d: &Path, port: u16, nick: &str, channel: &str) -> Client {
         _proc: proc,
         chan,
         out,
+        server,
+        server_out: ii_dir.join(format!("{host}/out")),
     }
 }
 
@@ -317,6 +343,7 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         _proc: _client,
         mut chan,
         out: chan_out,
+        ..
     } = start_client(d, port, "tester", "#test");
 
     say_seen(&mut chan, &chan_out, 0, "sandbox: hello there");
@@ -394,6 +421,184 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     stop_bot(bot, &said, echo, d);
 }
 
+/// Every file under `dir`, read whole (a workspace: the guest's session and notes).
+fn files_under(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_owned()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            let meta = std::fs::symlink_metadata(&path).unwrap();
+            if meta.is_dir() {
+                dirs.push(path);
+            } else if meta.is_file() {
+                let bytes = std::fs::read(&path).unwrap();
+                out.push((path, bytes));
+            }
+        }
+    }
+    out
+}
+
+fn holds(bytes: &[u8], needle: &str) -> bool {
+    bytes.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+/// Issue 43 item 6: the bot's per-speaker limits count the sender by a keyed hash of their
+/// host, not the nick. With `speaker_turns_per_minute = 2`, a client's third message is
+/// refused, and three `NICK` changes on the same connection get no more turns in that
+/// minute (each new nick is refused, answered by its nick); a client on another host (the
+/// server's `::1`) has limits of its own. The host (the cloak ngIRCd gives every client, a
+/// marker here) reaches neither the guest (its workspace: the session the model saw) nor
+/// the audit trail, the bot's stderr, the metrics or the state file; the nick does.
+#[test]
+fn a_nick_change_gets_no_fresh_limits_and_the_host_reaches_no_guest() {
+    const CLOAK: &str = "rt-cloak-5e1d.test";
+    let dir = scratch("rtk-");
+    let d = dir.path();
+    let port = free_port();
+    let _server = start_server_with(d, port, BOTH, &format!("CloakHost = guest-%x.{CLOAK}\n"));
+    let state = d.join("budgets.sqlite");
+    let audit = d.join("audit.jsonl");
+    let config = floor_config_with(
+        d,
+        &format!(
+            "[budgets]\nstate_file = \"{}\"\nspeaker_turns_per_minute = 2\n\
+             [audit]\npath = \"{}\"\ninclude_text = true\n",
+            state.display(),
+            audit.display()
+        ),
+    );
+    let (bot, said, echo) =
+        start_bot_configured(d, port, "#test", &config, &["--metrics", "127.0.0.1:0"]);
+    let metrics = metrics_addr(&said);
+    let key_file = d.join("budgets.sqlite.irc-limits-key");
+    wait_for_said(
+        &said,
+        &format!(
+            "irc-bot: per-sender limits keyed on the sender's host (HMAC-SHA256, key made in {})",
+            key_file.display()
+        ),
+        0,
+    );
+    let mut tester = start_client(d, port, "tester", "#test");
+    // The server gives the client the cloak as its host (its welcome names it): what the bot
+    // sees in the prefix of each of its messages.
+    wait_until("the cloaked host", || {
+        std::fs::read_to_string(&tester.server_out).is_ok_and(|t| t.contains(CLOAK))
+    });
+
+    let mut at = 0;
+    for text in ["first", "second"] {
+        say_seen(
+            &mut tester.chan,
+            &tester.out,
+            at,
+            &format!("sandbox: {text}"),
+        );
+        let (next, reply) = expect(&tester.out, at, "<sandbox> tester: ");
+        assert!(
+            reply.contains(&format!("read it back (tester: {text})")),
+            "{reply}"
+        );
+        at = next;
+    }
+    let refused = "error: budget speaker_turns_per_minute exceeded: this speaker has started 2 turns in the last minute; try again in ";
+    say_seen(&mut tester.chan, &tester.out, at, "sandbox: third");
+    let (next, reply) = expect(&tester.out, at, "<sandbox> tester: ");
+    assert!(reply.contains(refused), "{reply}");
+    at = next;
+    // New nicks on the same connection: the same sender, no fresh limits.
+    for nick in ["tester2", "tester3", "tester4"] {
+        tester.server.say(&format!("/n {nick}"));
+        wait_until(&format!("the nick {nick}"), || {
+            std::fs::read_to_string(&tester.out).is_ok_and(|t| t.contains(nick))
+                || std::fs::read_to_string(&tester.server_out).is_ok_and(|t| t.contains(nick))
+        });
+        say_seen(
+            &mut tester.chan,
+            &tester.out,
+            at,
+            &format!("sandbox: as {nick}"),
+        );
+        let (next, reply) = expect(&tester.out, at, &format!("<sandbox> {nick}: "));
+        assert!(reply.contains(refused), "{nick} got a turn: {reply}");
+        at = next;
+    }
+    // Another host: limits of its own.
+    let mut other = start_client_at(d, OTHER_HOST, port, "other", "#test");
+    let from = log_len(&other.out);
+    say_seen(&mut other.chan, &other.out, from, "sandbox: my turn");
+    let (_, reply) = expect(&other.out, from, "<sandbox> other: ");
+    assert!(reply.contains("read it back (other: my turn)"), "{reply}");
+
+    let scraped = scrape(&metrics);
+    assert!(
+        !scraped.contains(CLOAK) && !scraped.contains("irc-host:"),
+        "{scraped}"
+    );
+    stop_bot(bot, &said, echo, d);
+
+    // The audit trail: a line per turn (two run, four refused, the other host's), each with
+    // the nick as its speaker, never the host nor its key.
+    let trail = std::fs::read_to_string(&audit).unwrap();
+    assert!(
+        !trail.contains(CLOAK) && !trail.contains("irc-host:"),
+        "{trail}"
+    );
+    let mut speakers: Vec<String> = trail
+        .lines()
+        .map(|l| {
+            let line: serde_json::Value = serde_json::from_str(l).unwrap();
+            line["speaker"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    speakers.sort();
+    assert_eq!(
+        speakers,
+        ["other", "tester", "tester", "tester", "tester2", "tester3", "tester4"],
+        "{trail}"
+    );
+    // The guest's workspace (its session: what the model saw of each turn) holds the nicks'
+    // messages, never the host.
+    let files = files_under(&d.join("ws"));
+    assert!(
+        files.iter().any(|(_, b)| holds(b, "tester: second")),
+        "no session found under {}",
+        d.join("ws").display()
+    );
+    for (path, bytes) in &files {
+        assert!(!holds(bytes, CLOAK), "{} holds the host", path.display());
+    }
+    // The bot's own lines.
+    let said: Vec<String> = said
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, l)| l.clone())
+        .collect();
+    assert!(
+        !said
+            .iter()
+            .any(|l| l.contains(CLOAK) || l.contains("irc-host:")),
+        "{said:?}"
+    );
+    // The state file counts the sender's key: never the host, never a nick.
+    let mut kept = Vec::new();
+    for f in ["budgets.sqlite", "budgets.sqlite-wal"] {
+        kept.extend(std::fs::read(d.join(f)).unwrap_or_default());
+    }
+    assert!(holds(&kept, "irc-host:"), "no key counted");
+    assert!(!holds(&kept, CLOAK) && !holds(&kept, "tester"));
+    // The secret: 32 bytes, the service user's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(&key_file).unwrap();
+    assert_eq!(
+        (meta.permissions().mode() & 0o7777, meta.len()),
+        (0o600, 32)
+    );
+}
+
 /// The address the bot said its metrics are served at.
 fn metrics_addr(said: &Said) -> String {
     let (i, _) = wait_for_said(said, "irc-bot: metrics at http://", 0);
@@ -438,25 +643,35 @@ fn flood_message(i: usize) -> String {
     m
 }
 
+/// Both loopback addresses: clients on `127.0.0.1` and on [`OTHER_HOST`] are distinct
+/// senders to the bot (its per-sender limits key on the host).
+const BOTH: &str = "127.0.0.1,::1";
+/// `::1` as ii must be given it: ii names the server in its `USER` line, where a leading `:`
+/// would start the trailing parameter.
+const OTHER_HOST: &str = "0::1";
+
 /// Issue 21: one guest floods #a with 30 long messages (each a reply of many long lines)
 /// while another guest asks once in #b. The bot paces its output under ngIRCd's flood rules
 /// (the server never throttles it into a 34 s delay nor disconnects it), serves the two
 /// channels in turn, so #b's answer is posted within 2 s of being ready, caps the flooding
-/// guest's output with a notice, keeps its outbox bounded, and shows the reply's controls
+/// guest's output with a notice (the asking guest connects from another address: guests on
+/// one host share their output budget, issue 43), keeps its outbox bounded, and shows the reply's controls
 /// escaped. Then ngIRCd is killed and started again: the bot reconnects, rejoins and answers.
 #[test]
 fn a_flooding_guest_delays_no_other_channel_and_the_bot_survives_a_server_restart() {
     let dir = scratch("rtf-");
     let d = dir.path();
     let port = free_port();
-    let server = start_server(d, port);
+    let server = start_server_with(d, port, BOTH, "");
     let (bot, said, echo) = start_bot(d, port, "#a,#b");
     let Client {
         _proc: flooder_proc,
         chan: mut flooder_chan,
         out: flooder_out,
+        server: flooder_server,
+        server_out: flooder_server_out,
     } = start_client(d, port, "flooder", "#a");
-    let mut asker = start_client(d, port, "asker", "#b");
+    let mut asker = start_client_at(d, OTHER_HOST, port, "asker", "#b");
 
     // One a second, for 30 s: faster, ngIRCd's own flood rule would disconnect the flooding
     // client (its unread input past 2 KiB) and end the flood early.
@@ -471,6 +686,8 @@ fn a_flooding_guest_delays_no_other_channel_and_the_bot_survives_a_server_restar
         _proc: flooder_proc,
         chan: Fifo::open(&d.join("ii-flooder/127.0.0.1/#a/in")),
         out: flooder_out,
+        server: flooder_server,
+        server_out: flooder_server_out,
     };
     // The flood is under way: the bot is posting its first reply in #a (6 long lines, 9 s
     // of pacing) and more are coming.
@@ -548,9 +765,9 @@ fn a_flooding_guest_delays_no_other_channel_and_the_bot_survives_a_server_restar
     drop(server);
     let skip = said.lock().unwrap().len();
     wait_for_said(&said, "reconnecting in", skip);
-    let _server = start_server(d, port);
+    let _server = start_server_with(d, port, BOTH, "");
     wait_for_said(&said, "registered; joining", skip);
-    let mut again = start_client(d, port, "again", "#b");
+    let mut again = start_client_at(d, OTHER_HOST, port, "again", "#b");
     let from = log_len(&again.out);
     say_seen(&mut again.chan, &again.out, from, "sandbox: are you back");
     let (_, reply) = expect(&again.out, from, "<sandbox> again: ");

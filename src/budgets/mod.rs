@@ -43,6 +43,12 @@ use chrono::{DateTime, NaiveDate, TimeZone, Utc};
 use serde::Deserialize;
 
 pub use store::{BudgetStore, CounterKey, SqliteStore, StoreError};
+// The one rule for a stored count, for this workspace's tests (a store of the crate, the
+// PostgreSQL one to come, uses it from `store`).
+#[cfg(feature = "testing")]
+pub use store::{
+    clamp_count, LoadReport, ReadCount, StoredCount, MAX_STORED, SATURATING_ADD,
+};
 
 /// One turn's use of the model and tools, as the host counted it: tokens from the
 /// upstream's own `usage` of every completion the broker forwarded (compaction calls
@@ -95,7 +101,8 @@ pub struct TurnAccount {
 }
 
 impl TurnAccount {
-    /// The account of a turn of `speaker` (their id) in the channel of hash `channel`.
+    /// The account of a turn of `speaker` (the key its budgets count under: the speaker's id,
+    /// or the request's `limits_key`) in the channel of hash `channel`.
     pub fn new(speaker: &str, channel: &str, book: Option<Arc<BudgetBook>>) -> Self {
         Self {
             speaker: speaker.to_owned(),
@@ -576,10 +583,11 @@ impl BudgetBook {
     ) -> Result<Arc<Self>, StoreError> {
         let now = clock.as_ref().map_or_else(Utc::now, |c| c());
         let tz: chrono_tz::Tz = time_zone.parse().unwrap_or(chrono_tz::UTC);
-        let day = now.with_timezone(&tz).date_naive();
-        let tokens = Counters::from_keys(store.load_tokens(&day.to_string())?);
+        let loaded = load_start(store.as_mut(), tz, now)?;
+        let day = loaded.day;
+        let tokens = Counters::from_keys(loaded.tokens);
         let mut turns: HashMap<String, VecDeque<i64>> = HashMap::new();
-        for (speaker, at) in store.load_turns(now.timestamp_millis() - MINUTE_MS)? {
+        for (speaker, at) in loaded.turns {
             turns.entry(speaker).or_default().push_back(at);
         }
         let (tx, rx) = mpsc::channel::<Write>();
@@ -808,7 +816,7 @@ impl BudgetBook {
         if let Some(limit) = self.settings.speaker_turns_per_minute {
             if window.len() >= limit as usize {
                 let oldest = window.front().copied().unwrap_or(now_ms);
-                let wait = ((oldest + MINUTE_MS - now_ms).max(0) as u64)
+                let wait = ((oldest.saturating_add(MINUTE_MS) - now_ms).max(0) as u64)
                     .div_ceil(1000)
                     .max(1);
                 return Err(BudgetRefusal {
@@ -857,6 +865,76 @@ impl BudgetBook {
     pub fn next_reset(&self) -> DateTime<Utc> {
         next_midnight(self.tz, self.now())
     }
+}
+
+/// What a start reads from its store.
+struct Loaded {
+    day: NaiveDate,
+    tokens: Vec<(CounterKey, u64)>,
+    turns: Vec<(String, i64)>,
+}
+
+/// The one load of a start, also `doctor`'s ([`check_state_file`]): the token counters of
+/// `now`'s day in `tz` and the turns of the minute before `now`. A turn recorded after
+/// `now` (another writer's, or a clock set back) counts as started now: it stays in this
+/// minute's window and its wait cannot overflow.
+fn load_start(
+    store: &mut dyn BudgetStore,
+    tz: chrono_tz::Tz,
+    now: DateTime<Utc>,
+) -> Result<Loaded, StoreError> {
+    let day = now.with_timezone(&tz).date_naive();
+    let now_ms = now.timestamp_millis();
+    let tokens = store.load_tokens(&day.to_string())?;
+    let mut turns = store.load_turns(now_ms - MINUTE_MS)?;
+    for (_, at) in &mut turns {
+        *at = (*at).min(now_ms);
+    }
+    Ok(Loaded { day, tokens, turns })
+}
+
+/// What `doctor` found in a state file loaded as a start loads it.
+#[cfg(any(feature = "cli", feature = "testing"))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateFileCheck {
+    /// Today's token counters read.
+    pub counters: usize,
+    /// Turns of the last minute read.
+    pub turns: usize,
+    /// The loads that were not clean, each with the warning a start logs
+    /// ([`LoadReport::warning`]).
+    pub warnings: Vec<String>,
+}
+
+/// `doctor`'s check of the state file at `path`: opened ([`SqliteStore::open`]) and today's
+/// counters and the last minute's turns loaded exactly as a start does ([`BudgetBook::open`]
+/// with the configured `time_zone`), so a file a start cannot use is an error here too, and
+/// the values a start would clamp are named. Nothing is written but what opening writes
+/// (the schema, when it is missing).
+#[cfg(any(feature = "cli", feature = "testing"))]
+pub fn check_state_file(
+    path: &std::path::Path,
+    time_zone: &str,
+) -> Result<StateFileCheck, StoreError> {
+    // The zone in any letter case, as the configuration resolves it (`europe/paris`,
+    // `US/Eastern`); ICU's legacy ids that no tz database names fall back to UTC here.
+    let tz: chrono_tz::Tz = time_zone.parse().unwrap_or_else(|_| {
+        chrono_tz::TZ_VARIANTS
+            .into_iter()
+            .find(|tz| tz.name().eq_ignore_ascii_case(time_zone))
+            .unwrap_or(chrono_tz::UTC)
+    });
+    let mut store = SqliteStore::open(path)?;
+    let loaded = load_start(&mut store, tz, Utc::now())?;
+    Ok(StateFileCheck {
+        counters: loaded.tokens.len(),
+        turns: loaded.turns.len(),
+        warnings: store
+            .load_reports()
+            .iter()
+            .map(|r| r.warning(path))
+            .collect(),
+    })
 }
 
 /// The first instant of `now`'s day in `tz` and of the next (a day of a time-zone change

@@ -12,8 +12,20 @@
 //! After startup the store is owned by the book's writer thread: no turn and no actor
 //! thread waits for a disk write.
 //!
-//! Keys are what the host admitted, never guest text: the speaker's id (the chat
-//! platform's), the channel's sha256 hex (as its workspace), and `bot`.
+//! Keys are what the host admitted, never guest text: the speaker's limits key (the chat
+//! platform's id, or what a bot passed as `TurnRequest::limits_key`), the channel's sha256
+//! hex (as its workspace), and `bot`.
+//!
+//! **Counts that cannot overflow the store.** A count is at most [`MAX_STORED`]
+//! (`i64::MAX`, SQLite's largest INTEGER). The writer adds with saturation in SQL
+//! ([`SATURATING_ADD`]): `tokens + excluded.tokens` overflowed to a REAL (9.22e18) on a
+//! huge `usage`, and every later start failed on it until the next day. Increments, not
+//! totals, are written because a store shared by several processes of one bot (the
+//! PostgreSQL store to come) can only add to what the others wrote; the SQL saturates at
+//! the top. The loader reads whatever a damaged or foreign writer left through
+//! [`clamp_count`], the one rule (the SQL's `CASE` is the same rule, tested to agree): a
+//! value is never a reason to fail a start or to reset a counter; a clamped one is told in
+//! one warning per load naming the file and the number of rows.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -48,6 +60,130 @@ impl CounterKey {
             "bot" => Some(CounterKey::Bot),
             _ => None,
         }
+    }
+}
+
+/// The largest count a store holds: SQLite's largest INTEGER (PostgreSQL's BIGINT too).
+pub const MAX_STORED: u64 = i64::MAX as u64;
+
+/// A stored token count as the store found it, before [`clamp_count`]: the value kinds of
+/// SQL (a store maps its own types onto these).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StoredCount<'a> {
+    /// An integer (what this runtime writes; negative only from another writer).
+    Integer(i64),
+    /// A floating-point value (an overflowed `tokens + excluded.tokens`, 9.22e18, or another
+    /// writer's).
+    Real(f64),
+    /// Text. In a column of INTEGER affinity SQLite stores numeric text as a number, so text
+    /// found there is no number.
+    Text(&'a str),
+    /// No value.
+    Null,
+    /// Bytes.
+    Blob,
+}
+
+/// A count read through [`clamp_count`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadCount {
+    /// A clean count (an integer of 0 to [`MAX_STORED`]), as stored.
+    Clean(u64),
+    /// Anything else, clamped into 0 to [`MAX_STORED`]; the loader warns.
+    Clamped(u64),
+}
+
+impl ReadCount {
+    /// The count the budgets use.
+    pub fn count(self) -> u64 {
+        match self {
+            ReadCount::Clean(n) | ReadCount::Clamped(n) => n,
+        }
+    }
+}
+
+/// The one rule for a stored count, whatever wrote it: an integer of 0 to [`MAX_STORED`] is
+/// taken as it is; a negative integer is 0; a REAL is its whole part (truncated toward zero,
+/// as SQL's `CAST(x AS INTEGER)`) held within 0 to [`MAX_STORED`] (the overflowed 9.22e18
+/// is [`MAX_STORED`]); anything that is no number (TEXT, NULL, a BLOB, a NaN) counts as
+/// spent, [`MAX_STORED`]: a count nobody can read refuses its budget for the rest of the
+/// day (fail closed) rather than granting a fresh one. The SQLite writer's
+/// [`SATURATING_ADD`] applies the same rule to the row it adds to.
+pub fn clamp_count(stored: StoredCount<'_>) -> ReadCount {
+    match stored {
+        StoredCount::Integer(n) => match u64::try_from(n) {
+            Ok(n) => ReadCount::Clean(n),
+            Err(_) => ReadCount::Clamped(0),
+        },
+        StoredCount::Real(r) if r.is_nan() => ReadCount::Clamped(MAX_STORED),
+        // `as` truncates toward zero and saturates at i64's ends, as SQLite's CAST does.
+        StoredCount::Real(r) => ReadCount::Clamped((r as i64).max(0) as u64),
+        StoredCount::Text(_) | StoredCount::Null | StoredCount::Blob => {
+            ReadCount::Clamped(MAX_STORED)
+        }
+    }
+}
+
+/// The SQLite writer's upsert: a new row takes the delta; an existing row becomes its
+/// count read by [`clamp_count`]'s rule, plus the delta, saturating at [`MAX_STORED`]
+/// (`MIN(old, MAX - delta) + delta`: no intermediate passes `i64::MAX`, so the row stays an
+/// INTEGER). The delta is at most [`MAX_STORED`] (`to_i64`). A damaged row is rewritten
+/// clean by its next charge.
+pub const SATURATING_ADD: &str = "INSERT INTO tokens (day, scope, key, tokens) VALUES (?1, ?2, ?3, ?4)
+     ON CONFLICT (day, scope, key) DO UPDATE SET tokens =
+         MIN(CASE typeof(tokens)
+                 WHEN 'integer' THEN MAX(tokens, 0)
+                 WHEN 'real' THEN MAX(CAST(tokens AS INTEGER), 0)
+                 ELSE 9223372036854775807 END,
+             9223372036854775807 - excluded.tokens) + excluded.tokens";
+
+/// What one load found that was not clean: rows clamped, rows skipped (a key or a time
+/// that is not readable), and the rows read. Told in one warning per load
+/// ([`LoadReport::warning`]) and shown by `doctor`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// `"counter"` or `"turn"`.
+    pub what: &'static str,
+    /// Rows read.
+    pub rows: usize,
+    /// Rows whose value was clamped ([`clamp_count`]).
+    pub clamped: usize,
+    /// Rows left out: a counter's scope or key that is not text, a turn's speaker that is
+    /// not text or its time that is no number.
+    pub skipped: usize,
+}
+
+impl LoadReport {
+    /// Whether every row was clean.
+    pub fn is_clean(&self) -> bool {
+        self.clamped == 0 && self.skipped == 0
+    }
+
+    /// The warning for a load that was not clean, naming the file.
+    pub fn warning(&self, path: &Path) -> String {
+        let mut parts = Vec::new();
+        if self.clamped > 0 {
+            parts.push(format!(
+                "{} clamped (REAL, TEXT, NULL, BLOB or negative: read as 0 if negative, a REAL as \
+                 its whole part up to {MAX_STORED}, anything else as spent, {MAX_STORED})",
+                self.clamped
+            ));
+        }
+        if self.skipped > 0 {
+            parts.push(format!(
+                "{} skipped (a key, speaker or time that is not readable)",
+                self.skipped
+            ));
+        }
+        format!(
+            "budget state file {}: {} of {} {} row(s) loaded were not clean: {}; the runtime goes on \
+             with them so (a counter's next charge rewrites it clean; an unreadable turn is pruned)",
+            path.display(),
+            self.clamped + self.skipped,
+            self.rows,
+            self.what,
+            parts.join("; ")
+        )
     }
 }
 
@@ -113,6 +249,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_millis(1500);
 pub struct SqliteStore {
     path: PathBuf,
     conn: rusqlite::Connection,
+    /// What each load found that was not clean (warned as it was found; `doctor` shows it).
+    reports: Vec<LoadReport>,
 }
 
 impl SqliteStore {
@@ -130,7 +268,11 @@ impl SqliteStore {
             }
         }
         let conn = rusqlite::Connection::open(&path).map_err(|e| classify(&path, &e))?;
-        let mut store = Self { path, conn };
+        let mut store = Self {
+            path,
+            conn,
+            reports: Vec::new(),
+        };
         store.prepare().map_err(|e| classify(&store.path, &e))?;
         Ok(store)
     }
@@ -200,6 +342,41 @@ impl SqliteStore {
     fn err(&self, e: &rusqlite::Error) -> StoreError {
         classify(&self.path, e)
     }
+
+    /// The loads so far that were not clean, each as its warning said.
+    #[cfg(any(feature = "cli", feature = "testing"))]
+    pub fn load_reports(&self) -> &[LoadReport] {
+        &self.reports
+    }
+
+    /// A load that was not clean: one warning naming the file and the rows, kept for
+    /// `doctor`.
+    fn report(&mut self, report: LoadReport) {
+        if !report.is_clean() {
+            tracing::warn!("{}", report.warning(&self.path));
+            self.reports.push(report);
+        }
+    }
+}
+
+/// A column's value as [`StoredCount`].
+fn stored(v: rusqlite::types::ValueRef<'_>) -> StoredCount<'_> {
+    use rusqlite::types::ValueRef;
+    match v {
+        ValueRef::Integer(n) => StoredCount::Integer(n),
+        ValueRef::Real(r) => StoredCount::Real(r),
+        ValueRef::Text(t) => StoredCount::Text(std::str::from_utf8(t).unwrap_or("")),
+        ValueRef::Null => StoredCount::Null,
+        ValueRef::Blob(_) => StoredCount::Blob,
+    }
+}
+
+/// A column's value as text, if it is text.
+fn text(v: rusqlite::types::ValueRef<'_>) -> Option<String> {
+    match v {
+        rusqlite::types::ValueRef::Text(t) => std::str::from_utf8(t).ok().map(str::to_owned),
+        _ => None,
+    }
 }
 
 /// A SQLite error as a store error naming the file.
@@ -223,39 +400,83 @@ fn to_i64(n: u64) -> i64 {
 
 impl BudgetStore for SqliteStore {
     fn load_tokens(&mut self, day: &str) -> Result<Vec<(CounterKey, u64)>, StoreError> {
+        let mut report = LoadReport {
+            what: "counter",
+            ..Default::default()
+        };
+        // Each column read as whatever it holds (a typed `get` failed the start on a REAL).
         let mut stmt = self
             .conn
             .prepare_cached("SELECT scope, key, tokens FROM tokens WHERE day = ?1")
-            .map_err(|e| self.err(&e))?;
+            .map_err(|e| classify(&self.path, &e))?;
         let rows = stmt
             .query_map([day], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, i64>(2)?,
-                ))
+                let key = text(r.get_ref(0)?).zip(text(r.get_ref(1)?));
+                Ok((key, clamp_count(stored(r.get_ref(2)?))))
             })
             .and_then(|rows| rows.collect::<Result<Vec<_>, _>>());
         drop(stmt);
         let rows = rows.map_err(|e| self.err(&e))?;
-        Ok(rows
-            .into_iter()
-            .filter_map(|(scope, key, n)| {
-                CounterKey::from_columns(&scope, key).map(|k| (k, n.max(0) as u64))
-            })
-            .collect())
+        report.rows = rows.len();
+        let mut counters = Vec::with_capacity(rows.len());
+        for (key, count) in rows {
+            let Some((scope, key)) = key else {
+                report.skipped += 1;
+                continue;
+            };
+            report.clamped += usize::from(matches!(count, ReadCount::Clamped(_)));
+            // An unknown scope is another version's counter: not this runtime's to read.
+            if let Some(k) = CounterKey::from_columns(&scope, key) {
+                counters.push((k, count.count()));
+            }
+        }
+        self.report(report);
+        Ok(counters)
     }
 
     fn load_turns(&mut self, since_ms: i64) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut report = LoadReport {
+            what: "turn",
+            ..Default::default()
+        };
+        // A time that is no number sorts above every number in SQLite: selected, then left
+        // out here (and pruned by the next commit of turns).
         let mut stmt = self
             .conn
-            .prepare_cached("SELECT speaker, at_ms FROM turns WHERE at_ms >= ?1 ORDER BY at_ms")
-            .map_err(|e| self.err(&e))?;
+            .prepare_cached(
+                "SELECT speaker, at_ms FROM turns
+                 WHERE at_ms >= ?1 OR typeof(at_ms) NOT IN ('integer', 'real')",
+            )
+            .map_err(|e| classify(&self.path, &e))?;
         let rows = stmt
-            .query_map([since_ms], |r| Ok((r.get(0)?, r.get(1)?)))
+            .query_map([since_ms], |r| {
+                use rusqlite::types::ValueRef;
+                let at = match r.get_ref(1)? {
+                    ValueRef::Integer(n) => Some((n, false)),
+                    // Truncated and saturated as SQL's CAST: a clamped time.
+                    ValueRef::Real(x) if !x.is_nan() => Some((x as i64, true)),
+                    _ => None,
+                };
+                Ok((text(r.get_ref(0)?), at))
+            })
             .and_then(|rows| rows.collect::<Result<Vec<_>, _>>());
         drop(stmt);
-        rows.map_err(|e| self.err(&e))
+        let rows = rows.map_err(|e| self.err(&e))?;
+        report.rows = rows.len();
+        let mut turns = Vec::with_capacity(rows.len());
+        for row in rows {
+            let (Some(speaker), Some((at, clamped))) = row else {
+                report.skipped += 1;
+                continue;
+            };
+            report.clamped += usize::from(clamped);
+            if at >= since_ms {
+                turns.push((speaker, at));
+            }
+        }
+        turns.sort_by_key(|&(_, at)| at);
+        self.report(report);
+        Ok(turns)
     }
 
     fn add_tokens(&mut self, day: &str, deltas: &[(CounterKey, u64)]) -> Result<(), StoreError> {
@@ -263,10 +484,7 @@ impl BudgetStore for SqliteStore {
         let mut run = || -> rusqlite::Result<()> {
             let tx = self.conn.transaction()?;
             {
-                let mut stmt = tx.prepare_cached(
-                    "INSERT INTO tokens (day, scope, key, tokens) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (day, scope, key) DO UPDATE SET tokens = tokens + excluded.tokens",
-                )?;
+                let mut stmt = tx.prepare_cached(SATURATING_ADD)?;
                 for (key, n) in deltas {
                     let (scope, k) = key.columns();
                     stmt.execute(rusqlite::params![day, scope, k, to_i64(*n)])?;
@@ -292,7 +510,12 @@ impl BudgetStore for SqliteStore {
                     stmt.execute(rusqlite::params![speaker, at_ms])?;
                 }
             }
-            tx.execute("DELETE FROM turns WHERE at_ms < ?1", [forget_before_ms])?;
+            // Old turns, and any whose speaker or time is unreadable (skipped at startup).
+            tx.execute(
+                "DELETE FROM turns WHERE at_ms < ?1 OR typeof(at_ms) NOT IN ('integer', 'real')
+                 OR typeof(speaker) != 'text'",
+                [forget_before_ms],
+            )?;
             tx.commit()
         };
         run().map_err(|e| classify(&path, &e))

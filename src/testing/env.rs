@@ -209,6 +209,7 @@ pub fn request(channel: &str, text: &str) -> TurnRequest {
         reset: false,
         stop: CancellationToken::new(),
         admitted: None,
+        limits_key: None,
     }
 }
 

@@ -71,6 +71,21 @@ pub struct TurnRequest {
     /// [`run_turn`]). The actor layer sets it to the channel's admission, so the wait for a
     /// container slot counts too.
     pub admitted: Option<Instant>,
+    /// What the per-speaker budgets (`speaker_tokens_per_day`, `speaker_turns_per_minute`)
+    /// count this turn under instead of `speaker.id`, when set: something the sender cannot
+    /// change at will where the speaker id is (an IRC nick; the IRC bot passes a keyed hash
+    /// of the sender's host). Read by the budgets alone: never written into the turn, the
+    /// audit trail, an event or a log line, so the model, the guest and the other guests see
+    /// only `speaker`. `None`: the budgets count `speaker.id`, as before.
+    pub limits_key: Option<String>,
+}
+
+impl TurnRequest {
+    /// The key the per-speaker budgets count this turn under: [`Self::limits_key`], else the
+    /// speaker's id.
+    pub(crate) fn limits_id(&self) -> &str {
+        self.limits_key.as_deref().unwrap_or(&self.speaker.id)
+    }
 }
 
 /// A turn admitted: its request and its deadline, computed once here, at admission
@@ -208,7 +223,7 @@ pub async fn run_admitted(
         cancel: turn.request.stop.child_token(),
         // The host's count of what this turn uses, and its view of the budgets.
         account: Arc::new(crate::budgets::TurnAccount::new(
-            &turn.request.speaker.id,
+            turn.request.limits_id(),
             turn.request.channel.segment(),
             sandbox.budgets().cloned(),
         )),
@@ -361,7 +376,7 @@ impl Run<'_> {
         }
         // The budgets, before any workspace, broker or container.
         if let Some(book) = sandbox.budgets() {
-            book.admit(&request.speaker.id, request.channel.segment())
+            book.admit(request.limits_id(), request.channel.segment())
                 .inspect_err(|r| {
                     self.events.emit(EventKind::BudgetRefused {
                         budget: r.budget,

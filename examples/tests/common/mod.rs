@@ -9,13 +9,19 @@ use std::path::{Path, PathBuf};
 /// [`instance_of`]`(dir)`, so a test lists its own containers, never another runtime's on
 /// the same engine.
 pub fn floor_config(dir: &Path) -> PathBuf {
+    floor_config_with(dir, "")
+}
+
+/// [`floor_config`] with `sections` (TOML tables, e.g. `[budgets]` and `[audit]`) after it.
+#[allow(dead_code)] // Not every test binary that shares this module uses it.
+pub fn floor_config_with(dir: &Path, sections: &str) -> PathBuf {
     let path = dir.join("floor.toml");
     std::fs::write(
         &path,
         format!(
             "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"/unused/run\"\n\
              workspace_root = \"/unused/ws\"\nmodel = \"offline\"\nmodel_url = \"http://127.0.0.1:9/v1\"\n\
-             instance = \"{}\"\n[limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n",
+             instance = \"{}\"\n[limits]\ndisk_floor_mb = 0\ndisk_floor_percent = 0\n{sections}",
             instance_of(dir)
         ),
     )
