@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use roundtable_sandbox::budgets::{
     Budget, BudgetBook, BudgetSettings, BudgetStore, CounterKey, SqliteStore, StoreError,
@@ -192,20 +192,19 @@ fn book(dir: &Path, settings: BudgetSettings) -> Arc<BudgetBook> {
 }
 
 #[tokio::test]
-async fn concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call_each() {
-    // Three turns of one speaker in three channels, each call 80 tokens, the budget 100:
-    // all three calls are checked before any is charged (the stream is slow), so the
-    // speaker ends at 240, within the bound (100 + 3 × one call); then every call is
-    // refused, in every channel.
-    let slow = || Step::Stream {
-        chunks: vec![
-            text_event("x"),
-            usage_event(50, 30),
-            "data: [DONE]\n\n".into(),
-        ],
-        delay: Duration::from_millis(400),
+async fn concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call() {
+    // Three turns of one speaker in three channels call at once, each call 80 tokens, the
+    // budget 100. The first call to be checked holds its worst case (its prompt's estimate
+    // and the clamped completion, 16,384), so the other two are refused before they go
+    // upstream; once its answer settles it at 80, the next call passes (80 < 100) and the
+    // one after is refused: the budget is passed by at most one call.
+    let slow = || {
+        Step::Delayed(
+            Duration::from_millis(400),
+            Box::new(text_with_usage("x", Some((50, 30)))),
+        )
     };
-    let model = ScriptedModel::start(vec![slow(), slow(), slow()]).await;
+    let model = ScriptedModel::start(vec![slow(), slow()]).await;
     let broker = start_broker(broker_policy(&model.url(), KEY)).await;
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let book = book(
@@ -224,15 +223,29 @@ async fn concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call_eac
         ));
         turns.push(BrokerTurn::start_counted(&broker, ch, ann(), Some(account)).await);
     }
-    let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
     let calls: Vec<_> = turns
         .iter()
-        .map(|t| stream_call(t.socket(), body.clone()))
+        .map(|t| post_json(t.socket(), CHAT, &body))
         .collect();
-    futures_util::future::join_all(calls).await;
+    let mut statuses: Vec<u16> = futures_util::future::join_all(calls)
+        .await
+        .iter()
+        .map(|a| a.status)
+        .collect();
+    statuses.sort();
+    assert_eq!(statuses, [200, 429, 429]);
+    assert_eq!(
+        model.requests().len(),
+        1,
+        "a refused call reached the upstream"
+    );
+    assert_eq!(book.tokens(&CounterKey::Speaker("u1".into())), 80);
+    // Room is left (80 < 100): one more call passes, then the budget is spent.
+    assert_eq!(post_json(turns[1].socket(), CHAT, &body).await.status, 200);
     let used = book.tokens(&CounterKey::Speaker("u1".into()));
-    assert_eq!(used, 240);
-    assert!(used <= 100 + 3 * 80);
+    assert_eq!(used, 160);
+    assert!(used <= 100 + 80, "passed by more than one call");
     for t in &turns {
         let a = post_json(t.socket(), CHAT, &body).await;
         assert_eq!(a.status, 429);
@@ -243,9 +256,70 @@ async fn concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call_eac
     }
     assert_eq!(
         model.requests().len(),
-        3,
+        2,
         "a refused call reached the upstream"
     );
+}
+
+#[tokio::test]
+async fn dropped_calls_are_charged_at_their_worst_case() {
+    // The review's attack (issue 43 item 3): a guest sends 200 KB prompts and drops each
+    // call after a second, before the (slow) upstream answers, 28 times. Charged only when
+    // an answer was read, 1,528 tokens were charged for ~1.3 M sent. Now the first call holds
+    // its worst case and keeps it when dropped: every later call is refused before it goes
+    // upstream, and so is the speaker's next turn.
+    let model = ScriptedModel::start(vec![Step::Hang; 28]).await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(
+        dir.path(),
+        BudgetSettings {
+            speaker_tokens_per_day: Some(1000),
+            ..Default::default()
+        },
+    );
+    let account = Arc::new(TurnAccount::new(
+        "mallory",
+        &channel_segment("#a"),
+        Some(book.clone()),
+    ));
+    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    let prompt = "p".repeat(200_000);
+    let body = json!({"messages": [{"role": "user", "content": prompt}]});
+    let mut refused = 0;
+    for _ in 0..28 {
+        let call = post_json(turn.socket(), CHAT, &body);
+        match tokio::time::timeout(Duration::from_secs(1), call).await {
+            // Dropped by the guest before the answer.
+            Err(_) => {}
+            Ok(a) => {
+                assert_eq!(a.status, 429, "{}", a.text());
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(refused, 27);
+    // The dropped calls' futures end on the broker's side; then one call was charged at its
+    // worst: its prompt's estimate (200 KB / 4) and the clamped completion (16,384).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let worst = 200_000 / 4 + 16_384;
+    while book.tokens(&CounterKey::Speaker("mallory".into())) < worst {
+        assert!(
+            Instant::now() < deadline,
+            "the dropped call was not charged"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let used = book.tokens(&CounterKey::Speaker("mallory".into()));
+    assert!((worst..worst + 100).contains(&used), "charged {used}");
+    assert!(account.usage().estimated);
+    assert_eq!(
+        model.requests().len(),
+        1,
+        "a refused call reached the upstream"
+    );
+    // The speaker's next turn is refused at admission.
+    assert!(book.admit("mallory", &channel_segment("#b")).is_err());
 }
 
 #[test]

@@ -429,23 +429,6 @@ async fn call(
             limits.max_model_calls
         ));
     }
-    if let Some(account) = &turn.ctx.account {
-        if let Err(refusal) = account.check_call() {
-            crate::events::emit(
-                &turn.ctx.events,
-                crate::events::EventKind::BudgetRefused {
-                    budget: refusal.budget,
-                    mid_turn: true,
-                },
-            );
-            return Err(format!("the {name} call is refused: {refusal}"));
-        }
-    }
-    usage.model_calls += 1;
-    crate::events::emit(
-        &turn.ctx.events,
-        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
-    );
     /// The summary request, written straight from its parts (no JSON value built).
     #[derive(serde::Serialize)]
     struct Summarise<'a> {
@@ -464,6 +447,32 @@ async fn call(
     .expect("a summary request serialises");
     drop(messages);
     let request_bytes = body.len();
+    // Every budget must have room; the call's worst case is then held until its answer
+    // settles it (as a chat call's).
+    let charge = match turn.ctx.account.as_ref().map(|a| {
+        a.hold(
+            crate::budgets::estimate_tokens(request_bytes),
+            u64::from(turn.broker.policy.model_request.max_tokens),
+        )
+    }) {
+        Some(Err(refusal)) => {
+            crate::events::emit(
+                &turn.ctx.events,
+                crate::events::EventKind::BudgetRefused {
+                    budget: refusal.budget,
+                    mid_turn: true,
+                },
+            );
+            return Err(format!("the {name} call is refused: {refusal}"));
+        }
+        Some(Ok(charge)) => Some(charge),
+        None => None,
+    };
+    usage.model_calls += 1;
+    crate::events::emit(
+        &turn.ctx.events,
+        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
+    );
     let mut http = turn
         .broker
         .upstream
@@ -475,6 +484,9 @@ async fn call(
     if let Some(key) = key {
         let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
         else {
+            if let Some(charge) = charge {
+                charge.settle(0, 0, false);
+            }
             return Err(format!("the {name} key is not a valid header value"));
         };
         value.set_sensitive(true);
@@ -527,6 +539,10 @@ async fn call(
             )
         }
         Ok(Err(Exchange::Send(e))) if e.is_connect() => {
+            // Nothing reached the upstream.
+            if let Some(charge) = charge {
+                charge.settle(0, 0, false);
+            }
             return failed(
                 StatusCode::BAD_GATEWAY,
                 format!("the {name} is unreachable"),
@@ -547,6 +563,9 @@ async fn call(
         account.count_model_call();
     }
     if !status.is_success() {
+        if let Some(charge) = charge {
+            charge.settle(crate::budgets::estimate_tokens(request_bytes), 0, true);
+        }
         report(status, None);
         return Err(format!("the {name} returned HTTP {}", status.as_u16()));
     }
@@ -566,10 +585,10 @@ async fn call(
     .await;
     report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
     // Host-counted, from the upstream's own usage (or the estimate), answer or not.
-    if let Some(account) = &turn.ctx.account {
+    if let Some(charge) = charge {
         match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
-            Some((Some(p), c)) => account.charge(p, c.unwrap_or(0), false),
-            _ => account.charge(
+            Some((Some(p), c)) => charge.settle(p, c.unwrap_or(0), false),
+            _ => charge.settle(
                 crate::budgets::estimate_tokens(request_bytes),
                 crate::budgets::estimate_tokens(answer_bytes),
                 true,

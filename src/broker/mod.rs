@@ -23,7 +23,7 @@
 //!
 //! The other files: `server` (HTTP/1.1 on the unix socket: peer check, routing, limits),
 //! `model` (the upstream chat-completions proxy), `compact` (the compactor behind
-//! `POST /v1/compact`), `tools` (host tools and their schemas), `mcp` (the rmcp client
+//! `POST /v1/compact`), `tools` (host tools and their schemas), `mcp` (the MCP client
 //! pool with pinned tools), `redact` (removing declared secrets from everything that flows
 //! back).
 //!

@@ -31,7 +31,7 @@ use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
 use super::usage::{answer_usage, UsageShape, UsageWire};
-use crate::budgets::{estimate_tokens, TurnAccount};
+use crate::budgets::{estimate_tokens, CallCharge};
 use crate::events::{BrokerEvent, ModelOperation, TurnEvents};
 
 /// How much of an upstream error body is shown to the guest (characters).
@@ -49,6 +49,8 @@ pub(crate) struct Prepared {
     /// (`stream_options.include_usage`); when it did not, the broker asks the upstream for
     /// it and drops it from the guest's stream.
     pub(crate) usage_asked: bool,
+    /// The most completion tokens the upstream may produce (the clamped cap sent).
+    pub(crate) max_completion: u64,
 }
 
 /// The allowed fields of a body, each a raw value borrowed from the body (`model` skipped).
@@ -134,6 +136,7 @@ pub(crate) fn prepare(
     serde_json::to_writer(&mut out, model).expect("a string serialises");
     let cap = u64::from(policy.max_tokens);
     let mut capped = false;
+    let mut max_completion = 0u64;
     for (name, value) in fields {
         match name {
             "stream" => {
@@ -151,6 +154,7 @@ pub(crate) fn prepare(
                     .map_err(|_| format!("{name} must be a non-negative integer"))?;
                 if let Some(n) = asked {
                     capped = true;
+                    max_completion = max_completion.max(n.min(cap));
                     out.extend_from_slice(format!(",\"{name}\":{}", n.min(cap)).as_bytes());
                 }
                 continue;
@@ -165,6 +169,7 @@ pub(crate) fn prepare(
     if !capped {
         // No cap asked for: the provider's default may be the model's maximum.
         out.extend_from_slice(format!(",\"max_tokens\":{cap}").as_bytes());
+        max_completion = cap;
     }
     let usage_asked = write_stream_options(&mut out, stream, stream_options)?;
     out.push(b'}');
@@ -172,6 +177,7 @@ pub(crate) fn prepare(
         body: out,
         stream,
         usage_asked,
+        max_completion,
     })
 }
 
@@ -310,7 +316,7 @@ impl Upstream {
         accept: Option<HeaderValue>,
         cancel: CancellationToken,
         policy: &BrokerPolicy,
-        account: Option<Arc<TurnAccount>>,
+        charge: Option<CallCharge>,
         events: Option<&TurnEvents>,
     ) -> Answer {
         let started = std::time::Instant::now();
@@ -318,12 +324,20 @@ impl Upstream {
             body,
             stream,
             usage_asked,
+            max_completion: _,
         } = prepared;
+        // What did not reach the upstream is not charged.
+        let unsent = |charge: Option<CallCharge>| {
+            if let Some(c) = charge {
+                c.settle(0, 0, false);
+            }
+        };
         let sent_bytes = body.len();
         let key = match self.key.resolve().await {
             Ok(k) => k.filter(|k| !k.expose_secret().is_empty()),
             Err(e) => {
                 tracing::warn!(error = %e, "model key unavailable");
+                unsent(charge);
                 return Answer::plain(error_response(StatusCode::BAD_GATEWAY, "model key unavailable"));
             }
         };
@@ -350,12 +364,15 @@ impl Upstream {
         if let Some(k) = key_str {
             let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {k}")) else {
                 tracing::warn!("model key is not a valid header value");
+                unsent(charge);
                 return Answer::plain(error_response(StatusCode::BAD_GATEWAY, "model key unavailable"));
             };
             value.set_sensitive(true);
             request = request.header(AUTHORIZATION, value);
         }
         let timeout = self.limits.call_timeout;
+        // Held at its worst case until the answer settles it (`charge`): a call dropped by
+        // the guest, ended with its turn or past its deadline keeps the worst case.
         let send = async {
             let mut response = request.send().await.map_err(Upstream::failed)?;
             if stream && response.status().is_success() {
@@ -393,6 +410,9 @@ impl Upstream {
                 ));
             }
             Ok(Err(e)) => {
+                if matches!(&e, Failure::Send(e) if e.is_connect()) {
+                    unsent(charge);
+                }
                 let msg = match &e {
                     Failure::Send(e) => {
                         tracing::warn!(error = %secrets.redact(&e.to_string()), "model call failed");
@@ -414,8 +434,8 @@ impl Upstream {
             Ok(Ok(w)) => w,
         };
         // Counted as sent: it reached the upstream (its answer may still be refused).
-        if let Some(a) = &account {
-            a.count_model_call();
+        if let Some(c) = &charge {
+            c.count_sent();
         }
         match whole {
             Whole::Body(status, bytes, truncated) if status.is_success() => {
@@ -430,15 +450,15 @@ impl Upstream {
                 }
                 // Read once, for the budgets and for the call's event (not at all when
                 // neither is there), and redacted: both off the async threads.
-                let read_usage = account.is_some() || events.is_some();
+                let read_usage = charge.is_some() || events.is_some();
                 let answer_bytes = bytes.len();
                 let (wire, out) = bounded::off_thread(move || {
                     let wire = read_usage.then(|| answer_usage(&bytes)).flatten();
                     (wire, redact_whole(&secrets, bytes))
                 })
                 .await;
-                if let Some(a) = &account {
-                    charge_whole(a, sent_bytes, answer_bytes, wire);
+                if let Some(charge) = charge {
+                    settle_whole(charge, sent_bytes, answer_bytes, wire);
                 }
                 let usage = wire.map(|u| roundtable_sandbox_protocol::Usage {
                     model_calls: 1,
@@ -458,6 +478,10 @@ impl Upstream {
                 }
             }
             Whole::Body(status, bytes, truncated) => {
+                // The upstream refused it: the prompt's estimate.
+                if let Some(charge) = charge {
+                    charge.settle(estimate_tokens(sent_bytes), 0, true);
+                }
                 // Redacted before it is cut: a secret straddling the read's end (its start
                 // held back by the redactor) is dropped, never shown in part.
                 let mut redactor = Redactor::new(secrets);
@@ -485,8 +509,8 @@ impl Upstream {
                 // The stream's event is sent when it ends (with its usage chunk's counts),
                 // its latency the head's.
                 let report = events.map(|e| (e.clone(), started.elapsed()));
-                let tap = (account.is_some() || report.is_some()).then(|| UsageTap {
-                    account,
+                let tap = (charge.is_some() || report.is_some()).then(|| UsageTap {
+                    charge,
                     report,
                     sent_bytes,
                     streamed: 0,
@@ -598,14 +622,19 @@ impl Upstream {
     }
 }
 
-/// Charges a whole answer: its `usage`, or the estimate when it has none.
-fn charge_whole(account: &TurnAccount, sent_bytes: usize, answer_bytes: usize, usage: Option<UsageWire>) {
+/// Settles a call's charge: its `usage`, or the estimate of what was sent and read.
+fn settle_whole(
+    charge: CallCharge,
+    sent_bytes: usize,
+    answer_bytes: usize,
+    usage: Option<UsageWire>,
+) {
     match usage {
         Some(UsageWire {
             prompt_tokens: Some(p),
             completion_tokens: c,
-        }) => account.charge(p, c.unwrap_or(0), false),
-        _ => account.charge(
+        }) => charge.settle(p, c.unwrap_or(0), false),
+        _ => charge.settle(
             estimate_tokens(sent_bytes),
             estimate_tokens(answer_bytes),
             true,
@@ -638,7 +667,7 @@ impl Answer {
 /// What a stream used, charged (and its model call's event sent, with the usage chunk's
 /// counts) when the stream ends however it ends (its last `usage`, or the estimate).
 struct UsageTap {
-    account: Option<Arc<TurnAccount>>,
+    charge: Option<CallCharge>,
     /// The turn's events and the latency of the stream's head.
     report: Option<(TurnEvents, Duration)>,
     sent_bytes: usize,
@@ -648,18 +677,8 @@ struct UsageTap {
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
-        if let Some(account) = &self.account {
-            match self.usage {
-                Some(UsageWire {
-                    prompt_tokens: Some(p),
-                    completion_tokens: c,
-                }) => account.charge(p, c.unwrap_or(0), false),
-                _ => account.charge(
-                    estimate_tokens(self.sent_bytes),
-                    estimate_tokens(self.streamed),
-                    true,
-                ),
-            }
+        if let Some(charge) = self.charge.take() {
+            settle_whole(charge, self.sent_bytes, self.streamed, self.usage);
         }
         if let Some((events, latency)) = self.report.take() {
             events.broker(BrokerEvent::ModelCall {

@@ -414,28 +414,36 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
         };
         // The guest's bytes are not held while the upstream answers.
         drop(body);
-        // Every token budget must have room, this turn's tokens so far included (the
-        // guest reports the 429; the turn's failure is typed by the host).
-        if let Some(account) = &turn.ctx.account {
-            if let Err(refusal) = account.check_call() {
-                tracing::info!(
-                    budget = refusal.budget.key(),
-                    "model call refused by a budget"
-                );
-                crate::events::emit(
-                    &turn.ctx.events,
-                    EventKind::BudgetRefused {
-                        budget: refusal.budget,
-                        mid_turn: true,
-                    },
-                );
-                return refuse(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    Refusal::Budget(refusal.budget),
-                    &refusal.to_string(),
-                );
+        // Every token budget must have room, this turn's tokens so far and the calls in
+        // flight included; the call's worst case is then held until its answer settles it
+        // (the guest reports the 429; the turn's failure is typed by the host).
+        let charge = match &turn.ctx.account {
+            None => None,
+            Some(account) => {
+                let prompt = crate::budgets::estimate_tokens(prepared.body.len());
+                match account.hold(prompt, prepared.max_completion) {
+                    Ok(charge) => Some(charge),
+                    Err(refusal) => {
+                        tracing::info!(
+                            budget = refusal.budget.key(),
+                            "model call refused by a budget"
+                        );
+                        crate::events::emit(
+                            &turn.ctx.events,
+                            EventKind::BudgetRefused {
+                                budget: refusal.budget,
+                                mid_turn: true,
+                            },
+                        );
+                        return refuse(
+                            StatusCode::TOO_MANY_REQUESTS,
+                            Refusal::Budget(refusal.budget),
+                            &refusal.to_string(),
+                        );
+                    }
+                }
             }
-        }
+        };
         crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
         tracing::debug!("model call");
         let started = std::time::Instant::now();
@@ -451,7 +459,7 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
                 accept,
                 turn.stop.clone(),
                 policy,
-                turn.ctx.account.clone(),
+                charge,
                 turn.ctx.events.as_ref(),
             )
             .await;

@@ -23,14 +23,22 @@
 //!   of the book and hash no key (the day's end is checked against the clock each call);
 //! - [`BudgetRefusal`]: which budget refused, and the message a guest reads.
 //!
-//! **The bound.** A turn is admitted only while every budget has room; each model call is
-//! checked again before it is sent upstream, with the tokens of every call already
-//! answered (this turn's included). A call is charged when its answer ends, so the calls in
-//! flight when a budget fills all complete: concurrent turns of one speaker in N channels
-//! pass a token budget by at most N × `max_calls_in_flight` model calls (one turn's cap of
-//! calls at once each), each call's tokens bounded by its prompt (≤ `max_request_bytes`)
-//! and `model_request.max_tokens`. With turns that make one call at a time (the guest's
-//! agent loop does) that is one call per turn. Tested: `budgets::concurrent_turns_*`.
+//! **The bound.** A turn is admitted only while every budget has room. A model call (the
+//! guest's or the compactor's) is checked again just before it goes upstream, against the
+//! tokens charged so far and every call in flight at its worst case (its prompt's estimate,
+//! one token per 4 bytes, plus its clamped `model_request.max_tokens`); passing, its own
+//! worst case is held at once, in the same step ([`TurnAccount::hold`], under the book's
+//! lock). Its answer settles it: the upstream's `usage`, or the estimate of what was sent and
+//! read. A call that never settles (the guest closed its connection, the turn ended or was
+//! stopped, the deadline passed, the answer was past its cap) keeps its worst case: dropping
+//! a call never costs less than letting it finish. The worst case is held, not the prompt
+//! alone, because concurrent calls (one turn's `max_calls_in_flight`, or one speaker's turns
+//! in several channels) would otherwise all pass a budget with little room left. So a budget
+//! is passed by at most **one call**, the last whose check found room, whatever the number
+//! of channels, turns or dropped calls: by its actual tokens (its prompt ≤
+//! `max_request_bytes`, its completion ≤ `model_request.max_tokens`). Tested:
+//! `budgets::concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call`,
+//! `budgets::dropped_calls_are_charged_at_their_worst_case`.
 
 mod store;
 
@@ -119,18 +127,6 @@ impl TurnAccount {
         }
     }
 
-    /// Before a model call: every token budget must have room (the tokens charged so far,
-    /// this turn's included). A refusal is remembered (the turn's failure kind).
-    pub fn check_call(&self) -> Result<(), BudgetRefusal> {
-        let Some(book) = &self.book else {
-            return Ok(());
-        };
-        self.with_slots(book, |slots| book.check_slots(slots))
-            .inspect_err(|r| {
-                *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
-            })
-    }
-
     /// A model call was sent upstream.
     pub fn count_model_call(&self) {
         self.model_calls.fetch_add(1, Ordering::Relaxed);
@@ -153,6 +149,33 @@ impl TurnAccount {
         if let (Some(book), true) = (&self.book, tokens > 0) {
             self.with_slots(book, |slots| book.charge_slots(slots, tokens));
         }
+    }
+
+    /// A model call is about to go upstream: every token budget must have room (the tokens
+    /// charged so far and the calls in flight at their worst), and then its own worst case
+    /// (the prompt's estimate and its clamped completion) is held on every budget until its
+    /// answer settles it ([`CallCharge::settle`]). The check and the hold are one step
+    /// under the book's lock, so every call that passes has seen every earlier call's hold.
+    /// Dropped unsettled (the guest hung up, the turn ended, the deadline passed), the
+    /// worst case is charged. A refusal is remembered (the turn's failure kind).
+    pub fn hold(self: &Arc<Self>, prompt: u64, completion: u64) -> Result<CallCharge, BudgetRefusal> {
+        let worst = prompt.saturating_add(completion);
+        let slots = match &self.book {
+            None => None,
+            Some(book) => Some(
+                self.with_slots(book, |s| book.check_and_hold(s, worst))
+                    .inspect_err(|r| {
+                        *self.refusal.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
+                    })?,
+            ),
+        };
+        Ok(CallCharge {
+            account: self.clone(),
+            slots,
+            prompt,
+            completion,
+            settled: false,
+        })
     }
 
     /// Runs `f` on the turn's counters of today (resolved again after a day rolled over).
@@ -189,6 +212,52 @@ impl TurnAccount {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+/// A model call's charge from when its request goes upstream ([`TurnAccount::hold`]) until
+/// its answer is read: settled with the upstream's `usage` (or an estimate), or, dropped
+/// unsettled, charged at its worst case (the prompt's estimate and the clamped completion).
+#[derive(Debug)]
+#[must_use = "dropped unsettled, the call is charged at its worst case"]
+pub struct CallCharge {
+    account: Arc<TurnAccount>,
+    /// The counters holding the worst case (none without a book).
+    slots: Option<[Arc<Slot>; 3]>,
+    prompt: u64,
+    completion: u64,
+    settled: bool,
+}
+
+impl CallCharge {
+    /// Its request went upstream: counted as one of the turn's model calls.
+    pub fn count_sent(&self) {
+        self.account.count_model_call();
+    }
+
+    /// The answer's tokens replace the worst case (`estimated`: not the upstream's count).
+    pub fn settle(mut self, prompt: u64, completion: u64, estimated: bool) {
+        self.settled = true;
+        self.release();
+        self.account.charge(prompt, completion, estimated);
+    }
+
+    fn release(&self) {
+        if let Some(slots) = &self.slots {
+            let worst = self.prompt.saturating_add(self.completion);
+            for slot in slots {
+                slot.release(worst);
+            }
+        }
+    }
+}
+
+impl Drop for CallCharge {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.release();
+            self.account.charge(self.prompt, self.completion, true);
+        }
     }
 }
 
@@ -346,6 +415,9 @@ struct Slot {
     key: CounterKey,
     total: AtomicU64,
     unsaved: AtomicU64,
+    /// The worst cases of the model calls in flight ([`CallCharge`]): counted by every
+    /// check, never stored.
+    held: AtomicU64,
 }
 
 impl Slot {
@@ -354,11 +426,29 @@ impl Slot {
             key,
             total: AtomicU64::new(total),
             unsaved: AtomicU64::new(0),
+            held: AtomicU64::new(0),
         })
     }
 
     fn total(&self) -> u64 {
         self.total.load(Ordering::Relaxed)
+    }
+
+    /// What the checks count: the charged total and the calls in flight at their worst.
+    fn used(&self) -> u64 {
+        self.total().saturating_add(self.held.load(Ordering::Relaxed))
+    }
+
+    fn hold(&self, n: u64) {
+        let _ = self
+            .held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| Some(h.saturating_add(n)));
+    }
+
+    fn release(&self, n: u64) {
+        let _ = self
+            .held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| Some(h.saturating_sub(n)));
     }
 
     /// Adds `n`, saturating (an upstream's `usage` is any `u64`); whether the slot had
@@ -435,20 +525,24 @@ impl Counters {
         Self::slot(&mut self.channels, channel, CounterKey::Channel)
     }
 
+    /// What the checks count of a speaker's counter (see [`Slot::used`]).
     fn speaker(&self, speaker: &str) -> u64 {
-        self.speakers.get(speaker).map_or(0, |s| s.total())
+        self.speakers.get(speaker).map_or(0, |s| s.used())
     }
 
+    /// What the checks count of a channel's counter.
     fn channel(&self, channel: &str) -> u64 {
-        self.channels.get(channel).map_or(0, |s| s.total())
+        self.channels.get(channel).map_or(0, |s| s.used())
     }
 
+    /// A counter's charged total.
     fn get(&self, key: &CounterKey) -> u64 {
-        match key {
-            CounterKey::Speaker(s) => self.speaker(s),
-            CounterKey::Channel(h) => self.channel(h),
-            CounterKey::Bot => self.bot.total(),
-        }
+        let slot = match key {
+            CounterKey::Speaker(s) => self.speakers.get(s),
+            CounterKey::Channel(h) => self.channels.get(h),
+            CounterKey::Bot => Some(&self.bot),
+        };
+        slot.map_or(0, |s| s.total())
     }
 }
 
@@ -534,6 +628,8 @@ pub struct BudgetBook {
     span_ms: [AtomicI64; 2],
     writer: Mutex<Option<mpsc::Sender<Write>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Held while a model call's check and hold run ([`TurnAccount::hold`]).
+    holding: Mutex<()>,
     state_file: Option<PathBuf>,
     /// The writer's wake-ups sent (tests: a busy book sends one).
     #[cfg(test)]
@@ -619,6 +715,7 @@ impl BudgetBook {
             ],
             writer: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            holding: Mutex::new(()),
             state_file: settings.state_file.clone(),
             #[cfg(test)]
             wakes: AtomicU64::new(0),
@@ -701,11 +798,21 @@ impl BudgetBook {
     }
 
     /// Every token budget has room in `slots`' counters.
+    /// Checks `slots` and holds `worst` on them, in one step (see [`TurnAccount::hold`]).
+    fn check_and_hold(&self, slots: &TurnSlots, worst: u64) -> Result<[Arc<Slot>; 3], BudgetRefusal> {
+        let _one_at_a_time = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_slots(slots)?;
+        for slot in [&slots.speaker, &slots.channel, &slots.bot] {
+            slot.hold(worst);
+        }
+        Ok([slots.speaker.clone(), slots.channel.clone(), slots.bot.clone()])
+    }
+
     fn check_slots(&self, slots: &TurnSlots) -> Result<(), BudgetRefusal> {
         self.token_check_of(
-            slots.speaker.total(),
-            slots.channel.total(),
-            slots.bot.total(),
+            slots.speaker.used(),
+            slots.channel.used(),
+            slots.bot.used(),
         )
     }
 
@@ -752,7 +859,7 @@ impl BudgetBook {
         self.token_check_of(
             st.tokens.speaker(speaker),
             st.tokens.channel(channel),
-            st.tokens.bot.total(),
+            st.tokens.bot.used(),
         )
     }
 
@@ -1170,22 +1277,19 @@ mod tests {
             ..Default::default()
         };
         let (book, log) = book_at(settings, "UTC", now.clone());
-        let account = TurnAccount::new("alice", "c", Some(book.clone()));
-        let other = TurnAccount::new("alice", "d", Some(book.clone()));
-        account.check_call().unwrap();
-        account.charge(60, 0, false);
-        other.check_call().unwrap();
-        other.charge(30, 10, false);
+        let account = Arc::new(TurnAccount::new("alice", "c", Some(book.clone())));
+        let other = Arc::new(TurnAccount::new("alice", "d", Some(book.clone())));
+        account.hold(1, 1).unwrap().settle(60, 0, false);
+        other.hold(1, 1).unwrap().settle(30, 10, false);
         // Both turns' charges are one speaker's: the budget is full for either.
         assert_eq!(
-            account.check_call().unwrap_err().budget,
+            account.hold(1, 1).unwrap_err().budget,
             Budget::SpeakerTokensPerDay
         );
-        assert!(other.check_call().is_err());
+        assert!(other.hold(1, 1).is_err());
         assert_eq!(book.tokens(&CounterKey::Channel("d".into())), 40);
         *now.lock().unwrap() = Utc.with_ymd_and_hms(2026, 12, 5, 0, 0, 1).unwrap();
-        account.check_call().unwrap();
-        account.charge(7, 0, false);
+        account.hold(1, 1).unwrap().settle(7, 0, false);
         book.flush();
         let day = |d: &str| -> u64 {
             let log = log.lock().unwrap();
@@ -1214,12 +1318,12 @@ mod tests {
             ..Default::default()
         };
         let (book, _log) = book_at(settings, "UTC", now);
-        let account = TurnAccount::new("mallory", "c", Some(book.clone()));
+        let account = Arc::new(TurnAccount::new("mallory", "c", Some(book.clone())));
         account.charge(u64::MAX, 0, false);
         account.charge(5, 0, false);
         assert_eq!(book.tokens(&CounterKey::Bot), u64::MAX);
         assert_eq!(
-            account.check_call().unwrap_err().budget,
+            account.hold(1, 1).unwrap_err().budget,
             Budget::BotTokensPerDay
         );
     }
