@@ -98,12 +98,27 @@ pub fn serve_metrics(
     let Some((metrics, server)) = args.start()? else {
         return Ok(None);
     };
-    supervisor.observer = Some(metrics.observer());
+    supervisor.config.observer = Some(chain(supervisor.config.observer.take(), metrics.observer()));
     eprintln!(
         "{program}: metrics at http://{}/metrics",
         server.local_addr()
     );
     Ok(Some(server))
+}
+
+/// One observer made of two: `first` (if any), then `then`, each sees every event (the
+/// runtime takes one observer: a bot that shows progress and serves metrics chains them).
+pub fn chain(
+    first: Option<roundtable_sandbox::events::Observer>,
+    then: roundtable_sandbox::events::Observer,
+) -> roundtable_sandbox::events::Observer {
+    match first {
+        None => then,
+        Some(first) => std::sync::Arc::new(move |event| {
+            first(event);
+            then(event);
+        }),
+    }
 }
 
 /// Prints a bot's fatal error on stderr: its message, then each cause on a line of its own.

@@ -23,10 +23,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::Parser;
 use roundtable_sandbox::display;
+use roundtable_sandbox::events::{Event, EventKind};
 use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
 use roundtable_sandbox_actors::{
-    ChannelState, GuestMessage, ProgressEvent, SandboxSupervisor, Shutdown, Speaker, StartFresh,
-    Status, Stop, SupervisorOptions, TurnPhase, TurnProgress,
+    ChannelState, GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
+    SupervisorOptions, TurnPhase,
 };
 use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
 use roundtable_sandbox_metrics::MetricsArgs;
@@ -157,17 +158,22 @@ fn phase_text(phase: TurnPhase) -> Option<&'static str> {
     })
 }
 
-fn describe(event: &ProgressEvent) -> Option<String> {
+/// A message's progress as a person reads it, from its channel's events (a channel runs
+/// one turn at a time).
+fn describe(event: &EventKind) -> Option<String> {
     Some(match event {
-        ProgressEvent::Queued { ahead } => format!("queued behind {ahead} turn(s)"),
-        ProgressEvent::WaitingForSlot => "waiting for a free container slot".into(),
-        ProgressEvent::Phase(phase) => match phase {
+        EventKind::Queued { depth } => format!("queued behind {depth} turn(s)"),
+        EventKind::WaitingForSlot => "waiting for a free container slot".into(),
+        EventKind::Phase(phase) => match phase {
             TurnPhase::Replied | TurnPhase::TearingDown | TurnPhase::Done => return None,
             phase => phase_text(*phase)?.into(),
         },
         _ => return None,
     })
 }
+
+/// The channels this bot has sent messages to, by the short hash events name them by.
+type Channels = Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>;
 
 /// A channel's state as a person reads it.
 fn state_text(state: ChannelState) -> String {
@@ -184,10 +190,19 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
     config.tools.push(Arc::new(RollDice));
     let tty = std::io::stdout().is_terminal();
     let mut supervisor = SupervisorOptions::new(config);
+    let channels = Channels::default();
     if tty {
-        supervisor.progress = Some(Arc::new(|p: &TurnProgress| {
-            if let Some(what) = describe(&p.event) {
-                eprint!("\r\x1b[2K  {} … {what}", display::escape(&p.channel));
+        let names = channels.clone();
+        supervisor.config.observer = Some(Arc::new(move |event: &Event| {
+            let Some(what) = describe(&event.kind) else {
+                return;
+            };
+            let name = event
+                .channel
+                .as_deref()
+                .and_then(|short| names.lock().unwrap().get(short).cloned());
+            if let Some(name) = name {
+                eprint!("\r\x1b[2K  {} … {what}", display::escape(&name));
             }
         }));
     }
@@ -233,6 +248,10 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
                     id: speaker.clone(),
                     name: speaker,
                 };
+                let short = roundtable_sandbox::ChannelId::new(&channel)
+                    .short()
+                    .to_owned();
+                channels.lock().unwrap().insert(short, channel.clone());
                 pending.push(actix::spawn(async move {
                     let answer = addr.send(GuestMessage::new(&channel, who, text)).await;
                     let (mark, text) = match answer {

@@ -85,7 +85,6 @@ impl std::fmt::Debug for ChannelId {
 }
 
 /// `hex(sha256(channel))`: the channel's workspace segment (see [`ChannelId::segment`]).
-#[cfg(any(test, feature = "testing"))]
 pub fn channel_segment(channel: &str) -> String {
     ChannelId::new(channel).segment().to_owned()
 }

@@ -2,8 +2,8 @@
 //! metrics, budgets and progress displays.
 //!
 //! An [`Observer`] is installed once, on the [`Config`](crate::Config) the
-//! [`Sandbox`](crate::Sandbox) is built from (`Config::builder(..).observer(..)`, or the
-//! actor layer's `SupervisorOptions::observer`). It sees every turn's admission, its wait
+//! [`Sandbox`](crate::Sandbox) is built from (`Config::builder(..).observer(..)`): the one
+//! hook. It sees every turn's admission, its wait
 //! for a container slot, each phase and its end (the failure kind, or ok; warm or cold),
 //! the warm pool's preparations, adoptions, fallbacks and discards (each with its reason),
 //! every broker call (model: status, latency, the upstream's token usage; tool and MCP:
@@ -13,10 +13,12 @@
 //! carries guest text but one field: the speaker's id in a turn's [`TurnFacts`] (the
 //! audit trail's, [`crate::audit`]), guest-chosen, never a metric label.
 //!
-//! The other views are built on it: a turn's [`PhaseObserver`](crate::PhaseObserver) sees
-//! its [`EventKind::Phase`]s, [`Sandbox::warm_counts`](crate::Sandbox::warm_counts) counts
-//! its [`WarmEvent::Adopted`]/[`WarmEvent::FellBack`], and the actor layer's progress is
-//! mapped from the same events.
+//! The other views are built on it: [`Sandbox::warm_counts`](crate::Sandbox::warm_counts)
+//! counts its [`WarmEvent::Adopted`]/[`WarmEvent::FellBack`], the audit trail writes each
+//! turn's line from them, and the actor layer keeps each channel's state (its `Status`)
+//! from the `Phase` events of the turn it runs. A bot that shows a message's progress
+//! (typing, a status line) filters the events by the channel's [`ChannelId::short`]: a
+//! channel runs one turn at a time.
 //!
 //! The observer is called on the thread that does the work (a turn's task, a broker
 //! connection's task): it must return quickly. A panic in it is caught and logged.
@@ -29,7 +31,7 @@ use std::time::{Duration, Instant};
 use roundtable_sandbox_protocol::Usage;
 
 use crate::budgets::Budget;
-use crate::turn::kinds::{PhaseObserver, TurnFailure, TurnPhase};
+use crate::turn::kinds::{TurnFailure, TurnPhase};
 use crate::ChannelId;
 
 /// Receives every [`Event`] of a runtime (see the [module](self)).
@@ -403,14 +405,13 @@ impl EventHub {
     }
 }
 
-/// One turn's events: its number and channel stamped on each, its phase observer told of
-/// its phases. Cheap to clone; the broker holds one per turn.
+/// One turn's events: its number and channel stamped on each. Cheap to clone; the broker
+/// holds one per turn.
 #[derive(Clone)]
 pub struct TurnEvents {
     hub: Arc<EventHub>,
     turn: u64,
     channel: ChannelId,
-    phases: Option<PhaseObserver>,
 }
 
 impl std::fmt::Debug for TurnEvents {
@@ -423,18 +424,8 @@ impl std::fmt::Debug for TurnEvents {
 }
 
 impl TurnEvents {
-    pub(crate) fn new(
-        hub: Arc<EventHub>,
-        turn: u64,
-        channel: ChannelId,
-        phases: Option<PhaseObserver>,
-    ) -> Self {
-        Self {
-            hub,
-            turn,
-            channel,
-            phases,
-        }
+    pub(crate) fn new(hub: Arc<EventHub>, turn: u64, channel: ChannelId) -> Self {
+        Self { hub, turn, channel }
     }
 
     /// A turn's events for a broker driven alone (the bench, with the `testing` feature):
@@ -445,11 +436,9 @@ impl TurnEvents {
             Arc::new(EventHub::new(Some(observer), None)),
             turn,
             ChannelId::new(channel),
-            None,
         )
     }
 
-    /// Sends one of the turn's events; a phase goes to its phase observer too.
     /// Sends `kind` as this turn's (what the runtime sends around a broker: its
     /// `Admitted`, its `Phase(Done)`), for a broker driven without a runtime (the bench).
     #[cfg(feature = "testing")]
@@ -458,9 +447,6 @@ impl TurnEvents {
     }
 
     pub(crate) fn emit(&self, kind: EventKind) {
-        if let (EventKind::Phase(phase), Some(phases)) = (&kind, &self.phases) {
-            phases(*phase);
-        }
         self.hub.emit(Some(self.turn), Some(&self.channel), kind);
     }
 

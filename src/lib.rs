@@ -8,16 +8,20 @@
 //! # The public surface
 //!
 //! Without any feature, a bot author gets:
-//! - at the crate root, the embedding API: [`Sandbox`] and [`SandboxError`]; the
-//!   configuration ([`Config`], [`ConfigBuilder`], [`Limits`], [`WarmSettings`],
-//!   [`BudgetSettings`], [`BrokerLimits`], [`ModelRequestPolicy`], [`CompactionModel`],
-//!   [`ConfigError`], [`ResolvedConfig`]); what the broker holds for the guest ([`ApiKey`],
-//!   [`HostTool`] and its [`ToolCallContext`], [`McpServer`] and its parts); a turn
-//!   ([`TurnRequest`], [`Reply`], [`TurnOutcome`], [`TurnFailure`], [`TurnPhase`],
-//!   [`PhaseObserver`], [`PreparedTurn`], [`ChannelId`]); the budgets' book and store
-//!   ([`BudgetBook`], [`BudgetStore`]); and for the actor layer the admitted-turn entry
-//!   ([`AdmittedTurn`], [`run_admitted`], [`TurnError`]);
-//! - [`events`]: the one event seam (an [`Observer`] of every [`Event`]);
+//! - at the crate root, the embedding API: [`Sandbox`] and [`SandboxError`]; running a
+//!   turn: [`Sandbox::admit`] then [`Sandbox::run`] (the one way; the actor layer uses it),
+//!   or [`Sandbox::run_turn`] (the one convenience, admit then run); a turn's types
+//!   ([`TurnRequest`], [`AdmittedTurn`], [`TurnOutcome`], [`Reply`], [`TurnFailure`],
+//!   [`TurnPhase`], [`TurnError`], [`PreparedTurn`], [`ChannelId`]); the configuration
+//!   ([`Config`], [`ConfigBuilder`], [`ResolvedConfig`], [`ConfigError`] and every
+//!   section's type: [`Limits`], [`WarmSettings`], [`BrokerLimits`],
+//!   [`ModelRequestPolicy`], [`CompactionModel`], [`McpServer`] and its parts,
+//!   [`BudgetSettings`], [`AuditSettings`]); what the broker holds for the guest
+//!   ([`ApiKey`] and its [`ApiKeyProvider`], [`HostTool`] and its [`ToolCallContext`]);
+//!   the budgets' book and store ([`BudgetBook`], [`BudgetStore`]); the audit trail's
+//!   [`AuditStats`];
+//! - [`events`]: the one event seam, and the one hook: an [`Observer`] of every [`Event`],
+//!   set on the [`Config`];
 //! - [`driver`]: the backend-neutral [`ContainerDriver`] trait and its types, for a second
 //!   backend, and the Docker driver's handle ([`DockerDriver`]: no engine type, bollard's
 //!   stay inside it);
@@ -28,100 +32,54 @@
 //! and `operator` (what `doctor`, `explain`, `sweep` and `image build` use: the config
 //! layer's rules, the free-space probes, the image build, the budgets' SQLite store).
 //!
-//! Every other module (`audit`, `broker`, `budgets`, `config`, `image`, `lock`, `quota`, `sweep`,
-//! `turn`, `warm`) is `pub(crate)`, and `pub` only with the `testing` feature, which also
-//! adds `testing` (the fake driver and test environment) and engine- and broker-level
-//! hooks for this workspace's tests, the bench and the fuzz targets (`driver::docker`, a
-//! broker built and listened on alone, `turn::judge`). `testing` is never enabled by a
+//! Everything else is in one module hidden from the documentation, `internals` (no
+//! stability promise): the runtime's parts, `pub` so that this workspace's tests, the
+//! bench and the fuzz targets can drive each alone; with the `testing` feature it also
+//! holds `internals::testing` (the recording fake driver, the test environment, a broker
+//! driven alone, the Docker driver's engine-level hooks). `testing` is never enabled by a
 //! build of the CLI or the bots (`test-support`, which enables it, is not a default
-//! member; `scripts/test.sh` checks), and CI lints those crates without it, so an item only
-//! tests use shows up as unused. `image`, the audit trail's summary and the config layer's
-//! every-violation mode exist only with `cli` (for `operator`) or `testing`: CI also lints
-//! this crate alone with its default features, as a bot author builds it.
+//! member; `scripts/test.sh` checks). CI lints the library crates without it with
+//! `-W unnameable_types -W unreachable_pub`: every type the public API takes or returns
+//! can be named, and no `pub` item is unreachable.
 //!
-//! The parts, by trust boundary: `config` (the operator's settings, validated once,
-//! [`Config::resolve`]); `broker` (the per-turn HTTP server on a unix socket that holds
-//! the key and the allow-listed host and MCP tools: guest requests are hostile); `driver`
-//! (guest output is hostile); `turn` (one turn's lifecycle and teardown); `budgets` (the
-//! host's usage accounting and the `[budgets]` limits, durable in SQLite); `audit` (the
-//! audit trail, one JSON line per turn, `[audit]`, and its summary); `quota` (the
-//! workspace size cap, measured by descriptor only, and the free-space floor); `sweep`
-//! (removal of what a crashed runtime left behind); `warm` (prepared containers for the
-//! channels' next turns); `lock` (one runtime per root); `image` (the guest image, built
-//! FROM scratch from two static binaries).
+//! The parts, by trust boundary (see `internals`): `config` (the operator's settings,
+//! validated once, [`Config::resolve`]); `broker` (the per-turn HTTP server on a unix
+//! socket that holds the key and the allow-listed host and MCP tools: guest requests are
+//! hostile, and so is every answer from outside); `driver` (guest output is hostile);
+//! `turn` (one turn's lifecycle and teardown); `budgets` (the host's usage accounting and
+//! the `[budgets]` limits, durable in SQLite); `audit` (the audit trail, one JSON line per
+//! turn); `quota` (the workspace size cap, measured by descriptor only, and the free-space
+//! floor); `sweep` (removal of what a crashed runtime left behind); `warm` (prepared
+//! containers for the channels' next turns); `lock` (one runtime per root).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-/// Declares an item `pub` with the `testing` feature and `pub(crate)` without it: engine-
-/// and broker-level parts that this workspace's tests, the bench and the fuzz targets drive
-/// directly, but that are not the embedding API (an embedder goes through [`Sandbox`]).
-macro_rules! testing_pub {
-    ($(#[$attr:meta])* $first:ident $($rest:tt)*) => {
-        #[cfg(feature = "testing")]
-        $(#[$attr])*
-        pub $first $($rest)*
-        #[cfg(not(feature = "testing"))]
-        $(#[$attr])*
-        pub(crate) $first $($rest)*
-    };
-}
+#[doc(hidden)]
+pub mod internals;
+pub(crate) use internals::{audit, broker, budgets, config, lock, quota, sweep, turn, warm};
 
-/// Declares modules `pub` with the `testing` feature and `pub(crate)` without it: their
-/// parts are reached by path by this workspace's tests, the bench and the fuzz targets;
-/// what a bot author needs of them is re-exported at the crate root, what the project's
-/// programs need in [`operator`] (feature `cli`).
-macro_rules! testing_mod {
-    ($($(#[$attr:meta])* $name:ident;)*) => {
-        $(
-            #[cfg(feature = "testing")]
-            $(#[$attr])*
-            pub mod $name;
-            #[cfg(not(feature = "testing"))]
-            $(#[$attr])*
-            pub(crate) mod $name;
-        )*
-    };
-}
-
-testing_mod! {
-    audit;
-    broker;
-    budgets;
-    config;
-    lock;
-    quota;
-    sweep;
-    turn;
-    warm;
-}
 mod channel;
 pub mod display;
 pub mod driver;
 pub mod events;
-// The guest image's build: the CLI's `image build` (`operator`) and the tests only.
-#[cfg(feature = "testing")]
-pub mod image;
-#[cfg(all(feature = "cli", not(feature = "testing")))]
-pub(crate) mod image;
 #[cfg(feature = "cli")]
 pub mod offline;
 #[cfg(feature = "cli")]
 pub mod operator;
 #[cfg(feature = "cli")]
 pub mod settings;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use turn::resources::LiveTurns;
 
 // The embedding API: what a bot author uses (see the crate's documentation).
-pub use audit::{AuditError, AuditSettings};
+pub use audit::{AuditError, AuditSettings, AuditStats};
 pub use broker::{
-    ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, CompactionModel, HostTool, McpConfine,
-    McpLimits, McpScope, McpServer, McpTransport, ModelRequestPolicy, ProvidedKey, ToolCallContext,
+    ApiKey, ApiKeyProvider, BoxFuture, BrokerError, BrokerLimits, CompactionModel, HostTool,
+    McpConfine, McpLimits, McpScope, McpServer, McpTransport, ModelRequestPolicy, ProvidedKey,
+    ToolCallContext,
 };
 pub use budgets::{
     Budget, BudgetBook, BudgetRefusal, BudgetSettings, BudgetStore, CounterKey, HostUsage,
@@ -135,13 +93,11 @@ pub use config::{
 pub use driver::{ContainerDriver, DockerDriver, DockerOptions, DriverError, RunOutcome};
 pub use events::{Event, EventKind, Observer};
 pub use lock::LockError;
+pub use quota::QuotaError;
 pub use roundtable_sandbox_protocol as protocol;
 pub use roundtable_sandbox_protocol::{Reply, Speaker, Usage};
 pub use sweep::SweepReport;
-pub use turn::{
-    run_admitted, run_turn, run_turn_outcome, run_turn_prepared, AdmittedTurn, PhaseObserver,
-    TurnError, TurnFailure, TurnOutcome, TurnPhase, TurnRequest,
-};
+pub use turn::{AdmittedTurn, TurnError, TurnFailure, TurnOutcome, TurnPhase, TurnRequest};
 pub use warm::PreparedTurn;
 
 /// A configured runtime: the resolved configuration, the broker and the driver.
@@ -154,7 +110,7 @@ pub struct Sandbox {
 #[derive(Debug)]
 struct Inner {
     config: ResolvedConfig,
-    broker: Arc<Broker>,
+    broker: Arc<broker::Broker>,
     driver: Arc<dyn ContainerDriver>,
     /// The turns in flight: the sweep never touches them.
     live: Arc<Mutex<LiveTurns>>,
@@ -249,7 +205,7 @@ impl Sandbox {
             Some(path) => Some(audit::AuditTrail::open(path, resolved.audit.include_text)?),
             None => None,
         };
-        let broker = Broker::start(resolved.broker.clone()).await?;
+        let broker = broker::Broker::start(resolved.broker.clone()).await?;
         let events = Arc::new(events::EventHub::new(
             config.observer.clone(),
             audit.clone().map(|a| a as Arc<dyn events::EventSink>),
@@ -282,7 +238,7 @@ impl Sandbox {
     }
 
     /// The broker.
-    pub fn broker(&self) -> &Arc<Broker> {
+    pub(crate) fn broker(&self) -> &Arc<broker::Broker> {
         &self.inner.broker
     }
 
@@ -341,23 +297,13 @@ impl Sandbox {
         self.inner.live.clone()
     }
 
-    /// Runs one turn (see [`turn::run_turn`]).
-    pub async fn run_turn(&self, request: TurnRequest) -> Reply {
-        turn::run_turn(self, request, |_| {}, None).await
-    }
-
-    /// Runs one turn and gives its typed outcome (see [`turn::run_turn_outcome`]).
-    pub async fn run_turn_outcome(&self, request: TurnRequest) -> TurnOutcome {
-        turn::run_turn_outcome(self, request, |_| {}, None).await
-    }
-
     /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]); the
     /// turns in flight are never touched.
     pub async fn sweep(&self) -> sweep::SweepReport {
         sweep::sweep(self).await
     }
 
-    /// Stops the channel's MCP sessions (see [`Broker::release_channel`]): taken out at
+    /// Stops the channel's MCP sessions (see `Broker::release_channel`): taken out at
     /// once, closed by the returned future.
     pub fn release_channel(&self, channel: impl Into<ChannelId>) -> broker::BoxFuture<'static, ()> {
         self.inner.broker.release_channel(channel)

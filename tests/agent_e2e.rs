@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{ApiKey, Config, Sandbox};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::{json, Value};
@@ -55,7 +55,8 @@ async fn tool_using_turn_then_history_then_reset() {
 
     let reply = sandbox
         .run_turn(request("#e2e", "remember to buy milk"))
-        .await;
+        .await
+        .reply;
     assert_eq!(reply.text.as_deref(), Some("noted: buy milk"), "{reply:?}");
     let usage = reply.usage.unwrap();
     assert_eq!((usage.model_calls, usage.tool_calls), (4, 3));
@@ -90,7 +91,10 @@ async fn tool_using_turn_then_history_then_reset() {
 
     // The next turn's request carries the history.
     model.push(Step::text("you said: buy milk"));
-    let reply = sandbox.run_turn(request("#e2e", "what did I say?")).await;
+    let reply = sandbox
+        .run_turn(request("#e2e", "what did I say?"))
+        .await
+        .reply;
     assert!(reply.ok, "{reply:?}");
     let second = model.requests()[4].json();
     assert!(all_text(&second).contains("ann: remember to buy milk"));
@@ -100,7 +104,7 @@ async fn tool_using_turn_then_history_then_reset() {
     model.push(Step::text("fresh start"));
     let mut fresh = request("#e2e", "hello again");
     fresh.reset = true;
-    let reply = sandbox.run_turn(fresh).await;
+    let reply = sandbox.run_turn(fresh).await.reply;
     assert_eq!(reply.text.as_deref(), Some("fresh start"));
     let third = model.requests()[5].json();
     assert!(
@@ -132,7 +136,7 @@ async fn workspace_escapes_are_refused_and_big_reads_capped() {
     ])
     .await;
     let sandbox = Sandbox::new(model_config(&env, &model)).await.unwrap();
-    let reply = sandbox.run_turn(request("#escape", "try")).await;
+    let reply = sandbox.run_turn(request("#escape", "try")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
     let results = tool_results(&model.requests()[5].json());
     assert_eq!(results.len(), 5, "{results:?}");
@@ -164,7 +168,7 @@ async fn a_turn_killed_at_any_moment_leaves_a_loadable_session() {
     // Seed a session, then kill turns whose big answers make the session write slow,
     // at moments spread over the whole turn.
     model.push(Step::text("first"));
-    assert!(sandbox.run_turn(request("#kill", "one")).await.ok);
+    assert!(sandbox.run_turn(request("#kill", "one")).await.reply.ok);
     let big = "y".repeat(500_000);
     let mut pushed = 1;
     for delay_ms in (0..20).map(|i| 60 + 15 * i) {
@@ -179,16 +183,19 @@ async fn a_turn_killed_at_any_moment_leaves_a_loadable_session() {
             tokio::time::sleep(Duration::from_millis(delay_ms)).await;
             stop.cancel();
         });
-        let r = sandbox.run_turn(req).await;
+        let r = sandbox.run_turn(req).await.reply;
         eprintln!("killed after {delay_ms} ms: {:?}", r.error);
         assert_no_leftovers(&sandbox).await;
     }
     if model.requests().len() < pushed {
-        let r = sandbox.run_turn(request("#kill", "big please")).await;
+        let r = sandbox.run_turn(request("#kill", "big please")).await.reply;
         assert!(r.ok, "{:?}", r.error);
     }
     model.push(Step::text("still here"));
-    let reply = sandbox.run_turn(request("#kill", "are you ok?")).await;
+    let reply = sandbox
+        .run_turn(request("#kill", "are you ok?"))
+        .await
+        .reply;
     assert_eq!(reply.text.as_deref(), Some("still here"), "{reply:?}");
     let last = model.requests().last().unwrap().json();
     assert!(
@@ -222,6 +229,7 @@ async fn compaction_carries_the_previous_summary_once_and_fits_the_budget() {
         sandbox
             .run_turn(request("#compact", "rule: always answer in French"))
             .await
+            .reply
             .ok
     );
     // Over budget now: the next turn summarises first, then answers.
@@ -229,11 +237,11 @@ async fn compaction_carries_the_previous_summary_once_and_fits_the_budget() {
         "SUMMARY-ONE: ann set the rule to answer in French.\nFiles to reload:\n- notes.txt",
     ));
     model.push(Step::text(&long("beta")));
-    let reply = sandbox.run_turn(request("#compact", "second")).await;
+    let reply = sandbox.run_turn(request("#compact", "second")).await.reply;
     assert!(reply.ok, "{reply:?}");
     model.push(Step::text("SUMMARY-TWO"));
     model.push(Step::text("ok"));
-    let reply = sandbox.run_turn(request("#compact", "third")).await;
+    let reply = sandbox.run_turn(request("#compact", "third")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("ok"), "{reply:?}");
 
     let reqs = model.requests();
@@ -301,7 +309,7 @@ async fn the_key_is_nowhere_the_container_can_look() {
     "#;
     config.command = Some(vec!["/bin/sh".into(), "-c".into(), probe.into()]);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#key", "echo")).await;
+    let reply = sandbox.run_turn(request("#key", "echo")).await.reply;
     assert_eq!(
         reply.text.as_deref(),
         Some("found=[] guest_ok=1"),
@@ -327,7 +335,7 @@ async fn the_default_prompt_and_the_canonical_time_zone_reach_the_guest() {
     config.time_zone = Some("asia/kolkata".into());
     let sandbox = Sandbox::new(config).await.unwrap();
     assert_eq!(sandbox.config().time_zone, "Asia/Calcutta");
-    let reply = sandbox.run_turn(request("#tz", "hello")).await;
+    let reply = sandbox.run_turn(request("#tz", "hello")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("one"), "{reply:?}");
 
     let system = messages(&model.requests()[0].json())[0].clone();
@@ -354,7 +362,7 @@ async fn the_default_prompt_and_the_canonical_time_zone_reach_the_guest() {
     let mut config = model_config(&env, &model);
     config.time_zone = Some("US/Eastern".into());
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#tz", "again")).await;
+    let reply = sandbox.run_turn(request("#tz", "again")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("two"), "{reply:?}");
     let system = messages(&model.requests()[1].json())[0]["content"]
         .as_str()
@@ -389,7 +397,7 @@ async fn the_guest_installs_its_seccomp_layer_for_every_process_of_the_turn() {
     )))
     .await
     .unwrap();
-    let reply = baseline.run_turn(request("#layer", "x")).await;
+    let reply = baseline.run_turn(request("#layer", "x")).await.reply;
     let engine_only = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
     assert_no_leftovers(&baseline).await;
     drop(baseline);
@@ -401,7 +409,7 @@ async fn the_guest_installs_its_seccomp_layer_for_every_process_of_the_turn() {
     ])
     .await;
     let sandbox = Sandbox::new(model_config(&env, &model)).await.unwrap();
-    let reply = sandbox.run_turn(request("#layer", "look")).await;
+    let reply = sandbox.run_turn(request("#layer", "look")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("done"), "{reply:?}");
     let results = tool_results(&model.requests()[1].json());
     let under_guest = results[0].clone();

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use actix::prelude::*;
-use roundtable_sandbox::audit::{AuditSettings, AuditStats};
-use roundtable_sandbox::budgets::BudgetSettings;
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::audit::{AuditSettings, AuditStats};
+use roundtable_sandbox::internals::budgets::BudgetSettings;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{ApiKey, ChannelId, Config, Sandbox, SandboxError, Speaker, TurnFailure};
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxActorError, SandboxSupervisor, Shutdown, SupervisorOptions,
@@ -301,7 +301,7 @@ async fn each_turn_has_one_line_saying_what_happened() {
     assert!(!raw.contains("\"text\"") && !raw.contains("\"reply\""));
     assert_eq!(model.requests().len(), 5);
     // The summary of this very file.
-    let summary = roundtable_sandbox::audit::summary::summarize(raw.as_bytes()).unwrap();
+    let summary = roundtable_sandbox::internals::audit::summary::summarize(raw.as_bytes()).unwrap();
     assert_eq!(summary.turns, 8);
     assert_eq!(summary.outcomes["budget_exceeded"], 2);
     assert_eq!(summary.outcomes["ok"], 4);
@@ -320,7 +320,7 @@ async fn a_timed_out_turn_is_a_line_and_include_text_adds_the_guest_text() {
     let sandbox = Sandbox::new(c).await.unwrap();
     let mut request = request("#slow", "msg-hotel-6f1b wait for it");
     request.speaker = speaker("evil\u{1b}]0;owned\u{7}\n{\"outcome\":\"ok\"}\u{202e}");
-    let out = sandbox.run_turn_outcome(request).await;
+    let out = sandbox.run_turn(request).await;
     assert_eq!(out.failure, Some(TurnFailure::Timeout), "{out:?}");
     assert!(sandbox.flush_audit(Duration::from_secs(30)).await);
     let [line] = <[Value; 1]>::try_from(lines(&audit)).unwrap();
@@ -363,7 +363,7 @@ async fn concurrent_turns_in_several_channels_write_whole_lines() {
         async move {
             let mut r = request(&format!("#c{i}"), &format!("{i}{}", "m".repeat(6000)));
             r.speaker = speaker(&format!("speaker-{i}-{}", "s".repeat(500)));
-            sandbox.run_turn_outcome(r).await
+            sandbox.run_turn(r).await
         }
     });
     for out in futures_util::future::join_all(turns).await {
@@ -404,7 +404,7 @@ async fn a_full_audit_file_fails_no_turn_and_is_counted() {
     let sandbox = Sandbox::new(config(&env, &model, Path::new("/dev/full"), false))
         .await
         .unwrap();
-    let out = sandbox.run_turn_outcome(request("#full", "hi")).await;
+    let out = sandbox.run_turn(request("#full", "hi")).await;
     assert_eq!(out.failure, None, "{out:?}");
     assert_eq!(out.reply.text.as_deref(), Some("fine"));
     assert!(sandbox.flush_audit(Duration::from_secs(30)).await);

@@ -10,10 +10,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::broker::{
+use roundtable_sandbox::internals::broker::{
     ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerPolicy,
 };
-use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
+use roundtable_sandbox::internals::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{post, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
@@ -602,7 +602,9 @@ async fn declared_secrets_are_redacted_from_host_tool_and_mcp_results() {
     let dir = tempfile::tempdir().unwrap();
     let mut stub = mcp_stub::stub_server(dir.path(), &["echo"]);
     let mcp_token = "mcp-token-Qq1Ww2Ee3Rr4";
-    if let roundtable_sandbox::broker::McpTransport::Stdio { env, .. } = &mut stub.transport {
+    if let roundtable_sandbox::internals::broker::McpTransport::Stdio { env, .. } =
+        &mut stub.transport
+    {
         env.insert("STUB_API_TOKEN".into(), mcp_token.into());
     }
     let mut p = policy("http://127.0.0.1:9/v1");
@@ -633,7 +635,7 @@ async fn plain_http_is_refused_to_any_host_but_loopback() {
         "http://localhost.evil.example/v1",
         "http://0.0.0.0:8080/v1",
     ] {
-        let e = roundtable_sandbox::broker::validate_policy(&policy(url)).unwrap_err();
+        let e = roundtable_sandbox::internals::broker::validate_policy(&policy(url)).unwrap_err();
         assert_eq!(
             e.to_string(),
             format!("model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}")
@@ -647,6 +649,6 @@ async fn plain_http_is_refused_to_any_host_but_loopback() {
         "http://LOCALHOST/v1",
         "https://example.com/v1",
     ] {
-        roundtable_sandbox::broker::validate_policy(&policy(url)).unwrap();
+        roundtable_sandbox::internals::broker::validate_policy(&policy(url)).unwrap();
     }
 }

@@ -10,12 +10,12 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::budgets::{
+use roundtable_sandbox::internals::budgets::{
     Budget, BudgetBook, BudgetSettings, BudgetStore, CounterKey, SqliteStore, StoreError,
     TurnAccount,
 };
-use roundtable_sandbox::testing::*;
-use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::internals::testing::*;
+use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox::{ApiKey, Config, Sandbox, Speaker, TurnFailure};
 use roundtable_sandbox_test_support::broker_client::{self as client, post_json};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
@@ -528,7 +528,7 @@ async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
         .await
         .unwrap();
 
-    let one = sandbox.run_turn_outcome(request("#one", "hi")).await;
+    let one = sandbox.run_turn(request("#one", "hi")).await;
     assert_eq!(one.reply.text.as_deref(), Some("one"), "{one:?}");
     assert_eq!(
         (
@@ -540,7 +540,7 @@ async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
     );
     assert!(!one.usage.estimated);
 
-    let two = sandbox.run_turn_outcome(request("#one", "list it")).await;
+    let two = sandbox.run_turn(request("#one", "list it")).await;
     assert_eq!(two.failure, Some(TurnFailure::BudgetExceeded), "{two:?}");
     let error = two.reply.error.as_deref().unwrap();
     assert!(
@@ -553,7 +553,7 @@ async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
     assert_eq!(model.requests().len(), 2);
 
     // Past the budget: refused before anything is made for the turn.
-    let three = sandbox.run_turn_outcome(request("#other", "hi")).await;
+    let three = sandbox.run_turn(request("#other", "hi")).await;
     assert_eq!(
         three.failure,
         Some(TurnFailure::BudgetExceeded),
@@ -579,7 +579,7 @@ async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
         book.tokens(&CounterKey::Channel(channel_segment("#one"))),
         1100
     );
-    let again = sandbox.run_turn_outcome(request("#other", "hi")).await;
+    let again = sandbox.run_turn(request("#other", "hi")).await;
     assert_eq!(again.failure, Some(TurnFailure::BudgetExceeded));
     // Another speaker has their own budget.
     let mut req = request("#other", "hi");
@@ -587,7 +587,7 @@ async fn real_turns_are_counted_refused_past_the_budget_and_across_a_restart() {
         id: "u2".into(),
         name: "bo".into(),
     };
-    let other = sandbox.run_turn_outcome(req).await;
+    let other = sandbox.run_turn(req).await;
     assert_eq!(other.reply.text.as_deref(), Some("three"), "{other:?}");
     assert_eq!(other.usage.tokens(), 15);
     assert_no_leftovers(&sandbox).await;
@@ -771,7 +771,7 @@ fn a_saturating_usage_is_stored_saturated_and_still_refuses_after_a_restart() {
 /// is 10, not 5).
 #[test]
 fn values_a_start_never_writes_are_loaded_clamped_with_one_warning() {
-    use roundtable_sandbox::budgets::{clamp_count, ReadCount, StoredCount, MAX_STORED};
+    use roundtable_sandbox::internals::budgets::{clamp_count, ReadCount, StoredCount, MAX_STORED};
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let path = dir.path().join("state.sqlite");
     drop(SqliteStore::open(&path).unwrap());

@@ -4,19 +4,20 @@
 //! SIGKILLed mid-turn and started again. No turn may hang, every turn must end with a
 //! clear reply, and nothing may leak (after the restart's sweep, for the host kill).
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use roundtable_sandbox_test_support::{hostile, mcp_stub};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::driver::{DockerOptions, LABEL_RUNTIME};
-use roundtable_sandbox::testing::*;
-use roundtable_sandbox::{run_turn, ApiKey, Config, DockerDriver, Sandbox, TurnPhase};
+use roundtable_sandbox::internals::testing::*;
+use roundtable_sandbox::{ApiKey, Config, DockerDriver, Sandbox, TurnPhase};
 use roundtable_sandbox_test_support::docker_proxy::{DockerProxy, Mode};
 
 const SLEEPER: &str = "cat >/dev/null; sleep 300";
 
-/// Runs a turn; once its container runs (and `settle` has passed), `fault` is injected.
+/// Runs a turn; once its container exists (and `settle` has passed), `fault` is injected.
 async fn turn_with_fault<F, Fut>(
     sandbox: &Sandbox,
     channel: &str,
@@ -27,20 +28,15 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let running = Arc::new(tokio::sync::Notify::new());
-    let notify = running.clone();
-    let observer: roundtable_sandbox::PhaseObserver = Arc::new(move |p| {
-        if p == TurnPhase::ContainerRunning {
-            notify.notify_one();
-        }
-    });
+    let sb = sandbox.clone();
     let injector = tokio::spawn(async move {
-        running.notified().await;
+        // Its container exists (the runtime's one labelled container).
+        the_container(&sb).await;
         tokio::time::sleep(settle).await;
         fault().await;
     });
     let started = Instant::now();
-    let reply = run_turn(sandbox, request(channel, "x"), |_| {}, Some(observer)).await;
+    let reply = sandbox.run_turn(request(channel, "x")).await.reply;
     let elapsed = started.elapsed();
     injector.await.unwrap();
     (reply, elapsed)
@@ -155,6 +151,7 @@ async fn container_killed_from_outside_mid_turn() {
         sandbox
             .run_turn(request("#kill", "x"))
             .await
+            .reply
             .text
             .as_deref(),
         Some("on")
@@ -203,7 +200,7 @@ async fn the_daemon_comes_back(
     config.driver = Some(Arc::new(driver.clone()));
     drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request(channel, "x")).await;
+    let reply = sandbox.run_turn(request(channel, "x")).await.reply;
     assert_eq!(reply.text.as_deref(), Some("back"), "{reply:?}");
     assert!(driver.pending_removals().is_empty());
     assert_no_leftovers(&sandbox).await;
@@ -286,7 +283,7 @@ async fn mcp_server_killed_mid_call() {
         .unwrap();
     });
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#mcp", "x")).await;
+    let reply = sandbox.run_turn(request("#mcp", "x")).await.reply;
     killer.await.unwrap();
     let f = hostile::findings(&reply);
     eprintln!(
@@ -303,7 +300,7 @@ async fn mcp_server_killed_mid_call() {
     config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["sleep", "echo"])];
     drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let f = hostile::findings(&sandbox.run_turn(request("#mcp", "x")).await);
+    let f = hostile::findings(&sandbox.run_turn(request("#mcp", "x")).await.reply);
     assert_eq!(f["status"], "200", "{f:?}");
     assert!(f["body"].contains("again"));
     sandbox.shutdown().await;
@@ -334,14 +331,18 @@ async fn host_process_child() {
     let Some(dir) = std::env::var_os(CHILD_ENV).map(PathBuf::from) else {
         return;
     };
-    let sandbox = Sandbox::new(child_config(&dir)).await.unwrap();
     let marker = dir.join("running");
-    let observer: roundtable_sandbox::PhaseObserver = Arc::new(move |p| {
-        if p == TurnPhase::ContainerRunning {
+    let mut config = child_config(&dir);
+    config.observer = Some(Arc::new(move |e: &roundtable_sandbox::Event| {
+        if matches!(
+            e.kind,
+            roundtable_sandbox::EventKind::Phase(TurnPhase::ContainerRunning)
+        ) {
             std::fs::write(&marker, b"").unwrap();
         }
-    });
-    run_turn(&sandbox, request("#crash", "x"), |_| {}, Some(observer)).await;
+    }));
+    let sandbox = Sandbox::new(config).await.unwrap();
+    sandbox.run_turn(request("#crash", "x")).await;
     panic!("the turn should have been killed with its host process");
 }
 
@@ -399,7 +400,9 @@ async fn host_process_killed_mid_turn_then_restarted() {
     assert_eq!(run_root_entries(&restarted.config().run_root).len(), 1);
     let ws = dir
         .join("ws")
-        .join(roundtable_sandbox::turn::channel_segment("#crash"));
+        .join(roundtable_sandbox::internals::turn::channel_segment(
+            "#crash",
+        ));
     assert!(ws.is_dir());
 
     // The restarted host sweeps at startup: the leftovers go, the workspace stays.

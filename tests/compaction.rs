@@ -10,10 +10,10 @@ use roundtable_sandbox_test_support::captured_logs::Captured;
 
 use std::time::Duration;
 
-use roundtable_sandbox::broker::{ApiKey, BrokerPolicy, CompactionModel};
+use roundtable_sandbox::internals::broker::{ApiKey, BrokerPolicy, CompactionModel};
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::protocol::chat::Message;
 use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
-use roundtable_sandbox::testing::*;
 use roundtable_sandbox::{Config, Sandbox, Speaker};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 use serde_json::{json, Value};
@@ -43,7 +43,7 @@ fn with_logs<F: std::future::Future<Output = ()>>(test: impl FnOnce(Captured) ->
 }
 
 fn hash(channel: &str) -> String {
-    roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
+    roundtable_sandbox::internals::turn::channel_segment(channel)[..16].to_owned()
 }
 
 fn summarizer(s: &ScriptedModel, key: ApiKey, source: &str) -> CompactionModel {
@@ -150,7 +150,8 @@ fn a_configured_summarizer_writes_the_summary_and_its_key_stays_on_the_host() {
 
         let r = sandbox
             .run_turn(request(channel, "rule: always answer in French"))
-            .await;
+            .await
+            .reply;
         assert_eq!(
             r.text.as_deref(),
             Some("found=[] guest_ok=1 calls=1"),
@@ -158,7 +159,7 @@ fn a_configured_summarizer_writes_the_summary_and_its_key_stays_on_the_host() {
         );
         // Over budget now: the summarizer summarises, then the main model answers.
         model.push(Step::text(&long("beta")));
-        let r = sandbox.run_turn(request(channel, "second")).await;
+        let r = sandbox.run_turn(request(channel, "second")).await.reply;
         assert_eq!(
             r.text.as_deref(),
             Some("found=[] guest_ok=1 calls=2"),
@@ -172,7 +173,7 @@ fn a_configured_summarizer_writes_the_summary_and_its_key_stays_on_the_host() {
             "the summarizer's answer is the summary"
         );
         model.push(Step::text("ok"));
-        let r = sandbox.run_turn(request(channel, "third")).await;
+        let r = sandbox.run_turn(request(channel, "third")).await.reply;
         assert_eq!(
             r.text.as_deref(),
             Some("found=[] guest_ok=1 calls=2"),
@@ -260,7 +261,8 @@ fn a_failing_summarizer_falls_back_and_each_fallback_is_logged_at_warn() {
                 channel,
                 "GUEST-WORDS-41 rule: always answer in French",
             ))
-            .await;
+            .await
+            .reply;
         assert!(r.ok, "{r:?}");
 
         // 1: the summarizer answers 500; the main model summarises.
@@ -268,7 +270,8 @@ fn a_failing_summarizer_falls_back_and_each_fallback_is_logged_at_warn() {
         model.push(Step::text(&long("beta")));
         let r = sandbox
             .run_turn(request(channel, "GUEST-WORDS-41 two"))
-            .await;
+            .await
+            .reply;
         assert!(r.ok, "{r:?}");
         assert_eq!(r.usage.unwrap().model_calls, 3, "summarizer, model, answer");
         assert!(session(&env, channel)["summary"]
@@ -280,14 +283,16 @@ fn a_failing_summarizer_falls_back_and_each_fallback_is_logged_at_warn() {
         model.push(Step::text(&long("gamma")));
         let r = sandbox
             .run_turn(request(channel, "GUEST-WORDS-41 three"))
-            .await;
+            .await
+            .reply;
         assert!(r.ok, "{r:?}");
         // 3: the summarizer hangs past its deadline and the main model fails too.
         model.push(Step::Status(503, r#"{"error":"UPSTREAM-WORDS-93"}"#.into()));
         model.push(Step::text("done"));
         let r = sandbox
             .run_turn(request(channel, "GUEST-WORDS-41 four"))
-            .await;
+            .await
+            .reply;
         assert_eq!(r.text.as_deref(), Some("done"), "{r:?}");
         let summary = session(&env, channel)["summary"]
             .as_str()
@@ -362,11 +367,11 @@ fn a_summarizer_without_a_key_is_logged_once_and_compaction_falls_back() {
         ))
         .await
         .unwrap();
-        assert!(sandbox.run_turn(request(channel, "one")).await.ok);
+        assert!(sandbox.run_turn(request(channel, "one")).await.reply.ok);
         for (i, tag) in ["beta", "gamma"].into_iter().enumerate() {
             model.push(Step::text(&format!("MAIN-SUMMARY-{i}")));
             model.push(Step::text(&long(tag)));
-            let r = sandbox.run_turn(request(channel, tag)).await;
+            let r = sandbox.run_turn(request(channel, tag)).await.reply;
             assert!(r.ok, "{r:?}");
             assert!(session(&env, channel)["summary"]
                 .as_str()
@@ -410,8 +415,8 @@ fn without_a_summarizer_a_failed_summary_is_a_plain_summary_logged_at_warn() {
         ])
         .await;
         let sandbox = Sandbox::new(config(&env, &model, None)).await.unwrap();
-        assert!(sandbox.run_turn(request(channel, "one")).await.ok);
-        let r = sandbox.run_turn(request(channel, "two")).await;
+        assert!(sandbox.run_turn(request(channel, "one")).await.reply.ok);
+        let r = sandbox.run_turn(request(channel, "two")).await.reply;
         assert_eq!(r.text.as_deref(), Some("fine"), "{r:?}");
         assert_eq!(r.usage.unwrap().model_calls, 2);
         let summary = session(&env, channel)["summary"]

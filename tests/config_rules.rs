@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{ApiKey, Config};
 
 fn err(config: &Config) -> String {
@@ -96,7 +96,7 @@ fn each_rule_has_its_message() {
     }
     let mut c = base.clone();
     c.allow_http = true;
-    let transport = roundtable_sandbox::broker::McpTransport::Http {
+    let transport = roundtable_sandbox::internals::broker::McpTransport::Http {
         url: "http://mcp.example.com/mcp".into(),
         headers: Default::default(),
     };
@@ -596,7 +596,7 @@ fn time_zones_are_read_as_intl_reads_them() {
         match expected {
             Some(canonical) => {
                 assert_eq!(
-                    roundtable_sandbox::config::canonical_time_zone(given),
+                    roundtable_sandbox::internals::config::canonical_time_zone(given),
                     Some(*canonical),
                     "{given:?}"
                 );
@@ -604,7 +604,7 @@ fn time_zones_are_read_as_intl_reads_them() {
             }
             None => {
                 assert_eq!(
-                    roundtable_sandbox::config::canonical_time_zone(given),
+                    roundtable_sandbox::internals::config::canonical_time_zone(given),
                     None,
                     "{given:?}"
                 );
@@ -617,7 +617,7 @@ fn time_zones_are_read_as_intl_reads_them() {
     let mut c = base.clone();
     c.time_zone = Some("systemv/ast4".into());
     assert_eq!(
-        roundtable_sandbox::config::canonical_time_zone("systemv/ast4"),
+        roundtable_sandbox::internals::config::canonical_time_zone("systemv/ast4"),
         Some("SystemV/AST4")
     );
     assert_eq!(
@@ -677,7 +677,7 @@ fn time_zones_match_node_where_node_is_installed() {
     assert_eq!(answers.len(), names.len());
     let mut differences = Vec::new();
     for (name, node) in names.iter().zip(&answers) {
-        let ours = roundtable_sandbox::config::canonical_time_zone(name);
+        let ours = roundtable_sandbox::internals::config::canonical_time_zone(name);
         if ours != node.as_deref() {
             differences.push(format!("{name:?}: node {node:?}, ours {ours:?}"));
         }
@@ -687,7 +687,7 @@ fn time_zones_match_node_where_node_is_installed() {
         "{} names differ from node (regenerate with scripts/gen-time-zones.sh if node was \
          upgraded; ours come from {}):\n{}",
         differences.len(),
-        roundtable_sandbox::config::TIME_ZONE_SOURCE,
+        roundtable_sandbox::internals::config::TIME_ZONE_SOURCE,
         differences.join("\n")
     );
     println!("{} names agree with node", names.len());
@@ -1074,7 +1074,7 @@ fn every_violation_is_collected_for_doctor_and_startup_names_the_first() {
     c.image = "Not An Image".into();
     c.limits.memory_mb = 15;
     c.max_steps = Some(0);
-    let found: Vec<String> = roundtable_sandbox::config::violations(&c)
+    let found: Vec<String> = roundtable_sandbox::internals::config::violations(&c)
         .iter()
         .map(ToString::to_string)
         .collect();
@@ -1091,6 +1091,9 @@ fn every_violation_is_collected_for_doctor_and_startup_names_the_first() {
     assert!(!c.run_root.exists() && !c.workspace_root.exists());
     // Every limit out of range, not only the first; a good configuration has none.
     c.limits.pids = 7;
-    assert_eq!(roundtable_sandbox::config::violations(&c).len(), 4);
-    assert!(roundtable_sandbox::config::violations(&env.config()).is_empty());
+    assert_eq!(
+        roundtable_sandbox::internals::config::violations(&c).len(),
+        4
+    );
+    assert!(roundtable_sandbox::internals::config::violations(&env.config()).is_empty());
 }

@@ -11,7 +11,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{Sandbox, TurnFailure};
 
 const WRITE: &str = r#"cat >/dev/null; echo guest-secret > /workspace/guest-file || exit 3; printf '{"ok":true,"text":"wrote"}'"#;
@@ -23,7 +23,7 @@ async fn an_existing_channel_dir_open_to_others_is_refused() {
     let ws = env.workspace_of("#open");
     std::fs::create_dir(&ws).unwrap();
     std::fs::set_permissions(&ws, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let outcome = sandbox.run_turn_outcome(request("#open", "hi")).await;
+    let outcome = sandbox.run_turn(request("#open", "hi")).await;
     let uid = nix::unistd::getuid().as_raw();
     assert_eq!(
         outcome.reply.error.as_deref(),
@@ -40,7 +40,7 @@ async fn an_existing_channel_dir_open_to_others_is_refused() {
     assert!(!ws.join("guest-file").exists(), "never mounted");
     // The same directory made private is served (the check is about the mode only).
     std::fs::set_permissions(&ws, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let outcome = sandbox.run_turn_outcome(request("#open", "hi")).await;
+    let outcome = sandbox.run_turn(request("#open", "hi")).await;
     assert!(outcome.reply.ok, "{outcome:?}");
     assert_eq!(
         std::fs::read_to_string(ws.join("guest-file")).unwrap(),
@@ -64,7 +64,7 @@ async fn a_workspace_root_replaced_after_startup_is_never_mounted() {
     let ws = env.workspace_of("#swap");
     std::fs::create_dir(&ws).unwrap();
     std::fs::set_permissions(&ws, std::fs::Permissions::from_mode(0o700)).unwrap();
-    let outcome = sandbox.run_turn_outcome(request("#swap", "hi")).await;
+    let outcome = sandbox.run_turn(request("#swap", "hi")).await;
     assert_eq!(
         outcome.reply.error.as_deref(),
         Some(
@@ -84,7 +84,9 @@ async fn a_workspace_root_replaced_after_startup_is_never_mounted() {
         !ws.join("guest-file").exists(),
         "the guest wrote into the planted directory"
     );
-    let real = held.join(roundtable_sandbox::turn::channel_segment("#swap"));
+    let real = held.join(roundtable_sandbox::internals::turn::channel_segment(
+        "#swap",
+    ));
     assert!(real.is_dir());
     assert!(!real.join("guest-file").exists());
     assert_no_leftovers(&sandbox).await;
@@ -157,7 +159,7 @@ async fn an_existing_channel_dir_of_another_user_is_refused() {
         .zip(&before)
     {
         let ws = env.workspace_of(channel);
-        let outcome = sandbox.run_turn_outcome(request(channel, "hi")).await;
+        let outcome = sandbox.run_turn(request(channel, "hi")).await;
         assert_eq!(
             outcome.reply.error.as_deref(),
             Some(

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{Config, Sandbox};
 
 const KEY: &str = "sk-host-process-test-5f0c2a9e71d84b36";
@@ -161,7 +161,7 @@ fn runtime() {
         assert!(out.status.success());
         assert!(!contains(&out.stdout, KEY), "a child inherited the key");
         println!("@@workspace {}", env.workspace_of("#host").display());
-        let reply = sandbox.run_turn(request("#host", "hi")).await;
+        let reply = sandbox.run_turn(request("#host", "hi")).await.reply;
         assert!(reply.ok, "{reply:?}");
         println!("@@replied ok");
         sandbox.shutdown().await;
@@ -169,7 +169,7 @@ fn runtime() {
 }
 
 fn runtime_name() -> Option<String> {
-    roundtable_sandbox::testing::runtime()
+    roundtable_sandbox::internals::testing::runtime()
 }
 
 fn contains(haystack: &[u8], needle: &str) -> bool {

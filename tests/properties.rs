@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use actix::Addr;
 use proptest::prelude::*;
-use roundtable_sandbox::testing::*;
-use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::internals::testing::*;
+use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox::{Sandbox, Speaker};
 use roundtable_sandbox_actors::testing::InjectPanic;
 use roundtable_sandbox_actors::*;
@@ -328,7 +328,7 @@ async fn odd_channel_keys_get_private_workspaces_in_real_turns() {
     for key in &keys {
         let mut req = request(key, "x");
         req.speaker.name = (*key).chars().take(100).collect();
-        let reply = sandbox.run_turn(req).await;
+        let reply = sandbox.run_turn(req).await.reply;
         assert_eq!(
             reply.text.as_deref(),
             Some("1"),

@@ -5,10 +5,11 @@
 //! container on the cold path and in a prepared container, and nothing is left behind
 //! (containers by label, run dirs).
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{ApiKey, Config, Reply, Sandbox};
 use roundtable_sandbox_test_support::hostile;
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
@@ -26,21 +27,20 @@ async fn answer(env: &Env, script: &str, tune: impl Fn(&mut Config)) -> Reply {
     config.turn_timeout = Some(DEADLINE);
     tune(&mut config);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let cold = sandbox.run_turn(request("#frame", "x")).await;
+    let cold = sandbox.run_turn(request("#frame", "x")).await.reply;
     assert_no_leftovers(&sandbox).await;
     let prepared = sandbox
         .prepare_turn("#frame", CancellationToken::new())
         .await
         .unwrap()
         .expect("warm turns are on by default");
-    let warm = roundtable_sandbox::run_turn_prepared(
-        &sandbox,
-        request("#frame", "x"),
-        Some(prepared),
-        |_| {},
-        None,
-    )
-    .await;
+    let warm = sandbox
+        .run(
+            sandbox.admit(request("#frame", "x")),
+            Some(prepared),
+            |_| {},
+        )
+        .await;
     assert_no_leftovers(&sandbox).await;
     assert_eq!(
         cold, warm.reply,
@@ -221,16 +221,13 @@ async fn the_next_turn_sees_the_session_of_a_turn_killed_right_after_its_reply()
     let at_reply = Arc::new(Mutex::new(None));
     let seen = at_reply.clone();
     let (path, sb) = (session.clone(), sandbox.clone());
-    let outcome = roundtable_sandbox::run_turn_outcome(
-        &sandbox,
-        request("#saved", "remember the otter"),
-        move |o| {
+    let turn = sandbox.admit(request("#saved", "remember the otter"));
+    let outcome = sandbox
+        .run(turn, None, move |o| {
             let saved = std::fs::read_to_string(&path).unwrap_or_default();
             *seen.lock().unwrap() = Some((o.reply.clone(), saved, sb.config().instance.clone()));
-        },
-        None,
-    )
-    .await;
+        })
+        .await;
     assert_eq!(outcome.reply.text.as_deref(), Some("noted: the otter"));
     let (reply, saved, _) = at_reply.lock().unwrap().take().unwrap();
     assert_eq!(reply, outcome.reply);
@@ -241,7 +238,10 @@ async fn the_next_turn_sees_the_session_of_a_turn_killed_right_after_its_reply()
     assert_no_leftovers(&sandbox).await;
 
     model.push(Step::text("you said: the otter"));
-    let reply = sandbox.run_turn(request("#saved", "what did I say?")).await;
+    let reply = sandbox
+        .run_turn(request("#saved", "what did I say?"))
+        .await
+        .reply;
     assert_eq!(
         reply.text.as_deref(),
         Some("you said: the otter"),

@@ -2,10 +2,11 @@
 //! gVisor), against the real engine. scripts/test.sh runs this file, like the sealed,
 //! end-to-end and hostile suites, once per runtime (`ROUNDTABLE_RUNTIME`).
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use roundtable_sandbox_test_support::hostile;
 use std::time::Duration;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::Sandbox;
 
 /// What the guest's kernel says about itself, from inside a real turn.
@@ -17,7 +18,7 @@ async fn guests_run_under_the_configured_runtime() {
         test -e /proc/sentry-meminfo && s=present || s=absent
         printf '{"ok":true,"text":"version=%s;sentry=%s"}' "$v" "$s""#;
     let sandbox = env.sh_sandbox(script).await;
-    let reply = sandbox.run_turn(request("#kernel", "x")).await;
+    let reply = sandbox.run_turn(request("#kernel", "x")).await.reply;
     let f = hostile::findings(&reply);
     let host_version = std::fs::read_to_string("/proc/version").unwrap();
     if under_gvisor() {
@@ -41,7 +42,7 @@ async fn a_runtime_the_engine_does_not_know_gives_a_clear_error() {
     let mut config = env.sh_config("cat >/dev/null; echo '{\"ok\":true,\"text\":\"x\"}'");
     config.runtime = Some("roundtable-no-such-runtime".into());
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#runtime", "x")).await;
+    let reply = sandbox.run_turn(request("#runtime", "x")).await.reply;
     assert_eq!(
         reply.error.as_deref(),
         Some(
@@ -116,7 +117,7 @@ async fn another_local_user_cannot_reach_the_turn_socket() {
     let req = request("#intruder", "x");
     let stop = req.stop.clone();
     let sb = sandbox.clone();
-    let turn = tokio::spawn(async move { sb.run_turn(req).await });
+    let turn = tokio::spawn(async move { sb.run_turn(req).await.reply });
     let run_root = sandbox.config().run_root.clone();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let turn_dir = loop {
@@ -176,7 +177,7 @@ async fn live_turn(
     let req = request(channel, "x");
     let stop = req.stop.clone();
     let sb = sandbox.clone();
-    let turn = tokio::spawn(async move { sb.run_turn(req).await });
+    let turn = tokio::spawn(async move { sb.run_turn(req).await.reply });
     let driver = roundtable_sandbox::DockerDriver::default();
     let docker = driver.client().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -250,7 +251,7 @@ async fn the_turn_process_on_the_host_is_confined() {
 /// fork) and answers.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fork_bomb_is_held_at_the_pids_limit() {
-    use roundtable_sandbox::driver::docker::{
+    use roundtable_sandbox::internals::docker::{
         GVISOR_HOST_TASKS_BASE, GVISOR_HOST_TASKS_PER_GUEST_TASK,
     };
     let env = Env::new();
@@ -293,7 +294,7 @@ async fn a_fork_bomb_is_held_at_the_pids_limit() {
     config.turn_timeout = Some(Duration::from_secs(60));
     drop(sandbox);
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#bomb", "x")).await;
+    let reply = sandbox.run_turn(request("#bomb", "x")).await.reply;
     let n: usize = reply
         .text
         .as_deref()

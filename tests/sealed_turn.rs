@@ -4,11 +4,12 @@
 //! so each test controls exactly what the "guest" does: probe its sandbox, sleep, flood,
 //! bomb memory or pids. Every test ends by checking that nothing leaked.
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::testing::*;
-use roundtable_sandbox::{run_turn, Sandbox};
+use roundtable_sandbox::internals::testing::*;
+use roundtable_sandbox::Sandbox;
 
 /// Reads the turn, then prints `{"ok":true,"text":<what the script echoes>}`.
 fn reply_with(body: &str) -> String {
@@ -38,7 +39,7 @@ async fn sealed_container_as_observed_from_inside() {
         printf '{"ok":true,"text":"%s"}' "$r"
     "#;
     let sandbox = env.sh_sandbox(probe).await;
-    let reply = sandbox.run_turn(request("#probe", "hello")).await;
+    let reply = sandbox.run_turn(request("#probe", "hello")).await.reply;
     assert!(reply.ok, "{reply:?}");
     let text = reply.text.unwrap();
     let uid = nix::unistd::getuid().as_raw();
@@ -83,9 +84,9 @@ async fn workspace_persists_per_channel_and_the_root_is_never_mounted() {
          grep ' /workspace ' /proc/self/mountinfo | cut -d' ' -f4",
     );
     let sandbox = env.sh_sandbox(&script).await;
-    let a1 = sandbox.run_turn(request("#a", "one")).await;
-    let a2 = sandbox.run_turn(request("#a", "two")).await;
-    let b1 = sandbox.run_turn(request("#b", "one")).await;
+    let a1 = sandbox.run_turn(request("#a", "one")).await.reply;
+    let a2 = sandbox.run_turn(request("#a", "two")).await.reply;
+    let b1 = sandbox.run_turn(request("#b", "one")).await.reply;
     let text = |r: roundtable_sandbox::Reply| r.text.unwrap_or_else(|| panic!("{:?}", r.error));
     let (a1, a2, b1) = (text(a1), text(a2), text(b1));
     assert!(a1.starts_with('1'), "{a1}");
@@ -96,7 +97,7 @@ async fn workspace_persists_per_channel_and_the_root_is_never_mounted() {
     assert!(b1.starts_with('1'), "#b has its own workspace: {b1}");
     // The mounted directory is the channel's segment, not the workspace root. (gVisor's
     // mountinfo shows no host path at all, only `/`: nothing of the host's layout.)
-    let seg_a = roundtable_sandbox::turn::channel_segment("#a");
+    let seg_a = roundtable_sandbox::internals::turn::channel_segment("#a");
     if under_gvisor() {
         assert!(a1.ends_with(" /"), "no host path under gVisor: {a1}");
     } else {
@@ -118,16 +119,13 @@ async fn reply_reaches_the_callback_before_teardown() {
     let seen2 = seen.clone();
     let run_root = sandbox.config().run_root.clone();
     let sb = sandbox.clone();
-    let reply = run_turn(
-        &sandbox,
-        request("#cb", "x"),
-        move |r| {
+    let reply = sandbox
+        .run(sandbox.admit(request("#cb", "x")), None, move |o| {
             let dirs = run_root_entries(&run_root);
-            *seen2.lock().unwrap() = Some((r.clone(), dirs));
-        },
-        None,
-    )
-    .await;
+            *seen2.lock().unwrap() = Some((o.reply.clone(), dirs));
+        })
+        .await
+        .reply;
     let (cb_reply, dirs_at_callback) = seen.lock().unwrap().take().unwrap();
     assert_eq!(cb_reply, reply);
     assert_eq!(reply.text.as_deref(), Some("hi"));
@@ -143,7 +141,7 @@ async fn timeout_kills_the_container_promptly() {
     config.turn_timeout = Some(Duration::from_secs(2));
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#slow", "x")).await;
+    let reply = sandbox.run_turn(request("#slow", "x")).await.reply;
     let elapsed = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 2s"));
     assert_no_leftovers(&sandbox).await;
@@ -161,6 +159,14 @@ async fn the_timeout_counts_from_admission_and_covers_preparation() {
     // A long timeout, so that "3 s left" (from admission) and "the whole timeout" (from
     // the call) stay far apart even when a busy machine's kill and teardown take long.
     config.turn_timeout = Some(Duration::from_secs(120));
+    // The turns' phases, from the runtime's one observer.
+    let phases = Arc::new(Mutex::new(Vec::new()));
+    let seen = phases.clone();
+    config.observer = Some(Arc::new(move |e: &roundtable_sandbox::Event| {
+        if let roundtable_sandbox::EventKind::Phase(p) = e.kind {
+            seen.lock().unwrap().push(p);
+        }
+    }));
     let sandbox = Sandbox::new(config).await.unwrap();
     let ago = |secs| {
         Instant::now()
@@ -169,17 +175,9 @@ async fn the_timeout_counts_from_admission_and_covers_preparation() {
     };
 
     // Admitted longer ago than the timeout: it ends before any preparation.
-    let phases = Arc::new(Mutex::new(Vec::new()));
-    let seen = phases.clone();
     let mut late = request("#admitted", "x");
     late.admitted = Some(ago(121));
-    let reply = run_turn(
-        &sandbox,
-        late,
-        |_| {},
-        Some(Arc::new(move |p| seen.lock().unwrap().push(p))),
-    )
-    .await;
+    let reply = sandbox.run_turn(late).await.reply;
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 120s"));
     use roundtable_sandbox::TurnPhase::*;
     assert_eq!(
@@ -194,7 +192,7 @@ async fn the_timeout_counts_from_admission_and_covers_preparation() {
     let mut req = request("#admitted", "x");
     req.admitted = Some(ago(117));
     let started = Instant::now();
-    let reply = sandbox.run_turn(req).await;
+    let reply = sandbox.run_turn(req).await.reply;
     let elapsed = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn timed out after 120s"));
     assert!(
@@ -223,7 +221,7 @@ async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
         ),
     ];
     for (channel, _) in vectors {
-        let reply = sandbox.run_turn(request(channel, "x")).await;
+        let reply = sandbox.run_turn(request(channel, "x")).await.reply;
         assert_eq!(reply.text.as_deref(), Some("ok"), "{reply:?}");
     }
     // The runtime's own lock file (one runtime per root) is not a workspace.
@@ -233,7 +231,10 @@ async fn a_channel_workspace_is_named_by_the_sha256_of_its_key() {
     expected.sort();
     assert_eq!(names, expected);
     for (channel, hash) in vectors {
-        assert_eq!(roundtable_sandbox::turn::channel_segment(channel), hash);
+        assert_eq!(
+            roundtable_sandbox::internals::turn::channel_segment(channel),
+            hash
+        );
         let file = sandbox.config().workspace_root.join(hash).join("f");
         assert_eq!(std::fs::read_to_string(file).unwrap(), "hi\n");
     }
@@ -251,7 +252,7 @@ async fn stopped_turn(
     let req = request(channel, "x");
     stop(req.stop.clone());
     let started = Instant::now();
-    let reply = sandbox.run_turn(req).await;
+    let reply = sandbox.run_turn(req).await.reply;
     let took = started.elapsed();
     assert_eq!(reply.error.as_deref(), Some("turn stopped"));
     assert_no_leftovers(&sandbox).await;
@@ -347,12 +348,10 @@ async fn a_turn_dropped_before_its_teardown_still_removes_its_container() {
         .unwrap()
         .expect("warm turns are on by default");
     assert_eq!(labelled_containers_of(&instance).await.len(), 1);
-    let turn = roundtable_sandbox::run_turn_prepared(
-        &sandbox,
-        request("#dropped", "sleep"),
+    let turn = sandbox.run(
+        sandbox.admit(request("#dropped", "sleep")),
         Some(prepared),
         |_| {},
-        None,
     );
     tokio::time::timeout(Duration::from_secs(2), turn)
         .await
@@ -361,13 +360,9 @@ async fn a_turn_dropped_before_its_teardown_still_removes_its_container() {
 
     let cold = sandbox.clone();
     let panicked = tokio::spawn(async move {
-        roundtable_sandbox::run_turn_prepared(
-            &cold,
-            request("#dropped", "hello"),
-            None,
-            |o| panic!("reply callback (test): {:?}", o.reply.text),
-            None,
-        )
+        cold.run(cold.admit(request("#dropped", "hello")), None, |o| {
+            panic!("reply callback (test): {:?}", o.reply.text)
+        })
         .await
     })
     .await
@@ -403,7 +398,7 @@ async fn fork_bomb_is_bounded_by_the_pids_limit() {
     config.limits.pids = 16;
     config.turn_timeout = Some(Duration::from_secs(60));
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#fork", "x")).await;
+    let reply = sandbox.run_turn(request("#fork", "x")).await.reply;
     if under_gvisor() {
         // Under gVisor the limit is RLIMIT_NPROC inside the Sentry (driver::docker::
         // adapt_to_gvisor), and the Sentry has no pids cgroup for the shell to read. Whether
@@ -475,7 +470,7 @@ async fn missing_image_and_unreachable_daemon_give_clear_errors() {
         env.dir.path().display()
     ));
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#daemon", "x")).await;
+    let reply = sandbox.run_turn(request("#daemon", "x")).await.reply;
     let error = reply.error.unwrap();
     assert!(error.starts_with("docker daemon unreachable: "), "{error}");
     assert!(run_root_entries(&sandbox.config().run_root).is_empty());
@@ -500,7 +495,7 @@ async fn a_daemon_that_never_answers_is_cut_by_the_call_deadline() {
     config.turn_timeout = Some(Duration::from_secs(60));
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#hung", "x")).await;
+    let reply = sandbox.run_turn(request("#hung", "x")).await.reply;
     let error = reply.error.unwrap();
     assert!(
         error.starts_with("docker daemon unreachable: no answer from"),
@@ -553,7 +548,7 @@ async fn start_live_turn(
 ) {
     let turn = tokio::spawn({
         let sandbox = sandbox.clone();
-        async move { sandbox.run_turn(request("#live", "x")).await }
+        async move { sandbox.run_turn(request("#live", "x")).await.reply }
     });
     let (container, run_dir) = live_turn_of(sandbox).await;
     (turn, container, run_dir)
@@ -593,7 +588,8 @@ async fn start_container_running(
     memory_mb: u64,
     command: Vec<String>,
 ) {
-    use roundtable_sandbox::driver::{docker::create_body, ContainerSpec};
+    use roundtable_sandbox::driver::ContainerSpec;
+    use roundtable_sandbox::internals::docker::create_body;
     std::fs::create_dir_all(run_dir).unwrap();
     std::fs::create_dir_all(workspace).unwrap();
     let spec = ContainerSpec {
@@ -834,7 +830,7 @@ async fn engine_calls_of_a_replying_turn(env: &Env, docker_host: Option<String>)
         })
     });
     let sandbox = Sandbox::new(config).await.unwrap();
-    let outcome = sandbox.run_turn_outcome(request("#no-inspect", "x")).await;
+    let outcome = sandbox.run_turn(request("#no-inspect", "x")).await;
     assert!(outcome.reply.ok, "{:?}", outcome.reply);
     let ops = ops.lock().unwrap().clone();
     assert!(ops.contains(&"create") && ops.contains(&"start"), "{ops:?}");

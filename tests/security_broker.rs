@@ -7,7 +7,7 @@
 use roundtable_sandbox_test_support::{hostile, mcp_stub};
 use std::time::Duration;
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{ApiKey, Sandbox};
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
 
@@ -23,7 +23,7 @@ async fn attack_forge_the_model_url_and_headers() {
     config.api_key = ApiKey::from_static(KEY);
     config.broker_limits.max_model_calls = 5;
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#forge", "x")).await;
+    let reply = sandbox.run_turn(request("#forge", "x")).await.reply;
     let f = hostile::findings(&reply);
     assert_eq!(f["forged_model"], "200", "{f:?}");
     // An absolute-form target or a query cannot redirect the call: same upstream.
@@ -83,7 +83,7 @@ async fn attack_send_body_fields_outside_the_allow_list() {
     config.api_key = ApiKey::from_static(KEY);
     config.model_request.max_tokens = 512;
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#fields", "x")).await;
+    let reply = sandbox.run_turn(request("#fields", "x")).await.reply;
     let f = hostile::findings(&reply);
     for field in [
         "models",
@@ -128,7 +128,7 @@ async fn attack_call_tools_that_are_not_allow_listed() {
     config.mcp = vec![mcp_stub::stub_server(stub_dir.path(), &["echo"])];
     config.tools = vec![hostile::whoami().0];
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#tools", "x")).await;
+    let reply = sandbox.run_turn(request("#tools", "x")).await.reply;
     let f = hostile::findings(&reply);
     assert_eq!(
         f["tool_unlisted"],
@@ -166,7 +166,7 @@ async fn attack_pose_as_another_speaker() {
     config.tools = vec![whoami];
     config.turn_timeout = Some(Duration::from_secs(30));
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#speakers", "x")).await;
+    let reply = sandbox.run_turn(request("#speakers", "x")).await.reply;
     let f = hostile::findings(&reply);
     // Headers and arguments claiming another speaker or channel change nothing: the tool
     // runs for the speaker and channel the host admitted with the message.

@@ -4,9 +4,10 @@
 //! clear reply, and nothing may be left behind (no container, run dir or socket).
 //! docs/security.md maps each control to its test here.
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::ApiKey;
 use roundtable_sandbox_test_support::hostile;
 use roundtable_sandbox_test_support::model::{ScriptedModel, Step};
@@ -305,7 +306,7 @@ async fn attack_reach_the_docker_socket() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_escalate_through_a_setuid_binary() {
-    use roundtable_sandbox::driver::docker::create_body;
+    use roundtable_sandbox::internals::docker::create_body;
     let env = Env::new();
     let uid = nix::unistd::getuid().as_raw();
 
@@ -667,7 +668,7 @@ async fn attack_print_a_reply_that_pretends_to_come_from_the_host() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_fill_the_workspace_disk() {
-    use roundtable_sandbox::quota;
+    use roundtable_sandbox::internals::quota;
     let env = Env::new();
     let limits = |c: &mut roundtable_sandbox::Config| {
         c.limits.workspace_mb = 8;
@@ -862,7 +863,7 @@ const REFUSED_BY_THE_LAYER: [&str; 7] = [
 
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
-    use roundtable_sandbox::driver::docker::{create_body, GUEST_OOM_SCORE_ADJ};
+    use roundtable_sandbox::internals::docker::{create_body, GUEST_OOM_SCORE_ADJ};
     let env = Env::new();
     let layer = REFUSED_BY_THE_LAYER;
     let profile = [
@@ -989,7 +990,7 @@ async fn attack_syscalls_that_seccomp_and_the_dropped_capabilities_forbid() {
 /// program. Both under runc (the engine's profile is what runc applies).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_guest_runs_nothing_when_its_seccomp_layer_cannot_be_installed() {
-    use roundtable_sandbox::driver::docker::create_body;
+    use roundtable_sandbox::internals::docker::create_body;
     let env = Env::new();
     let command = [
         "/roundtable-guest",
@@ -1019,7 +1020,8 @@ async fn the_guest_runs_nothing_when_its_seccomp_layer_cannot_be_installed() {
     let (name, body) = run("layer-refused", Some(no_seccomp));
     let out = run_raw_container(&name, body).await;
     assert!(!out.contains("RAN"), "ran without its layer: {out}");
-    let reply = roundtable_sandbox::turn::parse_reply(out.trim().as_bytes(), 4096).unwrap();
+    let reply =
+        roundtable_sandbox::internals::turn::parse_reply(out.trim().as_bytes(), 4096).unwrap();
     assert!(!reply.ok, "{reply:?}");
     let error = reply.error.unwrap_or_default();
     assert!(

@@ -12,9 +12,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::broker::BoxFuture;
-use roundtable_sandbox::quota;
-use roundtable_sandbox::testing::*;
+use roundtable_sandbox::internals::broker::BoxFuture;
+use roundtable_sandbox::internals::quota;
+use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::{Config, ContainerDriver, DriverError, Sandbox};
 
 const QUOTA_MB: u64 = 16;
@@ -82,7 +82,7 @@ fn unbounded() -> quota::Quota {
 async fn run_trick(env: &Env, channel: &str, args: &[&str]) -> (Sandbox, String, Duration) {
     let sandbox = Sandbox::new(quota_config(env, args)).await.unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request(channel, "x")).await;
+    let reply = sandbox.run_turn(request(channel, "x")).await.reply;
     let took = started.elapsed();
     let error = reply
         .error
@@ -116,7 +116,7 @@ async fn quota_counts_o_tmpfile_files() {
         let sandbox = Sandbox::new(quota_config(&env, &["tmpfile", "16", "8"]))
             .await
             .unwrap();
-        let f = hostile::findings(&sandbox.run_turn(request("#tmpfile", "x")).await);
+        let f = hostile::findings(&sandbox.run_turn(request("#tmpfile", "x")).await.reply);
         assert_eq!(
             f["tmpfile"], "error(Operation not supported (os error 95))",
             "{f:?}"
@@ -144,7 +144,7 @@ async fn stored_by(
     answer: &str,
 ) -> (Sandbox, quota::Usage) {
     let sandbox = Sandbox::new(quota_config(env, args)).await.unwrap();
-    let reply = sandbox.run_turn(request(channel, "x")).await;
+    let reply = sandbox.run_turn(request(channel, "x")).await.reply;
     assert_eq!(reply.text.as_deref(), Some(answer), "{reply:?}");
     let used = quota::measure_dir(&env.workspace_of(channel), &unbounded()).unwrap();
     (sandbox, used)
@@ -160,7 +160,7 @@ async fn quota_counts_a_hard_linked_file_once() {
         "counted once: {used:?}"
     );
     // And the next turn runs.
-    let reply = sandbox.run_turn(request("#links", "x")).await;
+    let reply = sandbox.run_turn(request("#links", "x")).await.reply;
     assert!(reply.ok, "{reply:?}");
     assert_no_leftovers(&sandbox).await;
 }
@@ -239,7 +239,7 @@ async fn quota_never_follows_a_dir_swapped_for_a_symlink() {
             (runs, max, errors)
         })
     };
-    let reply = sandbox.run_turn(request("#swap", "x")).await;
+    let reply = sandbox.run_turn(request("#swap", "x")).await.reply;
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let (runs, max, errors) = measurer.join().unwrap();
     let text = reply.text.clone().unwrap_or_else(|| panic!("{reply:?}"));
@@ -287,13 +287,13 @@ async fn quota_an_unreadable_dir_counts_as_over_quota_and_is_left_alone() {
         .mode();
     assert_eq!(mode & 0o7777, 0, "the host never changes a workspace entry");
     // The next turn is refused before any container starts.
-    let reply = sandbox.run_turn(request("#unreadable", "x")).await;
+    let reply = sandbox.run_turn(request("#unreadable", "x")).await.reply;
     assert_eq!(reply.error.as_deref(), Some(expected));
     assert_no_leftovers(&sandbox).await;
     // The operator fixes it: turns run again.
     std::fs::set_permissions(&hidden, PermissionsExt::from_mode(0o700)).unwrap();
     std::fs::remove_dir_all(&hidden).unwrap();
-    let reply = sandbox.run_turn(request("#unreadable", "x")).await;
+    let reply = sandbox.run_turn(request("#unreadable", "x")).await.reply;
     assert!(
         reply
             .error
@@ -315,7 +315,7 @@ async fn quota_a_guest_that_passes_it_and_exits_at_once_is_over_quota() {
     );
     config.limits.workspace_mb = QUOTA_MB;
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#quick", "x")).await;
+    let reply = sandbox.run_turn(request("#quick", "x")).await.reply;
     let error = reply.error.unwrap_or_default();
     assert!(error.starts_with(OVER), "{error}");
     assert_no_leftovers(&sandbox).await;
@@ -333,11 +333,11 @@ async fn quota_a_locked_workspace_root_counts_as_over_quota() {
     let _unlock = Unlock(ws.clone());
     let locked = "this channel's workspace cannot be measured (open the workspace: Permission denied (os error 13)); an operator must fix or clear it before the next turn";
     // The watcher ends the turn; the host leaves the mode alone; the next turn is refused.
-    let reply = sandbox.run_turn(request("#locked", "x")).await;
+    let reply = sandbox.run_turn(request("#locked", "x")).await.reply;
     assert_eq!(reply.error.as_deref(), Some(locked));
     let mode = std::fs::symlink_metadata(&ws).unwrap().permissions().mode();
     assert_eq!(mode & 0o7777, 0, "the host never changes it");
-    let reply = sandbox.run_turn(request("#locked", "x")).await;
+    let reply = sandbox.run_turn(request("#locked", "x")).await.reply;
     assert_eq!(reply.error.as_deref(), Some(locked));
     assert_no_leftovers(&sandbox).await;
 }
@@ -444,7 +444,7 @@ async fn quota_fallocate_keep_size_is_refused_by_the_guests_layer() {
         .await
         .unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#falloc", "x")).await;
+    let reply = sandbox.run_turn(request("#falloc", "x")).await.reply;
     let took = started.elapsed();
     let ws = env.workspace_of("#falloc");
     let used = quota::measure_dir(&ws, &unbounded()).unwrap();
@@ -475,7 +475,7 @@ async fn quota_fallocate_keep_size_is_refused_by_the_guests_layer() {
     assert_eq!(f["plain"], "error(File too large (os error 27))", "{f:?}");
     // Nothing stored: the bound past the quota is 0.
     assert!(used.bytes < 1 << 20, "{used:?}");
-    let reply = sandbox.run_turn(request("#falloc", "x")).await;
+    let reply = sandbox.run_turn(request("#falloc", "x")).await.reply;
     assert!(reply.ok, "the next turn runs: {reply:?}");
     assert_no_leftovers(&sandbox).await;
     std::fs::remove_dir_all(ws).unwrap();
@@ -541,7 +541,7 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
     let mut config = hostile::sh_config(&env, RAN);
     config.limits.disk_floor_mb = 1 << 24;
     let sandbox = Sandbox::new(config).await.unwrap();
-    let reply = sandbox.run_turn(request("#floor", "x")).await;
+    let reply = sandbox.run_turn(request("#floor", "x")).await.reply;
     let error = reply.error.unwrap();
     let root = &sandbox.config().workspace_root;
     let prefix = format!("the filesystem of {} (the workspaces) has ", root.display());
@@ -583,6 +583,7 @@ async fn floor_refuses_turns_when_a_filesystem_is_below_it() {
         sandbox
             .run_turn(request("#floor", "x"))
             .await
+            .reply
             .text
             .as_deref(),
         Some("ran")
@@ -626,7 +627,7 @@ async fn floor_kills_a_running_turn_when_free_space_falls_below_it() {
     with_data_root(&mut config, None);
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#floor-run", "x")).await;
+    let reply = sandbox.run_turn(request("#floor-run", "x")).await.reply;
     let error = reply.error.unwrap();
     let prefix = format!(
         "the filesystem of {} (the workspaces) has ",
@@ -643,7 +644,7 @@ async fn floor_kills_a_running_turn_when_free_space_falls_below_it() {
     assert!(started.elapsed() < Duration::from_secs(55));
     assert_no_leftovers(&sandbox).await;
     // The next turn is refused until space is freed.
-    let reply = sandbox.run_turn(request("#floor-run", "x")).await;
+    let reply = sandbox.run_turn(request("#floor-run", "x")).await.reply;
     assert!(
         reply
             .error
@@ -666,7 +667,7 @@ async fn quota_files_cannot_be_held_in_a_socket_queue() {
     config.turn_timeout = Some(Duration::from_secs(30));
     let sandbox = Sandbox::new(config).await.unwrap();
     let started = Instant::now();
-    let reply = sandbox.run_turn(request("#inflight", "x")).await;
+    let reply = sandbox.run_turn(request("#inflight", "x")).await.reply;
     let stored = progress(&env, "#inflight");
     eprintln!(
         "in flight in a socket: {stored} MiB written, in {:?}: {reply:?}",

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use roundtable_sandbox::testing::{self as support, FakeDriver, FnTool};
+use roundtable_sandbox::internals::testing::{self as support, FakeDriver, FnTool};
 use roundtable_sandbox::{Sandbox, TurnFailure};
 
 /// Answers with the channel and speaker the broker bound to the call.
@@ -27,7 +27,7 @@ async fn a_backend_carries_the_brokers_http_over_its_own_streams() {
     config.tools = vec![Arc::new(whoami())];
     let sandbox = Sandbox::new(config).await.unwrap();
     let outcome = sandbox
-        .run_turn_outcome(support::request("#relay", "/v1/tools/whoami"))
+        .run_turn(support::request("#relay", "/v1/tools/whoami"))
         .await;
     assert_eq!(outcome.failure, None, "{:?}", outcome.reply);
     let answer = outcome.reply.text.clone().unwrap();
@@ -49,7 +49,7 @@ async fn the_carried_streams_get_the_brokers_refusals() {
     config.driver = Some(FakeDriver::relaying());
     let sandbox = Sandbox::new(config).await.unwrap();
     let outcome = sandbox
-        .run_turn_outcome(support::request("#relay", "/etc/passwd"))
+        .run_turn(support::request("#relay", "/etc/passwd"))
         .await;
     assert_ne!(outcome.failure, Some(TurnFailure::Internal));
     let answer = outcome.reply.text.clone().unwrap();

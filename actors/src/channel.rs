@@ -155,14 +155,12 @@ impl ChannelActor {
         }
     }
 
-    /// Where a message's events and progress go (`turn` 0: only queued).
-    fn sink(&self, turn: u64, recipient: Option<Recipient<crate::TurnProgress>>) -> ProgressSink {
+    /// Where a message's events go (`turn` 0: only queued).
+    fn sink(&self, turn: u64) -> ProgressSink {
         ProgressSink {
             sandbox: self.shared.sandbox.clone(),
             channel: self.channel.clone(),
             turn,
-            recipient,
-            callback: self.shared.progress.clone(),
         }
     }
 
@@ -344,7 +342,7 @@ impl ChannelActor {
         Enqueue { message, stamp }: Enqueue,
         ctx: &mut Context<Self>,
     ) -> Result<oneshot::Receiver<Result<TurnOutcome, SandboxActorError>>, SandboxActorError> {
-        let sink = self.sink(0, message.progress.clone());
+        let sink = self.sink(0);
         if self.shutting_down {
             sink.refused(
                 &message.speaker.id,
@@ -418,7 +416,7 @@ impl ChannelActor {
             limits_key: message.limits_key,
         });
         let id = turn.number();
-        let progress = self.sink(id, message.progress);
+        let progress = self.sink(id);
         let prepared = self.take_prepared(ctx);
         let job = TurnJob {
             prepared,
@@ -534,7 +532,7 @@ impl Handler<Enqueue> for ChannelActor {
             Some(Err(e)) => Box::pin(std::future::ready(Err(e))),
             None => {
                 // The handler panicked before the message was queued: refused.
-                self.sink(0, None).ended(TurnFailure::ChannelRestarted);
+                self.sink(0).ended(TurnFailure::ChannelRestarted);
                 Box::pin(std::future::ready(Err(SandboxActorError::ChannelRestarted)))
             }
         }
@@ -612,8 +610,7 @@ impl Handler<ShutdownChannel> for ChannelActor {
             act.drop_prepared(ctx, "shutting down");
             let mut report = ChannelShutdown::default();
             for pending in std::mem::take(&mut act.queue) {
-                act.sink(0, pending.message.progress.clone())
-                    .ended(TurnFailure::ShuttingDown);
+                act.sink(0).ended(TurnFailure::ShuttingDown);
                 if pending
                     .responder
                     .send(Err(SandboxActorError::ShuttingDown))

@@ -16,7 +16,7 @@
 //!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), decides
 //!   a turn's reset flag when it admits it, and stops the active turn on [`Stop`].
 //! - `TurnActor` (one per turn, short-lived, internal): owns the turn's future — run dir, broker
-//!   listener and container, through [`roundtable_sandbox::run_turn`] — waits for a slot
+//!   listener and container, through [`roundtable_sandbox::Sandbox::run`] — waits for a slot
 //!   under the global container cap (a FIFO semaphore, so channels are served fairly; the
 //!   wait counts against the turn timeout, which runs from admission),
 //!   answers the caller and reports to its channel **before** teardown, and makes sure
@@ -104,10 +104,10 @@ pub use error::SandboxActorError;
 #[cfg(feature = "testing")]
 pub use messages::InjectPanic;
 pub use messages::{
-    ChannelState, ChannelStatus, GuestMessage, ProgressEvent, Shutdown, ShutdownReport, StartFresh,
-    Status, StatusReport, Stop, Totals, TurnProgress,
+    ChannelState, ChannelStatus, GuestMessage, Shutdown, ShutdownReport, StartFresh, Status,
+    StatusReport, Stop, Totals,
 };
-pub use options::{ProgressCallback, SupervisorOptions};
+pub use options::SupervisorOptions;
 /// What an embedder needs of the core to configure the runtime and read a turn's answer.
 pub use roundtable_sandbox::{
     ApiKey, Config, HostTool, Limits, Reply, Speaker, ToolCallContext, TurnFailure, TurnOutcome,

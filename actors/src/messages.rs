@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use actix::{Message, Recipient};
+use actix::Message;
 use roundtable_sandbox::{Speaker, TurnOutcome, TurnPhase};
 
 use crate::SandboxActorError;
@@ -20,8 +20,6 @@ pub struct GuestMessage {
     pub speaker: Speaker,
     /// The message's text.
     pub text: String,
-    /// Receives this message's progress (queued, waiting for a slot, each turn phase).
-    pub progress: Option<Recipient<TurnProgress>>,
     /// What the per-speaker budgets count this message's turn under instead of
     /// `speaker.id` (see [`roundtable_sandbox::TurnRequest::limits_key`]): set it when the
     /// speaker id is something the sender can change at will (an IRC nick). Never shown to
@@ -30,13 +28,12 @@ pub struct GuestMessage {
 }
 
 impl GuestMessage {
-    /// A message without a progress recipient.
+    /// A message of `speaker` in `channel`.
     pub fn new(channel: impl Into<String>, speaker: Speaker, text: impl Into<String>) -> Self {
         Self {
             channel: channel.into(),
             speaker,
             text: text.into(),
-            progress: None,
             limits_key: None,
         }
     }
@@ -45,12 +42,6 @@ impl GuestMessage {
     /// speaker's id ([`GuestMessage::limits_key`]).
     pub fn with_limits_key(mut self, key: impl Into<String>) -> Self {
         self.limits_key = Some(key.into());
-        self
-    }
-
-    /// Sends this message's progress to `recipient`.
-    pub fn with_progress(mut self, recipient: Recipient<TurnProgress>) -> Self {
-        self.progress = Some(recipient);
         self
     }
 }
@@ -177,34 +168,6 @@ pub struct Totals {
     pub retired: u64,
     /// Whether a `Shutdown` was received.
     pub shutting_down: bool,
-}
-
-/// Progress of one message's turn, for a bot's status display.
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "()")]
-pub struct TurnProgress {
-    /// The channel of the turn.
-    pub channel: String,
-    /// The turn's id (unique in this supervisor); 0 while the message is only queued.
-    pub turn: u64,
-    /// What happened.
-    pub event: ProgressEvent,
-}
-
-/// A step of a message's way through the layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ProgressEvent {
-    /// Queued behind `ahead` turns of the channel (the running one included).
-    Queued {
-        /// Turns before it.
-        ahead: usize,
-    },
-    /// Admitted; all container slots are taken, waiting for one.
-    WaitingForSlot,
-    /// A phase of the core's turn runner (preparing, broker listening, container running,
-    /// replied, tearing down, done).
-    Phase(TurnPhase),
 }
 
 /// Test hook (the `testing` feature): makes the channel's actor panic inside a handler, to

@@ -1,18 +1,15 @@
 //! The actor layer's own options, around the core's [`Config`].
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use roundtable_sandbox::Config;
 
-use crate::{SandboxActorError, TurnProgress};
-
-/// Receives every turn's progress (see [`TurnProgress`]); called on the actor thread, so
-/// it must return quickly. A panic in it is caught and logged; the turn goes on.
-pub type ProgressCallback = Arc<dyn Fn(&TurnProgress) + Send + Sync>;
+use crate::SandboxActorError;
 
 /// What [`SandboxSupervisor::start`](crate::SandboxSupervisor::start) takes: the core's
-/// configuration and the options of the actor layer.
+/// configuration and the options of the actor layer. Every event of the runtime and of
+/// this layer (a message queued, waiting for a slot, each phase, each end) goes to the
+/// one observer, `config.observer` (see [`roundtable_sandbox::events`]).
 #[derive(Clone)]
 pub struct SupervisorOptions {
     /// The core configuration (validated by [`roundtable_sandbox::Sandbox::new`]).
@@ -28,13 +25,6 @@ pub struct SupervisorOptions {
     pub idle_timeout: Duration,
     /// Run the orphan sweep at start (default true).
     pub sweep_on_start: bool,
-    /// Progress of every turn, e.g. for a status line ("starting container…"): a view of
-    /// the runtime's events.
-    pub progress: Option<ProgressCallback>,
-    /// Every event of the runtime and of this layer (see [`roundtable_sandbox::events`]):
-    /// installed on the core's configuration when the supervisor starts (in place of
-    /// `config.observer`).
-    pub observer: Option<roundtable_sandbox::events::Observer>,
 }
 
 impl std::fmt::Debug for SupervisorOptions {
@@ -45,8 +35,6 @@ impl std::fmt::Debug for SupervisorOptions {
             .field("max_containers", &self.max_containers)
             .field("idle_timeout", &self.idle_timeout)
             .field("sweep_on_start", &self.sweep_on_start)
-            .field("progress", &self.progress.as_ref().map(|_| "callback"))
-            .field("observer", &self.observer.as_ref().map(|_| "observer"))
             .finish()
     }
 }
@@ -67,8 +55,6 @@ impl SupervisorOptions {
             max_containers: Self::DEFAULT_MAX_CONTAINERS,
             idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
             sweep_on_start: true,
-            progress: None,
-            observer: None,
         }
     }
 

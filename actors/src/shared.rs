@@ -8,7 +8,8 @@ use std::time::Duration;
 use roundtable_sandbox::Sandbox;
 use tokio::sync::Semaphore;
 
-use crate::{ProgressCallback, SupervisorOptions};
+use crate::turn::PhaseRoutes;
+use crate::SupervisorOptions;
 
 /// What every actor of one supervisor shares.
 pub(crate) struct Shared {
@@ -21,13 +22,14 @@ pub(crate) struct Shared {
     /// How long a prepared container waits for its channel's next turn (`warm.ttl_secs`,
     /// default the idle timeout).
     pub(crate) warm_ttl: Duration,
-    pub(crate) progress: Option<ProgressCallback>,
+    /// Where each running turn's `Phase` events go (its channel's state).
+    pub(crate) phases: PhaseRoutes,
     waiting_for_slot: AtomicUsize,
 }
 
 impl Shared {
     /// The shared state of a supervisor over `sandbox` with `config`'s settings.
-    pub(crate) fn new(sandbox: Sandbox, config: &SupervisorOptions) -> Self {
+    pub(crate) fn new(sandbox: Sandbox, config: &SupervisorOptions, phases: PhaseRoutes) -> Self {
         let warm_ttl = sandbox.config().warm.ttl().unwrap_or(config.idle_timeout);
         Self {
             sandbox,
@@ -36,7 +38,7 @@ impl Shared {
             queue_limit: config.queue_limit,
             idle_timeout: config.idle_timeout,
             warm_ttl,
-            progress: config.progress.clone(),
+            phases,
             waiting_for_slot: AtomicUsize::new(0),
         }
     }

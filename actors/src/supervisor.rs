@@ -16,6 +16,7 @@ use crate::internal::{
 };
 use crate::reset::ResetGeneration;
 use crate::shared::Shared;
+use crate::turn::PhaseRoutes;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Shutdown, ShutdownReport,
     StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
@@ -24,7 +25,7 @@ use crate::{
 /// The sandbox's supervisor: one per process, the address a bot sends its messages to.
 ///
 /// Started by [`SandboxSupervisor::start`], which validates the whole configuration first.
-/// Spawns one [`ChannelActor`] per channel on its first [`GuestMessage`] (under
+/// Spawns one `ChannelActor` per channel on its first [`GuestMessage`] (under
 /// [`actix::Supervisor`], restarted after a panic), keeps every channel's pending reset
 /// generation (so a restart or a retirement never loses it), retires idle channel actors
 /// (and stops their channel-scoped MCP sessions), and answers [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`].
@@ -72,9 +73,10 @@ impl SandboxSupervisor {
     ) -> Result<(Addr<Self>, SweepReport), SandboxActorError> {
         config.validate()?;
         let mut core = config.config.clone();
-        if let Some(observer) = &config.observer {
-            core.observer = Some(observer.clone());
-        }
+        // The layer's view of the one observer: each running turn's phases go to its
+        // channel's state; every event still reaches the bot's observer.
+        let phases = PhaseRoutes::default();
+        core.observer = Some(phases.observer(core.observer.take()));
         let sandbox = Sandbox::new(core).await?;
         let report = if config.sweep_on_start {
             sandbox.sweep().await
@@ -92,7 +94,7 @@ impl SandboxSupervisor {
             queue_limit = config.queue_limit,
             "sandbox supervisor starting"
         );
-        let shared = Arc::new(Shared::new(sandbox, &config));
+        let shared = Arc::new(Shared::new(sandbox, &config, phases));
         let supervisor = Self {
             shared,
             channels: HashMap::new(),

@@ -1,18 +1,20 @@
 //! Actor-level test helpers, behind the `testing` feature (with the core's fake driver and
 //! test environment, re-exported here): a supervisor builder around the fake, status
-//! polling, a collector of progress messages, and the [`InjectPanic`] hook.
+//! polling, the runtime's one observer installed from a closure, and the [`InjectPanic`]
+//! hook.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-pub use roundtable_sandbox::testing::*;
+pub use roundtable_sandbox::internals::testing::*;
 
 pub use crate::messages::InjectPanic;
 use crate::{
     GuestMessage, SandboxActorError, SandboxSupervisor, Status, StatusReport, Stop,
-    SupervisorOptions, TurnOutcome, TurnProgress,
+    SupervisorOptions, TurnOutcome,
 };
+use roundtable_sandbox::events::Event;
 
 /// Actor settings around `env`'s config, running turns with `driver` and offering `tool`:
 /// room for 16 containers at once and 32 queued turns per channel.
@@ -87,20 +89,13 @@ pub async fn status_until(
     }
 }
 
-/// Collects the progress of the messages it is the recipient of.
-#[derive(Debug, Default)]
-pub struct Collector {
-    /// Every progress message received, in order.
-    pub seen: Arc<Mutex<Vec<TurnProgress>>>,
+/// Installs `f` as the runtime's observer (the one hook): it sees every event of the
+/// runtime and of the actor layer, on the thread that does the work.
+pub fn observe(options: &mut SupervisorOptions, f: impl Fn(&Event) + Send + Sync + 'static) {
+    options.config.observer = Some(Arc::new(f));
 }
 
-impl Actor for Collector {
-    type Context = Context<Self>;
-}
-
-impl Handler<TurnProgress> for Collector {
-    type Result = ();
-    fn handle(&mut self, msg: TurnProgress, _: &mut Self::Context) {
-        self.seen.lock().unwrap().push(msg);
-    }
+/// Whether `event` is of `channel` (an event names its channel by its short hash).
+pub fn of_channel(event: &Event, channel: &str) -> bool {
+    event.channel.as_deref() == Some(roundtable_sandbox::ChannelId::new(channel).short())
 }

@@ -1,17 +1,15 @@
 //! The [`TurnActor`]: one turn, from admission to the end of its teardown.
 
-use std::panic::AssertUnwindSafe;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::events::EventKind;
+use roundtable_sandbox::events::{Event, EventKind, Observer};
+use roundtable_sandbox::AdmittedTurn;
 use roundtable_sandbox::TurnError;
-use roundtable_sandbox::{run_admitted, AdmittedTurn};
-use roundtable_sandbox::{
-    ChannelId, PhaseObserver, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase,
-};
+use roundtable_sandbox::{ChannelId, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -20,7 +18,7 @@ use crate::error::AbortReason;
 use crate::internal::{ChannelLink, TurnDone, TurnReplied};
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
-use crate::{ChannelState, ProgressCallback, ProgressEvent, SandboxActorError, TurnProgress};
+use crate::{ChannelState, SandboxActorError};
 
 /// Where a caller's answer goes.
 pub(crate) type Responder = oneshot::Sender<Result<TurnOutcome, SandboxActorError>>;
@@ -103,52 +101,65 @@ impl TurnControl {
     }
 }
 
-/// A message's progress, as a view of the runtime's events: sends each event to the
-/// runtime's observer and its progress (if it has one) to the message's recipient and to
-/// the supervisor-wide callback.
+/// Each running turn's channel state, kept from the `Phase` events of the runtime's one
+/// observer: the supervisor installs [`PhaseRoutes::observer`] on the core's config (the
+/// bot's observer, if any, still gets every event first), a turn's actor registers its
+/// control under the turn's number while the core runs it.
+#[derive(Clone, Default)]
+pub(crate) struct PhaseRoutes(Arc<Mutex<HashMap<u64, TurnControl>>>);
+
+impl PhaseRoutes {
+    /// The observer that feeds the routes, after `bot`'s.
+    pub(crate) fn observer(&self, bot: Option<Observer>) -> Observer {
+        let routes = self.clone();
+        Arc::new(move |event: &Event| {
+            if let Some(bot) = &bot {
+                bot(event);
+            }
+            if let (EventKind::Phase(phase), Some(turn)) = (&event.kind, event.turn) {
+                if let Some(control) = routes.table().get(&turn) {
+                    control.set_stage(Stage::Running(*phase));
+                }
+            }
+        })
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TurnControl>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Routes turn `turn`'s phases to `control` until the guard is dropped.
+    fn route(&self, turn: u64, control: TurnControl) -> RouteGuard {
+        self.table().insert(turn, control);
+        RouteGuard(self.clone(), turn)
+    }
+}
+
+struct RouteGuard(PhaseRoutes, u64);
+
+impl Drop for RouteGuard {
+    fn drop(&mut self) {
+        self.0.table().remove(&self.1);
+    }
+}
+
+/// A message's events of this layer (queued, waiting for a slot, the ends it answers
+/// itself), sent to the runtime's observer as its channel's.
 #[derive(Clone)]
 pub(crate) struct ProgressSink {
     pub(crate) sandbox: roundtable_sandbox::Sandbox,
     pub(crate) channel: ChannelId,
     /// The turn's number; 0 while the message is only queued.
     pub(crate) turn: u64,
-    pub(crate) recipient: Option<Recipient<TurnProgress>>,
-    pub(crate) callback: Option<ProgressCallback>,
 }
 
 impl ProgressSink {
-    /// Sends one event of this layer's to the runtime's observer, and its progress.
+    /// Sends one event of this layer's to the runtime's observer.
     pub(crate) fn emit(&self, kind: EventKind) {
         let turn = (self.turn > 0).then_some(self.turn);
-        self.progress(&kind);
         self.sandbox.emit(turn, Some(&self.channel), kind);
-    }
-
-    /// The progress an event makes, if it makes one (the core's phases come here through
-    /// the turn's phase observer, itself a view of its `Phase` events).
-    pub(crate) fn progress(&self, kind: &EventKind) {
-        let event = match kind {
-            EventKind::Queued { depth } => ProgressEvent::Queued { ahead: *depth },
-            EventKind::WaitingForSlot => ProgressEvent::WaitingForSlot,
-            EventKind::Phase(phase) => ProgressEvent::Phase(*phase),
-            _ => return,
-        };
-        if self.recipient.is_none() && self.callback.is_none() {
-            return;
-        }
-        let progress = TurnProgress {
-            channel: self.channel.key().to_owned(),
-            turn: self.turn,
-            event,
-        };
-        if let Some(callback) = &self.callback {
-            if std::panic::catch_unwind(AssertUnwindSafe(|| callback(&progress))).is_err() {
-                tracing::warn!("the progress callback panicked; the turn goes on");
-            }
-        }
-        if let Some(recipient) = &self.recipient {
-            recipient.do_send(progress);
-        }
     }
 
     /// The end of a message the layer answered itself (a refusal, a turn that never
@@ -422,24 +433,12 @@ async fn run_job(
             }
         }
     };
-    // The core's phases, as its turn's events show them: the channel's state and the
-    // message's progress.
-    let observer: PhaseObserver = {
-        let control = control.clone();
-        let progress = progress.clone();
-        Arc::new(move |phase| {
-            control.set_stage(Stage::Running(phase));
-            progress.progress(&EventKind::Phase(phase));
-        })
-    };
-    run_admitted(
-        &shared.sandbox,
-        turn,
-        prepared,
-        |reply| delivery.deliver(reply),
-        Some(observer),
-    )
-    .await;
+    // The core's phases, as its turn's events show them: the channel's state.
+    let _route = shared.phases.route(turn.number(), control.clone());
+    shared
+        .sandbox
+        .run(turn, prepared, |reply| delivery.deliver(reply))
+        .await;
     // The permit is released here, after teardown: a slot is a container.
 }
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures_util::future::join_all;
+use roundtable_sandbox::events::{Event, EventKind};
 use roundtable_sandbox::TurnPhase;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
@@ -178,15 +179,16 @@ async fn reset_requested_during_broker_startup_is_kept_for_the_following_turn() 
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let armed = Arc::new(AtomicBool::new(true));
     let (sup, arm) = (supervisor.clone(), armed.clone());
-    config.progress = Some(Arc::new(move |p: &TurnProgress| {
-        if p.event == ProgressEvent::Phase(TurnPhase::BrokerListening)
+    observe(&mut config, move |e: &Event| {
+        if matches!(e.kind, EventKind::Phase(TurnPhase::BrokerListening))
+            && of_channel(e, "#r")
             && arm.swap(false, Ordering::SeqCst)
         {
             sup.get().unwrap().do_send(StartFresh {
-                channel: p.channel.clone(),
+                channel: "#r".into(),
             });
         }
-    }));
+    });
     let addr = start(config).await;
     supervisor.set(addr.clone()).unwrap();
 
@@ -484,13 +486,14 @@ async fn stop_during_startup_ends_the_turn_before_its_container() {
     // Stops the turn the moment its broker listens (the container is not started yet).
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let sup = supervisor.clone();
-    config.progress = Some(Arc::new(move |p: &TurnProgress| {
-        if p.channel == "#early" && p.event == ProgressEvent::Phase(TurnPhase::BrokerListening) {
+    observe(&mut config, move |e: &Event| {
+        if of_channel(e, "#early") && matches!(e.kind, EventKind::Phase(TurnPhase::BrokerListening))
+        {
             sup.get().unwrap().do_send(Stop {
-                channel: p.channel.clone(),
+                channel: "#early".into(),
             });
         }
-    }));
+    });
     config.max_containers = 1;
     let addr = start(config).await;
     supervisor.set(addr.clone()).unwrap();
@@ -736,41 +739,57 @@ async fn the_global_cap_serves_waiting_channels_in_turn() {
 }
 
 #[actix_rt::test]
-async fn progress_reaches_the_message_recipient() {
+async fn a_messages_progress_is_its_channels_events() {
     let env = Env::new();
     let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
-    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let collector = Collector { seen: seen.clone() }.start();
+    // A message's progress is its channel's events (a channel runs one turn at a time).
+    type Seen = Mutex<Vec<(Option<u64>, String)>>;
+    let seen: Arc<Seen> = Arc::default();
+    let mut options = fake_supervisor(&env, &driver, &tool);
+    let record = seen.clone();
+    observe(&mut options, move |e: &Event| {
+        let what = match &e.kind {
+            EventKind::Queued { depth } => format!("Queued {depth}"),
+            EventKind::Phase(phase) => format!("{phase:?}"),
+            _ => return,
+        };
+        if of_channel(e, "#pr") {
+            record.lock().unwrap().push((e.turn, what));
+        }
+    });
+    let addr = start(options).await;
 
     let first = send_as(&addr, "#pr", "ann", "block");
     eventually("running", SECS5, || driver.running() == 1).await;
-    let second = addr
-        .send(GuestMessage::new("#pr", speaker("bob"), "hi").with_progress(collector.recipient()));
-    let second = actix_rt::spawn(second);
+    let second = actix_rt::spawn(addr.send(GuestMessage::new("#pr", speaker("bob"), "hi")));
     status_until(&addr, "queued", |s| s.totals.queued == 1).await;
     driver.release(1);
     ok_text(first.await.unwrap());
     ok_text(second.await.unwrap().unwrap());
+    let second_turn = || seen.lock().unwrap().iter().filter_map(|(t, _)| *t).max();
     eventually("Done seen", SECS5, || {
-        seen.lock()
-            .unwrap()
-            .last()
-            .is_some_and(|p| p.event == ProgressEvent::Phase(TurnPhase::Done))
+        let last = seen.lock().unwrap().last().cloned();
+        last.is_some_and(|(t, what)| t == second_turn() && what == "Done")
     })
     .await;
-    let events: Vec<ProgressEvent> = seen.lock().unwrap().iter().map(|p| p.event).collect();
-    use TurnPhase::*;
+    let turn = second_turn();
+    let events: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(t, what)| what.starts_with("Queued") || *t == turn)
+        .map(|(_, what)| what.clone())
+        .collect();
     assert_eq!(
         events,
-        vec![
-            ProgressEvent::Queued { ahead: 1 },
-            ProgressEvent::Phase(Preparing),
-            ProgressEvent::Phase(BrokerListening),
-            ProgressEvent::Phase(ContainerRunning),
-            ProgressEvent::Phase(Replied),
-            ProgressEvent::Phase(TearingDown),
-            ProgressEvent::Phase(Done),
+        [
+            "Queued 1",
+            "Preparing",
+            "BrokerListening",
+            "ContainerRunning",
+            "Replied",
+            "TearingDown",
+            "Done"
         ]
     );
 }
@@ -983,11 +1002,11 @@ async fn the_turn_timeout_counts_from_admission() {
     // When #late got its slot (its turn's Preparing phase).
     let slot_at: Arc<Mutex<Option<Instant>>> = Arc::default();
     let slot = slot_at.clone();
-    config.progress = Some(Arc::new(move |p: &TurnProgress| {
-        if p.channel == "#late" && p.event == ProgressEvent::Phase(TurnPhase::Preparing) {
+    observe(&mut config, move |e: &Event| {
+        if of_channel(e, "#late") && matches!(e.kind, EventKind::Phase(TurnPhase::Preparing)) {
             slot.lock().unwrap().get_or_insert_with(Instant::now);
         }
-    }));
+    });
     let addr = start(config).await;
 
     let holder = send_as(&addr, "#holder", "ann", "block");

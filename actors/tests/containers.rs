@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
+use roundtable_sandbox::events::{Event, EventKind};
 use roundtable_sandbox::{DockerDriver, TurnPhase};
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
@@ -96,13 +97,14 @@ async fn stop_during_broker_startup_leaves_nothing_behind() {
     let mut config = config(&env);
     let supervisor: Arc<OnceLock<Addr<SandboxSupervisor>>> = Arc::new(OnceLock::new());
     let sup = supervisor.clone();
-    config.progress = Some(Arc::new(move |p: &TurnProgress| {
-        if p.event == ProgressEvent::Phase(TurnPhase::BrokerListening) {
+    observe(&mut config, move |e: &Event| {
+        if of_channel(e, "#early") && matches!(e.kind, EventKind::Phase(TurnPhase::BrokerListening))
+        {
             sup.get().unwrap().do_send(Stop {
-                channel: p.channel.clone(),
+                channel: "#early".into(),
             });
         }
-    }));
+    });
     let addr = SandboxSupervisor::start(config).await.unwrap();
     supervisor.set(addr.clone()).unwrap();
     let started = Instant::now();
@@ -250,11 +252,11 @@ async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
     // When #late got its slot (its turn's Preparing phase).
     let slot_at: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
     let slot = slot_at.clone();
-    config.progress = Some(Arc::new(move |p: &TurnProgress| {
-        if p.channel == "#late" && p.event == ProgressEvent::Phase(TurnPhase::Preparing) {
+    observe(&mut config, move |e: &Event| {
+        if of_channel(e, "#late") && matches!(e.kind, EventKind::Phase(TurnPhase::Preparing)) {
             slot.lock().unwrap().get_or_insert_with(Instant::now);
         }
-    }));
+    });
     let addr = SandboxSupervisor::start(config).await.unwrap();
 
     let holder = send(&addr, "#holder", "sleep long");
@@ -262,7 +264,7 @@ async fn the_turn_timeout_runs_from_admission_through_the_slot_wait() {
     // The real container's name: roundtable-sandbox-<16 hex of sha256(channel)>-<8 hex>.
     let names = labelled_containers_of(&instance).await;
     assert_eq!(names.len(), 1, "{names:?}");
-    let segment = roundtable_sandbox::turn::channel_segment("#holder");
+    let segment = roundtable_sandbox::internals::turn::channel_segment("#holder");
     let name = names[0].trim_start_matches('/');
     let turn = name
         .strip_prefix(&format!("roundtable-sandbox-{}-", &segment[..16]))

@@ -6,10 +6,10 @@
 
 use std::time::Duration;
 
-use roundtable_sandbox::broker::LABEL_MCP;
-use roundtable_sandbox::broker::PROBE_SEGMENT;
 use roundtable_sandbox::driver::LABEL_RUNTIME;
-use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::internals::broker::LABEL_MCP;
+use roundtable_sandbox::internals::broker::PROBE_SEGMENT;
+use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
 use roundtable_sandbox_test_support::mcp_process::sqlite_container;
@@ -96,7 +96,7 @@ async fn a_channels_mcp_session_starts_on_first_call_is_its_own_and_stops_when_i
     let instance = resolved.instance;
     let data = resolved
         .workspace_root
-        .join(roundtable_sandbox::config::MCP_DATA_DIR)
+        .join(roundtable_sandbox::internals::config::MCP_DATA_DIR)
         .join("sqlite");
     let mut s = SupervisorOptions::new(c);
     // Generous: #alpha must stay live (its session alive) through #beta's whole turn, which

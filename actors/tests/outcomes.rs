@@ -9,8 +9,8 @@ use actix::prelude::*;
 use std::sync::Arc;
 
 use roundtable_sandbox::events::EventKind;
-use roundtable_sandbox::testing::Recorder;
-use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::internals::testing::Recorder;
+use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox::ChannelId;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
@@ -280,7 +280,7 @@ async fn quota_floor_and_an_unreachable_engine_are_typed() {
 /// [`settings`] with `rec` observing the runtime.
 fn observed(env: &Env, timeout: Duration, rec: &Recorder) -> SupervisorOptions {
     let mut s = settings(env, timeout);
-    s.observer = Some(rec.observer());
+    s.config.observer = Some(rec.observer());
     s
 }
 
@@ -356,7 +356,7 @@ async fn a_slot_timeout_yields_one_end_and_the_wait_is_reported() {
     let mut options = fake_supervisor(&env, &driver, &Arc::new(WhoAmI::default()));
     options.max_containers = 1;
     options.config.turn_timeout = Some(Duration::from_secs(2));
-    options.observer = Some(rec.observer());
+    options.config.observer = Some(rec.observer());
     let addr = SandboxSupervisor::start(options).await.unwrap();
     let held = send(&addr, "#hold", "stubborn");
     status_until(&addr, "holding the slot", |_| driver.running() == 1).await;

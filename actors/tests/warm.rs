@@ -4,12 +4,13 @@
 //! digits of the container's id), so each test knows which container served the turn.
 //! Every test ends with a shutdown that must leave no container, run dir or socket.
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use bollard::query_parameters::{InspectContainerOptions, KillContainerOptionsBuilder};
 use roundtable_sandbox::driver::{LABEL_CHANNEL, LABEL_RUNTIME};
-use roundtable_sandbox::warm::LABEL_PREPARED;
+use roundtable_sandbox::internals::warm::LABEL_PREPARED;
 use roundtable_sandbox::DockerDriver;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;
@@ -105,7 +106,7 @@ async fn prepared(instance: &str) -> Vec<Listed> {
 }
 
 fn segment16(channel: &str) -> String {
-    roundtable_sandbox::turn::channel_segment(channel)[..16].to_owned()
+    roundtable_sandbox::internals::turn::channel_segment(channel)[..16].to_owned()
 }
 
 /// Waits until `channel`'s actor holds a prepared container in its slot (the engine lists
@@ -515,7 +516,7 @@ async fn warm_max_bounds_the_prepared_containers_across_channels() {
 async fn back_to_back_messages_are_each_served_by_a_prepared_container() {
     let rec = Recorder::default();
     let observer = rec.observer();
-    let (env, instance, addr) = start_with(8, |s| s.observer = Some(observer)).await;
+    let (env, instance, addr) = start_with(8, |s| s.config.observer = Some(observer)).await;
     for round in 0..2 {
         let asks: Vec<_> = (0..4).map(|_| send(&addr, "#b2b", "hello")).collect();
         for a in asks {

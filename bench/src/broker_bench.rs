@@ -18,14 +18,16 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::rt::TokioIo;
-use roundtable_sandbox::audit::AuditTrail;
-use roundtable_sandbox::broker::{BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
-use roundtable_sandbox::budgets::{BudgetBook, TurnAccount};
 use roundtable_sandbox::events::{EventKind, TurnEvents};
+use roundtable_sandbox::internals::audit::AuditTrail;
+use roundtable_sandbox::internals::broker::Broker;
+use roundtable_sandbox::internals::broker::{
+    BrokerLimits, BrokerListener, BrokerPolicy, TurnContext,
+};
+use roundtable_sandbox::internals::budgets::{BudgetBook, TurnAccount};
+use roundtable_sandbox::internals::testing::broker_policy;
 use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;
-use roundtable_sandbox::testing::broker_policy;
-use roundtable_sandbox::Broker;
 use roundtable_sandbox::TurnPhase;
 use roundtable_sandbox_guest_http as http;
 use std::io::{Read, Write};
@@ -237,7 +239,7 @@ impl BrokerUnderTest {
             },
             cancel: CancellationToken::new(),
             events: (self.observer.is_some() || self.audit.is_some()).then(|| {
-                roundtable_sandbox::audit::turn_events(
+                roundtable_sandbox::internals::audit::turn_events(
                     self.observer.clone(),
                     self.audit.clone(),
                     u64::from(self.n),
@@ -247,7 +249,7 @@ impl BrokerUnderTest {
             account: self.book.as_ref().map(|b| {
                 Arc::new(TurnAccount::new(
                     speaker,
-                    &roundtable_sandbox::turn::channel_segment(channel),
+                    &roundtable_sandbox::internals::turn::channel_segment(channel),
                     Some(b.clone()),
                 ))
             }),
@@ -283,7 +285,7 @@ pub fn chat_body(stream: bool) -> Vec<u8> {
         "model": "whatever-the-guest-says",
         "stream": stream,
         "messages": [
-            {"role": "system", "content": roundtable_sandbox::config::DEFAULT_PROMPT},
+            {"role": "system", "content": roundtable_sandbox::internals::config::DEFAULT_PROMPT},
             {"role": "user", "content": "ann: hello"}
         ]
     }))

@@ -22,9 +22,7 @@ use bollard::Docker;
 use futures_util::StreamExt;
 use roundtable_sandbox::driver::ContainerSpec;
 use roundtable_sandbox::protocol::{Speaker, Turn};
-use roundtable_sandbox::{
-    ApiKey, Config, ContainerDriver, DockerDriver, PhaseObserver, Sandbox, TurnPhase,
-};
+use roundtable_sandbox::{ApiKey, Config, ContainerDriver, DockerDriver, Sandbox};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
@@ -56,7 +54,7 @@ pub fn turn_stdin() -> Vec<u8> {
         text: "hello".into(),
         speaker: speaker(),
         model: "bench-model".into(),
-        prompt: roundtable_sandbox::config::DEFAULT_PROMPT.into(),
+        prompt: roundtable_sandbox::internals::config::DEFAULT_PROMPT.into(),
         time_zone: "UTC".into(),
         reset: false,
         tools: Vec::new(),
@@ -208,12 +206,21 @@ pub async fn observed_warm_sandbox(
     }
     // The audit trail beside the state file (issue 23 item 8: audit and accounting on).
     if has("audit") {
-        c.audit = roundtable_sandbox::audit::AuditSettings {
+        c.audit = roundtable_sandbox::internals::audit::AuditSettings {
             path: Some(state_file.with_file_name("audit.jsonl")),
             include_text: false,
         };
     }
-    c.observer = observer.filter(|_| has("metrics"));
+    c.observer = Some(match observer.filter(|_| has("metrics")) {
+        Some(metrics) => {
+            let phases = phase_recorder();
+            Arc::new(move |event| {
+                phases(event);
+                metrics(event);
+            })
+        }
+        None => phase_recorder(),
+    });
     Sandbox::new(c)
         .await
         .context("start the budgeted warm runtime")
@@ -226,13 +233,14 @@ pub fn bench_config(
     workspace_root: &Path,
     image: &str,
     model_url: &str,
-) -> roundtable_sandbox::config::ConfigBuilder {
+) -> roundtable_sandbox::internals::config::ConfigBuilder {
     Config::builder(run_root, workspace_root)
         .image(image)
         .model(model_url, "bench-model")
         .api_key(ApiKey::from_static("sk-bench-never-in-the-container"))
         .allow_http(true)
         .turn_timeout(Duration::from_secs(120))
+        .observer(phase_recorder())
 }
 
 /// Prepares the channel's next container (what a channel does after its turn, in the
@@ -268,6 +276,30 @@ pub async fn runtime_turn_profiled(
     timed_turn(sandbox, channel, None, "runtime").await
 }
 
+/// The turn being timed: its number, its start and each phase's time since, written by
+/// [`phase_recorder`] (every bench runtime's observer, from [`bench_config`]).
+type Timed = Option<(u64, Instant, Vec<(String, Duration)>)>;
+static TIMING: Mutex<Timed> = Mutex::new(None);
+
+fn timing() -> std::sync::MutexGuard<'static, Timed> {
+    TIMING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The observer that records the timed turn's phases (see [`timed_turn`]).
+pub fn phase_recorder() -> roundtable_sandbox::events::Observer {
+    Arc::new(|event: &roundtable_sandbox::events::Event| {
+        if let roundtable_sandbox::events::EventKind::Phase(phase) = event.kind {
+            if let Some((turn, t0, seen)) = &mut *timing() {
+                if event.turn == Some(*turn) {
+                    seen.push((format!("{phase:?}"), t0.elapsed()));
+                }
+            }
+        }
+    })
+}
+
 /// One trivial turn through the runtime (cold when `prepared` is `None`, which is what
 /// `run_turn` does), timed from just before the call, with the time at which each phase
 /// began. `what` names the path in the error of a failed turn.
@@ -287,27 +319,17 @@ pub async fn timed_turn(
         limits_key: None,
     };
     let t0 = Instant::now();
-    let phases = Arc::new(Mutex::new(Vec::with_capacity(8)));
-    let seen = phases.clone();
-    let observer: PhaseObserver = Arc::new(move |p: TurnPhase| {
-        seen.lock()
-            .expect("not poisoned")
-            .push((format!("{p:?}"), t0.elapsed()));
-    });
+    let turn = sandbox.admit(request);
+    *timing() = Some((turn.number(), t0, Vec::with_capacity(8)));
     let mut reply_at = None;
-    let outcome = roundtable_sandbox::run_turn_prepared(
-        sandbox,
-        request,
-        prepared,
-        |_| reply_at = Some(t0.elapsed()),
-        Some(observer),
-    )
-    .await;
+    let outcome = sandbox
+        .run(turn, prepared, |_| reply_at = Some(t0.elapsed()))
+        .await;
     let total = t0.elapsed();
+    let phases = timing().take().map(|(_, _, p)| p).unwrap_or_default();
     if !outcome.reply.ok {
         bail!("{what} turn failed: {:?}", outcome.reply.error);
     }
-    let phases = std::mem::take(&mut *phases.lock().expect("not poisoned"));
     Ok((
         Timing {
             reply: reply_at.unwrap_or(total),
@@ -383,7 +405,7 @@ pub fn ablations(spec: &ContainerSpec) -> Vec<(&'static str, ContainerCreateBody
     strips
         .into_iter()
         .map(|(what, strip)| {
-            let mut body = roundtable_sandbox::driver::docker::create_body(spec);
+            let mut body = roundtable_sandbox::internals::docker::create_body(spec);
             let mut host = body.host_config.take().unwrap_or_default();
             strip(&mut body, &mut host);
             body.host_config = Some(host);
@@ -411,7 +433,9 @@ pub async fn driver_turn(
         .run(&spec, stdin, CancellationToken::new())
         .await
         .map_err(anyhow::Error::from)
-        .and_then(|o| roundtable_sandbox::turn::judge(&o, &spec).map_err(anyhow::Error::from));
+        .and_then(|o| {
+            roundtable_sandbox::internals::turn::judge(&o, &spec).map_err(anyhow::Error::from)
+        });
     let reply_at = t0.elapsed();
     driver.remove(&spec.name).await?;
     let total = t0.elapsed();

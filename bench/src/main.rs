@@ -19,6 +19,7 @@ mod memory;
 mod runtimes;
 mod stats;
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1114,15 +1115,9 @@ async fn warm_loops(
                 admitted: None,
                 limits_key: None,
             };
-            let turn = roundtable_sandbox::run_turn_prepared(
-                warm,
-                request,
-                prepared.take(),
-                move |_| {
-                    let _ = tx.send(());
-                },
-                None,
-            );
+            let turn = warm.run(warm.admit(request), prepared.take(), move |_| {
+                let _ = tx.send(());
+            });
             // The next container is prepared from the reply on.
             let next = async {
                 if rx.await.is_ok() {
@@ -1519,7 +1514,7 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     on.shutdown().await;
     drop((off, on));
 
-    let book = roundtable_sandbox::budgets::BudgetBook::open(
+    let book = roundtable_sandbox::internals::budgets::BudgetBook::open(
         &roundtable_sandbox::BudgetSettings {
             state_file: Some(state_dir.path().join("broker.sqlite")),
             speaker_tokens_per_day: Some(1_000_000_000_000),
@@ -1533,7 +1528,7 @@ async fn accounting(o: &Options, model: &broker_bench::Model, with_metrics: bool
     let mut b_off = broker_bench::BrokerUnderTest::start(&model.url()).await?;
     // The *on* broker's turns audited too, as the warm turns' runtime's are: each "turn"'s
     // model calls gathered, its line written when the round stops it.
-    let audit = roundtable_sandbox::audit::AuditTrail::open(
+    let audit = roundtable_sandbox::internals::audit::AuditTrail::open(
         &state_dir.path().join("broker-audit.jsonl"),
         false,
     )?;
@@ -1698,7 +1693,7 @@ fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
             .tempdir_in(lifecycle::bench_dir())?;
         let metrics = on.then(|| Arc::new(roundtable_sandbox_metrics::Metrics::new()));
         let book = match on {
-            true => roundtable_sandbox::budgets::BudgetBook::open(
+            true => roundtable_sandbox::internals::budgets::BudgetBook::open(
                 &roundtable_sandbox::BudgetSettings {
                     state_file: Some(state_dir.path().join("broker.sqlite")),
                     speaker_tokens_per_day: Some(1_000_000_000_000),
@@ -1711,7 +1706,7 @@ fn broker_side(o: &Options, on: bool, eight: bool) -> Result<()> {
             false => None,
         };
         let audit = match on {
-            true => Some(roundtable_sandbox::audit::AuditTrail::open(
+            true => Some(roundtable_sandbox::internals::audit::AuditTrail::open(
                 &state_dir.path().join("audit.jsonl"),
                 false,
             )?),

@@ -11,10 +11,11 @@
 //! turns each on a new channel, left idle. Per channel = (growth with new channels −
 //! growth from turns alone) / N.
 
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use roundtable_sandbox::testing::FakeDriver;
+use roundtable_sandbox::internals::testing::FakeDriver;
 use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorOptions};
 use serde_json::{json, Value};
 

@@ -15,7 +15,8 @@
 //! the run dir are gone. Each runtime path also reports its phases (the turn's observer).
 
 use anyhow::{Context, Result};
-use roundtable_sandbox::config::GVISOR_RUNTIME;
+use roundtable_sandbox::internals::config::GVISOR_RUNTIME;
+use roundtable_sandbox::internals::testing::DockerDriverExt;
 use roundtable_sandbox::Sandbox;
 use serde_json::{json, Value};
 

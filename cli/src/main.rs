@@ -890,7 +890,8 @@ async fn turn(settings: &Settings, args: TurnArgs) -> Result<ExitCode> {
             admitted: None,
             limits_key: None,
         })
-        .await;
+        .await
+        .reply;
     sandbox.shutdown().await;
     // The reply is guest- and model-made: JSON escapes its C0 controls, `display::json`
     // the C1 ones, DEL and the bidi controls too (the same document, safe on a terminal).

@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use roundtable_sandbox::broker::{
+use roundtable_sandbox::internals::broker::{
     BoxFuture, Broker, BrokerLimits, BrokerPolicy, HostTool, ToolCallContext, TurnContext,
 };
 use roundtable_sandbox::{ApiKey, Speaker};

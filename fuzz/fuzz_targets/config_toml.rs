@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use roundtable_sandbox::config::valid_image_reference;
+use roundtable_sandbox::internals::config::valid_image_reference;
 use roundtable_sandbox::Config;
 
 fuzz_target!(|data: &[u8]| {

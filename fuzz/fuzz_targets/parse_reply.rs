@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use roundtable_sandbox::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
+use roundtable_sandbox::internals::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 
 fuzz_target!(|data: &[u8]| {
     let cap = 4096;

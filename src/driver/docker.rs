@@ -145,47 +145,45 @@ impl DockerDriver {
         self
     }
 
-    testing_pub! {
-        /// The engine's client, connected and version-negotiated on first use (an engine
-        /// type: public to this workspace's tests and bench only, never the embedding API).
-        async fn client(&self) -> Result<&Docker, DriverError> {
-            self.docker
-                .get_or_try_init(|| async {
-                    let path = self.options.host.trim_start_matches("unix://");
-                    // bollard's own timeout would cut the wait and attach streams: ours apply per call.
-                    let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
-                        .map_err(|e| unreachable_error(&e))?;
-                    let negotiated =
-                        tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
-                            .await
-                            .map_err(|_| DriverError::DaemonUnreachable {
-                                engine: ENGINE,
-                                reason: format!(
-                                    "no answer from {} within {:?}",
-                                    self.options.host, self.options.call_timeout
-                                ),
-                            })?
-                            .map_err(|e| unreachable_error(&e))?;
-                    // Never go below the API that has every field this driver sets.
-                    let v = negotiated.client_version();
-                    if (v.major_version, v.minor_version) < (1, 41) {
-                        return Err(DriverError::DaemonUnreachable {
+    /// The engine's client, connected and version-negotiated on first use (an engine
+    /// type: public to this workspace's tests and bench only, never the embedding API).
+    pub(crate) async fn engine(&self) -> Result<&Docker, DriverError> {
+        self.docker
+            .get_or_try_init(|| async {
+                let path = self.options.host.trim_start_matches("unix://");
+                // bollard's own timeout would cut the wait and attach streams: ours apply per call.
+                let docker = Docker::connect_with_unix(path, 3600, &MIN_API)
+                    .map_err(|e| unreachable_error(&e))?;
+                let negotiated =
+                    tokio::time::timeout(self.options.call_timeout, docker.negotiate_version())
+                        .await
+                        .map_err(|_| DriverError::DaemonUnreachable {
                             engine: ENGINE,
                             reason: format!(
-                                "engine API {}.{} is older than 1.41",
-                                v.major_version, v.minor_version
+                                "no answer from {} within {:?}",
+                                self.options.host, self.options.call_timeout
                             ),
-                        });
-                    }
-                    Ok(negotiated)
-                })
-                .await
-        }
+                        })?
+                        .map_err(|e| unreachable_error(&e))?;
+                // Never go below the API that has every field this driver sets.
+                let v = negotiated.client_version();
+                if (v.major_version, v.minor_version) < (1, 41) {
+                    return Err(DriverError::DaemonUnreachable {
+                        engine: ENGINE,
+                        reason: format!(
+                            "engine API {}.{} is older than 1.41",
+                            v.major_version, v.minor_version
+                        ),
+                    });
+                }
+                Ok(negotiated)
+            })
+            .await
     }
 
     /// The engine's version string (for `doctor`).
     pub async fn version(&self) -> Result<String, DriverError> {
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         let v = self.call("version", "engine", docker.version()).await?;
         Ok(format!(
             "{} (API {})",
@@ -196,7 +194,7 @@ impl DockerDriver {
 
     /// The runtimes the engine lists (its info's `Runtimes`) and its default one (for `doctor`).
     pub async fn runtimes(&self) -> Result<(Vec<String>, String), DriverError> {
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         let info = self.call("info", "engine", docker.info()).await?;
         let mut names: Vec<String> = info.runtimes.unwrap_or_default().into_keys().collect();
         names.sort();
@@ -205,7 +203,7 @@ impl DockerDriver {
 
     /// Whether the image is present locally.
     pub async fn image_present(&self, image: &str) -> Result<bool, DriverError> {
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         match self
             .call("inspect image", image, docker.inspect_image(image))
             .await
@@ -225,7 +223,7 @@ impl DockerDriver {
         if self.starting.lock().unwrap().contains(name) {
             return Ok(None);
         }
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         let inspected = match self
             .call("inspect", name, docker.inspect_container(name, None))
             .await
@@ -306,7 +304,7 @@ impl DockerDriver {
             return Err(DriverError::Cancelled);
         }
         let docker = tokio::select! {
-            d = self.client() => d?,
+            d = self.engine() => d?,
             _ = cancel.cancelled() => return Err(DriverError::Cancelled),
         };
         self.retry_pending_removals().await;
@@ -421,7 +419,7 @@ impl DockerDriver {
         body: ContainerCreateBody,
         measured: &'static str,
     ) -> Result<bollard::container::AttachContainerResults, DriverError> {
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         let image = body.image.clone().unwrap_or_default();
         let runtime = body.host_config.as_ref().and_then(|h| h.runtime.clone());
         let user = body.user.clone().unwrap_or_default();
@@ -492,7 +490,7 @@ impl DockerDriver {
         &self,
         labels: Vec<String>,
     ) -> Result<Vec<(String, HashMap<String, String>)>, DriverError> {
-        let docker = self.client().await?;
+        let docker = self.engine().await?;
         let filters: HashMap<&str, Vec<String>> = HashMap::from([("label", labels)]);
         let list = ListContainersOptionsBuilder::new()
             .all(true)
@@ -756,9 +754,8 @@ fn keep_containers() -> bool {
 }
 
 impl DockerDriver {
-    testing_pub! {
     /// Names of containers whose removal failed and is still to be retried.
-    fn pending_removals(&self) -> Vec<String> {
+    pub(crate) fn removals_to_retry(&self) -> Vec<String> {
         self.pending_removal
             .lock()
             .unwrap()
@@ -766,11 +763,10 @@ impl DockerDriver {
             .cloned()
             .collect()
     }
-    }
 
     /// Retries every removal that failed before (kept for later if it fails again).
     async fn retry_pending_removals(&self) {
-        for name in self.pending_removals() {
+        for name in self.removals_to_retry() {
             match self.remove_inner(&name).await {
                 Ok(()) => tracing::info!(container = %name, "removed after an earlier failure"),
                 Err(e) => tracing::debug!(container = %name, error = %e, "removal retry"),
@@ -881,7 +877,7 @@ impl ContainerDriver for DockerDriver {
     /// Inspects: the engine sets the flag when the container's cgroup saw an OOM kill.
     fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
         Box::pin(async move {
-            let docker = self.client().await?;
+            let docker = self.engine().await?;
             // The engine may record an OOM kill a while after the exit (seen under gVisor:
             // exit 137, `OOMKilled` still false at the first inspect; under load, still false
             // 600 ms later), and may not have seen the exit yet when the caller has (an MCP
@@ -973,7 +969,7 @@ impl ContainerDriver for DockerDriver {
                     }
                 },
                 None => {
-                    let docker = self.client().await?;
+                    let docker = self.engine().await?;
                     let top = match self
                         .call("top", name, docker.top_processes(name, None))
                         .await
@@ -1023,7 +1019,7 @@ impl ContainerDriver for DockerDriver {
         Box::pin(async move {
             self.data_root
                 .get_or_try_init(|| async {
-                    let docker = self.client().await?;
+                    let docker = self.engine().await?;
                     let info = self.call("info", "engine", docker.info()).await?;
                     Ok(info
                         .docker_root_dir
@@ -1041,7 +1037,7 @@ impl ContainerDriver for DockerDriver {
     ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(async move {
             let instance = scope.instance;
-            let docker = self.client().await?;
+            let docker = self.engine().await?;
             self.retry_pending_removals().await;
             let filters: HashMap<&str, Vec<String>> =
                 HashMap::from([("label", vec![format!("{LABEL_RUNTIME}={instance}")])]);
@@ -1256,7 +1252,7 @@ impl DockerDriver {
             HeldReport, GUEST_PROGRAM, HELD_FILES_ARG, MAX_OUTPUT,
         };
         let docker = self
-            .client()
+            .engine()
             .await
             .map_err(|_| "the engine cannot be reached".to_owned())?;
         let options = CreateExecOptions {

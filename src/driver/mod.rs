@@ -7,12 +7,10 @@
 //! - [`RunOutcome`]: what a run did (exit status, capped stdout, stderr tail),
 //!   collected with an [`OutputCollector`] and judged once, by the turn;
 //! - [`DriverError`]: each way a driver call can fail, backend-neutral;
-//! - [`docker`]: the Docker Engine driver on bollard.
+//! - `docker`: the Docker Engine driver on bollard ([`DockerDriver`]; its engine-level
+//!   parts, for this workspace's tests and bench, are `internals::docker`).
 
-#[cfg(feature = "testing")]
-pub mod docker;
-#[cfg(not(feature = "testing"))]
-mod docker;
+pub(crate) mod docker;
 pub(crate) use docker::create_body;
 
 use std::collections::BTreeMap;

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use roundtable_sandbox::{Config, Reply, Speaker};
 
-use roundtable_sandbox::testing::{Env, FnTool};
+use roundtable_sandbox::internals::testing::{Env, FnTool};
 
 /// The hostile image the test script builds.
 pub fn image() -> String {

@@ -12,7 +12,7 @@
 //!
 //! The test environment itself (private roots, the guest image's config, the leftover
 //! checks) and the fake driver are the library's, behind its `testing` feature:
-//! [`roundtable_sandbox::testing`], re-exported here as [`sandbox`].
+//! [`roundtable_sandbox::internals::testing`], re-exported here as [`sandbox`].
 
 #![forbid(unsafe_code)]
 
@@ -25,4 +25,4 @@ pub mod mcp_stub;
 pub mod model;
 pub mod warm_switch;
 
-pub use roundtable_sandbox::testing as sandbox;
+pub use roundtable_sandbox::internals::testing as sandbox;

@@ -1,6 +1,6 @@
 //! The security suite through prepared containers: with `ROUNDTABLE_WARM=1` every turn of
 //! a test that uses this [`Sandbox`] runs in a container prepared before its message (see
-//! `roundtable_sandbox::warm`), and the test fails if the turn did not adopt it; unset, it
+//! `roundtable_sandbox::internals::warm`), and the test fails if the turn did not adopt it; unset, it
 //! is the plain runtime. scripts/test.sh runs the hostile suite both ways.
 
 use roundtable_sandbox::{Config, Reply, SandboxError, TurnRequest};
@@ -33,7 +33,7 @@ impl Sandbox {
     /// Runs the turn; warm: in a container prepared for it first, never replaced by a cold one.
     pub async fn run_turn(&self, request: TurnRequest) -> Reply {
         if !warm() {
-            return self.0.run_turn(request).await;
+            return self.0.run_turn(request).await.reply;
         }
         let prepared = self
             .0
@@ -42,10 +42,8 @@ impl Sandbox {
             .expect("prepare the turn's container")
             .expect("a container is prepared");
         let (_, cold) = self.0.warm_counts();
-        let reply =
-            roundtable_sandbox::run_turn_prepared(&self.0, request, Some(prepared), |_| {}, None)
-                .await
-                .reply;
+        let turn = self.0.admit(request);
+        let reply = self.0.run(turn, Some(prepared), |_| {}).await.reply;
         // Adopted, or refused before adoption (a quota refusal, as on the cold path):
         // never replaced by a cold start.
         assert_eq!(

@@ -5,7 +5,7 @@
 
 use super::*;
 use roundtable_sandbox::events::{BrokerEvent, EventKind, ModelOperation, Refusal};
-use roundtable_sandbox::testing::Recorder;
+use roundtable_sandbox::internals::testing::Recorder;
 
 /// A turn of a broker built from `p`, its events recorded.
 async fn observed(p: BrokerPolicy) -> (BrokerTurn, Recorder) {
@@ -294,7 +294,7 @@ async fn the_compactors_upstream_calls_are_model_call_events_of_their_own_operat
     let model = ScriptedModel::start(vec![Step::text("the model's summary")]).await;
     let sum = ScriptedModel::start(vec![Step::text("the summarizer's summary")]).await;
     let mut p = policy(&model.url());
-    p.compaction = Some(roundtable_sandbox::broker::CompactionModel {
+    p.compaction = Some(roundtable_sandbox::internals::broker::CompactionModel {
         url: sum.url(),
         model: "sum-model".into(),
         api_key: ApiKey::from_static("sk-sum-events-1"),
@@ -349,7 +349,7 @@ async fn the_compactors_upstream_calls_are_model_call_events_of_their_own_operat
 
 #[tokio::test]
 async fn a_budget_refusal_is_one_refused_event_naming_the_budget() {
-    use roundtable_sandbox::budgets::{Budget, BudgetBook, BudgetSettings, TurnAccount};
+    use roundtable_sandbox::internals::budgets::{Budget, BudgetBook, BudgetSettings, TurnAccount};
     let model = ScriptedModel::start(vec![Step::text("a")]).await;
     let broker = start_broker(policy(&model.url())).await;
     let dir = tempfile::tempdir_in("/tmp").unwrap();

@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::broker::{
+use roundtable_sandbox::internals::broker::{
     validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerPolicy, McpScope,
     McpServer, McpTransport, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
 };
-use roundtable_sandbox::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
-use roundtable_sandbox::turn::channel_segment;
+use roundtable_sandbox::internals::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
+use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{next_chunk, post, post_json};
 use roundtable_sandbox_test_support::mcp_stub::{stub_server, stub_server_with};
@@ -115,7 +115,7 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
     );
     McpServer {
         // A host child: these tests watch the server's host pid (reaping, restarts).
-        confine: roundtable_sandbox::broker::McpConfine::Host,
+        confine: roundtable_sandbox::internals::broker::McpConfine::Host,
         ..McpServer::new("time", transport, tools)
     }
 }

@@ -1,0 +1,1004 @@
+//! The host's compactor behind `POST /v1/compact` (the port of 0.7.16's
+//! `jevCompactor({ logger })`).
+//!
+//! - [`validate`]: the `[compaction]` rules (URL, model, deadline), without side effects;
+//! - [`Compactor::new`]: prepared once per runtime; a summarizer configured without a key is
+//!   logged here, once, at warn;
+//! - [`handle`]: one compaction request of a turn, under the turn's caps: one of its
+//!   calls-in-flight permits for the whole compaction, one compaction at a time, refused
+//!   once the turn's model calls are used up or past `max_compactions` (each `429`). The
+//!   body is read capped (`min(max_request_bytes, MAX_REQUEST_BYTES)`) into one buffer
+//!   within the call deadline; its JSON values are counted, then it is parsed as a typed
+//!   [`CompactRequest`] and checked, off the async threads; a refused request is logged at
+//!   warn (rate-limited, see [`Warnings`]) and answered with `4xx` (the guest then builds
+//!   the plain summary itself).
+//!
+//! The chain, every step on the host: the configured summarizer (its own URL, model, key
+//! and deadline) → the main model (as the guest's own compaction did before) → the plain
+//! summary. Each step that fails — no key, the turn's model-call budget used up, the
+//! endpoint unreachable, an HTTP error, a timeout, a malformed or empty answer — is logged
+//! at warn with the channel's hash (the first 16 hex digits of its sha256, as the turn's
+//! span shows it), the reason and `tokens_before`, and the next step runs. Reasons are
+//! fixed texts: no upstream body and no guest text reaches the log. An answer is read at
+//! most [`MAX_ANSWER_BYTES`] and parsed off the async threads into a typed shape (the
+//! first choice's text, copied only up to the summary's size, and the token counts;
+//! nothing else is built). Each upstream call
+//! takes one call from the turn's model-call budget and asks for at most the operator's
+//! `max_tokens`. Whatever summary comes back has every declared secret (the summarizer's
+//! key and the model key among them) redacted before it is returned.
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::{Method, Request, StatusCode};
+use roundtable_sandbox_protocol::chat::Message;
+use roundtable_sandbox_protocol::compaction::{
+    finish_summary, plain_summary, summary_messages, CompactReply, CompactRequest, CompactSource,
+    MAX_REQUEST_BYTES,
+};
+use roundtable_sandbox_protocol::Usage;
+use secrecy::{ExposeSecret, SecretString};
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
+use super::http::holding;
+use super::http::{json_response, Response, Turn};
+use super::model::chat_url;
+use super::redact::Secrets;
+use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
+
+/// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
+/// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
+pub(crate) fn validate(s: &CompactionModel) -> Result<reqwest::Url, BrokerError> {
+    // The model URL's rules (one definition, see `model::chat_url` and `model::loopback`),
+    // reported as the compaction section's.
+    let url = chat_url(&s.url, s.allow_http).map_err(|e| match e {
+        BrokerError::InsecureModelUrl(_) | BrokerError::HttpNotLoopback(_) => {
+            BrokerError::InsecureCompactionUrl(s.url.clone())
+        }
+        _ => BrokerError::InvalidCompactionUrl(s.url.clone()),
+    })?;
+    if s.model.trim().is_empty() {
+        return Err(BrokerError::CompactionModelMissing);
+    }
+    if s.timeout < Duration::from_secs(1) || s.timeout > Duration::from_secs(600) {
+        return Err(BrokerError::CompactionTimeout(s.timeout));
+    }
+    Ok(url)
+}
+
+/// The configured summarizer, ready to call.
+struct Summarizer {
+    url: reqwest::Url,
+    model: String,
+    key: ApiKey,
+    timeout: Duration,
+}
+
+/// The runtime-long compactor.
+pub(crate) struct Compactor {
+    summarizer: Option<Summarizer>,
+    model_url: reqwest::Url,
+}
+
+impl Compactor {
+    /// Prepares the chain; logs once, at warn, a summarizer configured without a key.
+    pub(crate) fn new(policy: &BrokerPolicy) -> Result<Self, BrokerError> {
+        let summarizer = match &policy.compaction {
+            None => None,
+            Some(s) => {
+                let url = validate(s)?;
+                if matches!(s.api_key, ApiKey::None) {
+                    tracing::warn!(
+                        key_source = %s.key_source,
+                        "compaction summarizer configured without a key; compaction falls back to the main model"
+                    );
+                }
+                Some(Summarizer {
+                    url,
+                    model: s.model.clone(),
+                    key: s.api_key.clone(),
+                    timeout: s.timeout,
+                })
+            }
+        };
+        Ok(Self {
+            summarizer,
+            model_url: chat_url(&policy.model_url, policy.allow_http)?,
+        })
+    }
+}
+
+/// The largest upstream answer to a summary request that is read (at most
+/// `max_response_bytes`): a summary of the ≤ 96 KiB transcript the request carries is far
+/// smaller (24 KB at the default budget); a larger answer is a failed step, never parsed.
+pub(crate) const MAX_ANSWER_BYTES: usize = 256 * 1024;
+/// Why a request was refused before the chain ran: the status and the message (the guest
+/// is told it; the log gets `reason`, which holds no guest text).
+struct Refusal {
+    status: StatusCode,
+    message: String,
+    reason: &'static str,
+}
+
+/// The body's checks and typed parse (run off the async threads): the JSON-values
+/// pre-check, the typed request, its rules.
+fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
+    if values_over(body, MAX_VALUES) {
+        return Err(Refusal {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("compaction request too complex (more than {MAX_VALUES} JSON values)"),
+            reason: "compaction request too complex",
+        });
+    }
+    // The serde message may quote guest text: it goes back to the guest, not to the log.
+    let request: CompactRequest = serde_json::from_slice(body).map_err(|e| Refusal {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("malformed compaction request: {e}"),
+        reason: "malformed compaction request",
+    })?;
+    request.check().map_err(|e| Refusal {
+        status: StatusCode::BAD_REQUEST,
+        message: format!("invalid compaction request: {e}"),
+        reason: "invalid compaction request",
+    })?;
+    Ok(request)
+}
+
+/// The `429` refusals of a turn's compactions answered at once; each later one is answered
+/// after [`REFUSAL_PAUSE`]. The guest's agent loop asks again only after a compaction
+/// failed, so a flood of retries is an attacker's: paused, each of its (at most
+/// `max_connections`) connections costs the host at most 40 refusals a second, not thousands.
+pub(crate) const FREE_REFUSALS: u32 = 16;
+/// How long a refused compaction past [`FREE_REFUSALS`] waits for its answer, holding
+/// nothing of the turn's but its connection (its permits are released first).
+pub(crate) const REFUSAL_PAUSE: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// Answers one compaction request ([`handle_now`]); a turn's `429` past its first
+/// [`FREE_REFUSALS`] is answered after [`REFUSAL_PAUSE`].
+pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
+    let response = handle_now(turn, req).await;
+    if response.status() == StatusCode::TOO_MANY_REQUESTS
+        && turn.compaction_refusals.fetch_add(1, Ordering::SeqCst) >= FREE_REFUSALS
+    {
+        tokio::select! {
+            _ = tokio::time::sleep(REFUSAL_PAUSE) => {}
+            _ = turn.stop.cancelled() => {}
+        }
+    }
+    response
+}
+
+/// Answers one compaction request, under the turn's caps: the calls-in-flight permit for
+/// its whole duration (`429`), one compaction at a time (`429`), the turn's model calls not used up and its compactions not
+/// past `max_compactions` (`429`, the guest then builds the plain summary itself).
+async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
+    let warnings = &turn.warnings;
+    // A refusal by one of the turn's limits, marked with it; any other is the compactor's
+    // own (its caps and rules).
+    let refuse_by = |status: StatusCode, limit, reason: &str| {
+        warnings.refused(reason);
+        super::http::refuse(status, limit, reason)
+    };
+    let refuse = |status: StatusCode, reason: &str| {
+        refuse_by(status, crate::events::Refusal::Compaction, reason)
+    };
+    // A `429` for a turn past its `max` of `what`.
+    let too_many = |limit, what: &str, max: &dyn std::fmt::Display| {
+        let reason = format!("too many {what} in this turn (limit {max})");
+        refuse_by(StatusCode::TOO_MANY_REQUESTS, limit, &reason)
+    };
+    if req.method() != Method::POST {
+        return refuse(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method not allowed: use POST",
+        );
+    }
+    let limits = turn.broker.policy.limits;
+    let cap = limits.max_request_bytes.min(MAX_REQUEST_BYTES);
+    let too_large = format!("compaction request too large (limit {cap} bytes)");
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > cap as u64) {
+        return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large);
+    }
+    // A place among the calls in flight, held until the answer is sent (as for a chat call).
+    let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
+        return too_many(
+            crate::events::Refusal::CallsInFlight,
+            "calls in flight",
+            &limits.max_calls_in_flight,
+        );
+    };
+    // One compaction at a time per turn: the guest's agent loop never asks for two at once,
+    // so a second is only an attacker multiplying what each one holds.
+    let Ok(one) = turn.compacting.clone().try_acquire_owned() else {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            "a compaction is already in flight in this turn",
+        );
+    };
+    // A turn whose model calls are used up gets no more compactions: each upstream call
+    // counts against them, and the plain summary is not served forever.
+    if turn.model_calls.load(Ordering::SeqCst) >= limits.max_model_calls {
+        return too_many(
+            crate::events::Refusal::ModelCalls,
+            "model calls",
+            &limits.max_model_calls,
+        );
+    }
+    if turn.compactions.fetch_add(1, Ordering::SeqCst) >= limits.max_compactions {
+        return too_many(
+            crate::events::Refusal::Compaction,
+            "compactions",
+            &limits.max_compactions,
+        );
+    }
+    // Read into one buffer of the announced size (no second copy of the body).
+    let mut buf: Vec<u8> = Vec::with_capacity(declared.map_or(0, |n| n as usize).min(cap));
+    let mut incoming = req.into_body();
+    let read = async {
+        while let Some(frame) = incoming.frame().await {
+            let Ok(data) = frame?.into_data() else {
+                continue;
+            };
+            if buf.len() + data.len() > cap {
+                return Ok(false);
+            }
+            buf.extend_from_slice(&data);
+        }
+        Ok::<_, hyper::Error>(true)
+    };
+    match tokio::time::timeout(limits.call_timeout, read).await {
+        Err(_) => {
+            return refuse(
+                StatusCode::REQUEST_TIMEOUT,
+                "request body not received in time",
+            )
+        }
+        Ok(Ok(false)) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large),
+        Ok(Err(_)) => return refuse(StatusCode::BAD_REQUEST, "request body unreadable"),
+        Ok(Ok(true)) => {}
+    }
+    drop(incoming);
+    let body = buf;
+    // Checked and parsed off the async threads; the body is dropped there.
+    let parsed = tokio::task::spawn_blocking(move || parse_request(&body)).await;
+    let request = match parsed {
+        Ok(Ok(r)) => r,
+        Ok(Err(refusal)) => {
+            warnings.refused(refusal.reason);
+            return super::http::refuse(
+                refusal.status,
+                crate::events::Refusal::Compaction,
+                &refusal.message,
+            );
+        }
+        Err(_) => {
+            return refuse(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "compaction request not parsed",
+            )
+        }
+    };
+    let reply = compact(turn, &request).await;
+    drop(request);
+    drop(one);
+    holding(json_response(StatusCode::OK, &reply), permit)
+}
+
+/// Which upstream a step calls.
+#[derive(Clone, Copy)]
+enum Who {
+    Summarizer,
+    Model,
+}
+
+impl Who {
+    fn name(self) -> &'static str {
+        match self {
+            Who::Summarizer => "summarizer",
+            Who::Model => "model",
+        }
+    }
+
+    /// The source of a summary this step made.
+    fn source(self) -> CompactSource {
+        match self {
+            Who::Summarizer => CompactSource::Summarizer,
+            Who::Model => CompactSource::Model,
+        }
+    }
+
+    /// What runs when this step fails (as the warning names it).
+    fn next_step(self) -> &'static str {
+        match self {
+            Who::Summarizer => "main model",
+            Who::Model => "plain summary",
+        }
+    }
+
+    fn operation(self) -> crate::events::ModelOperation {
+        match self {
+            Who::Summarizer => crate::events::ModelOperation::CompactionSummarizer,
+            Who::Model => crate::events::ModelOperation::CompactionModel,
+        }
+    }
+}
+
+/// Runs the chain for one checked request.
+async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
+    let channel = &turn.warnings.channel;
+    let broker = &turn.broker;
+    let compactor = &broker.compactor;
+    let tokens_before = request.tokens_before;
+    let mut usage = Usage::default();
+    // Every key the answer could echo, redacted from whatever is returned.
+    let mut keys: Vec<SecretString> = Vec::new();
+    let mut outcome: Option<(String, CompactSource)> = None;
+
+    // The summarizer (when configured), then the main model: each step with its upstream
+    // and key; the first summary ends the chain, a failure is logged and the next step runs.
+    let policy = &broker.policy;
+    for who in [Who::Summarizer, Who::Model] {
+        let (url, model, timeout, key) = match who {
+            Who::Summarizer => {
+                let Some(s) = &compactor.summarizer else {
+                    continue;
+                };
+                let key = match s.key.resolve().await {
+                    Ok(Some(key)) if !key.expose_secret().is_empty() => Ok(Some(key)),
+                    Ok(_) => Err("the summarizer has no key"),
+                    Err(_) => Err("the summarizer's key is unavailable"),
+                };
+                (&s.url, &s.model, s.timeout, key)
+            }
+            Who::Model => {
+                let key = match policy.api_key.resolve().await {
+                    Ok(key) => Ok(key.filter(|k| !k.expose_secret().is_empty())),
+                    Err(_) => Err("the model key is unavailable"),
+                };
+                let timeout = policy.limits.call_timeout;
+                (&compactor.model_url, &policy.model, timeout, key)
+            }
+        };
+        let attempt = match key {
+            Ok(key) => {
+                keys.extend(key.clone());
+                let key = key.as_ref();
+                call(turn, request, who, url, model, key, timeout, &mut usage).await
+            }
+            Err(reason) => Err(reason.to_owned()),
+        };
+        match attempt {
+            Ok(summary) => {
+                outcome = Some((summary, who.source()));
+                break;
+            }
+            Err(reason) => turn
+                .warnings
+                .fell_back(&reason, tokens_before, who.next_step()),
+        }
+    }
+
+    let (summary, source) =
+        outcome.unwrap_or_else(|| (plain_summary(request), CompactSource::Plain));
+    let mut secrets = broker.policy.secret_strings();
+    secrets.extend(keys.iter().map(|k| k.expose_secret().to_owned()));
+    let summary = Secrets::new(secrets).redact(&summary);
+    tracing::info!(
+        channel = %channel,
+        source = ?source,
+        tokens_before,
+        model_calls = usage.model_calls,
+        "session compacted"
+    );
+    CompactReply {
+        summary,
+        source,
+        usage,
+    }
+}
+
+/// One summary request to `url` with the shared rules; the finished summary, or why not.
+#[allow(clippy::too_many_arguments)]
+async fn call(
+    turn: &Turn,
+    request: &CompactRequest,
+    who: Who,
+    url: &reqwest::Url,
+    model: &str,
+    key: Option<&SecretString>,
+    timeout: Duration,
+    usage: &mut Usage,
+) -> Result<String, String> {
+    let name = who.name();
+    let limits = turn.broker.policy.limits;
+    if turn.model_calls.fetch_add(1, Ordering::SeqCst) >= limits.max_model_calls {
+        return Err(format!(
+            "the turn's model calls are used up (limit {})",
+            limits.max_model_calls
+        ));
+    }
+    /// The summary request, written straight from its parts (no JSON value built).
+    #[derive(serde::Serialize)]
+    struct Summarise<'a> {
+        model: &'a str,
+        messages: &'a [Message],
+        stream: bool,
+        max_tokens: u32,
+    }
+    let messages: Vec<Message> = summary_messages(request);
+    let body = serde_json::to_vec(&Summarise {
+        model,
+        messages: &messages,
+        stream: false,
+        max_tokens: turn.broker.policy.model_request.max_tokens,
+    })
+    .expect("a summary request serialises");
+    drop(messages);
+    let request_bytes = body.len();
+    // Every budget must have room; the call's worst case is then held until its answer
+    // settles it (as a chat call's).
+    let charge = match turn.ctx.account.as_ref().map(|a| {
+        a.hold(
+            crate::budgets::estimate_tokens(request_bytes),
+            u64::from(turn.broker.policy.model_request.max_tokens),
+        )
+    }) {
+        Some(Err(refusal)) => {
+            crate::events::emit(
+                &turn.ctx.events,
+                crate::events::EventKind::BudgetRefused {
+                    budget: refusal.budget,
+                    mid_turn: true,
+                },
+            );
+            return Err(format!("the {name} call is refused: {refusal}"));
+        }
+        Some(Ok(charge)) => Some(charge),
+        None => None,
+    };
+    usage.model_calls += 1;
+    crate::events::emit(
+        &turn.ctx.events,
+        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
+    );
+    let mut http = turn
+        .broker
+        .upstream
+        .client
+        .post(url.clone())
+        .header(CONTENT_TYPE, "application/json")
+        .header(ACCEPT, "application/json")
+        .body(body);
+    if let Some(key) = key {
+        let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
+        else {
+            if let Some(charge) = charge {
+                charge.settle(0, 0, false);
+            }
+            return Err(format!("the {name} key is not a valid header value"));
+        };
+        value.set_sensitive(true);
+        http = http.header(AUTHORIZATION, value);
+    }
+    let cap = limits.max_response_bytes.min(MAX_ANSWER_BYTES);
+    let exchange = async {
+        let mut response = http.send().await.map_err(Exchange::Send)?;
+        let status = response.status();
+        match read_body(&mut response, cap).await {
+            Ok(bytes) => Ok((status, bytes, false)),
+            Err(ReadError::TooLarge { .. }) => Ok((status, Vec::new(), true)),
+            Err(_) => Err(Exchange::Read),
+        }
+    };
+    // One model call event per call that was tried, as the guest's calls have: the
+    // upstream's status (or what a guest would have got), its latency and usage.
+    let started = std::time::Instant::now();
+    let report = |status: StatusCode, counts: Option<(Option<u64>, Option<u64>)>| {
+        if let Some(events) = &turn.ctx.events {
+            events.broker(crate::events::BrokerEvent::ModelCall {
+                operation: who.operation(),
+                status: status.as_u16(),
+                latency: started.elapsed(),
+                usage: counts.map(|(p, c)| Usage {
+                    model_calls: 1,
+                    prompt_tokens: p,
+                    completion_tokens: c,
+                    ..Default::default()
+                }),
+            });
+        }
+    };
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(timeout, exchange) => r,
+        _ = turn.stop.cancelled() => {
+            report(StatusCode::SERVICE_UNAVAILABLE, None);
+            return Err("the turn was stopped".to_owned());
+        }
+    };
+    let failed = |status: StatusCode, msg: String| {
+        report(status, None);
+        Err(msg)
+    };
+    let (status, bytes, truncated) = match outcome {
+        Err(_) => {
+            return failed(
+                StatusCode::GATEWAY_TIMEOUT,
+                format!("the {name} timed out after {timeout:?}"),
+            )
+        }
+        Ok(Err(Exchange::Send(e))) if e.is_connect() => {
+            // Nothing reached the upstream.
+            if let Some(charge) = charge {
+                charge.settle(0, 0, false);
+            }
+            return failed(
+                StatusCode::BAD_GATEWAY,
+                format!("the {name} is unreachable"),
+            );
+        }
+        Ok(Err(Exchange::Send(e))) if e.is_timeout() => {
+            return failed(StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
+        }
+        Ok(Err(_)) => {
+            return failed(
+                StatusCode::BAD_GATEWAY,
+                format!("the {name} request failed"),
+            )
+        }
+        Ok(Ok(r)) => r,
+    };
+    if let Some(account) = &turn.ctx.account {
+        account.count_model_call();
+    }
+    if !status.is_success() {
+        if let Some(charge) = charge {
+            charge.settle(crate::budgets::estimate_tokens(request_bytes), 0, true);
+        }
+        report(status, None);
+        return Err(format!("the {name} returned HTTP {}", status.as_u16()));
+    }
+    if truncated {
+        report(StatusCode::BAD_GATEWAY, None);
+        return Err(format!("the {name} answer is larger than {cap} bytes"));
+    }
+    // Only the text (copied up to the summary's size) and the counts are kept; the parse
+    // runs off the async threads and the answer's bytes are dropped there.
+    let keep = request.limits().bytes.saturating_add(1);
+    let answer_bytes = bytes.len();
+    let caps = Caps::bytes(cap);
+    let parsed = bounded::off_thread(move || {
+        bounded::check(&bytes, caps).ok()?;
+        parse_answer(&bytes, keep)
+    })
+    .await;
+    report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
+    // Host-counted, from the upstream's own usage (or the estimate), answer or not.
+    if let Some(charge) = charge {
+        match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
+            Some((Some(p), c)) => charge.settle(p, c.unwrap_or(0), false),
+            _ => charge.settle(
+                crate::budgets::estimate_tokens(request_bytes),
+                crate::budgets::estimate_tokens(answer_bytes),
+                true,
+            ),
+        }
+    }
+    let Some(Answer {
+        content,
+        prompt,
+        completion,
+    }) = parsed
+    else {
+        return Err(format!("the {name} answer is not a chat completion"));
+    };
+    if let Some(n) = prompt {
+        usage.prompt_tokens = Some(usage.prompt_tokens.unwrap_or(0).saturating_add(n));
+    }
+    if let Some(n) = completion {
+        usage.completion_tokens = Some(usage.completion_tokens.unwrap_or(0).saturating_add(n));
+    }
+    finish_summary(request, &content).ok_or_else(|| format!("the {name} answer is empty"))
+}
+
+/// Why a summary call's exchange failed.
+enum Exchange {
+    /// The request was not sent or not answered.
+    Send(reqwest::Error),
+    /// The answer could not be read.
+    Read,
+}
+
+// ---------------------------------------------------------------- the answer, typed
+
+/// What is kept of a chat completion: the first choice's text, copied only up to `cap`
+/// bytes, and the token counts. Everything else is skipped as it is read (no value built).
+#[derive(Debug, PartialEq)]
+struct Answer {
+    content: String,
+    prompt: Option<u64>,
+    completion: Option<u64>,
+}
+
+/// The typed read of a non-streamed chat completion; `None` when it is not one.
+fn parse_answer(bytes: &[u8], cap: usize) -> Option<Answer> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let answer = AnswerSeed { cap }.deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    answer
+}
+
+/// The first `cap` bytes of `s` (at a character boundary), leading blanks skipped.
+fn capped(s: &str, cap: usize) -> String {
+    let s = s.trim_start();
+    let mut end = s.len().min(cap);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+/// A visitor that is its own seed: `$seed` is read through `$how` into `$value` (a JSON
+/// shape named `$what` in errors) by the visit methods that follow.
+macro_rules! seed_visitor {
+    ($(#[$doc:meta])* struct $seed:ident $fields:tt => $($rest:tt)*) => {
+        $(#[$doc])*
+        struct $seed $fields
+        seed_visitor!($seed => $($rest)*);
+    };
+    ($seed:ty => $value:ty, $how:ident, $what:literal; $($visit:tt)*) => {
+        impl<'de> DeserializeSeed<'de> for $seed {
+            type Value = $value;
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+                d.$how(self)
+            }
+        }
+
+        impl<'de> Visitor<'de> for $seed {
+            type Value = $value;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str($what)
+            }
+            $($visit)*
+        }
+    };
+}
+
+/// A map key matched against `names` without being copied: its index, or `None`.
+struct Key(&'static [&'static str]);
+
+seed_visitor! {
+    Key => Option<usize>, deserialize_str, "a key";
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(self.0.iter().position(|n| *n == v))
+    }
+}
+
+/// Reads a map, each value of a key in `names` through `value`, every other one skipped.
+fn each_entry<'de, A: MapAccess<'de>>(
+    mut map: A,
+    names: &'static [&'static str],
+    mut value: impl FnMut(usize, &mut A) -> Result<(), A::Error>,
+) -> Result<(), A::Error> {
+    while let Some(key) = map.next_key_seed(Key(names))? {
+        match key {
+            Some(i) => value(i, &mut map)?,
+            None => {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads a map for the value of its key `name` through a seed of `seed`'s (the last such
+/// value, if the key is repeated); every other value skipped.
+fn field<'de, A: MapAccess<'de>, S: DeserializeSeed<'de>>(
+    map: A,
+    name: &'static [&'static str],
+    seed: impl Fn() -> S,
+) -> Result<Option<S::Value>, A::Error> {
+    let mut value = None;
+    each_entry(map, name, |_, map| {
+        value = Some(map.next_value_seed(seed())?);
+        Ok(())
+    })?;
+    Ok(value)
+}
+
+/// Which JSON shapes a lenient field takes; any other is skipped and read as `None`: always
+/// booleans, signed integers, floats, null and lists, and each of `u64`, `str` and `map`
+/// named.
+macro_rules! lenient_otherwise_none {
+    ($($also:ident),*) => {
+        $(lenient_otherwise_none!(@$also);)*
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    };
+    (@u64) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@str) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    };
+    (@map) => {
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    };
+}
+
+seed_visitor! {
+    /// The whole answer: `choices` and `usage`.
+    struct AnswerSeed { cap: usize } => Option<Answer>, deserialize_map, "a chat completion";
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut content = None;
+        let mut usage = (None, None);
+        each_entry(map, &["choices", "usage"], |i, map| {
+            if i == 0 {
+                content = map.next_value_seed(Choices { cap: self.cap })?;
+            } else {
+                usage = map.next_value_seed(UsageSeed)?.unwrap_or_default();
+            }
+            Ok(())
+        })?;
+        Ok(content.map(|content| Answer {
+            content,
+            prompt: usage.0,
+            completion: usage.1,
+        }))
+    }
+}
+
+seed_visitor! {
+    /// `choices`: the first one's message text; the others skipped.
+    struct Choices { cap: usize } => Option<String>, deserialize_seq, "a list of choices";
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let first = seq.next_element_seed(Choice { cap: self.cap })?.flatten();
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(first)
+    }
+}
+
+seed_visitor! {
+    /// One choice: its `message`'s text (`None` without a message).
+    struct Choice { cap: usize } => Option<String>, deserialize_map, "a choice";
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        field(map, &["message"], || MessageSeed { cap: self.cap })
+    }
+}
+
+seed_visitor! {
+    /// A message: its `content` (empty when absent or null).
+    struct MessageSeed { cap: usize } => String, deserialize_map, "a message";
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Ok(field(map, &["content"], || Content { cap: self.cap })?.unwrap_or_default())
+    }
+}
+
+seed_visitor! {
+    /// `content`: a string, null, or a list of parts whose `text`s are joined; capped.
+    struct Content { cap: usize } => String, deserialize_any, "a string, null or a list of parts";
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(capped(v, self.cap))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(String::new())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = String::new();
+        loop {
+            let left = self.cap.saturating_sub(out.len());
+            let Some(part) = seq.next_element_seed(Part { cap: left })? else {
+                break;
+            };
+            // Each part was copied only up to what is left of the cap.
+            if let Some(text) = part {
+                out.push_str(&text);
+            }
+        }
+        Ok(out)
+    }
+}
+
+seed_visitor! {
+    /// One part of a list content: its `text`, if it is a string.
+    struct Part { cap: usize } => Option<String>, deserialize_any, "a part";
+    lenient_otherwise_none!(u64, str);
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        Ok(field(map, &["text"], || Text { cap: self.cap })?.flatten())
+    }
+}
+
+seed_visitor! {
+    /// A string copied up to `cap` bytes; anything else skipped as `None`.
+    struct Text { cap: usize } => Option<String>, deserialize_any, "a text";
+    lenient_otherwise_none!(u64, map);
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        let mut end = v.len().min(self.cap);
+        while !v.is_char_boundary(end) {
+            end -= 1;
+        }
+        Ok(Some(v[..end].to_owned()))
+    }
+}
+
+/// `usage`: the prompt and completion token counts (non-integers read as absent).
+struct UsageSeed;
+
+seed_visitor! {
+    UsageSeed => Option<(Option<u64>, Option<u64>)>, deserialize_any, "token counts";
+    lenient_otherwise_none!(u64, str);
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        let mut tokens = (None, None);
+        each_entry(map, &["prompt_tokens", "completion_tokens"], |i, map| {
+            let n = map.next_value_seed(Count)?;
+            if i == 0 {
+                tokens.0 = n;
+            } else {
+                tokens.1 = n;
+            }
+            Ok(())
+        })?;
+        Ok(Some(tokens))
+    }
+}
+
+/// A token count: a non-negative integer, anything else skipped as `None`.
+struct Count;
+
+seed_visitor! {
+    Count => Option<u64>, deserialize_any, "a token count";
+    lenient_otherwise_none!(str, map);
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(Some(v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summarizer(url: &str, allow_http: bool) -> CompactionModel {
+        CompactionModel {
+            url: url.into(),
+            model: "s".into(),
+            api_key: ApiKey::None,
+            key_source: "test".into(),
+            timeout: CompactionModel::DEFAULT_TIMEOUT,
+            allow_http,
+        }
+    }
+
+    #[test]
+    fn http_only_to_a_loopback_address_and_only_when_allowed() {
+        let ok = |u: &str, allow: bool| validate(&summarizer(u, allow)).map(|u| u.to_string());
+        assert_eq!(
+            ok("https://sum.example.com/v1", false).unwrap(),
+            "https://sum.example.com/v1/chat/completions"
+        );
+        assert!(ok("http://127.0.0.1:8080/v1", true).is_ok());
+        assert!(ok("http://127.9.9.9/v1", true).is_ok());
+        assert!(ok("http://[::1]:9/v1", true).is_ok());
+        assert!(ok("http://localhost:9/v1", true).is_ok());
+        for (u, allow) in [
+            ("http://127.0.0.1:8080/v1", false),
+            ("http://10.0.0.1/v1", true),
+            ("http://localhost.evil.example/v1", true),
+            ("http://sum.example.com/v1", true),
+        ] {
+            assert!(
+                matches!(
+                    validate(&summarizer(u, allow)),
+                    Err(BrokerError::InsecureCompactionUrl(_))
+                ),
+                "{u}"
+            );
+        }
+        assert!(matches!(
+            validate(&summarizer("ftp://x/v1", true)),
+            Err(BrokerError::InvalidCompactionUrl(_))
+        ));
+    }
+
+    #[test]
+    fn answers_parse_leniently_and_strictly_enough() {
+        let parse = |b: &[u8]| parse_answer(b, 100);
+        let a = parse(
+            br#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}},{"message":{"content":"no"}}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},"extra":[[],{"a":[1,2]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            a,
+            Answer {
+                content: "hi".into(),
+                prompt: Some(3),
+                completion: Some(1)
+            }
+        );
+        let a = parse(
+            br#"{"choices":[{"message":{"content":[{"type":"text","text":"a"},{"text":"b"},{"text":5},"c",7,{"x":1}]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(a.content, "ab");
+        let a = parse(br#"{"choices":[{"message":{"content":null}}],"usage":{"prompt_tokens":-1,"completion_tokens":2.5}}"#).unwrap();
+        assert_eq!(
+            (a.content.as_str(), a.prompt, a.completion),
+            ("", None, None)
+        );
+        assert_eq!(
+            parse(br#"{"choices":[{"message":{}}],"usage":null}"#)
+                .unwrap()
+                .content,
+            ""
+        );
+        for bad in [
+            &b"{}"[..],
+            b"nope",
+            br#"{"choices":[{"message":{"content":5}}]}"#,
+            br#"{"choices":[]}"#,
+            br#"{"choices":[{"text":"legacy"}]}"#,
+            br#"{"choices":[{"message":null}]}"#,
+            br#"{"choices":{"0":{"message":{"content":"x"}}}}"#,
+            br#"{"choices":[{"message":{"content":"x"}}]} trailing"#,
+        ] {
+            assert!(parse(bad).is_none(), "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn the_text_is_copied_only_up_to_the_cap() {
+        let long = format!(
+            r#"{{"choices":[{{"message":{{"content":"  {}"}}}}]}}"#,
+            "é".repeat(1000)
+        );
+        let a = parse_answer(long.as_bytes(), 9).unwrap();
+        assert_eq!(
+            a.content, "éééé",
+            "cut at a character boundary, leading blanks skipped"
+        );
+        assert!(a.content.capacity() <= 9);
+        // Escaped text (unescaped by the reader, then copied up to the cap).
+        let escaped = format!(
+            r#"{{"choices":[{{"message":{{"content":"{}"}}}}]}}"#,
+            r"\u00e9".repeat(1000)
+        );
+        assert_eq!(parse_answer(escaped.as_bytes(), 5).unwrap().content, "éé");
+        let parts = format!(
+            r#"{{"choices":[{{"message":{{"content":[{{"text":"{0}"}},{{"text":"{0}"}},{{"text":"{0}"}}]}}}}]}}"#,
+            "z".repeat(60)
+        );
+        assert_eq!(
+            parse_answer(parts.as_bytes(), 100).unwrap().content.len(),
+            100
+        );
+    }
+}
