@@ -76,18 +76,15 @@ use turn::resources::LiveTurns;
 
 // The embedding API: what a bot author uses (see the crate's documentation).
 pub use audit::{AuditError, AuditSettings, AuditStats};
-pub use broker::{
-    ApiKey, ApiKeyProvider, BoxFuture, BrokerError, BrokerLimits, CompactionModel, HostTool,
-    McpConfine, McpLimits, McpScope, McpServer, McpTransport, ModelRequestPolicy, ProvidedKey,
-    ToolCallContext,
-};
+pub use broker::{BoxFuture, BrokerError, HostTool, ToolCallContext};
 pub use budgets::{
-    Budget, BudgetBook, BudgetRefusal, BudgetSettings, BudgetStore, CounterKey, HostUsage,
-    StoreError,
+    Budget, BudgetBook, BudgetRefusal, BudgetStore, CounterKey, HostUsage, StoreError,
 };
 pub use channel::ChannelId;
 pub use config::{
-    BudgetStoreOpener, Config, ConfigBuilder, ConfigError, Limits, ResolvedConfig, WarmSettings,
+    ApiKey, ApiKeyProvider, BrokerLimits, BudgetSettings, BudgetStoreOpener, CompactionModel,
+    Config, ConfigBuilder, ConfigError, KeyRef, Limits, McpConfine, McpLimits, McpScope, McpServer,
+    McpTransport, ModelRequestPolicy, PolicyError, ProvidedKey, ResolvedConfig, WarmSettings,
     DEFAULT_IMAGE, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
 };
 pub use driver::{ContainerDriver, DockerDriver, DockerOptions, DriverError, RunOutcome};

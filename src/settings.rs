@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use crate::broker::ApiKey;
+use crate::config::ApiKey;
 use crate::config::{Config, ConfigError};
 use crate::offline::{OfflineModel, OFFLINE_MODEL};
 

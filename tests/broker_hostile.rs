@@ -10,9 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::internals::broker::{
-    ApiKey, ApiKeyProvider, BoxFuture, Broker, BrokerLimits, BrokerPolicy,
-};
+use roundtable_sandbox::internals::broker::{BoxFuture, Broker, BrokerPolicy};
+use roundtable_sandbox::internals::config::{ApiKey, ApiKeyProvider, BrokerLimits};
 use roundtable_sandbox::internals::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
 use roundtable_sandbox::Speaker;
 use roundtable_sandbox_test_support::broker_client::{post, post_json};
@@ -602,18 +601,33 @@ async fn declared_secrets_are_redacted_from_host_tool_and_mcp_results() {
     let dir = tempfile::tempdir().unwrap();
     let mut stub = mcp_stub::stub_server(dir.path(), &["echo"]);
     let mcp_token = "mcp-token-Qq1Ww2Ee3Rr4";
-    if let roundtable_sandbox::internals::broker::McpTransport::Stdio { env, .. } =
+    // A declared secret (`secret_env`) is redacted whatever its name and length.
+    let declared = "Zz9Yy8";
+    if let roundtable_sandbox::internals::config::McpTransport::Stdio { env, .. } =
         &mut stub.transport
     {
         env.insert("STUB_API_TOKEN".into(), mcp_token.into());
+        env.insert("STUB_PLAIN".into(), declared.into());
     }
+    stub.secret_env.insert(
+        "STUB_PLAIN".into(),
+        roundtable_sandbox::KeyRef {
+            env: Some("unused".into()),
+            file: None,
+        },
+    );
     let mut p = policy("http://127.0.0.1:9/v1");
     p.tools = vec![Arc::new(echo())];
     p.mcp = vec![stub];
     p.api_key = ApiKey::from_provider(Provider);
     let broker = start_broker(p).await;
     let turn = start_turn(&broker).await;
-    let secrets = ["provided-Kk8Jj7Ii6", "tool-secret-Hh6Gg5Ff4", mcp_token];
+    let secrets = [
+        "provided-Kk8Jj7Ii6",
+        "tool-secret-Hh6Gg5Ff4",
+        mcp_token,
+        declared,
+    ];
     for secret in secrets {
         let say = format!("<{secret}>");
         let a = post_json(turn.socket(), "/v1/tools/echo", &json!({"say": say})).await;

@@ -10,7 +10,8 @@ use roundtable_sandbox_test_support::captured_logs::Captured;
 
 use std::time::Duration;
 
-use roundtable_sandbox::internals::broker::{ApiKey, BrokerPolicy, CompactionModel};
+use roundtable_sandbox::internals::broker::BrokerPolicy;
+use roundtable_sandbox::internals::config::{ApiKey, CompactionModel};
 use roundtable_sandbox::internals::testing::*;
 use roundtable_sandbox::protocol::chat::Message;
 use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use roundtable_sandbox::internals::testing::*;
-use roundtable_sandbox::{ApiKey, Config};
+use roundtable_sandbox::{ApiKey, Config, McpTransport};
 
 fn err(config: &Config) -> String {
     config.resolve().unwrap_err().to_string()
@@ -96,7 +96,7 @@ fn each_rule_has_its_message() {
     }
     let mut c = base.clone();
     c.allow_http = true;
-    let transport = roundtable_sandbox::internals::broker::McpTransport::Http {
+    let transport = roundtable_sandbox::internals::config::McpTransport::Http {
         url: "http://mcp.example.com/mcp".into(),
         headers: Default::default(),
     };
@@ -859,28 +859,32 @@ fn the_compaction_section_reads_its_key_from_the_environment_or_a_file_only() {
     assert!(!format!("{c:?}").contains("sk-sum-from-file"));
     c.resolve().unwrap();
 
-    // A variable that is not set is no error: the summarizer is keyless (logged at startup).
-    let c = load(&format!(
-        "{url}api_key_env = \"RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR\"\n"
-    ))
-    .unwrap();
-    let s = c.compaction.clone().unwrap();
-    assert!(matches!(s.api_key, ApiKey::None));
+    // Read as the model's key is (issue 44): a variable that is not set, or an empty key
+    // file, is a startup error, not a keyless summarizer.
     assert_eq!(
-        s.key_source,
-        "environment variable RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR"
-    );
-    c.resolve().unwrap();
-    // So is an empty key file.
-    std::fs::write(&key_file, " \n").unwrap();
-    let c = load(&format!("{url}api_key_file = \"{}\"\n", key_file.display())).unwrap();
-    assert!(matches!(c.compaction.unwrap().api_key, ApiKey::None));
-
-    let e = load(&format!("{url}api_key_env = \"X\"\ntimeout_secs = 0\n"))
-        .unwrap()
-        .resolve()
+        load(&format!(
+            "{url}api_key_env = \"RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR\"\n"
+        ))
         .unwrap_err()
-        .to_string();
+        .to_string(),
+        "read api key: environment variable RTS_TEST_SURELY_UNSET_SUMMARIZER_VAR is not set"
+    );
+    std::fs::write(&key_file, " \n").unwrap();
+    assert_eq!(
+        load(&format!("{url}api_key_file = \"{}\"\n", key_file.display()))
+            .unwrap_err()
+            .to_string(),
+        format!("read api key file {}: it is empty", key_file.display())
+    );
+
+    std::env::set_var("RTS_TEST_SUMMARIZER_KEY_X", "sk-x");
+    let e = load(&format!(
+        "{url}api_key_env = \"RTS_TEST_SUMMARIZER_KEY_X\"\ntimeout_secs = 0\n"
+    ))
+    .unwrap()
+    .resolve()
+    .unwrap_err()
+    .to_string();
     assert_eq!(e, "compaction.timeout must be 1 s to 600 s, got 0ns");
     let e = load(&format!("{url}api_key_env = \"X\"\nallow_http = \"yes\"\n"))
         .unwrap_err()
@@ -1096,4 +1100,82 @@ fn every_violation_is_collected_for_doctor_and_startup_names_the_first() {
         4
     );
     assert!(roundtable_sandbox::internals::config::violations(&env.config()).is_empty());
+}
+
+#[test]
+fn an_mcp_servers_secrets_are_read_as_the_model_key_is() {
+    let env = Env::new();
+    let path = env.dir.path().join("sandbox.toml");
+    let base = format!(
+        "image = \"roundtable-sandbox-guest:latest\"\nrun_root = \"{}\"\nworkspace_root = \"{}\"\n\
+         model = \"m\"\nmodel_url = \"https://models.invalid/v1\"\n",
+        env.run_root.display(),
+        env.workspace_root.display()
+    );
+    let load = |server: &str| {
+        std::fs::write(
+            &path,
+            format!("{base}[[mcp]]\nname = \"s\"\ntools = [\"t\"]\n{server}"),
+        )
+        .unwrap();
+        Config::from_toml_file(&path)
+    };
+    let stdio = "transport = \"stdio\"\ncommand = \"srv\"\nconfine = \"host\"\n";
+    // From a variable (removed once read) and from a file, into the server's env.
+    std::env::set_var("RTS_TEST_MCP_SECRET", "s3cret-from-env");
+    let key_file = env.dir.path().join("mcp.key");
+    std::fs::write(&key_file, "s3cret-from-file\n").unwrap();
+    let c = load(&format!(
+        "{stdio}[mcp.secret_env]\nA = {{ env = \"RTS_TEST_MCP_SECRET\" }}\nB = {{ file = \"{}\" }}\n",
+        key_file.display()
+    ))
+    .unwrap();
+    let McpTransport::Stdio { env: vars, .. } = &c.mcp[0].transport else {
+        panic!()
+    };
+    assert_eq!(vars["A"], "s3cret-from-env");
+    assert_eq!(vars["B"], "s3cret-from-file");
+    assert!(
+        std::env::var("RTS_TEST_MCP_SECRET").is_err(),
+        "the variable is removed"
+    );
+    // Failing as the model's key does, naming the server and the variable.
+    assert_eq!(
+        load(&format!(
+            "{stdio}[mcp.secret_env]\nA = {{ env = \"RTS_TEST_MCP_SURELY_UNSET\" }}\n"
+        ))
+        .unwrap_err()
+        .to_string(),
+        "read api key: environment variable RTS_TEST_MCP_SURELY_UNSET is not set"
+    );
+    std::fs::write(&key_file, "\n").unwrap();
+    assert_eq!(
+        load(&format!(
+            "{stdio}[mcp.secret_env]\nA = {{ file = \"{}\" }}\n",
+            key_file.display()
+        ))
+        .unwrap_err()
+        .to_string(),
+        format!("read api key file {}: it is empty", key_file.display())
+    );
+    assert_eq!(
+        load(&format!("{stdio}[mcp.secret_env]\nA = {{}}\n"))
+            .unwrap_err()
+            .to_string(),
+        "mcp s: secret_env A: set one of env or file"
+    );
+    assert_eq!(
+        load(&format!(
+            "{stdio}env = {{ A = \"plain\" }}\n[mcp.secret_env]\nA = {{ file = \"/etc/hostname\" }}\n"
+        ))
+        .unwrap_err()
+        .to_string(),
+        "MCP server s: A is in both env and secret_env"
+    );
+    assert_eq!(
+        load("transport = \"http\"\nurl = \"https://mcp.invalid/\"\n[mcp.secret_env]\nA = { file = \"/etc/hostname\" }\n")
+            .unwrap_err()
+            .to_string(),
+        "MCP server s: secret_env applies only to stdio servers"
+    );
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use roundtable_sandbox::driver::LABEL_RUNTIME;
 use roundtable_sandbox::internals::broker::LABEL_MCP;
-use roundtable_sandbox::internals::broker::PROBE_SEGMENT;
+use roundtable_sandbox::internals::config::PROBE_SEGMENT;
 use roundtable_sandbox::internals::turn::channel_segment;
 use roundtable_sandbox_actors::testing::*;
 use roundtable_sandbox_actors::*;

@@ -21,10 +21,9 @@ use hyper_util::rt::TokioIo;
 use roundtable_sandbox::events::{EventKind, TurnEvents};
 use roundtable_sandbox::internals::audit::AuditTrail;
 use roundtable_sandbox::internals::broker::Broker;
-use roundtable_sandbox::internals::broker::{
-    BrokerLimits, BrokerListener, BrokerPolicy, TurnContext,
-};
+use roundtable_sandbox::internals::broker::{BrokerListener, BrokerPolicy, TurnContext};
 use roundtable_sandbox::internals::budgets::{BudgetBook, TurnAccount};
+use roundtable_sandbox::internals::config::BrokerLimits;
 use roundtable_sandbox::internals::testing::broker_policy;
 use roundtable_sandbox::protocol::paths::CHAT_COMPLETIONS;
 use roundtable_sandbox::protocol::Speaker;

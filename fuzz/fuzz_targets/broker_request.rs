@@ -9,9 +9,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
-use roundtable_sandbox::internals::broker::{
-    BoxFuture, Broker, BrokerLimits, BrokerPolicy, HostTool, ToolCallContext, TurnContext,
-};
+use roundtable_sandbox::internals::broker::{BoxFuture, Broker, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
+use roundtable_sandbox::internals::config::{BrokerLimits};
 use roundtable_sandbox::{ApiKey, Speaker};
 
 const KEY: &str = "sk-fuzz-secret-0000";

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use roundtable_sandbox::internals::broker::{McpConfine, McpServer, McpTransport};
+use roundtable_sandbox::internals::config::{McpConfine, McpServer, McpTransport};
 
 /// The venv `scripts/mcp-venv.sh` makes (`$ROUNDTABLE_MCP_VENV`, else `<repo>/.venv-mcp`).
 pub fn venv() -> PathBuf {

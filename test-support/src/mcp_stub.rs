@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use roundtable_sandbox::internals::broker::{McpConfine, McpServer, McpTransport};
+use roundtable_sandbox::internals::config::{McpConfine, McpServer, McpTransport};
 
 /// The stub server (no dependencies but python3), its files in `dir`, `tools` allow-listed,
 /// with the default scope (`channel` for stdio).

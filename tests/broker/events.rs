@@ -294,7 +294,7 @@ async fn the_compactors_upstream_calls_are_model_call_events_of_their_own_operat
     let model = ScriptedModel::start(vec![Step::text("the model's summary")]).await;
     let sum = ScriptedModel::start(vec![Step::text("the summarizer's summary")]).await;
     let mut p = policy(&model.url());
-    p.compaction = Some(roundtable_sandbox::internals::broker::CompactionModel {
+    p.compaction = Some(roundtable_sandbox::internals::config::CompactionModel {
         url: sum.url(),
         model: "sum-model".into(),
         api_key: ApiKey::from_static("sk-sum-events-1"),

@@ -16,8 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::internals::broker::{
-    validate_policy, ApiKey, BoxFuture, Broker, BrokerError, BrokerLimits, BrokerPolicy, McpScope,
-    McpServer, McpTransport, META_CHANNEL, META_SPEAKER, PROBE_SEGMENT,
+    validate_policy, BoxFuture, Broker, BrokerError, BrokerPolicy, META_CHANNEL, META_SPEAKER,
+};
+use roundtable_sandbox::internals::config::{
+    ApiKey, BrokerLimits, McpScope, McpServer, McpTransport, PROBE_SEGMENT,
 };
 use roundtable_sandbox::internals::testing::{broker_policy, start_broker, BrokerTurn, FnTool};
 use roundtable_sandbox::internals::turn::channel_segment;
@@ -115,7 +117,7 @@ fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
     );
     McpServer {
         // A host child: these tests watch the server's host pid (reaping, restarts).
-        confine: roundtable_sandbox::internals::broker::McpConfine::Host,
+        confine: roundtable_sandbox::internals::config::McpConfine::Host,
         ..McpServer::new("time", transport, tools)
     }
 }

@@ -234,7 +234,7 @@ async fn mcp_allow_list_naming_a_missing_tool_fails_setup_and_leaves_no_child() 
 
     let mut p = policy("http://127.0.0.1:9/v1");
     p.mcp = vec![McpServer {
-        confine: roundtable_sandbox::internals::broker::McpConfine::Host,
+        confine: roundtable_sandbox::internals::config::McpConfine::Host,
         ..McpServer::new("ghost", stdio("/nonexistent/mcp-server", &[]), &["x"])
     }];
     let err = Broker::new(p).await.unwrap_err();

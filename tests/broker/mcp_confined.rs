@@ -4,7 +4,8 @@
 //! a call past its deadline, the sweep, release and shutdown, a killed session restarted.
 
 use super::*;
-use roundtable_sandbox::internals::broker::{McpConfine, McpEngine, McpLimits};
+use roundtable_sandbox::internals::broker::McpEngine;
+use roundtable_sandbox::internals::config::{McpConfine, McpLimits};
 use roundtable_sandbox_test_support::mcp_process::{mcp_image, sqlite_container};
 
 const SQL_TOOLS: &[&str] = &["create_table", "write_query", "read_query", "list_tables"];

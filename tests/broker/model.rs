@@ -178,7 +178,7 @@ async fn a_key_echoed_by_the_upstream_is_redacted() {
 #[tokio::test]
 async fn a_key_from_a_provider_is_injected() {
     struct Vault;
-    impl roundtable_sandbox::internals::broker::ApiKeyProvider for Vault {
+    impl roundtable_sandbox::internals::config::ApiKeyProvider for Vault {
         fn key(&self) -> BoxFuture<'_, Result<secrecy::SecretString, String>> {
             Box::pin(async { Ok(secrecy::SecretString::from("sk-from-vault-0001")) })
         }

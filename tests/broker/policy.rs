@@ -70,7 +70,7 @@ async fn the_policy_is_checked_at_setup() {
         "MCP server time: limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): McpLimits { memory_mb: 8, cpus: 0.5, pids: 64, tmpfs_mb: 16, data_mb: 64, data_files: 10000 }"
     );
     p.mcp[0].limits = Default::default();
-    p.mcp[0].confine = roundtable_sandbox::internals::broker::McpConfine::Host;
+    p.mcp[0].confine = roundtable_sandbox::internals::config::McpConfine::Host;
     assert_eq!(
         err(p.clone()),
         r#"MCP server time: image is set but confine = "host" runs the server on the host"#

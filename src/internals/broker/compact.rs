@@ -47,29 +47,10 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
 use super::http::holding;
 use super::http::{json_response, Response, Turn};
-use super::model::chat_url;
 use super::redact::Secrets;
-use super::{ApiKey, BrokerError, BrokerPolicy, CompactionModel};
-
-/// Checks a `[compaction]` section: an https URL (http only with `allow_http`, and then only
-/// to loopback: `127.0.0.0/8`, `::1`, `localhost`), a model, a deadline of 1 s to 600 s.
-pub(crate) fn validate(s: &CompactionModel) -> Result<reqwest::Url, BrokerError> {
-    // The model URL's rules (one definition, see `model::chat_url` and `model::loopback`),
-    // reported as the compaction section's.
-    let url = chat_url(&s.url, s.allow_http).map_err(|e| match e {
-        BrokerError::InsecureModelUrl(_) | BrokerError::HttpNotLoopback(_) => {
-            BrokerError::InsecureCompactionUrl(s.url.clone())
-        }
-        _ => BrokerError::InvalidCompactionUrl(s.url.clone()),
-    })?;
-    if s.model.trim().is_empty() {
-        return Err(BrokerError::CompactionModelMissing);
-    }
-    if s.timeout < Duration::from_secs(1) || s.timeout > Duration::from_secs(600) {
-        return Err(BrokerError::CompactionTimeout(s.timeout));
-    }
-    Ok(url)
-}
+use super::{BrokerError, BrokerPolicy};
+use crate::config::model::chat_url;
+use crate::config::ApiKey;
 
 /// The configured summarizer, ready to call.
 struct Summarizer {
@@ -91,7 +72,7 @@ impl Compactor {
         let summarizer = match &policy.compaction {
             None => None,
             Some(s) => {
-                let url = validate(s)?;
+                let url = crate::config::compaction::validate(s)?;
                 if matches!(s.api_key, ApiKey::None) {
                     tracing::warn!(
                         key_source = %s.key_source,
@@ -886,48 +867,6 @@ seed_visitor! {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn summarizer(url: &str, allow_http: bool) -> CompactionModel {
-        CompactionModel {
-            url: url.into(),
-            model: "s".into(),
-            api_key: ApiKey::None,
-            key_source: "test".into(),
-            timeout: CompactionModel::DEFAULT_TIMEOUT,
-            allow_http,
-        }
-    }
-
-    #[test]
-    fn http_only_to_a_loopback_address_and_only_when_allowed() {
-        let ok = |u: &str, allow: bool| validate(&summarizer(u, allow)).map(|u| u.to_string());
-        assert_eq!(
-            ok("https://sum.example.com/v1", false).unwrap(),
-            "https://sum.example.com/v1/chat/completions"
-        );
-        assert!(ok("http://127.0.0.1:8080/v1", true).is_ok());
-        assert!(ok("http://127.9.9.9/v1", true).is_ok());
-        assert!(ok("http://[::1]:9/v1", true).is_ok());
-        assert!(ok("http://localhost:9/v1", true).is_ok());
-        for (u, allow) in [
-            ("http://127.0.0.1:8080/v1", false),
-            ("http://10.0.0.1/v1", true),
-            ("http://localhost.evil.example/v1", true),
-            ("http://sum.example.com/v1", true),
-        ] {
-            assert!(
-                matches!(
-                    validate(&summarizer(u, allow)),
-                    Err(BrokerError::InsecureCompactionUrl(_))
-                ),
-                "{u}"
-            );
-        }
-        assert!(matches!(
-            validate(&summarizer("ftp://x/v1", true)),
-            Err(BrokerError::InvalidCompactionUrl(_))
-        ));
-    }
 
     #[test]
     fn answers_parse_leniently_and_strictly_enough() {

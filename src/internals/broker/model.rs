@@ -30,8 +30,10 @@ use super::bounded::{self, read_body, read_prefix, ReadError};
 use super::http::{error_response, Response};
 use super::redact::{Redactor, Secrets};
 use super::usage::{answer_usage, UsageShape, UsageWire};
-use super::{ApiKey, BrokerError, BrokerLimits, BrokerPolicy, ModelRequestPolicy};
+use super::{BrokerError, BrokerPolicy};
 use crate::budgets::{estimate_tokens, CallCharge};
+use crate::config::model::chat_url;
+use crate::config::{ApiKey, BrokerLimits, ModelRequestPolicy};
 use crate::events::{BrokerEvent, ModelOperation, TurnEvents};
 
 /// How much of an upstream error body is shown to the guest (characters).
@@ -222,46 +224,6 @@ fn write_stream_options(
     }
     out.push(b'}');
     Ok(asked)
-}
-
-/// Checks `model_url` and returns the chat-completions URL: the path of `model_url` (the
-/// API base, e.g. `https://host/v1`) with `/chat/completions` appended.
-pub(crate) fn chat_url(model_url: &str, allow_http: bool) -> Result<reqwest::Url, BrokerError> {
-    let invalid = || BrokerError::InvalidModelUrl(model_url.to_owned());
-    let mut url = reqwest::Url::parse(model_url.trim()).map_err(|_| invalid())?;
-    match url.scheme() {
-        "https" => {}
-        "http" if allow_http && loopback(&url) => {}
-        "http" if allow_http => return Err(BrokerError::HttpNotLoopback(model_url.to_owned())),
-        "http" => return Err(BrokerError::InsecureModelUrl(model_url.to_owned())),
-        _ => return Err(invalid()),
-    }
-    if url.host_str().is_none_or(str::is_empty)
-        || !url.username().is_empty()
-        || url.password().is_some()
-        || url.query().is_some()
-        || url.fragment().is_some()
-    {
-        return Err(invalid());
-    }
-    let path = format!("{}/chat/completions", url.path().trim_end_matches('/'));
-    url.set_path(&path);
-    Ok(url)
-}
-
-/// Whether `url`'s host is loopback: `127.0.0.0/8`, `::1` or `localhost` (the only hosts
-/// `allow_http` admits plain HTTP to).
-pub(crate) fn loopback(url: &reqwest::Url) -> bool {
-    // The URL parser has normalised the host (`127.1` is `127.0.0.1`, IPv6 in brackets).
-    let Some(host) = url.host_str() else {
-        return false;
-    };
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    match bare.parse::<std::net::IpAddr>() {
-        Ok(std::net::IpAddr::V4(ip)) => ip.is_loopback(),
-        Ok(std::net::IpAddr::V6(ip)) => ip == std::net::Ipv6Addr::LOCALHOST,
-        Err(_) => host.eq_ignore_ascii_case("localhost"),
-    }
 }
 
 /// The HTTP client for upstream calls: HTTP/1.1 over rustls (ring, webpki roots), never
@@ -919,30 +881,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn chat_url_joins_the_base() {
-        let u = |s| chat_url(s, true).map(|u| u.to_string());
-        assert_eq!(
-            u("https://api.example.com/v1").unwrap(),
-            "https://api.example.com/v1/chat/completions"
-        );
-        assert_eq!(
-            u("https://api.example.com/v1/").unwrap(),
-            "https://api.example.com/v1/chat/completions"
-        );
-        assert_eq!(
-            u("http://127.0.0.1:8080").unwrap(),
-            "http://127.0.0.1:8080/chat/completions"
-        );
-        assert!(u("https://user:pw@api.example.com/v1").is_err());
-        assert!(u("https://api.example.com/v1?x=1").is_err());
-        assert!(u("ftp://api.example.com/v1").is_err());
-        assert!(u("api.example.com/v1").is_err());
-        assert!(matches!(
-            chat_url("http://api.example.com/v1", false),
-            Err(BrokerError::InsecureModelUrl(_))
-        ));
     }
 }

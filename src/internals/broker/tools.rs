@@ -1,5 +1,7 @@
 //! Host tools: `POST /v1/tools/{name}`.
 //!
+//! - [`HostTool`]: the trait a bot author implements for a host tool, and the
+//!   [`ToolCallContext`] its handler is given;
 //! - [`compile_schema`]: a tool's JSON schema, compiled at setup (no remote `$ref` is ever
 //!   fetched: the validator is built without its HTTP and file resolvers);
 //! - [`check_args`]: validation before any handler runs; the `400` message names the
@@ -19,15 +21,51 @@ use tokio_util::sync::CancellationToken;
 
 use super::http::{error_response, failure, json_response, refuse, Response};
 use super::redact::Secrets;
-use super::{BrokerError, BrokerPolicy, HostTool, ToolCallContext, TurnContext};
+use super::{BoxFuture, BrokerError, BrokerPolicy, TurnContext};
+use crate::config::PolicyError;
 use crate::events::Refusal;
+use crate::Speaker;
+use secrecy::SecretString;
+
+/// What a host tool's handler is told about the call.
+#[derive(Debug, Clone)]
+pub struct ToolCallContext {
+    /// The channel the turn runs in.
+    pub channel: String,
+    /// Who wrote the turn's message.
+    pub speaker: Speaker,
+    /// Fired when the turn ends: a long call should stop.
+    pub cancel: CancellationToken,
+}
+
+/// A host tool that a bot author exposes to the guest.
+pub trait HostTool: Send + Sync {
+    /// The tool's name: 1 to 64 of `a-z`, `0-9`, `_`, `-`.
+    fn name(&self) -> &str;
+    /// What the model is told the tool does.
+    fn description(&self) -> &str;
+    /// The JSON schema of the arguments object.
+    fn parameters(&self) -> serde_json::Value;
+    /// Runs the tool with validated arguments; an `Err` reaches the guest as a readable
+    /// error (`{"ok":false,"error":...}`), so it must not carry host internals.
+    fn call(
+        &self,
+        args: serde_json::Value,
+        ctx: ToolCallContext,
+    ) -> BoxFuture<'_, Result<String, String>>;
+    /// The credentials this tool holds (an API key of the service it calls): each is
+    /// redacted from every tool, MCP and model result the guest is sent. Default: none.
+    fn secrets(&self) -> Vec<SecretString> {
+        Vec::new()
+    }
+}
 
 /// Compiles a tool's argument schema.
 pub(crate) fn compile_schema(
     tool: &str,
     schema: &serde_json::Value,
-) -> Result<jsonschema::Validator, BrokerError> {
-    jsonschema::validator_for(schema).map_err(|e| BrokerError::InvalidToolSchema {
+) -> Result<jsonschema::Validator, PolicyError> {
+    jsonschema::validator_for(schema).map_err(|e| PolicyError::InvalidToolSchema {
         tool: tool.to_owned(),
         error: e.to_string(),
     })

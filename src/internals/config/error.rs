@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::broker::BrokerError;
+use roundtable_sandbox_protocol::builtin_tools;
 
 use super::{MAX_SOCKET_PATH, SOCKET_SUFFIX};
 
@@ -131,7 +131,7 @@ pub enum ConfigError {
     PeerUidCheckUnderRuntime(String),
     /// A rule of the broker's policy (model url, tools, MCP servers, compaction, limits).
     #[error(transparent)]
-    Policy(#[from] BrokerError),
+    Policy(#[from] PolicyError),
     /// The config file could not be read.
     #[error("read config file {path}")]
     ReadFile {
@@ -151,14 +151,21 @@ pub enum ConfigError {
     /// A section names both `api_key_env` and `api_key_file`.
     #[error("{section}: set api_key_env or api_key_file, not both")]
     ApiKeyBothSources {
-        /// `config file` or `compaction`.
-        section: &'static str,
+        /// `config file`, `compaction` or an MCP server's secret.
+        section: String,
     },
     /// A section that needs a key names neither `api_key_env` nor `api_key_file`.
     #[error("{section}: set api_key_env or api_key_file")]
     ApiKeyNoSource {
-        /// `compaction`.
-        section: &'static str,
+        /// `compaction` or an MCP server's secret.
+        section: String,
+    },
+    /// A secret's source (a [`KeyRef`](super::KeyRef)) names neither `env` nor `file`, or
+    /// both.
+    #[error("{section}: set one of env or file")]
+    SecretSource {
+        /// The secret, as `mcp <server>: secret_env <NAME>`.
+        section: String,
     },
     /// The variable named by `api_key_env` is unset or empty.
     #[error("read api key: environment variable {var} is not set")]
@@ -197,4 +204,68 @@ pub enum ConfigError {
     /// `[audit]` breaks a rule.
     #[error("audit.{0}")]
     Audit(String),
+}
+
+/// A rule of the broker's policy, checked with the configuration: the model endpoint and
+/// `[model_request]`, host tools, `[[mcp]]` servers, `[compaction]` and `[broker]`.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// `model_url` is `http://` without `allow_http`.
+    #[error("model_url must use https (set allow_http only for offline tests): {0}")]
+    InsecureModelUrl(String),
+    /// `model_url` is `http://` to a host that is not loopback.
+    #[error("model_url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {0}")]
+    HttpNotLoopback(String),
+    /// `[model_request]` breaks a rule.
+    #[error("invalid model_request: {0}")]
+    InvalidModelRequest(String),
+    /// `model_url` is not a URL.
+    #[error("invalid model_url: {0}")]
+    InvalidModelUrl(String),
+    /// A host tool's name is not a valid tool name.
+    #[error("invalid tool name {0:?}: use 1 to 64 of a-z, 0-9, _ and -")]
+    InvalidToolName(String),
+    /// Two tools have the same name.
+    #[error("duplicate tool name: {0}")]
+    DuplicateToolName(String),
+    #[error(
+        "host tool {:?} has the name of a built-in guest tool (built-ins: {})",
+        .0,
+        builtin_tools::ALL.join(", ")
+    )]
+    /// A host tool has the name of a built-in guest tool.
+    BuiltinToolName(String),
+    #[error("invalid JSON schema for tool {tool}: {error}")]
+    /// A tool's parameters are not a valid JSON schema.
+    InvalidToolSchema {
+        /// The tool.
+        tool: String,
+        /// What the schema compiler said.
+        error: String,
+    },
+    /// `[broker]` breaks a rule.
+    #[error("invalid broker limits: {0}")]
+    InvalidLimits(String),
+    #[error("MCP server {server}: {reason}")]
+    /// An `[[mcp]]` entry breaks a rule.
+    InvalidMcpServer {
+        /// The server.
+        server: String,
+        /// The rule.
+        reason: String,
+    },
+    /// `compaction.url` is not a URL.
+    #[error("invalid compaction.url: {0}")]
+    InvalidCompactionUrl(String),
+    #[error(
+        "compaction.url must use https (allow_http permits http to a loopback address only): {0}"
+    )]
+    /// `compaction.url` is `http://` without `allow_http`, or not to loopback.
+    InsecureCompactionUrl(String),
+    /// `compaction.model` is empty.
+    #[error("compaction.model is required")]
+    CompactionModelMissing,
+    /// `compaction.timeout` is outside 1 s to 600 s.
+    #[error("compaction.timeout must be 1 s to 600 s, got {0:?}")]
+    CompactionTimeout(Duration),
 }

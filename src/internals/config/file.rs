@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::broker::{ApiKey, BrokerLimits, CompactionModel, McpServer, ModelRequestPolicy};
+use super::{ApiKey, BrokerLimits, CompactionModel, McpServer, ModelRequestPolicy};
 
+use super::keys::read_key;
 use super::{Config, ConfigError, Limits};
 
 /// The TOML form of [`Config`]: the same keys (the key itself excepted). Host tools and a
@@ -86,18 +87,18 @@ pub struct ConfigFile {
     /// `[warm]`: prepared containers (`enabled`, `max`, `ttl_secs`).
     #[serde(default)]
     pub warm: super::WarmSettings,
-    /// `[budgets]`: see [`crate::budgets::BudgetSettings`].
+    /// `[budgets]`: see [`BudgetSettings`](super::BudgetSettings).
     #[serde(default)]
-    pub budgets: crate::budgets::BudgetSettings,
-    /// `[audit]`: see [`crate::audit::AuditSettings`] (`path`, `include_text`).
+    pub budgets: super::BudgetSettings,
+    /// `[audit]`: see [`AuditSettings`](super::AuditSettings) (`path`, `include_text`).
     #[serde(default)]
-    pub audit: crate::audit::AuditSettings,
+    pub audit: super::AuditSettings,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment
 /// variable or the file named here, never from the config file itself; one of the two
-/// must be named. A variable that is unset or a file that is missing or empty is not an
-/// error: the runtime logs it once at startup and compaction falls back to the main model.
+/// must be named, and it is read as the model's key is (an unset variable, a missing or
+/// empty file: a startup error).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompactionFile {
@@ -131,25 +132,23 @@ fn seconds(key: &'static str, value: f64) -> Result<Duration, ConfigError> {
 impl TryFrom<CompactionFile> for CompactionModel {
     type Error = ConfigError;
 
-    /// The summarizer, its key read from the named variable or file.
+    /// The summarizer, its key read from the named variable or file (one must be named;
+    /// read and failing as the model's key: an unset variable or an empty file is an
+    /// error at startup).
     fn try_from(file: CompactionFile) -> Result<Self, ConfigError> {
-        let present = |v: String| {
-            let v = v.trim();
-            (!v.is_empty()).then(|| ApiKey::from_static(v))
-        };
         let section = "compaction";
-        private_before_secret();
-        let (api_key, key_source) = match (&file.api_key_env, &file.api_key_file) {
-            (Some(_), Some(_)) => return Err(ConfigError::ApiKeyBothSources { section }),
-            (None, None) => return Err(ConfigError::ApiKeyNoSource { section }),
-            (Some(var), None) => (
-                read_env_secret(var).and_then(present),
-                format!("environment variable {var}"),
-            ),
-            (None, Some(path)) => (
-                std::fs::read_to_string(path).ok().and_then(present),
-                format!("file {}", path.display()),
-            ),
+        let key = read_key(
+            section,
+            file.api_key_env.as_deref(),
+            file.api_key_file.as_deref(),
+        )?
+        .ok_or_else(|| ConfigError::ApiKeyNoSource {
+            section: section.to_owned(),
+        })?;
+        let key_source = match (&file.api_key_env, &file.api_key_file) {
+            (Some(var), _) => format!("environment variable {var}"),
+            (_, Some(path)) => format!("file {}", path.display()),
+            (None, None) => unreachable!("read above"),
         };
         let timeout = match file.timeout_secs {
             None => CompactionModel::DEFAULT_TIMEOUT,
@@ -158,7 +157,7 @@ impl TryFrom<CompactionFile> for CompactionModel {
         Ok(CompactionModel {
             url: file.url,
             model: file.model,
-            api_key: api_key.unwrap_or(ApiKey::None),
+            api_key: ApiKey::Static(std::sync::Arc::new(key)),
             key_source,
             timeout,
             allow_http: file.allow_http,
@@ -166,47 +165,15 @@ impl TryFrom<CompactionFile> for CompactionModel {
     }
 }
 
-/// Makes the process private before a secret is read (see [`crate::make_process_private`]).
-fn private_before_secret() {
-    if let Err(e) = crate::make_process_private() {
-        tracing::warn!(error = %e, "make the process private before reading a key");
-    }
-}
-
-/// Reads a secret from the environment variable `var` and removes the variable (no child
-/// inherits it); the process is made private first (see [`crate::make_process_private`];
-/// a failure there is logged, and [`crate::Sandbox::new`] refuses to start on it).
-pub(crate) fn read_env_secret(var: &str) -> Option<String> {
-    private_before_secret();
-    let value = std::env::var(var).ok();
-    if value.is_some() {
-        crate::forget_env_secret(var);
-    }
-    value
-}
-
 /// The key the file names: from its variable or its file (both set is an error; neither
 /// is a keyless config). A variable is removed from the environment once read.
 fn api_key(file: &ConfigFile) -> Result<ApiKey, ConfigError> {
-    private_before_secret();
-    match (&file.api_key_env, &file.api_key_file) {
-        (Some(_), Some(_)) => Err(ConfigError::ApiKeyBothSources {
-            section: "config file",
-        }),
-        (Some(var), None) => match read_env_secret(var) {
-            Some(v) if !v.trim().is_empty() => Ok(ApiKey::from_static(v.trim())),
-            _ => Err(ConfigError::ApiKeyEnvUnset { var: var.clone() }),
-        },
-        (None, Some(path)) => match std::fs::read_to_string(path) {
-            Ok(v) if !v.trim().is_empty() => Ok(ApiKey::from_static(v.trim())),
-            Ok(_) => Err(ConfigError::ApiKeyFileEmpty { path: path.clone() }),
-            Err(source) => Err(ConfigError::ReadApiKeyFile {
-                path: path.clone(),
-                source,
-            }),
-        },
-        (None, None) => Ok(ApiKey::None),
-    }
+    let key = read_key(
+        "config file",
+        file.api_key_env.as_deref(),
+        file.api_key_file.as_deref(),
+    )?;
+    Ok(key.map_or(ApiKey::None, |k| ApiKey::Static(std::sync::Arc::new(k))))
 }
 
 impl TryFrom<ConfigFile> for Config {
@@ -217,6 +184,10 @@ impl TryFrom<ConfigFile> for Config {
     /// [`Config::resolve`].
     fn try_from(file: ConfigFile) -> Result<Self, ConfigError> {
         let api_key = api_key(&file)?;
+        let mut mcp = file.mcp;
+        for server in &mut mcp {
+            server.read_secrets()?;
+        }
         let mut builder = Config::builder(file.run_root, file.workspace_root)
             .image(file.image)
             .model(file.model_url, file.model)
@@ -224,7 +195,7 @@ impl TryFrom<ConfigFile> for Config {
             .limits(file.limits)
             .allow_http(file.allow_http)
             .broker_limits(file.broker)
-            .mcp(file.mcp)
+            .mcp(mcp)
             .peer_uid_check(file.peer_uid_check)
             .model_request(file.model_request);
         if let Some(prompt) = file.prompt {

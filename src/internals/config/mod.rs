@@ -10,13 +10,15 @@
 //!   every default applied; the only form a turn runs with. A broken rule is a
 //!   [`ConfigError`].
 //! - **limits** — caps: the container's [`Limits`] (the `[limits]` section), the broker's
-//!   [`BrokerLimits`](crate::broker::BrokerLimits) (`[broker]`).
-//! - **policy** — what the broker enforces, derived from the config
-//!   (`BrokerPolicy`, crate-internal, and
-//!   [`ModelRequestPolicy`](crate::broker::ModelRequestPolicy)).
+//!   [`BrokerLimits`] (`[broker]`).
+//! - **policy** — what the broker enforces, derived from the config once, at
+//!   [`Config::resolve`] (`ResolvedConfig::broker`), from [`ModelRequestPolicy`] and the
+//!   sections below; its rules' errors are [`PolicyError`]s.
 //! - **MCP server** and **compaction model** — two entries of the config: an MCP server the
-//!   broker starts ([`McpServer`](crate::broker::McpServer), `[[mcp]]`) and the separate
-//!   summarizer ([`CompactionModel`](crate::broker::CompactionModel), `[compaction]`).
+//!   broker starts ([`McpServer`], `[[mcp]]`) and the separate summarizer
+//!   ([`CompactionModel`], `[compaction]`).
+//! - **key** — a secret the broker holds ([`ApiKey`]; in a file, a [`KeyRef`]: an
+//!   environment variable or a file, read the same way wherever it is named).
 //! - **options** — one component's own knobs around the config, each with defaults: the
 //!   actor layer's `SupervisorOptions` (in `roundtable-sandbox-actors`), the Docker
 //!   driver's [`DockerOptions`](crate::driver::DockerOptions), and inside the guest
@@ -25,31 +27,50 @@
 //! - **settings** — what a program's flags and environment say (`settings::Settings` of
 //!   the CLI and the bots, with the `clap` feature), turned into a `Config`.
 //!
-//! Files: `error` ([`ConfigError`]), `limits` ([`Limits`]), `file` (the TOML file),
-//! `validate` (every rule and [`Config::resolve`]), `time_zones` (the generated table).
+//! One module per section, each with its type, defaults and rules: `limits` (`[limits]`,
+//! [`Limits`]), `broker` (`[broker]`, [`BrokerLimits`]), `model` (the model endpoint's rules
+//! and `[model_request]`, [`ModelRequestPolicy`]), `mcp` (`[[mcp]]`, [`McpServer`]),
+//! `compaction` (`[compaction]`, [`CompactionModel`]), `budgets` (`[budgets]`,
+//! [`BudgetSettings`]), `audit` (`[audit]`, [`AuditSettings`]), `warm` (`[warm]`,
+//! [`WarmSettings`]), `keys` (the model's key and every secret's source); then `error`
+//! ([`ConfigError`], [`PolicyError`]), `file` (the TOML file), `validate` (every rule, in
+//! order, and [`Config::resolve`]) and `time_zones` (the generated table).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::broker::{
-    ApiKey, BrokerLimits, BrokerPolicy, CompactionModel, HostTool, McpServer, ModelRequestPolicy,
-};
-use crate::budgets::BudgetSettings;
+use crate::broker::{BrokerPolicy, HostTool};
 use crate::driver::ContainerDriver;
 
+mod audit;
+mod broker;
+pub(crate) mod budgets;
+pub(crate) mod compaction;
 mod error;
 mod file;
+mod keys;
 mod limits;
+pub(crate) mod mcp;
+pub(crate) mod model;
 mod time_zones;
 mod validate;
 mod warm;
 
-pub use error::ConfigError;
-#[cfg(feature = "cli")]
-pub(crate) use file::read_env_secret;
+pub use audit::AuditSettings;
+pub use broker::BrokerLimits;
+pub use budgets::BudgetSettings;
+pub use compaction::CompactionModel;
+pub use error::{ConfigError, PolicyError};
 pub use file::{CompactionFile, ConfigFile};
+#[cfg(feature = "cli")]
+pub(crate) use keys::read_env_secret;
+pub use keys::{ApiKey, ApiKeyProvider, KeyError, KeyRef, ProvidedKey};
 pub use limits::Limits;
+pub use mcp::{
+    McpConfine, McpLimits, McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT,
+};
+pub use model::{ModelRequestPolicy, ALLOWED_MODEL_FIELDS};
 #[cfg(feature = "testing")]
 pub(crate) use validate::default_instance;
 pub use validate::is_private_dir;
@@ -58,6 +79,14 @@ pub use validate::violations;
 pub use validate::{canonical_time_zone, valid_image_reference, TIME_ZONE_SOURCE};
 pub use validate::{check_root_ancestors, check_socket_path};
 pub use warm::WarmSettings;
+
+/// `[a-z0-9_-]{1,64}`.
+pub(crate) fn valid_tool_name(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
 
 /// The default system prompt (that of pi-roundtable-sandbox 0.7.18, the TypeScript package
 /// this ports).
@@ -288,23 +317,6 @@ impl Config {
             options.host = host.clone();
         }
         options
-    }
-
-    /// The broker's policy for the runtime of `resolved`: container-confined MCP sessions
-    /// run through the same engine, identity and runtime as the guests, their data under
-    /// [`MCP_DATA_DIR`] of the workspace root, held to the workspaces' free-space floor.
-    pub(crate) fn runtime_broker_policy(&self, resolved: &ResolvedConfig) -> BrokerPolicy {
-        let mut policy = self.broker_policy(resolved.uid);
-        policy.mcp_engine = Some(crate::broker::McpEngine {
-            docker_host: resolved.docker.host.clone(),
-            instance: resolved.instance.clone(),
-            uid: resolved.uid,
-            gid: resolved.gid,
-            data_root: resolved.workspace_root.join(MCP_DATA_DIR),
-            runtime: resolved.runtime.clone(),
-            floor: resolved.limits.disk_floor(),
-        });
-        policy
     }
 
     /// Validates every rule and prepares the two roots (created 0700 if missing); nothing

@@ -226,8 +226,18 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
         docker: config.docker_options(),
         broker: policy,
     };
-    // The policy validated above, with the runtime's engine for confined MCP sessions.
-    resolved.broker = config.runtime_broker_policy(&resolved);
+    // The policy built and validated once above, given the runtime's engine: confined MCP
+    // sessions run through the same engine, identity and runtime as the guests, their data
+    // under MCP_DATA_DIR of the workspace root, held to the workspaces' free-space floor.
+    resolved.broker.mcp_engine = Some(crate::broker::McpEngine {
+        docker_host: resolved.docker.host.clone(),
+        instance: resolved.instance.clone(),
+        uid: resolved.uid,
+        gid: resolved.gid,
+        data_root: resolved.workspace_root.join(super::MCP_DATA_DIR),
+        runtime: resolved.runtime.clone(),
+        floor: resolved.limits.disk_floor(),
+    });
     Ok(resolved)
 }
 

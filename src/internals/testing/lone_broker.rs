@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{Broker, BrokerLimits, BrokerListener, BrokerPolicy, TurnContext};
+use crate::broker::{Broker, BrokerListener, BrokerPolicy, TurnContext};
+use crate::config::BrokerLimits;
 use crate::{ApiKey, Speaker};
 
 /// What the broker enforces for a test: the model `configured-model` at `model_url` (plain

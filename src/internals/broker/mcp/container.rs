@@ -27,7 +27,7 @@ use bollard::models::{Mount, MountBindOptions, MountBindOptionsPropagationEnum, 
 use futures_util::StreamExt;
 use tokio::io::AsyncWriteExt;
 
-use crate::broker::McpServer;
+use crate::config::McpServer;
 use crate::driver::create_body;
 use crate::driver::{ContainerSpec, DockerDriver, DockerOptions, LABEL_CHANNEL, LABEL_RUNTIME};
 use crate::quota::{Floor, Guarded, Quota, QuotaError};

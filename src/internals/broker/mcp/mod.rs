@@ -27,7 +27,7 @@ mod client;
 pub(crate) mod container;
 mod wire;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,10 +44,8 @@ use self::wire::AnswerError;
 use super::bounded::Caps;
 use super::http::{error_response, failure, refuse, Response};
 use super::tools::{check_args, compile_schema, tool_result};
-use super::{
-    valid_tool_name, BrokerError, BrokerPolicy, McpConfine, McpScope, McpServer, McpTransport,
-    TurnContext,
-};
+use super::{BrokerError, BrokerPolicy, TurnContext};
+use crate::config::{McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT};
 use crate::driver::DockerDriver;
 use crate::events::Refusal;
 
@@ -57,189 +55,12 @@ const INHERITED_ENV: &[&str] = &["PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a server may take to exit at shutdown before it is killed.
 const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
-/// Replaced by the channel's sha256 hex in a channel-scoped server's args, env values,
-/// url and header values.
-pub const CHANNEL_PLACEHOLDER: &str = "{channel}";
-/// What `{channel}` becomes in the session that lists and pins a channel-scoped server's
-/// tools at startup: 64 zeros, the hash of no channel.
-pub const PROBE_SEGMENT: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 /// The `_meta` key of the channel's sha256 hex on every tool call.
 pub const META_CHANNEL: &str = "roundtable-sandbox/channel";
 /// The `_meta` key of the speaker (`{"id", "name"}`) on every tool call.
 pub const META_SPEAKER: &str = "roundtable-sandbox/speaker";
-/// The most live sessions one channel-scoped server may be given.
-const MAX_SESSIONS: usize = 1024;
 /// The most pages of `tools/list` read from one server.
 const MAX_TOOL_PAGES: usize = 16;
-
-/// An MCP tool name: 1 to 64 of `A-Z`, `a-z`, `0-9`, `_`, `-` (a path segment).
-fn valid_mcp_tool_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-}
-
-/// Pure checks of one server's configuration.
-pub(crate) fn validate_config(config: &McpServer, allow_http: bool) -> Result<(), BrokerError> {
-    let err = |reason: String| BrokerError::InvalidMcpServer {
-        server: config.name.clone(),
-        reason,
-    };
-    if !valid_tool_name(&config.name) {
-        return Err(err(
-            "invalid server name: use 1 to 64 of a-z, 0-9, _ and -".into()
-        ));
-    }
-    if config.tools.is_empty() {
-        return Err(err("the tool allow-list is empty".into()));
-    }
-    if !(16..=16_384).contains(&config.max_message_kb) {
-        return Err(err(format!(
-            "max_message_kb must be 16 to 16384, got {}",
-            config.max_message_kb
-        )));
-    }
-    let mut seen = BTreeSet::new();
-    for tool in &config.tools {
-        if !valid_mcp_tool_name(tool) {
-            return Err(err(format!(
-                "invalid tool name {tool:?} in the allow-list: use 1 to 64 of A-Z, a-z, 0-9, _ and -"
-            )));
-        }
-        if !seen.insert(tool) {
-            return Err(err(format!("tool {tool} is allow-listed twice")));
-        }
-    }
-    let has = |s: &String| s.contains(CHANNEL_PLACEHOLDER);
-    let scope = config.scope();
-    match (scope, config.max_sessions) {
-        (McpScope::Shared, Some(_)) => {
-            return Err(err(
-                "max_sessions applies only to scope = \"channel\"".into()
-            ))
-        }
-        (_, Some(n)) if !(1..=MAX_SESSIONS).contains(&n) => {
-            return Err(err(format!(
-                "max_sessions must be 1 to {MAX_SESSIONS}, got {n}"
-            )))
-        }
-        _ => {}
-    }
-    let uses_channel = match &config.transport {
-        McpTransport::Stdio { command, args, env } => {
-            if has(command) || env.keys().any(has) {
-                return Err(err(
-                    "{channel} can be used only in args and env values".into()
-                ));
-            }
-            args.iter().any(has) || env.values().any(has)
-        }
-        McpTransport::Http { url, headers } => {
-            if headers.keys().any(has) {
-                return Err(err(
-                    "{channel} can be used only in the url and header values".into(),
-                ));
-            }
-            has(url) || headers.values().any(has)
-        }
-    };
-    if uses_channel && scope == McpScope::Shared {
-        return Err(err(
-            "{channel} is used but scope is \"shared\" (one session for every channel)".into(),
-        ));
-    }
-    let stdio = matches!(config.transport, McpTransport::Stdio { .. });
-    if !stdio
-        && (config.confine != McpConfine::Container
-            || config.image.is_some()
-            || config.network
-            || config.limits != super::McpLimits::default())
-    {
-        return Err(err(
-            "confine, image, network and limits apply only to stdio servers".into(),
-        ));
-    }
-    if stdio {
-        match (config.confine, &config.image) {
-            (McpConfine::Container, None) => {
-                return Err(err(
-                    "a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = \"host\" to run it unconfined on the host".into(),
-                ))
-            }
-            (McpConfine::Container, Some(image))
-                if image.is_empty() || image.chars().any(|c| c.is_whitespace() || c.is_control()) =>
-            {
-                return Err(err(format!("invalid image {image:?}")))
-            }
-            (McpConfine::Host, Some(_)) => {
-                return Err(err(
-                    "image is set but confine = \"host\" runs the server on the host".into(),
-                ))
-            }
-            (McpConfine::Host, _) if config.network || config.limits != super::McpLimits::default() => {
-                return Err(err(
-                    "network and limits apply only to confine = \"container\"".into(),
-                ))
-            }
-            _ => {}
-        }
-        let l = &config.limits;
-        let in_range = (16..=65_536).contains(&l.memory_mb)
-            && l.cpus > 0.0
-            && l.cpus <= 64.0
-            && (8..=4096).contains(&l.pids)
-            && (1..=4096).contains(&l.tmpfs_mb)
-            && (1..=1_048_576).contains(&l.data_mb)
-            && (16..=10_000_000).contains(&l.data_files);
-        if !in_range {
-            return Err(err(format!(
-                "limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): {l:?}"
-            )));
-        }
-    }
-    match &config.transport {
-        McpTransport::Stdio { command, env, .. } => {
-            if command.trim().is_empty() {
-                return Err(err("the command is empty".into()));
-            }
-            if env
-                .keys()
-                .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
-            {
-                return Err(err("invalid environment variable name".into()));
-            }
-        }
-        McpTransport::Http { url, headers } => {
-            let parsed = reqwest::Url::parse(&url.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
-                .map_err(|_| err(format!("invalid url: {url}")))?;
-            match parsed.scheme() {
-                "https" => {}
-                "http" if allow_http && super::model::loopback(&parsed) => {}
-                "http" if allow_http => {
-                    return Err(err(format!(
-                        "url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}"
-                    )))
-                }
-                "http" => {
-                    return Err(err(format!(
-                        "url must use https (set allow_http only for offline tests): {url}"
-                    )))
-                }
-                _ => return Err(err(format!("invalid url: {url}"))),
-            }
-            for (name, value) in headers {
-                if HeaderName::try_from(name.as_str()).is_err()
-                    || HeaderValue::try_from(value.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
-                        .is_err()
-                {
-                    return Err(err(format!("invalid header {name}")));
-                }
-            }
-        }
-    }
-    Ok(())
-}
 
 /// An allow-listed tool as first read.
 struct Pinned {
@@ -450,7 +271,7 @@ impl McpPool {
                 Ok(v) => v,
                 Err(e) => {
                     close(service).await;
-                    return Err(e);
+                    return Err(e.into());
                 }
             };
             pins.insert(
@@ -941,7 +762,7 @@ impl McpPool {
         segment: &str,
     ) -> Result<Live, String> {
         let server = config.name.as_str();
-        let caps = config.message_caps();
+        let caps = message_caps(config);
         let start = async {
             let live = match transport {
                 McpTransport::Stdio { command, args, env } if config.in_container() => {
@@ -1034,6 +855,11 @@ impl McpPool {
             (None, e) => e.to_string(),
         }
     }
+}
+
+/// The caps on each message `server` sends (its `max_message_kb`, and the values cap).
+fn message_caps(server: &McpServer) -> Caps {
+    Caps::bytes(server.max_message_kb.saturating_mul(1024))
 }
 
 /// Starts a host child (`confine = "host"`): its configured env plus a few harmless
