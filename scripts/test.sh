@@ -35,6 +35,17 @@ cargo clippy "${shipped[@]}" --lib --bins --quiet -- -D warnings
 for lib in roundtable-sandbox roundtable-sandbox-actors roundtable-sandbox-metrics; do
   cargo clippy -p "$lib" --lib --quiet -- -D warnings
 done
+# The public API (issue 44): every type it takes or returns can be named and no `pub` item is
+# unreachable, in the library crates built as a bot author builds them (no `testing`); a crate
+# that uses only it (a key provider, the audit stats) builds; the docs have no broken or
+# private intra-doc link.
+for lib in roundtable-sandbox roundtable-sandbox-actors roundtable-sandbox-metrics roundtable-sandbox-protocol; do
+  cargo rustc -p "$lib" --lib --quiet -- -D unnameable_types -D unreachable_pub
+done
+cargo check -p roundtable-sandbox-api-check --quiet
+RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" \
+  cargo doc --no-deps --quiet -p roundtable-sandbox -p roundtable-sandbox-actors \
+  -p roundtable-sandbox-metrics -p roundtable-sandbox-protocol
 if cargo tree "${shipped[@]}" -e normal,build,features -i roundtable-sandbox | grep -q 'feature "testing"'; then
   echo "a build of the CLI and the bots enables roundtable-sandbox's testing feature (cargo tree -e normal,build,features -i roundtable-sandbox)" >&2
   exit 1
