@@ -294,6 +294,68 @@ impl Sandbox {
         self.inner.live.clone()
     }
 
+    /// Admits a turn: its deadline is [`TurnRequest::admitted`] (default: now) plus the turn
+    /// timeout, fixed here; the turn gets its runtime-wide number (see
+    /// [`AdmittedTurn::number`]). Then [`Sandbox::run`] it.
+    pub fn admit(&self, request: TurnRequest) -> AdmittedTurn {
+        turn::admit(self, request)
+    }
+
+    /// Runs a turn [`admit`](Sandbox::admit)ted: in the container `prepared` for its
+    /// channel, if given (see [`PreparedTurn`]: the same checks, broker and teardown as a
+    /// cold turn, without the container's create and start; one that cannot serve is
+    /// removed and the turn starts cold, the reason logged), else cold. `on_reply` sees the
+    /// outcome before any teardown; the same outcome is returned after it. Never panics on
+    /// a failing part: every failure is a [`TurnOutcome`] with its [`TurnFailure`].
+    pub async fn run(
+        &self,
+        turn: AdmittedTurn,
+        prepared: Option<PreparedTurn>,
+        on_reply: impl FnOnce(&TurnOutcome),
+    ) -> TurnOutcome {
+        turn::run(self, turn, prepared, on_reply).await
+    }
+
+    /// The one convenience: admits `request` and runs it cold ([`Sandbox::admit`], then
+    /// [`Sandbox::run`]).
+    pub async fn run_turn(&self, request: TurnRequest) -> TurnOutcome {
+        self.run(self.admit(request), None, |_| {}).await
+    }
+
+    /// Prepares the channel's next turn's container (warm turns): `Ok(None)` when they are
+    /// off or `warm.max` containers are already prepared. `cancel` abandons the
+    /// preparation: what was made is removed (after the engine's calls end) and the result
+    /// is `Err` with [`DriverError::Cancelled`].
+    pub async fn prepare_turn(
+        &self,
+        channel: impl Into<ChannelId>,
+        cancel: tokio_util::sync::CancellationToken,
+    ) -> Result<Option<PreparedTurn>, TurnError> {
+        warm::prepare(self, channel.into(), cancel).await
+    }
+
+    /// Whether this runtime prepares containers (`[warm]` on and a driver that can).
+    pub fn warm_enabled(&self) -> bool {
+        self.inner.warm.max() > 0 && self.driver().prepares()
+    }
+
+    /// Turns served by a prepared container, and turns whose prepared container could not
+    /// serve them (they started cold), since start: a count of the
+    /// [`events::WarmEvent`]s `Adopted` and `FellBack`.
+    pub fn warm_counts(&self) -> (u64, u64) {
+        self.events().warm_counts()
+    }
+
+    /// Prepared containers alive now (waiting, or being prepared or removed).
+    pub fn prepared_containers(&self) -> usize {
+        self.inner.warm.alive()
+    }
+
+    /// Waits until no prepared container is left (each one removed or adopted), or `limit`.
+    pub async fn prepared_drained(&self, limit: std::time::Duration) -> bool {
+        warm::drained(&self.inner.warm, limit).await
+    }
+
     /// Removes this instance's leftover containers and stale run dirs (see [`sweep`]); the
     /// turns in flight are never touched.
     pub async fn sweep(&self) -> sweep::SweepReport {

@@ -54,67 +54,56 @@ impl WarmPool {
     }
 }
 
-impl Sandbox {
-    /// Whether this runtime prepares containers (`[warm]` on and a driver that can).
-    pub fn warm_enabled(&self) -> bool {
-        self.inner.warm.max > 0 && self.driver().prepares()
+/// Prepares the channel's next turn's container (see [`Sandbox::prepare_turn`]).
+pub(crate) async fn prepare(
+    sandbox: &Sandbox,
+    channel: crate::ChannelId,
+    cancel: CancellationToken,
+) -> Result<Option<PreparedTurn>, TurnError> {
+    if !sandbox.warm_enabled() {
+        return Ok(None);
     }
+    let Ok(permit) = sandbox.inner.warm.permits.clone().try_acquire_owned() else {
+        return Ok(None);
+    };
+    let mut resources = TurnResources::new(sandbox, &channel, Start::Prepared)?;
+    // Not abandoned half-way: an engine call dropped in flight may still create the
+    // container after a removal meant for it. Cancelled, it is removed once started.
+    let started = match resources.start().await {
+        Ok(()) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled.into()),
+        other => other,
+    };
+    match started {
+        Ok(()) => {
+            sandbox.emit(None, Some(&channel), EventKind::Warm(WarmEvent::Prepared));
+            Ok(Some(PreparedTurn::new(resources, permit)))
+        }
+        Err(e) => {
+            resources.teardown_logged("remove failed preparation").await;
+            Err(e)
+        }
+    }
+}
 
-    /// Turns served by a prepared container, and turns whose prepared container could not
-    /// serve them (they started cold), since start: a count of the
-    /// [`crate::events::WarmEvent`]s `Adopted` and `FellBack`.
-    pub fn warm_counts(&self) -> (u64, u64) {
-        self.events().warm_counts()
+/// Waits until no prepared container is left (each one removed or adopted), or `limit`.
+pub(crate) async fn drained(pool: &WarmPool, limit: Duration) -> bool {
+    let max = pool.max as u32;
+    if max == 0 {
+        return true;
+    }
+    let permits = pool.permits.clone();
+    let drained = tokio::time::timeout(limit, permits.acquire_many(max)).await;
+    matches!(drained, Ok(Ok(_)))
+}
+
+impl WarmPool {
+    /// How many containers may be prepared at once (`warm.max`).
+    pub(crate) fn max(&self) -> usize {
+        self.max
     }
 
     /// Prepared containers alive now (waiting, or being prepared or removed).
-    pub fn prepared_containers(&self) -> usize {
-        self.inner.warm.max - self.inner.warm.permits.available_permits()
-    }
-
-    /// Waits until no prepared container is left (each one removed or adopted), or `limit`.
-    pub async fn prepared_drained(&self, limit: Duration) -> bool {
-        let max = self.inner.warm.max as u32;
-        if max == 0 {
-            return true;
-        }
-        let permits = self.inner.warm.permits.clone();
-        let drained = tokio::time::timeout(limit, permits.acquire_many(max)).await;
-        matches!(drained, Ok(Ok(_)))
-    }
-
-    /// Prepares the channel's next turn's container (see the [module](self)): `Ok(None)`
-    /// when warm turns are off or `warm.max` containers are already prepared. `cancel`
-    /// abandons the preparation: what was made is removed (after the engine's calls end)
-    /// and the result is `Err` with [`crate::driver::DriverError::Cancelled`].
-    pub async fn prepare_turn(
-        &self,
-        channel: impl Into<crate::ChannelId>,
-        cancel: CancellationToken,
-    ) -> Result<Option<PreparedTurn>, TurnError> {
-        if !self.warm_enabled() {
-            return Ok(None);
-        }
-        let Ok(permit) = self.inner.warm.permits.clone().try_acquire_owned() else {
-            return Ok(None);
-        };
-        let channel: crate::ChannelId = channel.into();
-        let mut resources = TurnResources::new(self, &channel, Start::Prepared)?;
-        // Not abandoned half-way: an engine call dropped in flight may still create the
-        // container after a removal meant for it. Cancelled, it is removed once started.
-        let started = match resources.start().await {
-            Ok(()) if cancel.is_cancelled() => Err(crate::driver::DriverError::Cancelled.into()),
-            other => other,
-        };
-        match started {
-            Ok(()) => {
-                self.emit(None, Some(&channel), EventKind::Warm(WarmEvent::Prepared));
-                Ok(Some(PreparedTurn::new(resources, permit)))
-            }
-            Err(e) => {
-                resources.teardown_logged("remove failed preparation").await;
-                Err(e)
-            }
-        }
+    pub(crate) fn alive(&self) -> usize {
+        self.max - self.permits.available_permits()
     }
 }

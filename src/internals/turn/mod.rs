@@ -121,46 +121,22 @@ impl AdmittedTurn {
     }
 }
 
-impl Sandbox {
-    /// Admits a turn: its deadline is [`TurnRequest::admitted`] (default: now) plus the
-    /// turn timeout, computed here and nowhere else.
-    pub fn admit(&self, request: TurnRequest) -> AdmittedTurn {
-        let admitted = request.admitted.unwrap_or_else(Instant::now);
-        let number = self.events().next_turn();
-        self.emit(Some(number), Some(&request.channel), EventKind::Admitted);
-        AdmittedTurn {
-            deadline: admitted + self.config().turn_timeout,
-            request,
-            number,
-            stopped_for: None,
-        }
+/// Admits a turn (see [`Sandbox::admit`]): its deadline is [`TurnRequest::admitted`]
+/// (default: now) plus the turn timeout, computed here and nowhere else.
+pub(crate) fn admit(sandbox: &Sandbox, request: TurnRequest) -> AdmittedTurn {
+    let admitted = request.admitted.unwrap_or_else(Instant::now);
+    let number = sandbox.events().next_turn();
+    sandbox.emit(Some(number), Some(&request.channel), EventKind::Admitted);
+    AdmittedTurn {
+        deadline: admitted + sandbox.config().turn_timeout,
+        request,
+        number,
+        stopped_for: None,
     }
 }
 
-impl Sandbox {
-    /// Runs a turn [`admit`](Sandbox::admit)ted: in the container `prepared` for its
-    /// channel, if given (see [`PreparedTurn`]: the same checks, broker and teardown as a
-    /// cold turn, without the container's create and start; one that cannot serve is
-    /// removed and the turn starts cold, the reason logged), else cold. `on_reply` sees the
-    /// outcome before any teardown; the same outcome is returned after it. Never panics on
-    /// a failing part: every failure is a [`TurnOutcome`] with its [`TurnFailure`].
-    pub async fn run(
-        &self,
-        turn: AdmittedTurn,
-        prepared: Option<PreparedTurn>,
-        on_reply: impl FnOnce(&TurnOutcome),
-    ) -> TurnOutcome {
-        run(self, turn, prepared, on_reply).await
-    }
-
-    /// The one convenience: admits `request` and runs it cold ([`Sandbox::admit`], then
-    /// [`Sandbox::run`]).
-    pub async fn run_turn(&self, request: TurnRequest) -> TurnOutcome {
-        self.run(self.admit(request), None, |_| {}).await
-    }
-}
-
-async fn run(
+/// Runs an admitted turn (see [`Sandbox::run`]).
+pub(crate) async fn run(
     sandbox: &Sandbox,
     turn: AdmittedTurn,
     prepared: Option<PreparedTurn>,
