@@ -37,33 +37,6 @@ use crate::ChannelId;
 /// Receives every [`Event`] of a runtime (see the [module](self)).
 pub type Observer = Arc<dyn Fn(&Event) + Send + Sync>;
 
-/// A map keyed by [`Event::turn`] numbers, hashed by [`TurnNumberHasher`].
-pub type TurnMap<V> =
-    std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<TurnNumberHasher>>;
-
-/// Hashes a turn number by one multiply (Fibonacci hashing), not SipHash: the numbers are
-/// the runtime's own, counted up from 1, never a guest's, so there is no flooding to
-/// resist, and the maps keyed by them (the metrics adapter's, the audit trail's) are
-/// looked up at every event of every turn.
-#[derive(Debug, Default)]
-pub struct TurnNumberHasher(u64);
-
-impl std::hash::Hasher for TurnNumberHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
 /// One thing the runtime did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Event {
@@ -119,11 +92,12 @@ pub enum EventKind {
         /// Whether the turn was running (a model call refused) rather than refused at its start.
         mid_turn: bool,
     },
-    /// What a turn (or a message refused before its turn) was, beyond its other events:
-    /// who spoke, the bytes in and out, the host-counted usage, the budget that refused it,
-    /// the workspace after it. Sent once, just before the turn's last event (its
-    /// `Phase(Done)`; a refused message's `Ended`). Its `speaker` is guest-chosen text:
-    /// never a metric label (see [`TurnFacts`]).
+    /// What a turn (or a message refused before its turn) was, whole: who spoke, the bytes
+    /// in and out, the host-counted usage, the budget that refused it, the workspace after
+    /// it, and its [`TurnRecord`] (its durations, calls and refusals, as the turn runner
+    /// knows them: no observer rebuilds them from the other events). Sent once, just before
+    /// the turn's last event (its `Phase(Done)`; a refused message's `Ended`). Its
+    /// `speaker` is guest-chosen text: never a metric label (see [`TurnFacts`]).
     Facts(Box<TurnFacts>),
     /// One call to the container engine.
     Engine {
@@ -158,12 +132,64 @@ pub struct TurnFacts {
     /// The message and the reply, only when `audit.include_text` is set; sealed: only the
     /// audit trail reads it (an observer never sees guest text).
     pub text: Option<AuditText>,
+    /// The turn as its runner saw it: durations, calls, refusals, its end.
+    pub record: TurnRecord,
+}
+
+/// A whole turn as the turn runner saw it (in [`TurnFacts::record`]): what an observer would
+/// otherwise rebuild from the turn's other events, with its durations measured where they
+/// happened.
+#[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
+pub struct TurnRecord {
+    /// From its admission to its end (`None`: a message refused before it was admitted).
+    pub total: Option<Duration>,
+    /// The wait for a container slot (the actor layer's), if it waited.
+    pub slot_wait: Option<Duration>,
+    /// Each phase it went through and the time it spent in it, in order (a model or tool
+    /// call is a phase of its own each time; `Done`, the last, has none).
+    pub phases: Vec<(TurnPhase, Duration)>,
+    /// Its model and tool calls ([`BrokerEvent::ModelCall`], [`BrokerEvent::ToolCall`]), in
+    /// the order they were answered.
+    pub calls: Vec<BrokerEvent>,
+    /// The broker's refusals (status, limit), the first [`TurnRecord::MAX_REFUSALS`].
+    pub refusals: Vec<(u16, Refusal)>,
+    /// Refusals past [`TurnRecord::MAX_REFUSALS`], counted only.
+    pub refusals_omitted: u64,
+    /// How it ended: `Some(None)` ok, `Some(Some(kind))` failed, `None` its end not seen.
+    pub ended: Option<Option<TurnFailure>>,
+    /// Whether a prepared container served it.
+    pub warm: bool,
+    /// Whether a prepared container could not serve it (it started cold).
+    pub fell_back: bool,
+}
+
+impl TurnRecord {
+    /// Refusals kept in a record; the rest are counted.
+    pub const MAX_REFUSALS: usize = 64;
+
+    /// Whether its container ran (it reached [`TurnPhase::ContainerRunning`]).
+    pub fn ran(&self) -> bool {
+        self.phases
+            .iter()
+            .any(|(p, _)| *p == TurnPhase::ContainerRunning)
+    }
+
+    /// The record of a message that ended before the core ran it (`admitted`: when it was
+    /// admitted, if it was).
+    pub fn ended_early(failure: TurnFailure, admitted: Option<Instant>) -> Self {
+        Self {
+            total: admitted.map(|a| a.elapsed()),
+            ended: Some(Some(failure)),
+            ..Self::default()
+        }
+    }
 }
 
 impl TurnFacts {
-    /// The facts of a message refused before it became a turn (the actor layer's `Busy`,
-    /// `ShuttingDown`): its speaker and size.
-    pub fn refused(speaker: &str, message: &str) -> Self {
+    /// The facts of a message that ended before the core ran it (the actor layer's `Busy`,
+    /// `ShuttingDown`, a slot timeout): its speaker, its size and its record.
+    pub fn refused(speaker: &str, message: &str, record: TurnRecord) -> Self {
         Self {
             speaker: speaker.to_owned(),
             bytes_in: message.len() as u64,
@@ -172,6 +198,7 @@ impl TurnFacts {
             budget: None,
             workspace_bytes: None,
             text: None,
+            record,
         }
     }
 }
@@ -405,13 +432,21 @@ impl EventHub {
     }
 }
 
-/// One turn's events: its number and channel stamped on each. Cheap to clone; the broker
-/// holds one per turn.
+/// One turn's events: its number and channel stamped on each, and its [`TurnRecord`] kept
+/// as they are sent. Cheap to clone; the broker holds one per turn.
 #[derive(Clone)]
 pub struct TurnEvents {
     hub: Arc<EventHub>,
     turn: u64,
     channel: ChannelId,
+    record: Arc<std::sync::Mutex<Recording>>,
+}
+
+/// A turn's record as its events are sent: phases with the instants they began.
+#[derive(Default)]
+struct Recording {
+    phases: Vec<(TurnPhase, Instant)>,
+    record: TurnRecord,
 }
 
 impl std::fmt::Debug for TurnEvents {
@@ -425,7 +460,63 @@ impl std::fmt::Debug for TurnEvents {
 
 impl TurnEvents {
     pub(crate) fn new(hub: Arc<EventHub>, turn: u64, channel: ChannelId) -> Self {
-        Self { hub, turn, channel }
+        Self {
+            hub,
+            turn,
+            channel,
+            record: Default::default(),
+        }
+    }
+
+    /// The turn's record up to now (`admitted`: its admission; `slot_wait`: the actor
+    /// layer's wait): the last phase runs to now.
+    pub(crate) fn record(&self, admitted: Instant, slot_wait: Option<Duration>) -> TurnRecord {
+        let now = Instant::now();
+        let r = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        let mut record = r.record.clone();
+        record.total = Some(now.saturating_duration_since(admitted));
+        record.slot_wait = slot_wait;
+        let ends = r.phases.iter().skip(1).map(|(_, at)| *at).chain([now]);
+        record.phases = r
+            .phases
+            .iter()
+            .zip(ends)
+            .map(|((phase, from), to)| (*phase, to.saturating_duration_since(*from)))
+            .collect();
+        record
+    }
+
+    /// Keeps what `kind` adds to the turn's record.
+    fn keep(&self, kind: &EventKind) {
+        let keeps = matches!(
+            kind,
+            EventKind::Phase(_)
+                | EventKind::Ended { .. }
+                | EventKind::Warm(WarmEvent::Adopted | WarmEvent::FellBack { .. })
+                | EventKind::Broker(_)
+        );
+        if !keeps {
+            return;
+        }
+        let mut r = self.record.lock().unwrap_or_else(|e| e.into_inner());
+        let r = &mut *r;
+        match kind {
+            EventKind::Phase(phase) => r.phases.push((*phase, Instant::now())),
+            EventKind::Ended { failure, warm } => {
+                r.record.ended = Some(*failure);
+                r.record.warm = *warm;
+            }
+            EventKind::Warm(WarmEvent::FellBack { .. }) => r.record.fell_back = true,
+            EventKind::Broker(BrokerEvent::Refused { status, limit }) => {
+                if r.record.refusals.len() < TurnRecord::MAX_REFUSALS {
+                    r.record.refusals.push((*status, *limit));
+                } else {
+                    r.record.refusals_omitted += 1;
+                }
+            }
+            EventKind::Broker(call) => r.record.calls.push(call.clone()),
+            _ => {}
+        }
     }
 
     /// A turn's events for a broker driven alone (the bench, with the `testing` feature):
@@ -447,6 +538,7 @@ impl TurnEvents {
     }
 
     pub(crate) fn emit(&self, kind: EventKind) {
+        self.keep(&kind);
         self.hub.emit(Some(self.turn), Some(&self.channel), kind);
     }
 

@@ -175,6 +175,10 @@ impl Handler<GuestMessage> for SandboxSupervisor {
                     roundtable_sandbox::events::TurnFacts::refused(
                         &message.speaker.id,
                         &message.text,
+                        roundtable_sandbox::events::TurnRecord::ended_early(
+                            roundtable_sandbox::TurnFailure::ShuttingDown,
+                            None,
+                        ),
                     ),
                 )),
             );

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::events::{Event, EventKind, Observer};
+use roundtable_sandbox::events::{Event, EventKind, Observer, TurnRecord};
 use roundtable_sandbox::AdmittedTurn;
 use roundtable_sandbox::TurnError;
 use roundtable_sandbox::{ChannelId, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase};
@@ -174,14 +174,14 @@ impl ProgressSink {
     /// A message refused by this layer: its facts (the audit trail's: speaker, size),
     /// then its `Ended`.
     pub(crate) fn refused(&self, speaker: &str, text: &str, failure: TurnFailure) {
-        self.facts(speaker, text);
+        self.facts(speaker, text, TurnRecord::ended_early(failure, None));
         self.ended(failure);
     }
 
     /// The facts of a message that never reached the core's turn (before its `Done`).
-    pub(crate) fn facts(&self, speaker: &str, text: &str) {
+    pub(crate) fn facts(&self, speaker: &str, text: &str, record: TurnRecord) {
         self.emit(EventKind::Facts(Box::new(
-            roundtable_sandbox::events::TurnFacts::refused(speaker, text),
+            roundtable_sandbox::events::TurnFacts::refused(speaker, text, record),
         )));
     }
 }
@@ -338,8 +338,9 @@ struct Delivery {
 }
 
 impl Delivery {
-    /// Delivers the outcome of a turn that never reached the core, and reports its end.
-    fn end(&self, outcome: &TurnOutcome, progress: &ProgressSink) {
+    /// Delivers the outcome of a turn that never reached the core, and reports its end;
+    /// the failure it reported.
+    fn end(&self, outcome: &TurnOutcome, progress: &ProgressSink) -> Option<TurnFailure> {
         let failure = match self.control.0.abort.get() {
             Some(reason) if !outcome.reply.ok => Some(reason.into_error().failure()),
             _ => outcome.failure,
@@ -348,6 +349,7 @@ impl Delivery {
             progress.ended(failure);
         }
         self.deliver(outcome);
+        failure
     }
 
     fn deliver(&self, outcome: &TurnOutcome) {
@@ -379,11 +381,18 @@ async fn run_job(
     delivery: Delivery,
 ) {
     let (speaker, text) = (&turn.request().speaker.id, &turn.request().text);
-    let stopped = || {
-        delivery.end(&TurnOutcome::failed(&TurnError::Stopped), &progress);
-        progress.facts(speaker, text);
+    let admitted = turn.admitted();
+    // A turn the core never ran: its end, its facts (with its record), its `Done`.
+    let ended_early = |outcome: &TurnOutcome, slot_wait: Option<std::time::Duration>| {
+        let failure = delivery
+            .end(outcome, &progress)
+            .unwrap_or(TurnFailure::Internal);
+        let mut record = TurnRecord::ended_early(failure, Some(admitted));
+        record.slot_wait = slot_wait;
+        progress.facts(speaker, text, record);
         progress.emit(EventKind::Phase(TurnPhase::Done));
     };
+    let stopped = || ended_early(&TurnOutcome::failed(&TurnError::Stopped), None);
     let token = turn.request().stop.clone();
     if token.is_cancelled() {
         return stopped();
@@ -395,6 +404,7 @@ async fn run_job(
     let timeout = shared.sandbox.config().turn_timeout;
     let deadline = tokio::time::Instant::from_std(turn.deadline());
     let limiter = shared.limiter.clone();
+    let mut slot_wait = None;
     let _permit = match limiter.clone().try_acquire_owned() {
         Ok(permit) => permit,
         Err(_) => {
@@ -411,28 +421,31 @@ async fn run_job(
                         slots: shared.max_containers,
                     };
                     tracing::info!(error = %error, kind = ?error.failure(), "turn failed");
-                    delivery.end(&TurnOutcome::failed(&error), &progress);
-                    progress.facts(speaker, text);
-                    progress.emit(EventKind::Phase(TurnPhase::Done));
-                    return;
+                    return ended_early(&TurnOutcome::failed(&error), Some(waiting.elapsed()));
                 }
                 permit = limiter.acquire_owned() => match permit {
                     Ok(permit) => {
-                        progress.emit(EventKind::WaitedForSlot { waited: waiting.elapsed() });
+                        let waited = waiting.elapsed();
+                        progress.emit(EventKind::WaitedForSlot { waited });
+                        slot_wait = Some(waited);
                         permit
                     }
                     Err(_) => {
-                        delivery.end(&TurnOutcome {
+                        let outcome = TurnOutcome {
                             reply: Reply::error("the container limiter is closed"),
                             failure: Some(TurnFailure::Internal),
                             usage: Default::default(),
-                        }, &progress);
-                        return;
+                        };
+                        return ended_early(&outcome, Some(waiting.elapsed()));
                     }
                 },
             }
         }
     };
+    let mut turn = turn;
+    if let Some(waited) = slot_wait {
+        turn.waited_for_slot(waited);
+    }
     // The core's phases, as its turn's events show them: the channel's state.
     let _route = shared.phases.route(turn.number(), control.clone());
     shared

@@ -2,14 +2,13 @@
 //! ([`roundtable_sandbox::events`]) that the core does not depend on.
 //!
 //! Its parts:
-//! - [`Metrics`]: one registry (`prometheus-client`) fed from the one seam: install
-//!   [`Metrics::observer`] on the core's `Config::observer` or the actor layer's
-//!   `SupervisorOptions::observer`; [`Metrics::encode`] writes the OpenMetrics text;
+//! - [`Metrics`]: one registry (`prometheus-client`, its own types) fed from the one seam:
+//!   install [`Metrics::observer`] as the core's `Config::observer`; [`Metrics::encode`]
+//!   writes the OpenMetrics text. It keeps nothing per turn: a turn's durations come whole
+//!   in its `Facts` (its [`TurnRecord`](roundtable_sandbox::events::TurnRecord)), the
+//!   gauges move on the events that start and end what they count;
 //! - [`MetricsServer`]: `GET /metrics` over HTTP/1 (hyper 1) on a TCP listener, served on a
 //!   thread of its own (a scrape never waits on the actor thread, nor it on a scrape);
-//! - `histogram`: the histograms, of atomics (an observation takes no lock; every model
-//!   call observes three, shared by every turn), exported through prometheus-client's own
-//!   encoder;
 //! - [`labels`]: the fixed label values every event is mapped to (outcomes, phases, warm
 //!   reasons, refusals, budgets, engine operations). No label ever holds a channel key, a
 //!   channel hash, a speaker, a tool's name or any text a guest or the host wrote: each
@@ -47,22 +46,18 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::exponential_buckets;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
-use roundtable_sandbox::events::{BrokerEvent, Event, EventKind, Observer, WarmEvent};
+use roundtable_sandbox::events::{BrokerEvent, Event, EventKind, Observer, TurnFacts, WarmEvent};
 use roundtable_sandbox::TurnPhase;
 
-mod histogram;
 mod server;
-
-use histogram::Histogram;
 
 pub use server::{bindable, check_address, MetricsError, MetricsServer};
 
@@ -117,56 +112,7 @@ pub struct Metrics {
     engine: HistFamily<Labels2>,
     model_duration: HistFamily<Labels3>,
     model_tokens: HistFamily<Labels3>,
-    hot: Hot,
     state: Mutex<State>,
-    /// Each turn in flight's admission and phase, in shards by turn number: every model
-    /// and tool call is a phase event, and turns on different cores take different locks.
-    turns_in_flight: [Mutex<TurnMap>; SHARDS],
-}
-
-/// How many locks the turns in flight are spread over.
-const SHARDS: usize = 16;
-
-type TurnMap = roundtable_sandbox::events::TurnMap<TurnState>;
-
-/// The series every model call touches, each resolved from its family once (on its first
-/// use, so the exported text is the same) and then observed without the family's lookup
-/// (a lock and a hash of its labels).
-#[derive(Default)]
-struct Hot {
-    /// `roundtable_turn_phase_duration` by phase (by [`phase_slot`]).
-    phase: [OnceLock<Histogram>; PHASES],
-    /// `gen_ai_client_operation_duration` of a forwarded chat call answered 2xx.
-    chat_ok: OnceLock<Histogram>,
-    /// `gen_ai_client_token_usage` of a forwarded chat call: input, output.
-    chat_tokens: [OnceLock<Histogram>; 2],
-}
-
-/// The phases with a slot of their own in [`Hot::phase`] (the rest take the family's path).
-const PHASES: usize = 8;
-
-/// Observes `value` in the slot's series (resolved by `family` on its first use), or in
-/// `family`'s when there is no slot.
-fn observe(slot: Option<&OnceLock<Histogram>>, family: impl FnOnce() -> Histogram, value: f64) {
-    match slot {
-        Some(slot) => slot.get_or_init(family).observe(value),
-        None => family().observe(value),
-    }
-}
-
-fn phase_slot(phase: TurnPhase) -> Option<usize> {
-    Some(match phase {
-        TurnPhase::Preparing => 0,
-        TurnPhase::BrokerListening => 1,
-        TurnPhase::ContainerRunning => 2,
-        TurnPhase::ModelCall => 3,
-        TurnPhase::ToolCall => 4,
-        TurnPhase::Replied => 5,
-        TurnPhase::TearingDown => 6,
-        TurnPhase::Done => 7,
-        #[allow(unreachable_patterns)]
-        _ => return None,
-    })
 }
 
 impl std::fmt::Debug for Metrics {
@@ -184,16 +130,6 @@ struct State {
     /// Prepared containers per channel (by its short hash).
     prepared: HashMap<String, u64>,
 }
-
-struct TurnState {
-    admitted: Instant,
-    phase: Option<(TurnPhase, Instant)>,
-    running: bool,
-}
-
-/// Past this many turns in flight the per-turn state is cleared (a turn whose `Done` never
-/// came would otherwise be kept for ever).
-const MAX_TRACKED_TURNS: usize = 65_536;
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -316,9 +252,7 @@ impl Metrics {
             engine,
             model_duration,
             model_tokens,
-            hot: Hot::default(),
             state: Mutex::default(),
-            turns_in_flight: Default::default(),
         }
     }
 
@@ -340,33 +274,10 @@ impl Metrics {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The shard of the turns in flight that holds `turn`.
-    fn turns(&self, turn: u64) -> std::sync::MutexGuard<'_, TurnMap> {
-        self.turns_in_flight[turn as usize % SHARDS]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Records one event.
     pub fn record(&self, event: &Event) {
         match &event.kind {
             EventKind::Admitted => {
-                if let Some(turn) = event.turn {
-                    let mut turns = self.turns(turn);
-                    if turns.len() >= MAX_TRACKED_TURNS / SHARDS {
-                        let running = turns.values().filter(|t| t.running).count();
-                        turns.clear();
-                        self.running.dec_by(running as i64);
-                    }
-                    turns.insert(
-                        turn,
-                        TurnState {
-                            admitted: event.at,
-                            phase: None,
-                            running: false,
-                        },
-                    );
-                }
                 let mut st = self.state();
                 if let Some(channel) = &event.channel {
                     if take_one(&mut st.queued, channel) {
@@ -385,37 +296,25 @@ impl Metrics {
                     .get_or_create(&[("phase", "waiting_for_slot")])
                     .observe(waited.as_secs_f64());
             }
-            EventKind::Phase(phase) => self.phase(event, *phase),
-            EventKind::Ended { failure, warm } => {
+            // Counted from its start; its turn's `Facts` says whether it ran, and ends it.
+            EventKind::Phase(TurnPhase::ContainerRunning) => {
+                self.running.inc();
+            }
+            EventKind::Ended { failure, .. } => {
                 let outcome = labels::outcome(*failure);
                 self.turns.get_or_create(&[("outcome", outcome)]).inc();
-                let mut st = self.state();
                 if failure == &Some(roundtable_sandbox::TurnFailure::ShuttingDown)
                     && event.turn.is_none()
                 {
                     // A queued message refused at shutdown leaves the queue.
                     if let Some(channel) = &event.channel {
-                        if take_one(&mut st.queued, channel) {
+                        if take_one(&mut self.state().queued, channel) {
                             self.queue_depth.dec();
                         }
                     }
                 }
-                drop(st);
-                let Some(turn) = event.turn else { return };
-                let mut turns = self.turns(turn);
-                let Some(t) = turns.get(&turn) else { return };
-                let took = event.at.saturating_duration_since(t.admitted);
-                let never_ran = t.phase.is_none();
-                if never_ran {
-                    // The actor layer ended it before the core ran it: no phases follow.
-                    turns.remove(&turn);
-                }
-                drop(turns);
-                let launch = if *warm { "warm" } else { "cold" };
-                self.turn_duration
-                    .get_or_create(&[("launch_type", launch), ("outcome", outcome)])
-                    .observe(took.as_secs_f64());
             }
+            EventKind::Facts(facts) => self.facts(facts),
             EventKind::Warm(w) => self.warm(event, w),
             EventKind::Broker(b) => self.broker(b),
             EventKind::BudgetRefused { budget, mid_turn } => {
@@ -436,35 +335,25 @@ impl Metrics {
         }
     }
 
-    fn phase(&self, event: &Event, phase: TurnPhase) {
-        let Some(turn) = event.turn else { return };
-        let mut turns = self.turns(turn);
-        let Some(t) = turns.get_mut(&turn) else {
-            return;
-        };
-        let previous = t.phase.replace((phase, event.at));
-        if phase == TurnPhase::ContainerRunning && !t.running {
-            t.running = true;
-            self.running.inc();
+    /// A turn's end, whole: its duration and each phase's, as its runner measured them.
+    fn facts(&self, facts: &TurnFacts) {
+        let r = &facts.record;
+        for (phase, took) in &r.phases {
+            self.phase_duration
+                .get_or_create(&[("phase", labels::phase(*phase))])
+                .observe(took.as_secs_f64());
         }
-        if phase == TurnPhase::Done {
-            if let Some(t) = turns.remove(&turn) {
-                if t.running {
-                    self.running.dec();
-                }
-            }
+        if r.ran() {
+            self.running.dec();
         }
-        drop(turns);
-        if let Some((was, since)) = previous {
-            // Each phase's time runs to the next phase event (a repeated model or tool
-            // call is a phase of its own each time).
-            let took = event.at.saturating_duration_since(since).as_secs_f64();
-            let family = || {
-                self.phase_duration
-                    .get_or_create(&[("phase", labels::phase(was))])
-                    .clone()
-            };
-            observe(phase_slot(was).map(|i| &self.hot.phase[i]), family, took);
+        if let (Some(total), Some(failure)) = (r.total, r.ended) {
+            let launch = if r.warm { "warm" } else { "cold" };
+            self.turn_duration
+                .get_or_create(&[
+                    ("launch_type", launch),
+                    ("outcome", labels::outcome(failure)),
+                ])
+                .observe(total.as_secs_f64());
         }
     }
 
@@ -507,33 +396,24 @@ impl Metrics {
                 ..
             } => {
                 let op = operation.key();
-                let error_type = labels::error_type(*status);
-                let family = || {
-                    self.model_duration
-                        .get_or_create(&[
-                            ("gen_ai_operation_name", "chat"),
-                            ("roundtable_operation", op),
-                            ("error_type", error_type),
-                        ])
-                        .clone()
-                };
-                let chat = *operation == roundtable_sandbox::events::ModelOperation::Chat;
-                let slot = (chat && error_type == "none").then_some(&self.hot.chat_ok);
-                observe(slot, family, latency.as_secs_f64());
+                self.model_duration
+                    .get_or_create(&[
+                        ("gen_ai_operation_name", "chat"),
+                        ("roundtable_operation", op),
+                        ("error_type", labels::error_type(*status)),
+                    ])
+                    .observe(latency.as_secs_f64());
                 if let Some(u) = usage {
                     let kinds = [("input", u.prompt_tokens), ("output", u.completion_tokens)];
-                    for (i, (kind, n)) in kinds.into_iter().enumerate() {
+                    for (kind, n) in kinds {
                         let Some(n) = n else { continue };
-                        let family = || {
-                            self.model_tokens
-                                .get_or_create(&[
-                                    ("gen_ai_operation_name", "chat"),
-                                    ("roundtable_operation", op),
-                                    ("gen_ai_token_type", kind),
-                                ])
-                                .clone()
-                        };
-                        observe(chat.then_some(&self.hot.chat_tokens[i]), family, n as f64);
+                        self.model_tokens
+                            .get_or_create(&[
+                                ("gen_ai_operation_name", "chat"),
+                                ("roundtable_operation", op),
+                                ("gen_ai_token_type", kind),
+                            ])
+                            .observe(n as f64);
                     }
                 }
             }

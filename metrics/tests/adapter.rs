@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use roundtable_sandbox::events::{
-    BrokerEvent, Event, EventKind, ModelOperation, Refusal, WarmEvent,
+    BrokerEvent, Event, EventKind, ModelOperation, Refusal, TurnFacts, TurnRecord, WarmEvent,
 };
 use roundtable_sandbox::protocol::Usage;
 use roundtable_sandbox::Budget;
@@ -14,6 +14,24 @@ use roundtable_sandbox::{TurnFailure, TurnPhase};
 use roundtable_sandbox_metrics::{check_address, Metrics, MetricsError, MetricsServer};
 
 const CHANNEL: &str = "c0ffee12";
+
+/// A turn's facts with its record: `total` ms from admission, `phases` (name, ms), its end.
+fn facts(
+    total: u64,
+    phases: &[(TurnPhase, u64)],
+    failure: Option<TurnFailure>,
+    warm: bool,
+) -> EventKind {
+    let mut record = TurnRecord::default();
+    record.total = Some(Duration::from_millis(total));
+    record.phases = phases
+        .iter()
+        .map(|(p, ms)| (*p, Duration::from_millis(*ms)))
+        .collect();
+    record.ended = Some(failure);
+    record.warm = warm;
+    EventKind::Facts(Box::new(TurnFacts::refused("ann", "hi", record)))
+}
 
 fn event(at: Instant, turn: Option<u64>, kind: EventKind) -> Event {
     Event {
@@ -87,6 +105,22 @@ fn feed(m: &Metrics) {
         },
     );
     e(1010, Some(1), EventKind::Phase(TurnPhase::TearingDown));
+    // The turn's record, as its runner measured it.
+    e(
+        1100,
+        Some(1),
+        facts(
+            1000,
+            &[
+                (TurnPhase::Preparing, 20),
+                (TurnPhase::ContainerRunning, 10),
+                (TurnPhase::ModelCall, 970),
+                (TurnPhase::TearingDown, 90),
+            ],
+            None,
+            true,
+        ),
+    );
     e(1100, Some(1), EventKind::Phase(TurnPhase::Done));
     e(
         1100,
@@ -112,6 +146,11 @@ fn feed(m: &Metrics) {
             failure: Some(TurnFailure::BudgetExceeded),
             warm: false,
         },
+    );
+    e(
+        1200,
+        Some(2),
+        facts(0, &[], Some(TurnFailure::BudgetExceeded), false),
     );
     e(1300, None, EventKind::Warm(WarmEvent::Prepared));
     e(
@@ -234,7 +273,11 @@ fn gauges_rise_and_fall_with_the_events() {
             warm: false,
         },
     ));
-    m.record(&event(t, Some(7), EventKind::Phase(TurnPhase::Done)));
+    m.record(&event(
+        t,
+        Some(7),
+        facts(5, &[(TurnPhase::ContainerRunning, 5)], None, false),
+    ));
     assert_eq!(m.sample("roundtable_queue_depth"), Some(0.0));
     assert_eq!(m.sample("roundtable_containers_running"), Some(0.0));
 }

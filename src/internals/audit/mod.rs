@@ -16,9 +16,10 @@
 //! C1, bidi overrides, line separators, any non-ASCII letter) is a `\uXXXX` escape, so a
 //! `tail` of the file cannot be steered by a guest's speaker id.
 //!
-//! **Appending.** The events of a turn are gathered in memory (a short lock, one of 16 by
-//! turn number, on the thread that emits them); at its last event the turn is handed to one writer thread per runtime
-//! through a bounded queue (`try_send`: a turn never waits for it). The writer makes the
+//! **Appending.** A turn's line is made from its one [`EventKind::Facts`], which carries the
+//! turn's whole [`TurnRecord`](crate::events::TurnRecord) as the turn runner kept it (no
+//! event is gathered here, no state is kept per turn): it is handed to one writer thread
+//! per runtime through a bounded queue (`try_send`: a turn never waits for it). The writer makes the
 //! line and appends it with one `write` under `flock(LOCK_EX)` on a descriptor opened
 //! `O_APPEND`: one writer in the process, and the lock for any other process appending to
 //! the same file, so lines are never interleaved. A write that fails part way (a full
@@ -32,7 +33,6 @@
 #[cfg(any(feature = "cli", feature = "testing"))]
 pub mod summary;
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::events::{BrokerEvent, Event, EventKind, Refusal, TurnFacts, WarmEvent};
+use crate::events::{BrokerEvent, Event, EventKind, Refusal, TurnFacts};
 use crate::turn::kinds::{TurnFailure, TurnPhase};
 
 pub use crate::config::AuditSettings;
@@ -76,13 +76,6 @@ pub struct AuditStats {
 
 /// Turns queued for the writer at most; past it a turn's line is dropped (counted).
 const QUEUE: usize = 4096;
-/// A turn's refusals kept in its line; the rest are counted (`refusals_omitted`).
-const MAX_REFUSALS_KEPT: usize = 64;
-/// Turns gathered at most (a turn that never ends is written, incomplete, past it).
-const MAX_PENDING: usize = 10_000;
-/// The gathered turns are spread over this many locks by turn number: a model call's event
-/// of one turn does not wait for, nor pull to its core, the lock of every other turn.
-const SHARDS: usize = 16;
 /// At most one warning per this long.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
@@ -132,12 +125,10 @@ pub fn turn_events(
     )
 }
 
-/// The audit trail of a runtime: the turns' events gathered, and the writer thread.
+/// The audit trail of a runtime: the writer thread and its queue.
 pub struct AuditTrail {
     path: PathBuf,
     include_text: bool,
-    /// By turn number ([`SHARDS`]); a message refused before it was a turn goes to the first.
-    gathered: [Mutex<Gathered>; SHARDS],
     queue: mpsc::SyncSender<Message>,
     counters: Arc<Counters>,
 }
@@ -156,56 +147,11 @@ enum Message {
     Flush(mpsc::Sender<()>),
 }
 
-#[derive(Default)]
-struct Gathered {
-    turns: crate::events::TurnMap<Pending>,
-    /// A refused message's facts, by channel, until its `Ended` (the same thread, next).
-    refused: HashMap<Arc<str>, Box<TurnFacts>>,
-}
-
-/// One turn's events so far.
-struct Pending {
-    channel: Option<Arc<str>>,
-    admitted: Option<Instant>,
-    first: Instant,
-    phases: Vec<(TurnPhase, Instant)>,
-    slot_wait: Option<Duration>,
-    model_calls: Vec<ModelCallLine>,
-    tool_calls: Vec<ToolCallLine>,
-    refusals: Vec<RefusalLine>,
-    /// Refusals past [`MAX_REFUSALS_KEPT`], counted only.
-    refusals_omitted: u64,
-    ended: Option<Option<TurnFailure>>,
-    warm: bool,
-    fell_back: bool,
-    facts: Option<Box<TurnFacts>>,
-}
-
-impl Pending {
-    fn new(at: Instant, channel: Option<Arc<str>>) -> Self {
-        Self {
-            channel,
-            admitted: None,
-            first: at,
-            phases: Vec::new(),
-            slot_wait: None,
-            model_calls: Vec::new(),
-            tool_calls: Vec::new(),
-            refusals: Vec::new(),
-            refusals_omitted: 0,
-            ended: None,
-            warm: false,
-            fell_back: false,
-            facts: None,
-        }
-    }
-}
-
 /// A turn handed to the writer.
 struct Finished {
     turn: Option<u64>,
-    pending: Pending,
-    at: Instant,
+    channel: Option<Arc<str>>,
+    facts: Box<TurnFacts>,
     wall: chrono::DateTime<chrono::Utc>,
 }
 
@@ -239,7 +185,6 @@ impl AuditTrail {
         Ok(Arc::new(Self {
             path: path.to_owned(),
             include_text,
-            gathered: std::array::from_fn(|_| Mutex::default()),
             queue,
             counters,
         }))
@@ -269,118 +214,21 @@ impl AuditTrail {
         rx.recv_timeout(within).is_ok()
     }
 
-    /// One event of the runtime (called by the event hub, on the emitting thread: a short
-    /// lock, no I/O).
+    /// One event of the runtime (called by the event hub, on the emitting thread: no lock,
+    /// no I/O). A turn's or a refused message's `Facts` is its line; nothing else is kept.
     pub(crate) fn observe(&self, event: &Event) {
-        // A model or tool call's phase mark adds nothing to the line (the call's own event
-        // does): not even the lock is taken for it (it comes on the broker's hot path).
-        if matches!(
-            event.kind,
-            EventKind::Phase(TurnPhase::ModelCall | TurnPhase::ToolCall)
-        ) {
-            return;
-        }
-        let shard = event.turn.map_or(0, |n| n as usize % SHARDS);
-        let mut g = self.gathered[shard]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let Some(number) = event.turn else {
-            // A message refused before it became a turn: its facts, then its end.
-            match (&event.kind, &event.channel) {
-                (EventKind::Facts(facts), Some(channel))
-                    if g.refused.len() < MAX_PENDING / SHARDS =>
-                {
-                    g.refused.insert(channel.clone(), facts.clone());
-                }
-                (EventKind::Ended { failure, warm }, channel) => {
-                    let mut pending = Pending::new(event.at, channel.clone());
-                    pending.ended = Some(*failure);
-                    pending.warm = *warm;
-                    pending.facts = channel.as_ref().and_then(|c| g.refused.remove(&**c));
-                    drop(g);
-                    self.hand(None, pending, event.at);
-                }
-                _ => {}
-            }
-            return;
-        };
-        if !g.turns.contains_key(&number) && g.turns.len() >= MAX_PENDING / SHARDS {
-            // A turn that never ended: written as it is, to bound the memory.
-            if let Some(oldest) = g.turns.keys().min().copied() {
-                let pending = g.turns.remove(&oldest).expect("present");
-                self.hand(Some(oldest), pending, event.at);
-            }
-        }
-        let p = g
-            .turns
-            .entry(number)
-            .or_insert_with(|| Pending::new(event.at, event.channel.clone()));
-        match &event.kind {
-            EventKind::Admitted => p.admitted = Some(event.at),
-            EventKind::WaitedForSlot { waited } => p.slot_wait = Some(*waited),
-            EventKind::Phase(phase) => p.phases.push((*phase, event.at)),
-            EventKind::Ended { failure, warm } => {
-                p.ended = Some(*failure);
-                p.warm = *warm;
-            }
-            EventKind::Warm(WarmEvent::FellBack { .. }) => p.fell_back = true,
-            EventKind::Facts(facts) => p.facts = Some(facts.clone()),
-            EventKind::Broker(BrokerEvent::ModelCall {
-                operation,
-                status,
-                latency,
-                usage,
-            }) => p.model_calls.push(ModelCallLine {
-                operation: std::borrow::Cow::Borrowed(operation.key()),
-                status: *status,
-                latency_ms: ms(*latency),
-                prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
-                completion_tokens: usage.as_ref().and_then(|u| u.completion_tokens),
-            }),
-            EventKind::Broker(BrokerEvent::ToolCall {
-                name,
-                mcp,
-                ok,
-                latency,
-            }) => p.tool_calls.push(ToolCallLine {
-                name: name.clone(),
-                mcp: *mcp,
-                ok: *ok,
-                latency_ms: ms(*latency),
-            }),
-            EventKind::Broker(BrokerEvent::Refused { .. })
-                if p.refusals.len() >= MAX_REFUSALS_KEPT =>
-            {
-                p.refusals_omitted += 1;
-            }
-            EventKind::Broker(BrokerEvent::Refused { status, limit }) => {
-                let (limit, budget) = match limit {
-                    Refusal::Budget(b) => ("budget".to_owned(), Some(b.key().to_owned())),
-                    other => (snake(other), None),
-                };
-                p.refusals.push(RefusalLine {
-                    status: *status,
-                    limit,
-                    budget,
-                })
-            }
-            _ => {}
-        }
-        if matches!(event.kind, EventKind::Phase(TurnPhase::Done)) {
-            let pending = g.turns.remove(&number).expect("present");
-            drop(g);
-            self.hand(Some(number), pending, event.at);
+        if let EventKind::Facts(facts) = &event.kind {
+            self.hand(Box::new(Finished {
+                turn: event.turn,
+                channel: event.channel.clone(),
+                facts: facts.clone(),
+                wall: chrono::Utc::now(),
+            }));
         }
     }
 
     /// Hands a turn to the writer without waiting: a full queue drops it (counted).
-    fn hand(&self, turn: Option<u64>, pending: Pending, at: Instant) {
-        let finished = Box::new(Finished {
-            turn,
-            pending,
-            at,
-            wall: chrono::Utc::now(),
-        });
+    fn hand(&self, finished: Box<Finished>) {
         if self.queue.try_send(Message::Turn(finished)).is_ok() {
             return;
         }
@@ -522,7 +370,8 @@ pub(crate) struct Line {
     pub(crate) tool_calls: Vec<ToolCallLine>,
     #[serde(default)]
     pub(crate) refusals: Vec<RefusalLine>,
-    /// Refusals past the first [`MAX_REFUSALS_KEPT`] (a guest's flood), counted only.
+    /// Refusals past the first [`TurnRecord::MAX_REFUSALS`](crate::events::TurnRecord::MAX_REFUSALS)
+    /// (a guest's flood), counted only.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub(crate) refusals_omitted: u64,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -629,18 +478,17 @@ pub(crate) fn snake(value: &impl std::fmt::Debug) -> String {
 
 /// The line of a finished turn.
 fn line(f: Finished, include_text: bool) -> Line {
-    let p = f.pending;
-    let start = p.admitted.unwrap_or(p.first);
-    let wall = f.wall
-        - chrono::Duration::from_std(f.at.saturating_duration_since(start)).unwrap_or_default();
+    let facts = f.facts;
+    let r = &facts.record;
+    let total = r.total.unwrap_or_default();
+    let wall = f.wall - chrono::Duration::from_std(total).unwrap_or_default();
     let mut durations = Durations {
-        total: ms(f.at.saturating_duration_since(start)),
-        slot_wait: p.slot_wait.map(ms),
+        total: ms(total),
+        slot_wait: r.slot_wait.map(ms),
         ..Default::default()
     };
-    for pair in p.phases.windows(2) {
-        let ((phase, from), (_, to)) = (pair[0], pair[1]);
-        let d = Some(ms(to.saturating_duration_since(from)));
+    for (phase, took) in &r.phases {
+        let d = Some(ms(*took));
         match phase {
             TurnPhase::Preparing => durations.preparing = d,
             TurnPhase::BrokerListening => durations.broker_listening = d,
@@ -650,44 +498,82 @@ fn line(f: Finished, include_text: bool) -> Line {
             _ => {}
         }
     }
-    let launched = p
-        .phases
-        .iter()
-        .any(|(phase, _)| *phase == TurnPhase::ContainerRunning);
-    let launch = match (p.warm, launched) {
+    let launch = match (r.warm, r.ran()) {
         (true, _) => "warm",
         (false, true) => "cold",
         (false, false) => "none",
     };
-    let (outcome, explained) = match p.ended {
+    let (outcome, explained) = match r.ended {
         None => ("unknown".to_owned(), Some("the turn's end was not seen")),
         Some(None) => ("ok".to_owned(), None),
         Some(Some(failure)) => (snake(&failure), Some(explain(failure))),
     };
-    let facts = p.facts.as_deref();
-    let channel = p.channel.as_deref().map(str::to_owned);
-    let usage = facts.map(|f| f.usage).unwrap_or_default();
-    let text = facts.and_then(|f| f.text.as_ref()).filter(|_| include_text);
+    let (mut model_calls, mut tool_calls) = (Vec::new(), Vec::new());
+    for call in &r.calls {
+        match call {
+            BrokerEvent::ModelCall {
+                operation,
+                status,
+                latency,
+                usage,
+            } => model_calls.push(ModelCallLine {
+                operation: std::borrow::Cow::Borrowed(operation.key()),
+                status: *status,
+                latency_ms: ms(*latency),
+                prompt_tokens: usage.as_ref().and_then(|u| u.prompt_tokens),
+                completion_tokens: usage.as_ref().and_then(|u| u.completion_tokens),
+            }),
+            BrokerEvent::ToolCall {
+                name,
+                mcp,
+                ok,
+                latency,
+            } => tool_calls.push(ToolCallLine {
+                name: name.clone(),
+                mcp: *mcp,
+                ok: *ok,
+                latency_ms: ms(*latency),
+            }),
+            _ => {}
+        }
+    }
+    let refusals = r
+        .refusals
+        .iter()
+        .map(|(status, limit)| {
+            let (limit, budget) = match limit {
+                Refusal::Budget(b) => ("budget".to_owned(), Some(b.key().to_owned())),
+                other => (snake(other), None),
+            };
+            RefusalLine {
+                status: *status,
+                limit,
+                budget,
+            }
+        })
+        .collect();
+    let usage = facts.usage;
+    let text = facts.text.as_ref().filter(|_| include_text);
     Line {
         v: 1,
         at: wall.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
         turn: f.turn,
-        channel,
-        speaker: facts.map(|f| f.speaker.clone()),
+        channel: f.channel.as_deref().map(str::to_owned),
+        speaker: Some(facts.speaker.clone()),
         launch: launch.to_owned(),
         outcome,
         explain: explained.map(str::to_owned),
-        budget: facts.and_then(|f| f.budget.as_ref()).map(|b| BudgetLine {
+        budget: facts.budget.as_ref().map(|b| BudgetLine {
             name: b.budget.key().to_owned(),
             limit: b.limit,
             message: b.message.clone(),
         }),
         duration_ms: durations,
-        model_calls: p.model_calls,
-        tool_calls: p.tool_calls,
-        refusals: p.refusals,
-        refusals_omitted: p.refusals_omitted,
-        warm_fallback: p.fell_back,
+        model_calls,
+        tool_calls,
+        refusals,
+        refusals_omitted: r.refusals_omitted,
+        warm_fallback: r.fell_back,
         usage: UsageLine {
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
@@ -695,9 +581,9 @@ fn line(f: Finished, include_text: bool) -> Line {
             tool_calls: usage.tool_calls,
             estimated: usage.estimated,
         },
-        bytes_in: facts.map(|f| f.bytes_in),
-        bytes_out: facts.map(|f| f.bytes_out),
-        workspace_bytes: facts.and_then(|f| f.workspace_bytes),
+        bytes_in: Some(facts.bytes_in),
+        bytes_out: Some(facts.bytes_out),
+        workspace_bytes: facts.workspace_bytes,
         text: text.map(|t| t.message.clone()),
         reply: text.map(|t| t.reply.clone()),
     }
@@ -764,69 +650,56 @@ mod tests {
         assert_eq!(back["speaker"], speaker);
     }
 
-    /// Turns that never end do not grow the gathered turns without bound: past
-    /// `MAX_PENDING` (spread over the shards) the oldest of a shard is written as it is.
-    #[test]
-    fn turns_that_never_end_are_written_past_the_bound() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("audit.jsonl");
-        let trail = AuditTrail::open(&path, false).unwrap();
-        let extra = SHARDS as u64;
-        for n in 1..=MAX_PENDING as u64 + extra {
-            trail.observe(&Event {
-                at: Instant::now(),
-                turn: Some(n),
-                channel: Some("0123456789abcdef".into()),
-                kind: EventKind::Admitted,
-            });
-        }
-        assert!(trail.flush(Duration::from_secs(10)));
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut written: Vec<u64> = text
-            .lines()
-            .map(|l| serde_json::from_str::<Line>(l).unwrap().turn.unwrap())
-            .collect();
-        written.sort_unstable();
-        assert_eq!(written, (1..=extra).collect::<Vec<_>>());
-        let gathered: usize = trail
-            .gathered
-            .iter()
-            .map(|g| g.lock().unwrap().turns.len())
-            .sum();
-        assert_eq!(gathered, MAX_PENDING);
-    }
-
     /// A guest can make the broker refuse it as fast as it can send (unknown routes,
-    /// spent caps): a turn's line keeps its first refusals and counts the rest, so neither
-    /// the gathered turn nor its line grows with the flood.
+    /// spent caps): a turn's record keeps its first refusals and counts the rest, so
+    /// neither the record nor its line grows with the flood; and the line is made from the
+    /// turn's `Facts` alone (the trail keeps nothing per turn: the other events write
+    /// nothing).
     #[test]
     fn a_flood_of_refusals_is_kept_bounded_and_counted() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("audit.jsonl");
         let trail = AuditTrail::open(&path, false).unwrap();
-        let event = |kind| Event {
-            at: Instant::now(),
-            turn: Some(1),
-            channel: Some("0123456789abcdef".into()),
-            kind,
-        };
-        trail.observe(&event(EventKind::Admitted));
+        let hub = Arc::new(crate::events::EventHub::new(
+            None,
+            Some(trail.clone() as Arc<dyn crate::events::EventSink>),
+        ));
+        let events = crate::events::TurnEvents::new(hub, 1, crate::ChannelId::new("#flood"));
+        let admitted = Instant::now();
+        events.emit(EventKind::Phase(TurnPhase::Preparing));
         for _ in 0..10_000 {
-            trail.observe(&event(EventKind::Broker(BrokerEvent::Refused {
+            events.emit(EventKind::Broker(BrokerEvent::Refused {
                 status: 404,
                 limit: Refusal::UnknownRoute,
-            })));
+            }));
         }
-        trail.observe(&event(EventKind::Phase(TurnPhase::Done)));
+        events.emit(EventKind::Ended {
+            failure: None,
+            warm: false,
+        });
+        assert!(trail.flush(Duration::from_secs(10)));
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "",
+            "no line before its facts"
+        );
+        let record = events.record(admitted, None);
+        assert_eq!(
+            record.refusals.len(),
+            crate::events::TurnRecord::MAX_REFUSALS
+        );
+        events.emit(EventKind::Facts(Box::new(TurnFacts::refused(
+            "ann", "hi", record,
+        ))));
         assert!(trail.flush(Duration::from_secs(10)));
         let text = std::fs::read_to_string(&path).unwrap();
         assert!(text.len() < 16 * 1024, "a line of {} bytes", text.len());
         let line: serde_json::Value = serde_json::from_str(text.trim_end()).unwrap();
-        assert_eq!(
-            line["refusals"].as_array().unwrap().len(),
-            MAX_REFUSALS_KEPT
-        );
-        assert_eq!(line["refusals_omitted"], 10_000 - MAX_REFUSALS_KEPT as u64);
+        let kept = crate::events::TurnRecord::MAX_REFUSALS;
+        assert_eq!(line["refusals"].as_array().unwrap().len(), kept);
+        assert_eq!(line["refusals_omitted"], 10_000 - kept as u64);
+        assert_eq!(line["outcome"], "ok");
+        assert!(line["duration_ms"]["preparing"].as_f64().is_some());
     }
 
     #[test]

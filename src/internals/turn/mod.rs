@@ -32,7 +32,7 @@ mod prepared;
 pub(crate) mod resources;
 
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use roundtable_sandbox_protocol::{Reply, Speaker, Turn};
 use tokio_util::sync::CancellationToken;
@@ -91,9 +91,11 @@ impl TurnRequest {
 #[derive(Debug)]
 pub struct AdmittedTurn {
     request: TurnRequest,
+    admitted: Instant,
     deadline: Instant,
     number: u64,
     stopped_for: Option<Arc<OnceLock<TurnFailure>>>,
+    slot_wait: Option<Duration>,
 }
 
 impl AdmittedTurn {
@@ -115,6 +117,17 @@ impl AdmittedTurn {
         self.deadline
     }
 
+    /// When it was admitted.
+    pub fn admitted(&self) -> Instant {
+        self.admitted
+    }
+
+    /// The caller waited this long for a container slot before running it (the actor
+    /// layer's): it goes into the turn's record ([`crate::events::TurnRecord::slot_wait`]).
+    pub fn waited_for_slot(&mut self, waited: Duration) {
+        self.slot_wait = Some(waited);
+    }
+
     /// What was asked.
     pub fn request(&self) -> &TurnRequest {
         &self.request
@@ -129,9 +142,11 @@ pub(crate) fn admit(sandbox: &Sandbox, request: TurnRequest) -> AdmittedTurn {
     sandbox.emit(Some(number), Some(&request.channel), EventKind::Admitted);
     AdmittedTurn {
         deadline: admitted + sandbox.config().turn_timeout,
+        admitted,
         request,
         number,
         stopped_for: None,
+        slot_wait: None,
     }
 }
 
@@ -164,6 +179,8 @@ pub(crate) async fn run(
         sandbox,
         request: &turn.request,
         deadline: turn.deadline,
+        admitted: turn.admitted,
+        slot_wait: turn.slot_wait,
         events,
         stopped_for: turn.stopped_for.clone(),
         cancel: turn.request.stop.child_token(),
@@ -184,6 +201,9 @@ pub(crate) async fn run(
 /// with it).
 struct Run<'a> {
     sandbox: &'a Sandbox,
+    /// When the turn was admitted, and how long it waited for a slot (its record's).
+    admitted: Instant,
+    slot_wait: Option<Duration>,
     request: &'a TurnRequest,
     deadline: Instant,
     events: TurnEvents,
@@ -296,6 +316,7 @@ impl Run<'_> {
                         message: self.request.text.clone(),
                         reply: reply_text.to_owned(),
                     }),
+                record: self.events.record(self.admitted, self.slot_wait),
             })));
         self.phase(TurnPhase::Done);
         reply
