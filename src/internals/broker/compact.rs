@@ -47,7 +47,6 @@ use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqA
 use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
 use super::http::holding;
 use super::http::{json_response, Response, Turn};
-use super::redact::Secrets;
 use super::{BrokerError, BrokerPolicy};
 use crate::config::model::chat_url;
 use crate::config::ApiKey;
@@ -321,8 +320,6 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
     let compactor = &broker.compactor;
     let tokens_before = request.tokens_before;
     let mut usage = Usage::default();
-    // Every key the answer could echo, redacted from whatever is returned.
-    let mut keys: Vec<SecretString> = Vec::new();
     let mut outcome: Option<(String, CompactSource)> = None;
 
     // The summarizer (when configured), then the main model: each step with its upstream
@@ -352,7 +349,6 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
         };
         let attempt = match key {
             Ok(key) => {
-                keys.extend(key.clone());
                 let key = key.as_ref();
                 call(turn, request, who, url, model, key, timeout, &mut usage).await
             }
@@ -371,9 +367,8 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
 
     let (summary, source) =
         outcome.unwrap_or_else(|| (plain_summary(request), CompactSource::Plain));
-    let mut secrets = broker.policy.secret_strings();
-    secrets.extend(keys.iter().map(|k| k.expose_secret().to_owned()));
-    let summary = Secrets::new(secrets).redact(&summary);
+    // The broker's set: the keys just used are in it (a provider's new key rebuilt it).
+    let summary = broker.secrets().redact(&summary);
     tracing::info!(
         channel = %channel,
         source = ?source,

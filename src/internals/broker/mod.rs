@@ -168,6 +168,12 @@ impl fmt::Debug for Broker {
 }
 
 impl Broker {
+    /// Every declared secret now, to redact from what the guest is sent (built once; again
+    /// only when a key provider hands out a new key).
+    pub(crate) fn secrets(&self) -> redact::Secrets {
+        self.upstream.secrets(&self.policy)
+    }
+
     /// Validates the policy and prepares the shared parts: the upstream client, the
     /// compiled host-tool schemas, and every MCP server (started, listed, its allow-listed
     /// tools checked and pinned). For a broker driven alone (this workspace's tests, the

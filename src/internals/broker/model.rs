@@ -28,7 +28,7 @@ use serde_json::value::RawValue;
 
 use super::bounded::{self, read_body, read_prefix, ReadError};
 use super::http::{error_response, Response};
-use super::redact::{Redactor, Secrets};
+use super::redact::{Redactor, SecretSet, Secrets};
 use super::usage::{answer_usage, UsageShape, UsageWire};
 use super::{BrokerError, BrokerPolicy};
 use crate::budgets::{estimate_tokens, CallCharge};
@@ -258,6 +258,8 @@ pub(crate) struct Upstream {
     url: reqwest::Url,
     key: ApiKey,
     limits: BrokerLimits,
+    /// The broker's secrets, built once (see [`SecretSet`]).
+    secrets: SecretSet,
 }
 
 impl Upstream {
@@ -267,7 +269,13 @@ impl Upstream {
             url: chat_url(&policy.model_url, policy.allow_http)?,
             key: policy.api_key.clone(),
             limits: policy.limits,
+            secrets: SecretSet::new(policy),
         })
+    }
+
+    /// Every declared secret of `policy` now (see [`SecretSet`]).
+    pub(crate) fn secrets(&self, policy: &BrokerPolicy) -> Secrets {
+        self.secrets.get(policy)
     }
 
     /// Forwards one chat completion ([`prepare`]d). Every secret of `policy` (the key just
@@ -307,9 +315,8 @@ impl Upstream {
             }
         };
         let key_str = key.as_ref().map(|k| k.expose_secret());
-        let mut secrets = policy.secret_strings();
-        secrets.extend(key_str.map(str::to_owned));
-        let secrets = Secrets::new(secrets);
+        // Taken after the key: a provider's new key is in the set.
+        let secrets = self.secrets(policy);
         let mut request = self
             .client
             .post(self.url.clone())

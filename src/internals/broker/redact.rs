@@ -10,14 +10,53 @@
 //!   on every error path it is dropped ([`Redactor::abandon`]): it may be a piece of a
 //!   secret, and no piece of one ever leaves.
 
+use std::sync::Mutex;
+
 use memchr::memmem;
+
+use super::BrokerPolicy;
+
+/// A broker's secrets, built once from its policy ([`BrokerPolicy::secret_strings`]) and
+/// built again only when a key provider (the model's or the summarizer's) has handed out a
+/// key it had not seen: every model call, tool result and summary takes the set as it is.
+pub(crate) struct SecretSet {
+    built: Mutex<(u64, Secrets)>,
+}
+
+impl SecretSet {
+    /// The set of `policy` as it is now.
+    pub(crate) fn new(policy: &BrokerPolicy) -> Self {
+        Self {
+            built: Mutex::new((generation(policy), Secrets::new(policy.secret_strings()))),
+        }
+    }
+
+    /// The secrets to redact now (a provider's new keys included).
+    pub(crate) fn get(&self, policy: &BrokerPolicy) -> Secrets {
+        let now = generation(policy);
+        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        if built.0 != now {
+            *built = (now, Secrets::new(policy.secret_strings()));
+        }
+        built.1.clone()
+    }
+}
+
+/// How many keys the policy's providers have handed out so far.
+fn generation(policy: &BrokerPolicy) -> u64 {
+    let summarizer = policy
+        .compaction
+        .as_ref()
+        .map_or(0, |c| c.api_key.generation());
+    policy.api_key.generation().wrapping_add(summarizer)
+}
 
 /// What replaces a secret.
 pub(crate) const REDACTED: &str = "[redacted]";
 
-/// Secrets to redact; empty ones are ignored.
+/// Secrets to redact; empty ones are ignored. Cheap to clone (shared).
 #[derive(Clone, Default)]
-pub(crate) struct Secrets(Vec<Vec<u8>>);
+pub(crate) struct Secrets(std::sync::Arc<[Vec<u8>]>);
 
 impl Secrets {
     /// The non-empty, distinct secrets, longest first (a secret that contains another is
@@ -30,7 +69,7 @@ impl Secrets {
             .collect();
         v.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
         v.dedup();
-        Self(v)
+        Self(v.into())
     }
 
     /// The length of the longest secret (0 for none).
@@ -46,7 +85,7 @@ impl Secrets {
     /// the longest secret wins.
     fn find(&self, hay: &[u8]) -> Option<(usize, usize)> {
         let mut best: Option<(usize, usize)> = None;
-        for s in &self.0 {
+        for s in self.0.iter() {
             let limit = best.map_or(hay.len(), |(p, _)| (p + s.len()).min(hay.len()));
             if let Some(pos) = memmem::find(&hay[..limit], s) {
                 if best.is_none_or(|(p, _)| pos < p) {
@@ -98,7 +137,7 @@ impl Secrets {
     /// The length of the longest tail of `bytes` that is a proper prefix of a secret.
     fn held_tail(&self, bytes: &[u8]) -> usize {
         let mut hold = 0;
-        for s in &self.0 {
+        for s in self.0.iter() {
             let max = (s.len() - 1).min(bytes.len());
             if let Some(n) = (hold + 1..=max).rev().find(|&n| bytes.ends_with(&s[..n])) {
                 hold = n;

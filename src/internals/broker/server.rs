@@ -536,21 +536,14 @@ async fn tool_call(
             tracing::debug!(tool = name, "host tool call");
             turn.broker
                 .tools
-                .call(name, object, &turn.ctx, &turn.stop, &turn.broker.policy)
+                .call(name, object, &turn.ctx, &turn.stop, &turn.broker)
                 .await
         }
         Route::Mcp(server, tool) => {
             tracing::debug!(server, tool, "MCP tool call");
             turn.broker
                 .mcp
-                .call(
-                    server,
-                    tool,
-                    object,
-                    &turn.ctx,
-                    &turn.stop,
-                    &turn.broker.policy,
-                )
+                .call(server, tool, object, &turn.ctx, &turn.stop, &turn.broker)
                 .await
         }
     }

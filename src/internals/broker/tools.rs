@@ -20,8 +20,7 @@ use roundtable_sandbox_protocol::ToolCallResult;
 use tokio_util::sync::CancellationToken;
 
 use super::http::{error_response, failure, json_response, refuse, Response};
-use super::redact::Secrets;
-use super::{BoxFuture, BrokerError, BrokerPolicy, TurnContext};
+use super::{BoxFuture, Broker, BrokerError, TurnContext};
 use crate::config::PolicyError;
 use crate::events::Refusal;
 use crate::Speaker;
@@ -92,9 +91,9 @@ pub(crate) fn check_args(
 
 /// A tool result for the guest: `ok` with content (capped, every declared secret of the
 /// policy redacted) or a readable error (cut after redaction, so no piece of one shows).
-pub(crate) fn tool_result(result: Result<String, String>, policy: &BrokerPolicy) -> Response {
-    let secrets = Secrets::new(policy.secret_strings());
-    let cap = policy.limits.max_response_bytes;
+pub(crate) fn tool_result(result: Result<String, String>, broker: &Broker) -> Response {
+    let secrets = broker.secrets();
+    let cap = broker.policy.limits.max_response_bytes;
     let body = match result {
         Ok(content) if content.len() > cap => ToolCallResult {
             ok: false,
@@ -144,7 +143,7 @@ impl HostTools {
         args: serde_json::Map<String, serde_json::Value>,
         ctx: &TurnContext,
         stop: &CancellationToken,
-        policy: &BrokerPolicy,
+        broker: &Broker,
     ) -> Response {
         let Some((tool, validator)) = self.tools.get(name) else {
             return error_response(StatusCode::NOT_FOUND, &format!("unknown tool: {name}"));
@@ -161,7 +160,7 @@ impl HostTools {
             speaker: ctx.speaker.clone(),
             cancel: cancel.clone(),
         };
-        let timeout = policy.limits.call_timeout;
+        let timeout = broker.policy.limits.call_timeout;
         let call = AssertUnwindSafe(tool.call(args, call_ctx)).catch_unwind();
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, call) => r,
@@ -179,9 +178,9 @@ impl HostTools {
             }
             Ok(Err(_panic)) => {
                 tracing::warn!(tool = name, "host tool panicked");
-                tool_result(Err("the tool failed".into()), policy)
+                tool_result(Err("the tool failed".into()), broker)
             }
-            Ok(Ok(result)) => tool_result(result, policy),
+            Ok(Ok(result)) => tool_result(result, broker),
         }
     }
 }

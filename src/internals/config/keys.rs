@@ -45,6 +45,9 @@ const PROVIDED_KEYS_KEPT: usize = 8;
 pub struct ProvidedKey {
     provider: Box<dyn ApiKeyProvider>,
     seen: std::sync::Mutex<Vec<SecretString>>,
+    /// Keys handed out that had not been seen: the broker's redaction set is built again
+    /// when it moves.
+    new_keys: std::sync::atomic::AtomicU64,
 }
 
 impl ProvidedKey {
@@ -60,6 +63,8 @@ impl ProvidedKey {
                     seen.remove(0);
                 }
                 seen.push(SecretString::from(key.expose_secret().to_owned()));
+                self.new_keys
+                    .fetch_add(1, std::sync::atomic::Ordering::Release);
             }
         }
         Ok(key)
@@ -82,6 +87,7 @@ impl ApiKey {
         ApiKey::Provider(Arc::new(ProvidedKey {
             provider: Box::new(provider),
             seen: std::sync::Mutex::new(Vec::new()),
+            new_keys: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -103,6 +109,14 @@ impl ApiKey {
             }
             ApiKey::Provider(p) => p.seen(),
             _ => Vec::new(),
+        }
+    }
+
+    /// How many new keys a provider has handed out (0 for a static key or none).
+    pub(crate) fn generation(&self) -> u64 {
+        match self {
+            ApiKey::Provider(p) => p.new_keys.load(std::sync::atomic::Ordering::Acquire),
+            _ => 0,
         }
     }
 

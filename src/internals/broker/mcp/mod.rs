@@ -44,7 +44,7 @@ use self::wire::AnswerError;
 use super::bounded::Caps;
 use super::http::{error_response, failure, refuse, Response};
 use super::tools::{check_args, compile_schema, tool_result};
-use super::{BrokerError, BrokerPolicy, TurnContext};
+use super::{BrokerError, TurnContext};
 use crate::config::{McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT};
 use crate::driver::DockerDriver;
 use crate::events::Refusal;
@@ -349,7 +349,7 @@ impl McpPool {
         args: serde_json::Map<String, serde_json::Value>,
         ctx: &TurnContext,
         stop: &CancellationToken,
-        policy: &BrokerPolicy,
+        broker: &super::Broker,
     ) -> Response {
         let Some((srv, pin)) = self
             .servers
@@ -379,7 +379,7 @@ impl McpPool {
             McpScope::Shared => String::new(),
             McpScope::Channel => segment,
         };
-        let timeout = policy.limits.call_timeout;
+        let timeout = broker.policy.limits.call_timeout;
         // The session the call runs in, once known: a call that does not finish (its
         // deadline, the turn's stop, the connection dropped) ends it, so no work outlives it.
         let slot: std::sync::Mutex<Option<Arc<Session>>> = Default::default();
@@ -467,10 +467,10 @@ impl McpPool {
                         refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
                     }
                     Err(CallError::Tool(msg)) => {
-                        tool_result(Err(format!("MCP error: {msg}")), policy)
+                        tool_result(Err(format!("MCP error: {msg}")), broker)
                     }
-                    Ok(result) if result.is_error => tool_result(Err(result.text), policy),
-                    Ok(result) => tool_result(Ok(result.text), policy),
+                    Ok(result) if result.is_error => tool_result(Err(result.text), broker),
+                    Ok(result) => tool_result(Ok(result.text), broker),
                 }
             }
         }
