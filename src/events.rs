@@ -238,7 +238,7 @@ pub enum WarmEvent {
 }
 
 /// What the broker did for a turn.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum BrokerEvent {
     /// A model call was answered (or failed upstream): the guest's chat completion, or
@@ -267,6 +267,9 @@ pub enum BrokerEvent {
         /// How long it took.
         latency: Duration,
     },
+    /// A web request through an egress route: sent, refused by a rule, or sent in a route's
+    /// `audit` mode past a rule that would have refused it.
+    Egress(Box<EgressCall>),
     /// The broker refused a request (every 4xx/5xx it answers itself).
     Refused {
         /// The status.
@@ -274,6 +277,58 @@ pub enum BrokerEvent {
         /// The limit or rule that refused.
         limit: Refusal,
     },
+}
+
+/// One egress request (see [`BrokerEvent::Egress`]): never a credential, a body or a query
+/// value.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct EgressCall {
+    /// The route (an operator's name).
+    pub route: String,
+    /// The method.
+    pub method: String,
+    /// The host asked for (guest-chosen within the route's rules: never a metric label).
+    pub host: String,
+    /// The path, with every query value left out.
+    pub path: String,
+    /// The upstream's status; 0 when nothing was sent (refused, or the connection failed).
+    pub status: u16,
+    /// Bytes sent (the path, the query and the body).
+    pub bytes_out: u64,
+    /// Bytes read (the body).
+    pub bytes_in: u64,
+    /// From the request to the answer's last byte.
+    pub latency: Duration,
+    /// What was decided.
+    pub decision: EgressDecision,
+    /// The rule that refused it (or would have, in `audit` mode).
+    pub rule: Option<String>,
+    /// The address connected to.
+    pub address: Option<std::net::IpAddr>,
+}
+
+/// What was decided of an egress request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EgressDecision {
+    /// Sent.
+    Allowed,
+    /// Refused by a rule (`403`).
+    Denied,
+    /// Sent in `audit` mode although a rule would have refused it.
+    AuditDenied,
+}
+
+impl EgressDecision {
+    /// A short name, fit for a metric label.
+    pub fn key(self) -> &'static str {
+        match self {
+            EgressDecision::Allowed => "allowed",
+            EgressDecision::Denied => "denied",
+            EgressDecision::AuditDenied => "audit_denied",
+        }
+    }
 }
 
 /// Which model call a [`BrokerEvent::ModelCall`] is. New kinds may come: match with a `_`
@@ -347,6 +402,8 @@ pub enum Refusal {
     /// A request head past the broker's cap (431), or a URI past hyper's (414): answered by
     /// hyper itself, seen when the connection ends.
     HeadBytes,
+    /// An egress route's per-turn caps (requests, bytes in or out: 429).
+    EgressCaps,
     /// Any other failure of the broker's own (500).
     Internal,
 }

@@ -202,7 +202,19 @@ impl Sandbox {
             Some(path) => Some(audit::AuditTrail::open(path, resolved.audit.include_text)?),
             None => None,
         };
-        let broker = broker::Broker::start(resolved.broker.clone()).await?;
+        let mut policy = resolved.broker.clone();
+        if !policy.egress.is_empty() && config.driver.is_none() {
+            // The engine's own networks join the egress deny set (best effort: a Docker
+            // engine that cannot be asked now has its default bridge in 172.16/12 anyway).
+            match DockerDriver::new(resolved.docker.clone()).network_subnets().await {
+                Ok(subnets) => {
+                    policy.engine_networks =
+                        subnets.iter().filter_map(|s| config::Cidr::parse(s)).collect()
+                }
+                Err(e) => tracing::warn!(error = %e, "list the engine's networks for the egress deny set"),
+            }
+        }
+        let broker = broker::Broker::start(policy).await?;
         let events = Arc::new(events::EventHub::new(
             config.observer.clone(),
             audit.clone().map(|a| a as Arc<dyn events::EventSink>),

@@ -100,6 +100,7 @@ pub fn refusal(limit: Refusal) -> &'static str {
         Refusal::Compaction => "compaction",
         Refusal::Budget(_) => "budget",
         Refusal::HeadBytes => "head_bytes",
+        Refusal::EgressCaps => "egress_caps",
         Refusal::Internal => "internal",
         _ => "other",
     }

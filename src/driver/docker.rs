@@ -248,7 +248,7 @@ impl DockerDriver {
         Ok(Some(source))
     }
 
-    async fn call<T>(
+    pub(crate) async fn call<T>(
         &self,
         op: &'static str,
         container: &str,

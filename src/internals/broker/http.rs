@@ -42,6 +42,8 @@ pub(super) struct Turn {
     pub(super) compacting: Arc<Semaphore>,
     /// The compactor's warn lines, rate-limited.
     pub(super) warnings: super::warn::Warnings,
+    /// What the turn has used of each egress route.
+    pub(super) egress: super::egress::TurnEgress,
 }
 
 /// A body of bytes.

@@ -54,6 +54,7 @@
 
 pub(crate) mod bounded;
 mod compact;
+pub(crate) mod egress;
 mod http;
 mod mcp;
 mod model;
@@ -120,6 +121,9 @@ pub enum BrokerError {
     /// The [`ApiKeyProvider`](crate::ApiKeyProvider) failed to give the key.
     #[error("api key provider failed: {0}")]
     ApiKey(String),
+    /// An egress route could not be prepared (its credential, its CA file, the resolver).
+    #[error("{0}")]
+    Egress(String),
 }
 
 /// One turn's view: who speaks in which channel, and the turn's cancellation.
@@ -157,6 +161,7 @@ pub struct Broker {
     compactor: compact::Compactor,
     tools: tools::HostTools,
     mcp: mcp::McpPool,
+    egress: egress::Egress,
 }
 
 impl fmt::Debug for Broker {
@@ -187,7 +192,12 @@ impl Broker {
     /// Prepares the shared parts of a broker whose policy was validated already (by
     /// [`crate::Config::resolve`], which built it): validated once.
     pub(crate) async fn start(policy: BrokerPolicy) -> Result<Self, BrokerError> {
-        let upstream = model::Upstream::new(&policy)?;
+        let egress = egress::Egress::new(
+            &policy.egress,
+            policy.egress_nameserver,
+            policy.engine_networks.clone(),
+        )?;
+        let upstream = model::Upstream::new(&policy, egress.secrets().collect())?;
         let compactor = compact::Compactor::new(&policy)?;
         let tools = tools::HostTools::new(&policy.tools)?;
         let mcp = mcp::McpPool::start(
@@ -202,7 +212,13 @@ impl Broker {
             compactor,
             tools,
             mcp,
+            egress,
         })
+    }
+
+    /// The egress routes, as a turn is told of them.
+    pub fn egress_specs(&self) -> Vec<roundtable_sandbox_protocol::egress::RouteSpec> {
+        self.egress.specs()
     }
 
     /// The tool specs handed to each turn: host tools, then the allow-listed MCP tools with

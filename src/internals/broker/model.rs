@@ -263,13 +263,15 @@ pub(crate) struct Upstream {
 }
 
 impl Upstream {
-    pub(crate) fn new(policy: &BrokerPolicy) -> Result<Self, BrokerError> {
+    /// The upstream of `policy`; `extra` are secrets the policy does not hold itself (the
+    /// egress routes' credentials, read when the broker starts).
+    pub(crate) fn new(policy: &BrokerPolicy, extra: Vec<String>) -> Result<Self, BrokerError> {
         Ok(Self {
             client: http_client(policy.limits.call_timeout.min(Duration::from_secs(10)))?,
             url: chat_url(&policy.model_url, policy.allow_http)?,
             key: policy.api_key.clone(),
             limits: policy.limits,
-            secrets: SecretSet::new(policy),
+            secrets: SecretSet::new(policy, extra),
         })
     }
 

@@ -10,8 +10,8 @@ use secrecy::ExposeSecret;
 
 use super::{HostTool, McpEngine};
 use crate::config::{
-    self, ApiKey, BrokerLimits, CompactionModel, McpServer, McpTransport, ModelRequestPolicy,
-    PolicyError,
+    self, ApiKey, BrokerLimits, Cidr, CompactionModel, EgressRoute, McpServer, McpTransport,
+    ModelRequestPolicy, PolicyError,
 };
 
 /// Everything the broker enforces.
@@ -43,6 +43,13 @@ pub struct BrokerPolicy {
     /// The engine and identity container-confined MCP servers run with; `None`: only
     /// http and `confine = "host"` servers can be started.
     pub mcp_engine: Option<McpEngine>,
+    /// The egress routes (`[[egress]]`).
+    pub egress: Vec<EgressRoute>,
+    /// The name server egress hosts are resolved with (`None`: the system's).
+    pub egress_nameserver: Option<std::net::SocketAddr>,
+    /// The container engine's own networks: never an egress address unless a route names
+    /// them (filled when the runtime starts).
+    pub engine_networks: Vec<Cidr>,
 }
 
 /// Words that mark an MCP server's env variable or header as a credential.
@@ -162,6 +169,7 @@ pub fn validate_policy(policy: &BrokerPolicy) -> Result<(), PolicyError> {
         }
         super::tools::compile_schema(name, &tool.parameters())?;
     }
+    config::egress::validate(&policy.egress)?;
     let mut servers = BTreeSet::new();
     for server in &policy.mcp {
         config::mcp::validate(server, policy.allow_http)?;

@@ -21,13 +21,17 @@ use super::BrokerPolicy;
 /// key it had not seen: every model call, tool result and summary takes the set as it is.
 pub(crate) struct SecretSet {
     built: Mutex<(u64, Secrets)>,
+    /// Secrets beyond the policy's own (the egress routes' credentials).
+    extra: Vec<String>,
 }
 
 impl SecretSet {
-    /// The set of `policy` as it is now.
-    pub(crate) fn new(policy: &BrokerPolicy) -> Self {
+    /// The set of `policy` as it is now, with `extra`.
+    pub(crate) fn new(policy: &BrokerPolicy, extra: Vec<String>) -> Self {
+        let built = Secrets::new(policy.secret_strings().into_iter().chain(extra.iter().cloned()));
         Self {
-            built: Mutex::new((generation(policy), Secrets::new(policy.secret_strings()))),
+            built: Mutex::new((generation(policy), built)),
+            extra,
         }
     }
 
@@ -36,7 +40,8 @@ impl SecretSet {
         let now = generation(policy);
         let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
         if built.0 != now {
-            *built = (now, Secrets::new(policy.secret_strings()));
+            let all = policy.secret_strings().into_iter().chain(self.extra.iter().cloned());
+            *built = (now, Secrets::new(all));
         }
         built.1.clone()
     }

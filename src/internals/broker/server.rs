@@ -126,6 +126,7 @@ pub(crate) async fn serve(
         in_flight,
         compacting: Arc::new(Semaphore::new(1)),
         warnings: super::warn::Warnings::new(&ctx_channel),
+        egress: Default::default(),
     });
     let mut connections = JoinSet::new();
     let mut closed = false;
@@ -299,6 +300,10 @@ fn route(path: &str) -> Option<Route<'_>> {
 async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let limits = turn.broker.policy.limits;
     let path = req.uri().path().to_owned();
+    if let Some(rest) = path.strip_prefix(paths::EGRESS_PREFIX) {
+        // Any method; its own caps, the calls-in-flight permit: see `egress::handle`.
+        return super::egress::handle(turn, req, rest).await;
+    }
     if path == paths::COMPACT {
         // Under the same caps (the calls-in-flight permit, the model calls) and its own
         // count: see `compact::handle`.

@@ -70,6 +70,10 @@ pub struct HostUsage {
     /// Some of the tokens are an estimate (an answer without `usage`: 1 token per 4 bytes
     /// of the request sent and of the answer).
     pub estimated: bool,
+    /// Bytes sent through egress routes (paths, queries and bodies).
+    pub egress_bytes_out: u64,
+    /// Bytes read through egress routes (bodies).
+    pub egress_bytes_in: u64,
 }
 
 impl HostUsage {
@@ -96,6 +100,8 @@ pub struct TurnAccount {
     model_calls: AtomicU32,
     tool_calls: AtomicU32,
     estimated: AtomicBool,
+    egress_out: AtomicU64,
+    egress_in: AtomicU64,
     refusal: Mutex<Option<BudgetRefusal>>,
     /// The turn's three counters in the book, resolved at its first call (read without a
     /// lock by every later call of that day: a turn's calls run on several threads at once).
@@ -117,6 +123,8 @@ impl TurnAccount {
             model_calls: AtomicU32::new(0),
             tool_calls: AtomicU32::new(0),
             estimated: AtomicBool::new(false),
+            egress_out: AtomicU64::new(0),
+            egress_in: AtomicU64::new(0),
             refusal: Mutex::new(None),
             first: std::sync::OnceLock::new(),
             later: Mutex::new(None),
@@ -131,6 +139,12 @@ impl TurnAccount {
     /// A host or MCP tool call is run.
     pub fn count_tool_call(&self) {
         self.tool_calls.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An egress request: bytes sent and read.
+    pub fn count_egress(&self, bytes_out: u64, bytes_in: u64) {
+        self.egress_out.fetch_add(bytes_out, Ordering::Relaxed);
+        self.egress_in.fetch_add(bytes_in, Ordering::Relaxed);
     }
 
     /// A model answer's tokens (from its `usage`, or `estimated`); charged to the budgets.
@@ -203,6 +217,8 @@ impl TurnAccount {
             model_calls: self.model_calls.load(Ordering::Relaxed),
             tool_calls: self.tool_calls.load(Ordering::Relaxed),
             estimated: self.estimated.load(Ordering::Relaxed),
+            egress_bytes_out: self.egress_out.load(Ordering::Relaxed),
+            egress_bytes_in: self.egress_in.load(Ordering::Relaxed),
         }
     }
 

@@ -210,6 +210,14 @@ pub enum ConfigError {
 /// `[model_request]`, host tools, `[[mcp]]` servers, `[compaction]` and `[broker]`.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
+    /// An `[[egress]]` route breaks a rule.
+    #[error("egress route {route}: {reason}")]
+    InvalidEgressRoute {
+        /// The route.
+        route: String,
+        /// The rule.
+        reason: String,
+    },
     /// `model_url` is `http://` without `allow_http`.
     #[error("model_url must use https (set allow_http only for offline tests): {0}")]
     InsecureModelUrl(String),

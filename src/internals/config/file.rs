@@ -93,6 +93,12 @@ pub struct ConfigFile {
     /// `[audit]`: see [`AuditSettings`](super::AuditSettings) (`path`, `include_text`).
     #[serde(default)]
     pub audit: super::AuditSettings,
+    /// `[[egress]]`: see [`EgressRoute`](super::EgressRoute).
+    #[serde(default)]
+    pub egress: Vec<super::EgressRoute>,
+    /// See [`Config::egress_nameserver`].
+    #[serde(default)]
+    pub egress_nameserver: Option<std::net::SocketAddr>,
 }
 
 /// The `[compaction]` section: a separate summarizer. Its key comes from the environment
@@ -225,10 +231,14 @@ impl TryFrom<ConfigFile> for Config {
         if let Some(compaction) = file.compaction {
             builder = builder.compaction(compaction.try_into()?);
         }
+        if let Some(ns) = file.egress_nameserver {
+            builder = builder.egress_nameserver(ns);
+        }
         let mut config = builder
             .warm(file.warm)
             .budgets(file.budgets)
             .audit(file.audit)
+            .egress(file.egress)
             .build();
         // Either may be set alone (the rule refuses what is not the process's own).
         (config.uid, config.gid) = (file.uid, file.gid);

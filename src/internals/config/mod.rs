@@ -47,6 +47,7 @@ mod audit;
 mod broker;
 pub(crate) mod budgets;
 pub(crate) mod compaction;
+pub(crate) mod egress;
 mod error;
 mod file;
 mod keys;
@@ -61,6 +62,10 @@ pub use audit::AuditSettings;
 pub use broker::BrokerLimits;
 pub use budgets::BudgetSettings;
 pub use compaction::CompactionModel;
+pub(crate) use egress::Cidr;
+pub use egress::{
+    CredentialPlacement, DenyRule, EgressLimits, EgressMode, EgressRoute, Redirects,
+};
 pub use error::{ConfigError, PolicyError};
 pub use file::{CompactionFile, ConfigFile};
 #[cfg(feature = "cli")]
@@ -183,6 +188,10 @@ pub struct Config {
     /// The audit trail: one JSON line per turn to the file it names (`[audit]`, see
     /// [`crate::audit`]).
     pub audit: crate::audit::AuditSettings,
+    /// The web routes the broker serves a turn (`[[egress]]`); none: no egress.
+    pub egress: Vec<EgressRoute>,
+    /// The name server egress hosts are resolved with (`None`: the system's).
+    pub egress_nameserver: Option<std::net::SocketAddr>,
 }
 
 /// Opens a [`crate::budgets::BudgetStore`] (see [`Config::budget_store`]).
@@ -267,6 +276,8 @@ impl Config {
                 budgets: BudgetSettings::default(),
                 budget_store: None,
                 audit: Default::default(),
+                egress: Vec::new(),
+                egress_nameserver: None,
             },
         }
     }
@@ -306,6 +317,9 @@ impl Config {
             model_request: self.model_request.clone(),
             compaction: self.compaction.clone(),
             mcp_engine: None,
+            egress: self.egress.clone(),
+            egress_nameserver: self.egress_nameserver,
+            engine_networks: Vec::new(),
         }
     }
 
@@ -393,6 +407,8 @@ impl ConfigBuilder {
         budgets: BudgetSettings;
         /// The audit trail (`[audit]`).
         audit: crate::audit::AuditSettings;
+        /// The egress routes (`[[egress]]`).
+        egress: Vec<EgressRoute>;
     }
 
     setters! {
@@ -421,6 +437,8 @@ impl ConfigBuilder {
         runtime: impl Into<String>;
         /// A separate summarizer for compaction.
         compaction: CompactionModel;
+        /// The name server egress hosts are resolved with.
+        egress_nameserver: std::net::SocketAddr;
     }
 
     /// The budgets' counters in another store than the state file.

@@ -1,0 +1,643 @@
+//! Web requests through the broker: `{METHOD} /v1/egress/{route}/{target}` (issue 45).
+//!
+//! The guest has no network; this route is its one way to the web, and the broker guards
+//! it. In order, each step a control with its own test:
+//! 1. the route ([`Egress`]: the operator's `[[egress]]`, compiled at start: its credential
+//!    read, its TLS roots, its private ranges) and the request checked without I/O
+//!    ([`rules::check`]: the target parsed from the raw path, scheme, userinfo, IP
+//!    literals, `..` and encoded slashes, then the route's rules and its `deny` rules);
+//! 2. the turn's caps for the route (requests, bytes out, bytes in) and the calls-in-flight
+//!    permit every broker call holds; the body read within the route's cap;
+//! 3. the host resolved by the broker, every address checked ([`net::denied`], unless the
+//!    route's `allow_private` names its range), the connection made to the address checked;
+//! 4. the request written by the broker: the guest's `authorization`, `cookie`, `proxy-*`
+//!    and every header not allowed dropped, its own `user-agent`, `accept-encoding:
+//!    identity`, the credential placed as the route says;
+//! 5. the answer read within the route's cap (nothing decompressed on the host), redirects
+//!    not followed unless the route says `same_route` (each hop checked from step 1 again),
+//!    hop-by-hop and the route's stripped headers removed, every declared secret (the
+//!    credential among them) redacted from its headers and body;
+//! 6. one [`EgressCall`] event per request (the audit line's, the metrics').
+//!
+//! A refusal by a rule is `403` with a [`Denial`] body and the [`DENIED_HEADER`] naming the
+//! rule; a cap is `413`/`429`/`504` as on the other routes.
+
+mod net;
+pub(crate) mod rules;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming as IncomingBody;
+use hyper::header::{HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, StatusCode};
+use roundtable_sandbox_protocol::egress::{Denial, RouteForm, RouteSpec, DENIED, DENIED_HEADER};
+use secrecy::{ExposeSecret, SecretString};
+
+use super::http::{full, holding, refuse, Response, Turn};
+use super::BrokerError;
+use crate::config::{Cidr, CredentialPlacement, EgressRoute, Redirects};
+use crate::events::{BrokerEvent, EgressCall, EgressDecision, Refusal};
+
+/// The `user-agent` of every egress request.
+const USER_AGENT: &str = concat!("roundtable-sandbox-egress/", env!("CARGO_PKG_VERSION"));
+/// Redirect hops followed at most (`redirects = "same_route"`).
+const MAX_HOPS: usize = 5;
+/// Request headers forwarded from the guest whatever the route says.
+const SAFE_HEADERS: &[&str] = &[
+    "accept",
+    "accept-language",
+    "content-type",
+    "if-none-match",
+    "if-modified-since",
+    "range",
+];
+/// Response headers never passed on (hop-by-hop, and what the broker sets itself).
+const HOP_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authenticate",
+    "proxy-connection",
+    "content-length",
+];
+
+/// The broker's egress routes.
+pub(crate) struct Egress {
+    routes: BTreeMap<String, Compiled>,
+    resolver: Option<net::Resolver>,
+    /// The container engine's own networks: never reachable unless a route names them.
+    engine: Vec<Cidr>,
+}
+
+/// A route ready to serve.
+struct Compiled {
+    config: EgressRoute,
+    credential: Option<SecretString>,
+    tls: Arc<rustls::ClientConfig>,
+    private: Vec<Cidr>,
+}
+
+/// What a turn has used of each route.
+#[derive(Default)]
+pub(crate) struct TurnEgress(Mutex<HashMap<String, Used>>);
+
+#[derive(Default, Clone, Copy)]
+struct Used {
+    requests: u32,
+    bytes_in: u64,
+    bytes_out: u64,
+}
+
+impl TurnEgress {
+    fn with<T>(&self, route: &str, f: impl FnOnce(&mut Used) -> T) -> T {
+        let mut used = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(used.entry(route.to_owned()).or_default())
+    }
+}
+
+impl Egress {
+    /// Compiles the routes (each credential read, each CA file loaded) and the resolver
+    /// (`nameserver`: a name server to ask instead of the system's; the tests'); `engine`
+    /// are the engine's own networks.
+    pub(crate) fn new(
+        routes: &[EgressRoute],
+        nameserver: Option<SocketAddr>,
+        engine: Vec<Cidr>,
+    ) -> Result<Self, BrokerError> {
+        let mut compiled = BTreeMap::new();
+        for route in routes {
+            let credential = match &route.credential {
+                None => None,
+                Some(key) => Some(
+                    key.read(&format!("egress {}: credential", route.name))
+                        .map_err(|e| BrokerError::Egress(crate::one_line(&e)))?,
+                ),
+            };
+            let tls = net::tls_config(route.ca_file.as_deref())
+                .map_err(|e| BrokerError::Egress(format!("egress {}: {e}", route.name)))?;
+            compiled.insert(
+                route.name.clone(),
+                Compiled {
+                    private: route.private_ranges(),
+                    config: route.clone(),
+                    credential,
+                    tls,
+                },
+            );
+        }
+        let resolver = match routes.is_empty() {
+            true => None,
+            false => Some(net::Resolver::new(nameserver).map_err(BrokerError::Egress)?),
+        };
+        Ok(Self {
+            routes: compiled,
+            resolver,
+            engine,
+        })
+    }
+
+    /// The routes as a turn is told of them.
+    pub(crate) fn specs(&self) -> Vec<RouteSpec> {
+        self.routes
+            .values()
+            .map(|r| RouteSpec {
+                name: r.config.name.clone(),
+                form: match &r.config.upstream {
+                    Some(base) => RouteForm::Upstream {
+                        base: base.replace("{credential}", "…"),
+                    },
+                    None => RouteForm::Hosts {
+                        hosts: r.config.hosts.clone(),
+                    },
+                },
+                methods: r.config.methods.clone(),
+                description: r.config.description.clone(),
+            })
+            .collect()
+    }
+
+    /// The routes' credentials, redacted from whatever the guest is sent.
+    pub(crate) fn secrets(&self) -> impl Iterator<Item = String> + '_ {
+        self.routes
+            .values()
+            .filter_map(|r| r.credential.as_ref())
+            .map(|c| c.expose_secret().to_owned())
+    }
+}
+
+/// Serves one egress request; `rest` is the raw path after `/v1/egress/`.
+pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) -> Response {
+    let started = Instant::now();
+    let (name, target) = rest.split_once('/').unwrap_or((rest, ""));
+    let Some(route) = turn.broker.egress.routes.get(name) else {
+        return super::http::error_response(
+            StatusCode::NOT_FOUND,
+            &format!("unknown egress route: {}", name.chars().take(64).collect::<String>()),
+        );
+    };
+    let mut call = Call::new(route, req.method().as_str(), started);
+    let answer = serve(turn, route, req, target, &mut call).await;
+    call.latency = started.elapsed();
+    if let Some(account) = &turn.ctx.account {
+        account.count_egress(call.bytes_out, call.bytes_in);
+    }
+    if let Some(events) = &turn.ctx.events {
+        events.broker(BrokerEvent::Egress(Box::new(call.event())));
+    }
+    answer
+}
+
+/// One request's facts as they are learnt, for its event.
+struct Call {
+    event: EgressCall,
+    latency: Duration,
+    bytes_out: u64,
+    bytes_in: u64,
+}
+
+impl Call {
+    fn new(route: &Compiled, method: &str, _started: Instant) -> Self {
+        Self {
+            event: EgressCall {
+                route: route.config.name.clone(),
+                method: method.chars().take(16).collect(),
+                host: String::new(),
+                path: String::new(),
+                status: 0,
+                bytes_out: 0,
+                bytes_in: 0,
+                latency: Duration::ZERO,
+                decision: EgressDecision::Allowed,
+                rule: None,
+                address: None,
+            },
+            latency: Duration::ZERO,
+            bytes_out: 0,
+            bytes_in: 0,
+        }
+    }
+
+    fn event(mut self) -> EgressCall {
+        self.event.latency = self.latency;
+        self.event.bytes_out = self.bytes_out;
+        self.event.bytes_in = self.bytes_in;
+        self.event
+    }
+
+    /// A refusal by a rule: `403`, the [`Denial`] body, the header naming the rule.
+    fn deny(&mut self, route: &str, rule: &str, reason: &str) -> Response {
+        self.event.decision = EgressDecision::Denied;
+        self.event.rule = Some(rule.to_owned());
+        let denial = Denial {
+            error: DENIED.into(),
+            route: route.to_owned(),
+            rule: rule.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let mut response = super::http::json_response(StatusCode::FORBIDDEN, &denial);
+        if let Ok(v) = HeaderValue::from_str(rule) {
+            response.headers_mut().insert(DENIED_HEADER, v);
+        }
+        response
+    }
+}
+
+/// The request, step by step (see the module).
+async fn serve(
+    turn: &Turn,
+    route: &Compiled,
+    req: Request<IncomingBody>,
+    target: &str,
+    call: &mut Call,
+) -> Response {
+    let cfg = &route.config;
+    let method = req.method().clone();
+    let query = req.uri().query().map(str::to_owned);
+    let Some(guest_headers) = guest_headers(req.headers(), cfg.limits.max_header_bytes) else {
+        return refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::RequestBytes,
+            &format!("request headers too large (limit {} bytes)", cfg.limits.max_header_bytes),
+        );
+    };
+    let allowed = match rules::check(cfg, method.as_str(), target, query.as_deref(), &guest_headers) {
+        Ok(a) => a,
+        Err(r) => return call.deny(&cfg.name, &r.rule, &r.reason),
+    };
+    if let Some(would) = &allowed.audit_denied {
+        call.event.decision = EgressDecision::AuditDenied;
+        call.event.rule = Some(would.rule.clone());
+        tracing::warn!(route = %cfg.name, rule = %would.rule, "egress request sent in audit mode past a rule that would refuse it");
+    }
+    call.event.host = allowed.target.host.clone();
+    call.event.path = allowed.target.audit_path();
+    let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
+        return refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            Refusal::CallsInFlight,
+            "too many calls in flight in this turn",
+        );
+    };
+    let body = match read_body(req, cfg.limits.max_request_bytes, cfg.limits.timeout_ms).await {
+        Ok(b) => b,
+        Err(response) => return response,
+    };
+    let out = (target.len() + query.as_deref().map_or(0, str::len) + body.len()) as u64;
+    if let Err(response) = count(turn, cfg, out) {
+        return response;
+    }
+    call.bytes_out = out;
+    let ctx = Exchange {
+        turn,
+        route,
+        method,
+        headers: guest_headers,
+        body,
+    };
+    let answer = ctx.run(allowed.target, call).await;
+    holding(answer, permit)
+}
+
+/// The guest's headers as (lower-case name, value) pairs; `None` past `cap` bytes.
+fn guest_headers(headers: &HeaderMap, cap: usize) -> Option<Vec<(String, String)>> {
+    let mut size = 0;
+    let mut out = Vec::new();
+    for (name, value) in headers {
+        size += name.as_str().len() + value.len() + 4;
+        if size > cap {
+            return None;
+        }
+        if let Ok(v) = value.to_str() {
+            out.push((name.as_str().to_owned(), v.to_owned()));
+        }
+    }
+    Some(out)
+}
+
+async fn read_body(
+    req: Request<IncomingBody>,
+    cap: usize,
+    timeout_ms: u64,
+) -> Result<Bytes, Response> {
+    let body = Limited::new(req.into_body(), cap).collect();
+    match tokio::time::timeout(Duration::from_millis(timeout_ms), body).await {
+        Err(_) => Err(refuse(
+            StatusCode::REQUEST_TIMEOUT,
+            Refusal::BodyTimeout,
+            "request body not received in time",
+        )),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            Refusal::RequestBytes,
+            &format!("request body too large (limit {cap} bytes)"),
+        )),
+        Ok(Err(_)) => Err(refuse(
+            StatusCode::BAD_REQUEST,
+            Refusal::Malformed,
+            "request body unreadable",
+        )),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+    }
+}
+
+/// Counts a request of the turn on the route (`out` bytes sent): `429` past its requests
+/// or its bytes out, or once its bytes in are spent.
+fn count(turn: &Turn, cfg: &EgressRoute, out: u64) -> Result<(), Response> {
+    let l = &cfg.limits;
+    let verdict = turn.egress.with(&cfg.name, |used| {
+        if used.requests >= l.max_requests_per_turn {
+            return Err(format!(
+                "too many egress requests on route {} in this turn (limit {})",
+                cfg.name, l.max_requests_per_turn
+            ));
+        }
+        if used.bytes_out.saturating_add(out) > l.max_bytes_out_per_turn {
+            return Err(format!(
+                "route {} has sent its bytes for this turn (limit {})",
+                cfg.name, l.max_bytes_out_per_turn
+            ));
+        }
+        if used.bytes_in >= l.max_bytes_in_per_turn {
+            return Err(format!(
+                "route {} has read its bytes for this turn (limit {})",
+                cfg.name, l.max_bytes_in_per_turn
+            ));
+        }
+        used.requests += 1;
+        used.bytes_out += out;
+        Ok(())
+    });
+    verdict.map_err(|msg| refuse(StatusCode::TOO_MANY_REQUESTS, Refusal::EgressCaps, &msg))
+}
+
+/// One request's exchange with the upstream (and its redirects' within the route).
+struct Exchange<'a> {
+    turn: &'a Turn,
+    route: &'a Compiled,
+    method: hyper::Method,
+    headers: Vec<(String, String)>,
+    body: Bytes,
+}
+
+impl Exchange<'_> {
+    async fn run(&self, mut target: rules::Target, call: &mut Call) -> Response {
+        let cfg = &self.route.config;
+        let deadline = Duration::from_millis(cfg.limits.timeout_ms);
+        for _hop in 0..=MAX_HOPS {
+            let answer = tokio::time::timeout(deadline, self.once(&target, call)).await;
+            let incoming = match answer {
+                Err(_) => {
+                    return super::http::failure(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        &format!("egress request timed out after {deadline:?}"),
+                    )
+                }
+                Ok(Err(response)) => return response,
+                Ok(Ok(incoming)) => incoming,
+            };
+            call.event.status = incoming.status.as_u16();
+            let next = match cfg.redirects {
+                Redirects::SameRoute if incoming.status.is_redirection() => {
+                    self.redirect(&target, &incoming.headers)
+                }
+                _ => None,
+            };
+            match next {
+                Some(Ok(t)) => {
+                    target = t;
+                    continue;
+                }
+                Some(Err(r)) => return call.deny(&cfg.name, &r.rule, &r.reason),
+                None => return self.answer(incoming),
+            }
+        }
+        call.deny(&cfg.name, "redirects", &format!("more than {MAX_HOPS} redirects"))
+    }
+
+    /// The target of a redirect, checked as a new request of the route (`None`: no
+    /// `location`, so the 3xx is the answer).
+    fn redirect(
+        &self,
+        from: &rules::Target,
+        headers: &HeaderMap,
+    ) -> Option<Result<rules::Target, rules::Refused>> {
+        let location = headers.get(hyper::header::LOCATION)?.to_str().ok()?;
+        let base = reqwest::Url::parse(&format!("https://{}:{}{}", from.host, from.port, from.path)).ok()?;
+        let next = base.join(location).ok()?;
+        let cfg = &self.route.config;
+        let raw = match &cfg.upstream {
+            Some(upstream) => {
+                let up = reqwest::Url::parse(upstream).ok()?;
+                let base_path = up.path().trim_end_matches('/');
+                let same = next.host_str() == up.host_str()
+                    && next.port_or_known_default() == up.port_or_known_default()
+                    && next.path().starts_with(base_path);
+                if !same {
+                    return Some(Err(rules::Refused {
+                        rule: "redirect".into(),
+                        reason: "a redirect out of the route's upstream is not followed".into(),
+                    }));
+                }
+                next.path()[base_path.len()..].to_owned()
+            }
+            None => format!("{}/{}{}", next.scheme(), next.authority(), next.path()),
+        };
+        Some(
+            rules::check(cfg, self.method.as_str(), &raw, next.query(), &self.headers)
+                .map(|a| a.target),
+        )
+    }
+
+    /// One hop: resolve, check every address, connect to the checked one, send, read.
+    async fn once(&self, target: &rules::Target, call: &mut Call) -> Result<net::Incoming, Response> {
+        let cfg = &self.route.config;
+        let addr = self.address(target).await.map_err(|(rule, reason)| call.deny(&cfg.name, rule, &reason))?;
+        call.event.address = Some(addr.ip());
+        let spent = self.turn.egress.with(&cfg.name, |u| u.bytes_in);
+        let cap = (cfg.limits.max_response_bytes as u64)
+            .min(cfg.limits.max_bytes_in_per_turn.saturating_sub(spent)) as usize;
+        let out = net::Outgoing {
+            addr,
+            host: target.host.clone(),
+            method: self.method.clone(),
+            path_and_query: self.path_and_query(target),
+            headers: self.outgoing_headers(target),
+            body: self.body.clone(),
+        };
+        let connect = Duration::from_millis(cfg.limits.connect_timeout_ms);
+        let incoming = net::exchange(out, self.route.tls.clone(), connect, cap)
+            .await
+            .map_err(|f| failed(cfg, f))?;
+        let read = incoming.body.len() as u64;
+        call.bytes_in += read;
+        self.turn.egress.with(&cfg.name, |u| u.bytes_in += read);
+        Ok(incoming)
+    }
+
+    /// The address to connect to: the host resolved once, every address checked.
+    async fn address(&self, target: &rules::Target) -> Result<SocketAddr, (&'static str, String)> {
+        let broker = &self.turn.broker.egress;
+        let host = target.host.trim_start_matches('[').trim_end_matches(']');
+        let addresses = match host.parse::<IpAddr>() {
+            Ok(ip) => vec![ip],
+            Err(_) => {
+                let resolver = broker.resolver.as_ref().expect("routes have a resolver");
+                resolver.lookup(host).await.map_err(|e| ("resolve", e))?
+            }
+        };
+        if addresses.is_empty() {
+            return Err(("resolve", format!("the name {host} has no address")));
+        }
+        for ip in &addresses {
+            let private = self.route.private.iter().any(|c| c.contains(*ip));
+            if let (false, Some(why)) = (private, net::denied(*ip, &broker.engine)) {
+                return Err((
+                    "address",
+                    format!("{host} resolves to {ip}, {why}, which no route may reach unless it names the range in allow_private"),
+                ));
+            }
+        }
+        Ok(SocketAddr::new(addresses[0], target.port))
+    }
+
+    fn path_and_query(&self, target: &rules::Target) -> String {
+        let path = match (&self.route.credential, &self.route.config.credential_as) {
+            (Some(c), CredentialPlacement::PathSegment) => target
+                .path
+                .replace("%7Bcredential%7D", "{credential}")
+                .replace("{credential}", &url_encode(c.expose_secret())),
+            _ => target.path.clone(),
+        };
+        let mut query = target.query.clone().unwrap_or_default();
+        if let (Some(c), CredentialPlacement::Query { name }) =
+            (&self.route.credential, &self.route.config.credential_as)
+        {
+            if !query.is_empty() {
+                query.push('&');
+            }
+            query.push_str(&format!("{}={}", url_encode(name), url_encode(c.expose_secret())));
+        }
+        match query.is_empty() {
+            true => path,
+            false => format!("{path}?{query}"),
+        }
+    }
+
+    /// The headers sent: the safe ones and the route's allowed ones of the guest's, the
+    /// broker's own, the credential.
+    fn outgoing_headers(&self, target: &rules::Target) -> HeaderMap {
+        let cfg = &self.route.config;
+        let mut out = HeaderMap::new();
+        for (name, value) in &self.headers {
+            let allowed = SAFE_HEADERS.contains(&name.as_str())
+                || cfg.headers.keys().any(|h| h.eq_ignore_ascii_case(name));
+            if !allowed {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::from_str(value)) {
+                out.append(n, v);
+            }
+        }
+        let host = match target.port {
+            443 => target.host.clone(),
+            port => format!("{}:{port}", target.host),
+        };
+        if let Ok(v) = HeaderValue::from_str(&host) {
+            out.insert(hyper::header::HOST, v);
+        }
+        out.insert(hyper::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
+        out.insert(hyper::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        if let Some((name, mut value)) = self.credential_header() {
+            value.set_sensitive(true);
+            out.insert(name, value);
+        }
+        out
+    }
+
+    fn credential_header(&self) -> Option<(HeaderName, HeaderValue)> {
+        let c = self.route.credential.as_ref()?.expose_secret();
+        let (name, value) = match &self.route.config.credential_as {
+            CredentialPlacement::Bearer => (hyper::header::AUTHORIZATION, format!("Bearer {c}")),
+            CredentialPlacement::Basic => {
+                use base64::Engine;
+                let encoded = base64::engine::general_purpose::STANDARD.encode(c);
+                (hyper::header::AUTHORIZATION, format!("Basic {encoded}"))
+            }
+            CredentialPlacement::Header { name, format } => (
+                HeaderName::try_from(name.as_str()).ok()?,
+                format.replace("{}", c),
+            ),
+            _ => return None,
+        };
+        Some((name, HeaderValue::from_str(&value).ok()?))
+    }
+
+    /// The guest's answer: the upstream's status, its headers less the hop-by-hop and the
+    /// stripped ones, secrets redacted from headers and body.
+    fn answer(&self, incoming: net::Incoming) -> Response {
+        let cfg = &self.route.config;
+        let secrets = self.turn.broker.secrets();
+        let mut response = hyper::Response::builder().status(incoming.status);
+        for (name, value) in &incoming.headers {
+            let n = name.as_str();
+            if HOP_HEADERS.contains(&n)
+                || cfg.strip_response_headers.iter().any(|s| s.eq_ignore_ascii_case(n))
+                || n == DENIED_HEADER
+            {
+                continue;
+            }
+            let value = match value.to_str() {
+                Ok(text) => {
+                    let clean = secrets.redact(text);
+                    HeaderValue::from_str(&clean).unwrap_or_else(|_| HeaderValue::from_static(""))
+                }
+                Err(_) => continue,
+            };
+            response = response.header(name, value);
+        }
+        let body = secrets.redact_bytes(&incoming.body).into_owned();
+        response.body(full(body)).unwrap_or_else(|_| {
+            super::http::failure(StatusCode::BAD_GATEWAY, "the upstream's answer has an invalid header")
+        })
+    }
+}
+
+/// A failed exchange as the guest's answer.
+fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
+    let (status, msg) = match f {
+        net::Failure::Connect(e) => {
+            tracing::info!(route = %cfg.name, error = %e, "egress connection failed");
+            (StatusCode::BAD_GATEWAY, "the upstream is unreachable".to_owned())
+        }
+        net::Failure::Exchange(e) => {
+            tracing::info!(route = %cfg.name, error = %e, "egress exchange failed");
+            (StatusCode::BAD_GATEWAY, "the upstream's answer could not be read".to_owned())
+        }
+        net::Failure::TooLarge(cap) => (
+            StatusCode::BAD_GATEWAY,
+            format!("the upstream's answer is larger than {cap} bytes"),
+        ),
+    };
+    super::http::failure(status, &msg)
+}
+
+/// `text` percent-encoded for a path segment or a query value.
+fn url_encode(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

@@ -1,0 +1,428 @@
+//! An egress request checked against its route, without any I/O (the same check `roundtable-
+//! sandbox egress check` answers with): the target parsed from the raw path (the host as the
+//! guest wrote it: no URL parser has normalised `2130706434` into `127.0.0.2` yet), then, in
+//! order, the controls that hold whatever the route says (scheme, userinfo, IP literals in
+//! any form, `..` segments and encoded slashes), then the route's rules (its hosts, the
+//! method, the path globs, the query and header matchers) and its `deny` rules, which win.
+
+use crate::config::{EgressMode, EgressRoute};
+
+/// Where a request goes, once parsed and allowed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    /// The host as written (a name, lower-cased; never an IP literal unless the route
+    /// allows them).
+    pub(crate) host: String,
+    /// The port (443 unless given).
+    pub(crate) port: u16,
+    /// The path, starting with `/`, as sent upstream.
+    pub(crate) path: String,
+    /// The query, as the guest sent it.
+    pub(crate) query: Option<String>,
+}
+
+impl Target {
+    /// The path with every query value blanked, for the audit trail.
+    pub(crate) fn audit_path(&self) -> String {
+        match &self.query {
+            None => self.path.clone(),
+            Some(q) => {
+                let names: Vec<&str> = q
+                    .split('&')
+                    .map(|pair| pair.split('=').next().unwrap_or(""))
+                    .collect();
+                format!("{}?{}", self.path, names.join("=&") + "=")
+            }
+        }
+    }
+}
+
+/// Why a request is refused: the rule and a sentence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Refused {
+    pub(crate) rule: String,
+    pub(crate) reason: String,
+}
+
+fn refused(rule: &str, reason: impl Into<String>) -> Refused {
+    Refused {
+        rule: rule.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// The verdict on a request: where it goes, and the rule that would refuse it if the route
+/// is in `audit` mode (sent all the same, logged as would-be denied).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Allowed {
+    pub(crate) target: Target,
+    pub(crate) audit_denied: Option<Refused>,
+}
+
+/// Checks one request: `target` is what follows `/v1/egress/{route}/` in the raw path.
+/// The controls before the route's rules refuse in every mode; the route's rules refuse in
+/// `enforce` mode and are reported in `audit` mode.
+pub(crate) fn check(
+    route: &EgressRoute,
+    method: &str,
+    target: &str,
+    query: Option<&str>,
+    headers: &[(String, String)],
+) -> Result<Allowed, Refused> {
+    let target = parse(route, target, query)?;
+    let verdict = route_rules(route, method, &target, headers);
+    match (verdict, route.mode) {
+        (Ok(()), _) => Ok(Allowed {
+            target,
+            audit_denied: None,
+        }),
+        (Err(r), EgressMode::Audit) => Ok(Allowed {
+            target,
+            audit_denied: Some(r),
+        }),
+        (Err(r), EgressMode::Enforce) => Err(r),
+    }
+}
+
+/// The target of `raw`: for an upstream route, a path under its base; for a route of host
+/// patterns, `scheme/host[:port]/path`. The controls that hold in every mode run here.
+fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, Refused> {
+    let (host, port, path) = match &route.upstream {
+        Some(base) => {
+            let url = reqwest::Url::parse(base).map_err(|_| refused("upstream", "the route's upstream is invalid"))?;
+            let host = url.host_str().unwrap_or_default().to_ascii_lowercase();
+            let port = url.port().unwrap_or(443);
+            let base = url.path().trim_end_matches('/');
+            (host, port, format!("{base}/{}", raw.trim_start_matches('/')))
+        }
+        None => {
+            let (scheme, rest) = raw
+                .split_once('/')
+                .ok_or_else(|| refused("target", "give the URL as scheme/host/path"))?;
+            if scheme != "https" {
+                return Err(refused("scheme", format!("only https is allowed, not {scheme:?}")));
+            }
+            let (authority, path) = match rest.split_once('/') {
+                Some((a, p)) => (a, format!("/{p}")),
+                None => (rest, "/".to_owned()),
+            };
+            let (host, port) = authority_parts(authority)?;
+            (host, port, path)
+        }
+    };
+    if !route.allow_ip_literals && ip_literal(&host) {
+        return Err(refused(
+            "ip_literal",
+            format!("the host {host:?} is an IP address; give a name"),
+        ));
+    }
+    if !route.allow_unusual_paths {
+        unusual_path(&path)?;
+    }
+    Ok(Target {
+        host,
+        port,
+        path,
+        query: query.map(str::to_owned),
+    })
+}
+
+/// The host and port of an authority (`host[:port]`); userinfo is refused in every mode.
+fn authority_parts(authority: &str) -> Result<(String, u16), Refused> {
+    if authority.contains('@') {
+        return Err(refused("userinfo", "a user or password in the URL is not allowed"));
+    }
+    if authority.contains('%') || authority.contains('\\') {
+        return Err(refused("host", "the host holds an escape or a backslash"));
+    }
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let (v6, after) = rest
+            .split_once(']')
+            .ok_or_else(|| refused("host", "an unclosed [ in the host"))?;
+        (format!("[{v6}]"), after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h.to_owned(), Some(p)),
+            None => (authority.to_owned(), None),
+        }
+    };
+    let port = match port {
+        None => 443,
+        Some(p) => p
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| refused("port", format!("invalid port {p:?}")))?,
+    };
+    if host.is_empty() {
+        return Err(refused("host", "the URL has no host"));
+    }
+    Ok((host.to_ascii_lowercase(), port))
+}
+
+/// Whether `host` is an IP address in any form a resolver or URL parser reads as one: IPv6
+/// in brackets (IPv4-mapped included), dotted IPv4 with parts in decimal, octal (`0177`) or
+/// hex (`0x7f`), fewer parts (`127.1`, `2130706434`), or a name whose last label is a
+/// number (which URL parsers take for IPv4).
+pub(crate) fn ip_literal(host: &str) -> bool {
+    if host.starts_with('[') || host.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    let trimmed = host.trim_end_matches('.');
+    let parts: Vec<&str> = trimmed.split('.').collect();
+    let number = |p: &str| {
+        let p = p.to_ascii_lowercase();
+        if let Some(hex) = p.strip_prefix("0x") {
+            hex.is_empty() || hex.bytes().all(|b| b.is_ascii_hexdigit())
+        } else {
+            !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())
+        }
+    };
+    parts.last().is_some_and(|last| number(last))
+}
+
+/// Refuses `..` segments (raw or encoded) and encoded slashes or backslashes.
+fn unusual_path(path: &str) -> Result<(), Refused> {
+    let lower = path.to_ascii_lowercase();
+    if lower.contains("%2f") || lower.contains("%5c") || path.contains('\\') {
+        return Err(refused(
+            "encoded_slash",
+            "an encoded slash or a backslash in the path is not allowed",
+        ));
+    }
+    let decoded = lower.replace("%2e", ".");
+    if decoded.split('/').any(|seg| seg == ".." || seg == ".") {
+        return Err(refused(
+            "dot_segment",
+            "a . or .. segment in the path is not allowed",
+        ));
+    }
+    Ok(())
+}
+
+/// The route's own rules: its hosts, the method, the paths, the query and the headers;
+/// then its `deny` rules.
+fn route_rules(
+    route: &EgressRoute,
+    method: &str,
+    target: &Target,
+    headers: &[(String, String)],
+) -> Result<(), Refused> {
+    if route.upstream.is_none() && !route.hosts.iter().any(|p| host_matches(p, &target.host)) {
+        return Err(refused(
+            "host",
+            format!("{} is not one of this route's hosts", target.host),
+        ));
+    }
+    if !route.methods.iter().any(|m| m == method) {
+        return Err(refused(
+            "method",
+            format!("{method} is not allowed (allowed: {})", route.methods.join(", ")),
+        ));
+    }
+    let rel = relative_path(route, &target.path);
+    if !route.paths.is_empty() && !route.paths.iter().any(|g| glob(g, rel)) {
+        return Err(refused(
+            "path",
+            format!("{rel} matches none of this route's paths"),
+        ));
+    }
+    if let Some(allowed) = &route.query {
+        for pair in target.query.iter().flat_map(|q| q.split('&')).filter(|p| !p.is_empty()) {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let ok = allowed.get(name).is_some_and(|g| glob_text(g, value));
+            if !ok {
+                return Err(refused(
+                    "query",
+                    format!("the query parameter {name:?} is not allowed with that value"),
+                ));
+            }
+        }
+    }
+    for (name, value) in headers {
+        let lower = name.to_ascii_lowercase();
+        if let Some((_, g)) = route
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(&lower))
+        {
+            if !glob_text(g, value) {
+                return Err(refused(
+                    "header",
+                    format!("the header {lower} is not allowed with that value"),
+                ));
+            }
+        }
+    }
+    for (i, rule) in route.deny.iter().enumerate() {
+        let methods = rule.methods.is_empty() || rule.methods.iter().any(|m| m == method);
+        let paths = rule.paths.is_empty() || rule.paths.iter().any(|g| glob(g, rel));
+        let hosts = rule.hosts.is_empty() || rule.hosts.iter().any(|p| host_matches(p, &target.host));
+        if methods && paths && hosts {
+            return Err(refused(
+                &format!("deny[{i}]"),
+                "a deny rule of this route matches",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The path the route's globs see: under an upstream's base, the part after it.
+fn relative_path<'a>(route: &EgressRoute, path: &'a str) -> &'a str {
+    let base = route
+        .upstream
+        .as_deref()
+        .and_then(|u| reqwest::Url::parse(u).ok())
+        .map(|u| u.path().trim_end_matches('/').to_owned())
+        .unwrap_or_default();
+    match path.strip_prefix(base.as_str()) {
+        Some(rest) if rest.starts_with('/') => rest,
+        _ => path,
+    }
+}
+
+/// A host pattern: `*` any host, `*.domain` a subdomain of it (not the domain itself),
+/// otherwise the exact name (case-insensitive).
+pub(crate) fn host_matches(pattern: &str, host: &str) -> bool {
+    let host = host.trim_end_matches('.');
+    if pattern == "*" {
+        return true;
+    }
+    match pattern.strip_prefix("*.") {
+        Some(domain) => host.len() > domain.len() + 1 && {
+            let (sub, dom) = host.split_at(host.len() - domain.len());
+            sub.ends_with('.') && dom.eq_ignore_ascii_case(domain)
+        },
+        None => host.eq_ignore_ascii_case(pattern),
+    }
+}
+
+/// A path glob: `*` matches within one segment, `**` any rest (segments included).
+pub(crate) fn glob(pattern: &str, path: &str) -> bool {
+    let (p, s): (Vec<&str>, Vec<&str>) = (pattern.split('/').collect(), path.split('/').collect());
+    segments(&p, &s)
+}
+
+fn segments(p: &[&str], s: &[&str]) -> bool {
+    match (p.first(), s.first()) {
+        (None, None) => true,
+        (Some(&"**"), _) => true,
+        (Some(pp), Some(ss)) => glob_text(pp, ss) && segments(&p[1..], &s[1..]),
+        _ => false,
+    }
+}
+
+/// A text glob: `*` matches any run of characters.
+pub(crate) fn glob_text(pattern: &str, text: &str) -> bool {
+    let parts: Vec<&str> = pattern.split('*').collect();
+    if parts.len() == 1 {
+        return pattern == text;
+    }
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if !text.starts_with(first) || text.len() < first.len() + last.len() || !text.ends_with(last) {
+        return false;
+    }
+    let mut rest = &text[first.len()..text.len() - last.len()];
+    for middle in &parts[1..parts.len() - 1] {
+        match rest.find(middle) {
+            Some(i) => rest = &rest[i + middle.len()..],
+            None => return false,
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DenyRule;
+
+    fn web() -> EgressRoute {
+        EgressRoute::hosts("web", &["*"])
+    }
+
+    fn rule_of(route: &EgressRoute, method: &str, target: &str) -> Option<String> {
+        check(route, method, target, None, &[]).err().map(|r| r.rule)
+    }
+
+    #[test]
+    fn ip_literals_in_every_form_are_refused() {
+        for host in [
+            "127.0.0.2",
+            "2130706434",
+            "0177.0.0.2",
+            "0x7f000002",
+            "0x7f.0.0.2",
+            "127.1",
+            "[::ffff:127.0.0.2]",
+            "[::1]",
+            "example.123",
+        ] {
+            assert_eq!(
+                rule_of(&web(), "GET", &format!("https/{host}/x")).as_deref(),
+                Some("ip_literal"),
+                "{host}"
+            );
+        }
+        for host in ["face.cafe", "en.wikipedia.org", "x0x.io"] {
+            assert!(!ip_literal(host), "{host}");
+        }
+    }
+
+    #[test]
+    fn userinfo_dot_segments_and_encoded_slashes_are_refused() {
+        let r = web();
+        assert_eq!(rule_of(&r, "GET", "https/u:p@example.com/x").as_deref(), Some("userinfo"));
+        assert_eq!(rule_of(&r, "GET", "https/example.com/a/../b").as_deref(), Some("dot_segment"));
+        assert_eq!(rule_of(&r, "GET", "https/example.com/a/%2e%2E/b").as_deref(), Some("dot_segment"));
+        assert_eq!(rule_of(&r, "GET", "https/example.com/a%2Fb").as_deref(), Some("encoded_slash"));
+        assert_eq!(rule_of(&r, "GET", "http/example.com/").as_deref(), Some("scheme"));
+        let mut lax = web();
+        lax.allow_unusual_paths = true;
+        assert_eq!(rule_of(&lax, "GET", "https/example.com/a%2Fb"), None);
+    }
+
+    #[test]
+    fn route_rules_then_deny_rules_which_win() {
+        let mut r = EgressRoute::hosts("wiki", &["*.wikipedia.org"]);
+        r.paths = vec!["/wiki/*".into()];
+        r.deny = vec![DenyRule {
+            paths: vec!["/wiki/Secret*".into()],
+            ..Default::default()
+        }];
+        assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/wiki/Rust"), None);
+        assert_eq!(rule_of(&r, "GET", "https/wikipedia.org/wiki/Rust").as_deref(), Some("host"));
+        assert_eq!(rule_of(&r, "POST", "https/en.wikipedia.org/wiki/Rust").as_deref(), Some("method"));
+        assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/w/index.php").as_deref(), Some("path"));
+        assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/wiki/SecretPage").as_deref(), Some("deny[0]"));
+        // Audit mode: sent, with the rule that would have refused it.
+        r.mode = EgressMode::Audit;
+        let allowed = check(&r, "POST", "https/en.wikipedia.org/wiki/Rust", None, &[]).unwrap();
+        assert_eq!(allowed.audit_denied.unwrap().rule, "method");
+        // ... but not the controls that hold in every mode.
+        assert_eq!(rule_of(&r, "GET", "https/0x7f000002/wiki/x").as_deref(), Some("ip_literal"));
+    }
+
+    #[test]
+    fn an_upstream_routes_path_is_under_its_base() {
+        let mut r = EgressRoute::upstream("api", "https://api.example.com/v2");
+        r.paths = vec!["/items/**".into()];
+        let t = check(&r, "GET", "items/7/parts", Some("a=1&b=2"), &[]).unwrap().target;
+        assert_eq!((t.host.as_str(), t.port, t.path.as_str()), ("api.example.com", 443, "/v2/items/7/parts"));
+        assert_eq!(t.audit_path(), "/v2/items/7/parts?a=&b=");
+        assert_eq!(rule_of(&r, "GET", "users").as_deref(), Some("path"));
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob("/a/*/c", "/a/b/c"));
+        assert!(!glob("/a/*/c", "/a/b/x/c"));
+        assert!(glob("/a/**", "/a/b/x/c"));
+        assert!(glob_text("v*.json", "v12.json"));
+        assert!(!glob_text("v*.json", "v12.txt"));
+        assert!(host_matches("*.example.com", "a.b.example.com"));
+        assert!(!host_matches("*.example.com", "example.com"));
+        assert!(!host_matches("*.example.com", "evilexample.com"));
+    }
+}
