@@ -82,9 +82,10 @@ pub use budgets::{
 };
 pub use channel::ChannelId;
 pub use config::{
-    ApiKey, ApiKeyProvider, BrokerLimits, BudgetSettings, BudgetStoreOpener, CompactionModel,
-    Config, ConfigBuilder, ConfigError, KeyRef, Limits, McpConfine, McpLimits, McpScope, McpServer,
-    McpTransport, ModelRequestPolicy, PolicyError, ProvidedKey, ResolvedConfig, WarmSettings,
+    ApiKey, ApiKeyProvider, BrokerLimits, BudgetSettings, BudgetStoreOpener, Cidr, CompactionModel,
+    Config, ConfigBuilder, ConfigError, CredentialPlacement, DenyRule, EgressLimits, EgressMode,
+    EgressRoute, KeyRef, Limits, McpConfine, McpLimits, McpScope, McpServer, McpTransport,
+    ModelRequestPolicy, PolicyError, ProvidedKey, Redirects, ResolvedConfig, WarmSettings,
     DEFAULT_IMAGE, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
 };
 pub use driver::{ContainerDriver, DockerDriver, DockerOptions, DriverError, RunOutcome};
@@ -206,12 +207,19 @@ impl Sandbox {
         if !policy.egress.is_empty() && config.driver.is_none() {
             // The engine's own networks join the egress deny set (best effort: a Docker
             // engine that cannot be asked now has its default bridge in 172.16/12 anyway).
-            match DockerDriver::new(resolved.docker.clone()).network_subnets().await {
+            match DockerDriver::new(resolved.docker.clone())
+                .network_subnets()
+                .await
+            {
                 Ok(subnets) => {
-                    policy.engine_networks =
-                        subnets.iter().filter_map(|s| config::Cidr::parse(s)).collect()
+                    policy.engine_networks = subnets
+                        .iter()
+                        .filter_map(|s| config::Cidr::parse(s))
+                        .collect()
                 }
-                Err(e) => tracing::warn!(error = %e, "list the engine's networks for the egress deny set"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "list the engine's networks for the egress deny set")
+                }
             }
         }
         let broker = broker::Broker::start(policy).await?;

@@ -33,6 +33,8 @@
 //! | `roundtable_tool_calls_total` | counter | `kind` (`host`, `mcp`), `outcome` (`ok`, `error`) |
 //! | `roundtable_budget_refusals_total` | counter | `budget`, `stage` (`admission`, `model_call`) |
 //! | `roundtable_engine_call_duration_seconds` | histogram | `operation`, `outcome` |
+//! | `roundtable_egress_requests_total` | counter | `route` (the operator's route names), `decision` (`allowed`, `denied`, `audit_denied`) |
+//! | `roundtable_egress_bytes_total` | counter | `route`, `direction` (`out`, `in`) |
 //! | `gen_ai_client_operation_duration_seconds` | histogram | `gen_ai_operation_name` (`chat`), `roundtable_operation` (`chat`, `compaction_summarizer`, `compaction_model`), `error_type` |
 //! | `gen_ai_client_token_usage` | histogram | `gen_ai_operation_name`, `roundtable_operation`, `gen_ai_token_type` (`input`, `output`) |
 //!
@@ -71,6 +73,19 @@ pub mod labels;
 type Labels1 = [(&'static str, &'static str); 1];
 type Labels2 = [(&'static str, &'static str); 2];
 type Labels3 = [(&'static str, &'static str); 3];
+
+/// An egress route (an operator's name: a closed set, never a guest's) and a second label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EgressLabels {
+    route: String,
+    decision: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EgressBytesLabels {
+    route: String,
+    direction: &'static str,
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RefusalLabels {
@@ -112,6 +127,8 @@ pub struct Metrics {
     engine: HistFamily<Labels2>,
     model_duration: HistFamily<Labels3>,
     model_tokens: HistFamily<Labels3>,
+    egress: Family<EgressLabels, Counter>,
+    egress_bytes: Family<EgressBytesLabels, Counter>,
     state: Mutex<State>,
 }
 
@@ -235,8 +252,23 @@ impl Metrics {
             "Tokens of each model call as the upstream reported them, by token type",
             model_tokens.clone(),
         );
+        let egress = Family::<EgressLabels, Counter>::default();
+        registry.register(
+            "roundtable_egress_requests",
+            "Egress requests, by route and decision (allowed, denied, audit_denied)",
+            egress.clone(),
+        );
+        let egress_bytes = Family::<EgressBytesLabels, Counter>::default();
+        registry.register_with_unit(
+            "roundtable_egress",
+            "Egress bytes, by route and direction (out: paths, queries, bodies; in: bodies)",
+            Unit::Bytes,
+            egress_bytes.clone(),
+        );
         Self {
             registry,
+            egress,
+            egress_bytes,
             turns,
             turn_duration,
             phase_duration,
@@ -424,6 +456,23 @@ impl Metrics {
                         ("outcome", if *ok { "ok" } else { "error" }),
                     ])
                     .inc();
+            }
+            BrokerEvent::Egress(e) => {
+                let route = e.route.clone();
+                self.egress
+                    .get_or_create(&EgressLabels {
+                        route: route.clone(),
+                        decision: e.decision.key(),
+                    })
+                    .inc();
+                for (direction, n) in [("out", e.bytes_out), ("in", e.bytes_in)] {
+                    self.egress_bytes
+                        .get_or_create(&EgressBytesLabels {
+                            route: route.clone(),
+                            direction,
+                        })
+                        .inc_by(n);
+                }
             }
             BrokerEvent::Refused { status, limit } => {
                 self.refusals

@@ -17,6 +17,10 @@ use serde::{Deserialize, Serialize};
 
 /// The header on a refusal of the broker's egress rules (its value: the rule).
 pub const DENIED_HEADER: &str = "x-roundtable-egress-denied";
+/// The header on every answer the broker writes itself (a refusal, a failed exchange, a
+/// limit): an answer without it on an egress route is the site's. The broker removes both
+/// this header and [`DENIED_HEADER`] from a site's answer, so a site cannot pass for it.
+pub const BROKER_HEADER: &str = "x-roundtable-broker";
 /// The `error` of a [`Denial`].
 pub const DENIED: &str = "egress_denied";
 
@@ -80,11 +84,12 @@ pub fn request_path(route: &str, target: &str) -> String {
 /// (`https/h:1/p`, `q`). `None` when it is not `scheme://authority/...`.
 pub fn url_target(url: &str) -> Option<(String, Option<String>)> {
     let (scheme, rest) = url.split_once("://")?;
+    // The fragment never leaves the client: cut it before the query.
+    let rest = rest.split('#').next().unwrap_or("");
     let (rest, query) = match rest.split_once('?') {
         Some((r, q)) => (r, Some(q.to_owned())),
         None => (rest, None),
     };
-    let rest = rest.split('#').next().unwrap_or("");
     if scheme.is_empty() || rest.is_empty() {
         return None;
     }
@@ -99,7 +104,10 @@ mod tests {
     fn targets_of_urls() {
         assert_eq!(
             url_target("https://en.wikipedia.org/wiki/Rust?x=1#top"),
-            Some(("https/en.wikipedia.org/wiki/Rust".into(), Some("x=1".into())))
+            Some((
+                "https/en.wikipedia.org/wiki/Rust".into(),
+                Some("x=1".into())
+            ))
         );
         assert_eq!(
             url_target("https://h:8443"),

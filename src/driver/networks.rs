@@ -10,7 +10,11 @@ impl DockerDriver {
     pub(crate) async fn network_subnets(&self) -> Result<Vec<String>, DriverError> {
         let docker = self.engine().await?;
         let networks = self
-            .call("networks", "", docker.list_networks(None::<ListNetworksOptions>))
+            .call(
+                "networks",
+                "",
+                docker.list_networks(None::<ListNetworksOptions>),
+            )
             .await?;
         Ok(networks
             .into_iter()

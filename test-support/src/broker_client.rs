@@ -139,3 +139,22 @@ pub async fn next_chunk(body: &mut Incoming) -> Option<Bytes> {
         }
     }
 }
+
+/// `method path` with `headers` and `body`, read whole.
+pub async fn request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Answer {
+    let (status, headers, body) = send(socket, method, path, headers, body)
+        .await
+        .expect("broker request");
+    let body = body.collect().await.expect("read the answer").to_bytes();
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}

@@ -190,6 +190,7 @@ fn waits() -> (Arc<FnTool>, Arc<AtomicBool>) {
     (Arc::new(tool), cancelled)
 }
 
+mod egress;
 mod events;
 mod limits;
 mod logs;

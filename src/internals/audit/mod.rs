@@ -370,6 +370,10 @@ pub(crate) struct Line {
     pub(crate) tool_calls: Vec<ToolCallLine>,
     #[serde(default)]
     pub(crate) refusals: Vec<RefusalLine>,
+    /// Each egress request (route, method, host, path without query values, status,
+    /// bytes each way, duration, decision and rule, address): never a credential or a body.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) egress: Vec<EgressLine>,
     /// Refusals past the first [`TurnRecord::MAX_REFUSALS`](crate::events::TurnRecord::MAX_REFUSALS)
     /// (a guest's flood), counted only.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -433,6 +437,23 @@ pub(crate) struct ToolCallLine {
     pub(crate) mcp: bool,
     pub(crate) ok: bool,
     pub(crate) latency_ms: f64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct EgressLine {
+    pub(crate) route: String,
+    pub(crate) method: String,
+    pub(crate) host: String,
+    pub(crate) path: String,
+    pub(crate) status: u16,
+    pub(crate) bytes_out: u64,
+    pub(crate) bytes_in: u64,
+    pub(crate) latency_ms: f64,
+    pub(crate) decision: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rule: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) address: Option<String>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -508,7 +529,7 @@ fn line(f: Finished, include_text: bool) -> Line {
         Some(None) => ("ok".to_owned(), None),
         Some(Some(failure)) => (snake(&failure), Some(explain(failure))),
     };
-    let (mut model_calls, mut tool_calls) = (Vec::new(), Vec::new());
+    let (mut model_calls, mut tool_calls, mut egress) = (Vec::new(), Vec::new(), Vec::new());
     for call in &r.calls {
         match call {
             BrokerEvent::ModelCall {
@@ -533,6 +554,19 @@ fn line(f: Finished, include_text: bool) -> Line {
                 mcp: *mcp,
                 ok: *ok,
                 latency_ms: ms(*latency),
+            }),
+            BrokerEvent::Egress(e) => egress.push(EgressLine {
+                route: e.route.clone(),
+                method: e.method.clone(),
+                host: e.host.clone(),
+                path: e.path.clone(),
+                status: e.status,
+                bytes_out: e.bytes_out,
+                bytes_in: e.bytes_in,
+                latency_ms: ms(e.latency),
+                decision: e.decision.key().to_owned(),
+                rule: e.rule.clone(),
+                address: e.address.map(|a| a.to_string()),
             }),
             _ => {}
         }
@@ -572,6 +606,7 @@ fn line(f: Finished, include_text: bool) -> Line {
         model_calls,
         tool_calls,
         refusals,
+        egress,
         refusals_omitted: r.refusals_omitted,
         warm_fallback: r.fell_back,
         usage: UsageLine {

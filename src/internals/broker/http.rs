@@ -88,12 +88,17 @@ pub(crate) fn refuse(status: StatusCode, limit: Refusal, msg: &str) -> Response 
 /// A failure of the call itself (a tool that failed or timed out): `{"error": msg}`, not a
 /// refusal.
 pub(crate) fn failure(status: StatusCode, msg: &str) -> Response {
-    json_response(
+    let mut response = json_response(
         status,
         &ErrorBody {
             error: msg.to_owned(),
         },
-    )
+    );
+    response.headers_mut().insert(
+        roundtable_sandbox_protocol::egress::BROKER_HEADER,
+        hyper::header::HeaderValue::from_static("1"),
+    );
+    response
 }
 
 /// The mark of a broker refusal on its response: the limit that refused.

@@ -28,7 +28,12 @@ pub(crate) struct SecretSet {
 impl SecretSet {
     /// The set of `policy` as it is now, with `extra`.
     pub(crate) fn new(policy: &BrokerPolicy, extra: Vec<String>) -> Self {
-        let built = Secrets::new(policy.secret_strings().into_iter().chain(extra.iter().cloned()));
+        let built = Secrets::new(
+            policy
+                .secret_strings()
+                .into_iter()
+                .chain(extra.iter().cloned()),
+        );
         Self {
             built: Mutex::new((generation(policy), built)),
             extra,
@@ -40,7 +45,10 @@ impl SecretSet {
         let now = generation(policy);
         let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
         if built.0 != now {
-            let all = policy.secret_strings().into_iter().chain(self.extra.iter().cloned());
+            let all = policy
+                .secret_strings()
+                .into_iter()
+                .chain(self.extra.iter().cloned());
             *built = (now, Secrets::new(all));
         }
         built.1.clone()

@@ -252,13 +252,16 @@ impl EgressRoute {
 
 /// An address range, `addr/len`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Cidr {
-    pub(crate) addr: IpAddr,
-    pub(crate) len: u8,
+pub struct Cidr {
+    /// Its first address.
+    pub addr: IpAddr,
+    /// Its prefix length.
+    pub len: u8,
 }
 
 impl Cidr {
-    pub(crate) fn parse(text: &str) -> Option<Self> {
+    /// `addr/len`, or `None`.
+    pub fn parse(text: &str) -> Option<Self> {
         let (addr, len) = text.split_once('/')?;
         let addr: IpAddr = addr.parse().ok()?;
         let len: u8 = len.parse().ok()?;
@@ -266,14 +269,17 @@ impl Cidr {
         (len <= max).then_some(Self { addr, len })
     }
 
-    pub(crate) fn contains(&self, ip: IpAddr) -> bool {
+    /// Whether `ip` is in it.
+    pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
                 let mask = u32::MAX.checked_shl(32 - u32::from(self.len)).unwrap_or(0);
                 u32::from(net) & mask == u32::from(ip) & mask
             }
             (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(self.len)).unwrap_or(0);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.len))
+                    .unwrap_or(0);
                 u128::from(net) & mask == u128::from(ip) & mask
             }
             _ => false,
@@ -323,7 +329,11 @@ fn validate_one(route: &EgressRoute) -> Result<(), PolicyError> {
     if route.methods.is_empty() {
         return Err(bad(route, "methods is empty"));
     }
-    for method in route.methods.iter().chain(route.deny.iter().flat_map(|d| &d.methods)) {
+    for method in route
+        .methods
+        .iter()
+        .chain(route.deny.iter().flat_map(|d| &d.methods))
+    {
         if !METHODS.contains(&method.as_str()) {
             return Err(bad(
                 route,
@@ -342,7 +352,10 @@ fn validate_one(route: &EgressRoute) -> Result<(), PolicyError> {
     }
     for pattern in route.deny.iter().flat_map(|d| &d.hosts) {
         if !valid_host_pattern(pattern) {
-            return Err(bad(route, format!("invalid host pattern {pattern:?} in deny")));
+            return Err(bad(
+                route,
+                format!("invalid host pattern {pattern:?} in deny"),
+            ));
         }
     }
     for name in route.headers.keys() {
@@ -382,7 +395,9 @@ fn check_upstream(route: &EgressRoute, upstream: &str) -> Result<(), PolicyError
     {
         return Err(bad(
             route,
-            format!("upstream must be https://host[:port][/base], no credentials or query: {upstream}"),
+            format!(
+                "upstream must be https://host[:port][/base], no credentials or query: {upstream}"
+            ),
         ));
     }
     if matches!(route.credential_as, CredentialPlacement::PathSegment)
@@ -515,7 +530,11 @@ mod tests {
             .to_string(),
             "egress route web: configured twice"
         );
-        validate(&[EgressRoute::hosts("web", &["*", "*.wikipedia.org", "example.com"])]).unwrap();
+        validate(&[EgressRoute::hosts(
+            "web",
+            &["*", "*.wikipedia.org", "example.com"],
+        )])
+        .unwrap();
     }
 
     #[test]

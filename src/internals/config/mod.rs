@@ -62,10 +62,8 @@ pub use audit::AuditSettings;
 pub use broker::BrokerLimits;
 pub use budgets::BudgetSettings;
 pub use compaction::CompactionModel;
-pub(crate) use egress::Cidr;
-pub use egress::{
-    CredentialPlacement, DenyRule, EgressLimits, EgressMode, EgressRoute, Redirects,
-};
+pub use egress::Cidr;
+pub use egress::{CredentialPlacement, DenyRule, EgressLimits, EgressMode, EgressRoute, Redirects};
 pub use error::{ConfigError, PolicyError};
 pub use file::{CompactionFile, ConfigFile};
 #[cfg(feature = "cli")]

@@ -28,6 +28,9 @@ pub fn broker_policy(model_url: &str, key: &str) -> BrokerPolicy {
         model_request: Default::default(),
         compaction: None,
         mcp_engine: Some(mcp_engine()),
+        egress: vec![],
+        egress_nameserver: None,
+        engine_networks: vec![],
     }
 }
 

@@ -35,7 +35,9 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming as IncomingBody;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, StatusCode};
-use roundtable_sandbox_protocol::egress::{Denial, RouteForm, RouteSpec, DENIED, DENIED_HEADER};
+use roundtable_sandbox_protocol::egress::{
+    Denial, RouteForm, RouteSpec, BROKER_HEADER, DENIED, DENIED_HEADER,
+};
 use secrecy::{ExposeSecret, SecretString};
 
 use super::http::{full, holding, refuse, Response, Turn};
@@ -68,6 +70,9 @@ const HOP_HEADERS: &[&str] = &[
     "proxy-connection",
     "content-length",
 ];
+
+/// An answer that ends a request before its exchange (a refusal, a cap).
+type Halt = Box<Response>;
 
 /// The broker's egress routes.
 pub(crate) struct Egress {
@@ -180,7 +185,10 @@ pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) 
     let Some(route) = turn.broker.egress.routes.get(name) else {
         return super::http::error_response(
             StatusCode::NOT_FOUND,
-            &format!("unknown egress route: {}", name.chars().take(64).collect::<String>()),
+            &format!(
+                "unknown egress route: {}",
+                name.chars().take(64).collect::<String>()
+            ),
         );
     };
     let mut call = Call::new(route, req.method().as_str(), started);
@@ -247,6 +255,9 @@ impl Call {
             response.headers_mut().insert(DENIED_HEADER, v);
         }
         response
+            .headers_mut()
+            .insert(BROKER_HEADER, HeaderValue::from_static("1"));
+        response
     }
 }
 
@@ -265,10 +276,19 @@ async fn serve(
         return refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RequestBytes,
-            &format!("request headers too large (limit {} bytes)", cfg.limits.max_header_bytes),
+            &format!(
+                "request headers too large (limit {} bytes)",
+                cfg.limits.max_header_bytes
+            ),
         );
     };
-    let allowed = match rules::check(cfg, method.as_str(), target, query.as_deref(), &guest_headers) {
+    let allowed = match rules::check(
+        cfg,
+        method.as_str(),
+        target,
+        query.as_deref(),
+        &guest_headers,
+    ) {
         Ok(a) => a,
         Err(r) => return call.deny(&cfg.name, &r.rule, &r.reason),
     };
@@ -288,11 +308,11 @@ async fn serve(
     };
     let body = match read_body(req, cfg.limits.max_request_bytes, cfg.limits.timeout_ms).await {
         Ok(b) => b,
-        Err(response) => return response,
+        Err(response) => return *response,
     };
     let out = (target.len() + query.as_deref().map_or(0, str::len) + body.len()) as u64;
     if let Err(response) = count(turn, cfg, out) {
-        return response;
+        return *response;
     }
     call.bytes_out = out;
     let ctx = Exchange {
@@ -322,35 +342,32 @@ fn guest_headers(headers: &HeaderMap, cap: usize) -> Option<Vec<(String, String)
     Some(out)
 }
 
-async fn read_body(
-    req: Request<IncomingBody>,
-    cap: usize,
-    timeout_ms: u64,
-) -> Result<Bytes, Response> {
+async fn read_body(req: Request<IncomingBody>, cap: usize, timeout_ms: u64) -> Result<Bytes, Halt> {
     let body = Limited::new(req.into_body(), cap).collect();
-    match tokio::time::timeout(Duration::from_millis(timeout_ms), body).await {
-        Err(_) => Err(refuse(
+    let refused = match tokio::time::timeout(Duration::from_millis(timeout_ms), body).await {
+        Ok(Ok(b)) => return Ok(b.to_bytes()),
+        Err(_) => refuse(
             StatusCode::REQUEST_TIMEOUT,
             Refusal::BodyTimeout,
             "request body not received in time",
-        )),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(refuse(
+        ),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RequestBytes,
             &format!("request body too large (limit {cap} bytes)"),
-        )),
-        Ok(Err(_)) => Err(refuse(
+        ),
+        Ok(Err(_)) => refuse(
             StatusCode::BAD_REQUEST,
             Refusal::Malformed,
             "request body unreadable",
-        )),
-        Ok(Ok(b)) => Ok(b.to_bytes()),
-    }
+        ),
+    };
+    Err(Box::new(refused))
 }
 
 /// Counts a request of the turn on the route (`out` bytes sent): `429` past its requests
 /// or its bytes out, or once its bytes in are spent.
-fn count(turn: &Turn, cfg: &EgressRoute, out: u64) -> Result<(), Response> {
+fn count(turn: &Turn, cfg: &EgressRoute, out: u64) -> Result<(), Halt> {
     let l = &cfg.limits;
     let verdict = turn.egress.with(&cfg.name, |used| {
         if used.requests >= l.max_requests_per_turn {
@@ -375,7 +392,13 @@ fn count(turn: &Turn, cfg: &EgressRoute, out: u64) -> Result<(), Response> {
         used.bytes_out += out;
         Ok(())
     });
-    verdict.map_err(|msg| refuse(StatusCode::TOO_MANY_REQUESTS, Refusal::EgressCaps, &msg))
+    verdict.map_err(|msg| {
+        Box::new(refuse(
+            StatusCode::TOO_MANY_REQUESTS,
+            Refusal::EgressCaps,
+            &msg,
+        ))
+    })
 }
 
 /// One request's exchange with the upstream (and its redirects' within the route).
@@ -400,7 +423,7 @@ impl Exchange<'_> {
                         &format!("egress request timed out after {deadline:?}"),
                     )
                 }
-                Ok(Err(response)) => return response,
+                Ok(Err(response)) => return *response,
                 Ok(Ok(incoming)) => incoming,
             };
             call.event.status = incoming.status.as_u16();
@@ -419,7 +442,11 @@ impl Exchange<'_> {
                 None => return self.answer(incoming),
             }
         }
-        call.deny(&cfg.name, "redirects", &format!("more than {MAX_HOPS} redirects"))
+        call.deny(
+            &cfg.name,
+            "redirects",
+            &format!("more than {MAX_HOPS} redirects"),
+        )
     }
 
     /// The target of a redirect, checked as a new request of the route (`None`: no
@@ -430,7 +457,9 @@ impl Exchange<'_> {
         headers: &HeaderMap,
     ) -> Option<Result<rules::Target, rules::Refused>> {
         let location = headers.get(hyper::header::LOCATION)?.to_str().ok()?;
-        let base = reqwest::Url::parse(&format!("https://{}:{}{}", from.host, from.port, from.path)).ok()?;
+        let base =
+            reqwest::Url::parse(&format!("https://{}:{}{}", from.host, from.port, from.path))
+                .ok()?;
         let next = base.join(location).ok()?;
         let cfg = &self.route.config;
         let raw = match &cfg.upstream {
@@ -457,9 +486,12 @@ impl Exchange<'_> {
     }
 
     /// One hop: resolve, check every address, connect to the checked one, send, read.
-    async fn once(&self, target: &rules::Target, call: &mut Call) -> Result<net::Incoming, Response> {
+    async fn once(&self, target: &rules::Target, call: &mut Call) -> Result<net::Incoming, Halt> {
         let cfg = &self.route.config;
-        let addr = self.address(target).await.map_err(|(rule, reason)| call.deny(&cfg.name, rule, &reason))?;
+        let addr = self
+            .address(target)
+            .await
+            .map_err(|(rule, reason)| call.deny(&cfg.name, rule, &reason))?;
         call.event.address = Some(addr.ip());
         let spent = self.turn.egress.with(&cfg.name, |u| u.bytes_in);
         let cap = (cfg.limits.max_response_bytes as u64)
@@ -475,7 +507,7 @@ impl Exchange<'_> {
         let connect = Duration::from_millis(cfg.limits.connect_timeout_ms);
         let incoming = net::exchange(out, self.route.tls.clone(), connect, cap)
             .await
-            .map_err(|f| failed(cfg, f))?;
+            .map_err(|f| Box::new(failed(cfg, f)))?;
         let read = incoming.body.len() as u64;
         call.bytes_in += read;
         self.turn.egress.with(&cfg.name, |u| u.bytes_in += read);
@@ -523,7 +555,11 @@ impl Exchange<'_> {
             if !query.is_empty() {
                 query.push('&');
             }
-            query.push_str(&format!("{}={}", url_encode(name), url_encode(c.expose_secret())));
+            query.push_str(&format!(
+                "{}={}",
+                url_encode(name),
+                url_encode(c.expose_secret())
+            ));
         }
         match query.is_empty() {
             true => path,
@@ -542,7 +578,10 @@ impl Exchange<'_> {
             if !allowed {
                 continue;
             }
-            if let (Ok(n), Ok(v)) = (HeaderName::try_from(name.as_str()), HeaderValue::from_str(value)) {
+            if let (Ok(n), Ok(v)) = (
+                HeaderName::try_from(name.as_str()),
+                HeaderValue::from_str(value),
+            ) {
                 out.append(n, v);
             }
         }
@@ -553,8 +592,14 @@ impl Exchange<'_> {
         if let Ok(v) = HeaderValue::from_str(&host) {
             out.insert(hyper::header::HOST, v);
         }
-        out.insert(hyper::header::USER_AGENT, HeaderValue::from_static(USER_AGENT));
-        out.insert(hyper::header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        out.insert(
+            hyper::header::USER_AGENT,
+            HeaderValue::from_static(USER_AGENT),
+        );
+        out.insert(
+            hyper::header::ACCEPT_ENCODING,
+            HeaderValue::from_static("identity"),
+        );
         if let Some((name, mut value)) = self.credential_header() {
             value.set_sensitive(true);
             out.insert(name, value);
@@ -589,8 +634,12 @@ impl Exchange<'_> {
         for (name, value) in &incoming.headers {
             let n = name.as_str();
             if HOP_HEADERS.contains(&n)
-                || cfg.strip_response_headers.iter().any(|s| s.eq_ignore_ascii_case(n))
+                || cfg
+                    .strip_response_headers
+                    .iter()
+                    .any(|s| s.eq_ignore_ascii_case(n))
                 || n == DENIED_HEADER
+                || n == BROKER_HEADER
             {
                 continue;
             }
@@ -605,7 +654,10 @@ impl Exchange<'_> {
         }
         let body = secrets.redact_bytes(&incoming.body).into_owned();
         response.body(full(body)).unwrap_or_else(|_| {
-            super::http::failure(StatusCode::BAD_GATEWAY, "the upstream's answer has an invalid header")
+            super::http::failure(
+                StatusCode::BAD_GATEWAY,
+                "the upstream's answer has an invalid header",
+            )
         })
     }
 }
@@ -615,11 +667,17 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
     let (status, msg) = match f {
         net::Failure::Connect(e) => {
             tracing::info!(route = %cfg.name, error = %e, "egress connection failed");
-            (StatusCode::BAD_GATEWAY, "the upstream is unreachable".to_owned())
+            (
+                StatusCode::BAD_GATEWAY,
+                "the upstream is unreachable".to_owned(),
+            )
         }
         net::Failure::Exchange(e) => {
             tracing::info!(route = %cfg.name, error = %e, "egress exchange failed");
-            (StatusCode::BAD_GATEWAY, "the upstream's answer could not be read".to_owned())
+            (
+                StatusCode::BAD_GATEWAY,
+                "the upstream's answer could not be read".to_owned(),
+            )
         }
         net::Failure::TooLarge(cap) => (
             StatusCode::BAD_GATEWAY,

@@ -275,7 +275,12 @@ mod tests {
         ] {
             assert!(verdict(ip).is_some(), "{ip} passes");
         }
-        for ip in ["93.184.216.34", "1.1.1.1", "2606:4700::1111", "::ffff:8.8.8.8"] {
+        for ip in [
+            "93.184.216.34",
+            "1.1.1.1",
+            "2606:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
             assert_eq!(verdict(ip), None, "{ip} is refused");
         }
         let engine = [Cidr::parse("203.1.0.0/16").unwrap()];

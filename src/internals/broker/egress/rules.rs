@@ -89,18 +89,26 @@ pub(crate) fn check(
 fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, Refused> {
     let (host, port, path) = match &route.upstream {
         Some(base) => {
-            let url = reqwest::Url::parse(base).map_err(|_| refused("upstream", "the route's upstream is invalid"))?;
+            let url = reqwest::Url::parse(base)
+                .map_err(|_| refused("upstream", "the route's upstream is invalid"))?;
             let host = url.host_str().unwrap_or_default().to_ascii_lowercase();
             let port = url.port().unwrap_or(443);
             let base = url.path().trim_end_matches('/');
-            (host, port, format!("{base}/{}", raw.trim_start_matches('/')))
+            (
+                host,
+                port,
+                format!("{base}/{}", raw.trim_start_matches('/')),
+            )
         }
         None => {
             let (scheme, rest) = raw
                 .split_once('/')
                 .ok_or_else(|| refused("target", "give the URL as scheme/host/path"))?;
             if scheme != "https" {
-                return Err(refused("scheme", format!("only https is allowed, not {scheme:?}")));
+                return Err(refused(
+                    "scheme",
+                    format!("only https is allowed, not {scheme:?}"),
+                ));
             }
             let (authority, path) = match rest.split_once('/') {
                 Some((a, p)) => (a, format!("/{p}")),
@@ -130,7 +138,10 @@ fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, 
 /// The host and port of an authority (`host[:port]`); userinfo is refused in every mode.
 fn authority_parts(authority: &str) -> Result<(String, u16), Refused> {
     if authority.contains('@') {
-        return Err(refused("userinfo", "a user or password in the URL is not allowed"));
+        return Err(refused(
+            "userinfo",
+            "a user or password in the URL is not allowed",
+        ));
     }
     if authority.contains('%') || authority.contains('\\') {
         return Err(refused("host", "the host holds an escape or a backslash"));
@@ -217,7 +228,10 @@ fn route_rules(
     if !route.methods.iter().any(|m| m == method) {
         return Err(refused(
             "method",
-            format!("{method} is not allowed (allowed: {})", route.methods.join(", ")),
+            format!(
+                "{method} is not allowed (allowed: {})",
+                route.methods.join(", ")
+            ),
         ));
     }
     let rel = relative_path(route, &target.path);
@@ -228,7 +242,12 @@ fn route_rules(
         ));
     }
     if let Some(allowed) = &route.query {
-        for pair in target.query.iter().flat_map(|q| q.split('&')).filter(|p| !p.is_empty()) {
+        for pair in target
+            .query
+            .iter()
+            .flat_map(|q| q.split('&'))
+            .filter(|p| !p.is_empty())
+        {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
             let ok = allowed.get(name).is_some_and(|g| glob_text(g, value));
             if !ok {
@@ -257,7 +276,8 @@ fn route_rules(
     for (i, rule) in route.deny.iter().enumerate() {
         let methods = rule.methods.is_empty() || rule.methods.iter().any(|m| m == method);
         let paths = rule.paths.is_empty() || rule.paths.iter().any(|g| glob(g, rel));
-        let hosts = rule.hosts.is_empty() || rule.hosts.iter().any(|p| host_matches(p, &target.host));
+        let hosts =
+            rule.hosts.is_empty() || rule.hosts.iter().any(|p| host_matches(p, &target.host));
         if methods && paths && hosts {
             return Err(refused(
                 &format!("deny[{i}]"),
@@ -290,10 +310,12 @@ pub(crate) fn host_matches(pattern: &str, host: &str) -> bool {
         return true;
     }
     match pattern.strip_prefix("*.") {
-        Some(domain) => host.len() > domain.len() + 1 && {
-            let (sub, dom) = host.split_at(host.len() - domain.len());
-            sub.ends_with('.') && dom.eq_ignore_ascii_case(domain)
-        },
+        Some(domain) => {
+            host.len() > domain.len() + 1 && {
+                let (sub, dom) = host.split_at(host.len() - domain.len());
+                sub.ends_with('.') && dom.eq_ignore_ascii_case(domain)
+            }
+        }
         None => host.eq_ignore_ascii_case(pattern),
     }
 }
@@ -343,7 +365,9 @@ mod tests {
     }
 
     fn rule_of(route: &EgressRoute, method: &str, target: &str) -> Option<String> {
-        check(route, method, target, None, &[]).err().map(|r| r.rule)
+        check(route, method, target, None, &[])
+            .err()
+            .map(|r| r.rule)
     }
 
     #[test]
@@ -373,11 +397,26 @@ mod tests {
     #[test]
     fn userinfo_dot_segments_and_encoded_slashes_are_refused() {
         let r = web();
-        assert_eq!(rule_of(&r, "GET", "https/u:p@example.com/x").as_deref(), Some("userinfo"));
-        assert_eq!(rule_of(&r, "GET", "https/example.com/a/../b").as_deref(), Some("dot_segment"));
-        assert_eq!(rule_of(&r, "GET", "https/example.com/a/%2e%2E/b").as_deref(), Some("dot_segment"));
-        assert_eq!(rule_of(&r, "GET", "https/example.com/a%2Fb").as_deref(), Some("encoded_slash"));
-        assert_eq!(rule_of(&r, "GET", "http/example.com/").as_deref(), Some("scheme"));
+        assert_eq!(
+            rule_of(&r, "GET", "https/u:p@example.com/x").as_deref(),
+            Some("userinfo")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/example.com/a/../b").as_deref(),
+            Some("dot_segment")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/example.com/a/%2e%2E/b").as_deref(),
+            Some("dot_segment")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/example.com/a%2Fb").as_deref(),
+            Some("encoded_slash")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "http/example.com/").as_deref(),
+            Some("scheme")
+        );
         let mut lax = web();
         lax.allow_unusual_paths = true;
         assert_eq!(rule_of(&lax, "GET", "https/example.com/a%2Fb"), None);
@@ -392,24 +431,44 @@ mod tests {
             ..Default::default()
         }];
         assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/wiki/Rust"), None);
-        assert_eq!(rule_of(&r, "GET", "https/wikipedia.org/wiki/Rust").as_deref(), Some("host"));
-        assert_eq!(rule_of(&r, "POST", "https/en.wikipedia.org/wiki/Rust").as_deref(), Some("method"));
-        assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/w/index.php").as_deref(), Some("path"));
-        assert_eq!(rule_of(&r, "GET", "https/en.wikipedia.org/wiki/SecretPage").as_deref(), Some("deny[0]"));
+        assert_eq!(
+            rule_of(&r, "GET", "https/wikipedia.org/wiki/Rust").as_deref(),
+            Some("host")
+        );
+        assert_eq!(
+            rule_of(&r, "POST", "https/en.wikipedia.org/wiki/Rust").as_deref(),
+            Some("method")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org/w/index.php").as_deref(),
+            Some("path")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org/wiki/SecretPage").as_deref(),
+            Some("deny[0]")
+        );
         // Audit mode: sent, with the rule that would have refused it.
         r.mode = EgressMode::Audit;
         let allowed = check(&r, "POST", "https/en.wikipedia.org/wiki/Rust", None, &[]).unwrap();
         assert_eq!(allowed.audit_denied.unwrap().rule, "method");
         // ... but not the controls that hold in every mode.
-        assert_eq!(rule_of(&r, "GET", "https/0x7f000002/wiki/x").as_deref(), Some("ip_literal"));
+        assert_eq!(
+            rule_of(&r, "GET", "https/0x7f000002/wiki/x").as_deref(),
+            Some("ip_literal")
+        );
     }
 
     #[test]
     fn an_upstream_routes_path_is_under_its_base() {
         let mut r = EgressRoute::upstream("api", "https://api.example.com/v2");
         r.paths = vec!["/items/**".into()];
-        let t = check(&r, "GET", "items/7/parts", Some("a=1&b=2"), &[]).unwrap().target;
-        assert_eq!((t.host.as_str(), t.port, t.path.as_str()), ("api.example.com", 443, "/v2/items/7/parts"));
+        let t = check(&r, "GET", "items/7/parts", Some("a=1&b=2"), &[])
+            .unwrap()
+            .target;
+        assert_eq!(
+            (t.host.as_str(), t.port, t.path.as_str()),
+            ("api.example.com", 443, "/v2/items/7/parts")
+        );
         assert_eq!(t.audit_path(), "/v2/items/7/parts?a=&b=");
         assert_eq!(rule_of(&r, "GET", "users").as_deref(), Some("path"));
     }

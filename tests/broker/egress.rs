@@ -1,0 +1,445 @@
+//! Egress through the broker (issue 45), with real parts on loopback only: an HTTPS server
+//! with a CA the test makes (rcgen), on 127.0.0.2 (the address a route may reach, by
+//! `allow_private = ["127.0.0.2/32"]`) and on 127.0.0.3 (one it may not), and a DNS server
+//! the broker's resolver is pointed at. Each attack is refused by the control its test
+//! names (the other controls let it through: see each test).
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use roundtable_sandbox::events::{BrokerEvent, EgressDecision};
+use roundtable_sandbox::internals::testing::Recorder;
+use roundtable_sandbox::{CredentialPlacement, EgressMode, EgressRoute, KeyRef, Redirects};
+use roundtable_sandbox_protocol::egress::{BROKER_HEADER, DENIED_HEADER};
+use roundtable_sandbox_test_support::broker_client::{request, Answer};
+use roundtable_sandbox_test_support::egress::{
+    gzip_bomb, Dns, TestCa, Upstream, REACHABLE, UNREACHABLE,
+};
+
+use super::*;
+
+/// The real parts: the CA, the two servers, the DNS.
+struct Web {
+    ca: TestCa,
+    up: Upstream,
+    other: Upstream,
+    dns: Dns,
+}
+
+impl Web {
+    async fn start() -> Self {
+        let ca = TestCa::new();
+        let up = Upstream::start(&ca, REACHABLE, 0).await;
+        let other = Upstream::start(&ca, UNREACHABLE, up.addr.port()).await;
+        let meta = Ipv4Addr::new(169, 254, 169, 254);
+        let dns = Dns::start(&[
+            ("egress.test", &[REACHABLE]),
+            ("api.egress.test", &[REACHABLE]),
+            ("rebind.test", &[REACHABLE, UNREACHABLE]),
+            ("other.test", &[UNREACHABLE]),
+            ("meta.test", &[meta]),
+        ])
+        .await;
+        Self { ca, up, other, dns }
+    }
+
+    fn port(&self) -> u16 {
+        self.up.addr.port()
+    }
+
+    /// A route of host patterns (`*`) that may reach 127.0.0.2 and trusts the test CA.
+    fn web_route(&self) -> EgressRoute {
+        let mut r = EgressRoute::hosts("web", &["*"]);
+        r.allow_private = vec!["127.0.0.2/32".into()];
+        r.ca_file = Some(self.ca.pem_file.clone());
+        r
+    }
+
+    /// A route of a fixed upstream (`api.egress.test`) with a credential from `var`.
+    fn api_route(&self, var: &str) -> EgressRoute {
+        let mut r =
+            EgressRoute::upstream("api", format!("https://api.egress.test:{}/v1", self.port()));
+        r.methods = vec!["GET".into(), "POST".into()];
+        r.allow_private = vec!["127.0.0.2/32".into()];
+        r.ca_file = Some(self.ca.pem_file.clone());
+        r.credential = Some(KeyRef {
+            env: Some(var.into()),
+            file: None,
+        });
+        r
+    }
+
+    async fn turn(&self, routes: Vec<EgressRoute>) -> (BrokerTurn, Recorder) {
+        let mut p = policy("http://127.0.0.1:9/v1");
+        p.egress = routes;
+        p.egress_nameserver = Some(self.dns.addr);
+        let broker = start_broker(p).await;
+        let seen = Recorder::default();
+        let turn =
+            BrokerTurn::start_observed(&broker, "chan-1", speaker(), Some(seen.observer())).await;
+        (turn, seen)
+    }
+
+    fn url(&self, host: &str, path: &str) -> String {
+        format!("/v1/egress/web/https/{host}:{}{path}", self.port())
+    }
+}
+
+async fn get(turn: &BrokerTurn, path: &str) -> Answer {
+    request(turn.socket(), "GET", path, &[], "").await
+}
+
+/// A refusal's rule (its body and its header agree).
+fn denied_by(a: &Answer) -> String {
+    assert_eq!(a.status, 403, "{}", a.text());
+    let body = a.json();
+    assert_eq!(body["error"], "egress_denied");
+    let rule = body["rule"].as_str().unwrap().to_owned();
+    assert_eq!(a.headers[DENIED_HEADER], rule.as_str());
+    assert_eq!(a.headers[BROKER_HEADER], "1");
+    rule
+}
+
+fn egress_events(seen: &Recorder) -> Vec<roundtable_sandbox::events::EgressCall> {
+    seen.broker()
+        .into_iter()
+        .filter_map(|b| match b {
+            BrokerEvent::Egress(e) => Some(*e),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn egress_get_and_post_carry_the_credential_the_guest_never_sees() {
+    let web = Web::start().await;
+    let token = "egress-token-Yy7Uu6Tt5";
+    std::env::set_var("RTS_EGRESS_TOKEN_A", token);
+    let (turn, seen) = web.turn(vec![web.api_route("RTS_EGRESS_TOKEN_A")]).await;
+    // The guest's own authorization, cookie, proxy header and host are dropped.
+    let guest = [
+        ("authorization", "Bearer guest-made"),
+        ("cookie", "a=b"),
+        ("proxy-authorization", "Basic eA=="),
+        ("x-forwarded-for", "10.0.0.1"),
+        ("accept", "application/json"),
+    ];
+    let a = request(
+        turn.socket(),
+        "GET",
+        "/v1/egress/api/items/echo?q=rust",
+        &guest,
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let up = &web.up.seen()[0];
+    let header = |name: &str| {
+        up.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(header("authorization"), Some(format!("Bearer {token}")));
+    assert_eq!(
+        header("host"),
+        Some(format!("api.egress.test:{}", web.port()))
+    );
+    assert_eq!(header("cookie"), None);
+    assert_eq!(header("proxy-authorization"), None);
+    assert_eq!(header("x-forwarded-for"), None);
+    assert_eq!(header("accept-encoding").as_deref(), Some("identity"));
+    assert!(header("user-agent")
+        .unwrap()
+        .starts_with("roundtable-sandbox-egress/"));
+    assert_eq!(header("accept").as_deref(), Some("application/json"));
+    assert_eq!(up.uri, "/v1/items/echo?q=rust");
+    assert_eq!(up.local.ip(), IpAddr::V4(REACHABLE));
+    // The upstream echoed the credential: the guest reads it redacted.
+    assert!(!a.text().contains(token), "{}", a.text());
+    assert!(a.text().contains("[redacted]"));
+    // A POST and its body.
+    let a = request(
+        turn.socket(),
+        "POST",
+        "/v1/egress/api/echo",
+        &[("content-type", "text/plain")],
+        "hello upstream",
+    )
+    .await;
+    assert_eq!(a.status, 200);
+    assert_eq!(web.up.seen()[1].body, b"hello upstream");
+    assert_eq!(web.up.seen()[1].method, "POST");
+    // The event: no credential, no query value.
+    let events = egress_events(&seen);
+    assert_eq!(events.len(), 2);
+    assert_eq!(events[0].path, "/v1/items/echo?q=");
+    assert_eq!(events[0].decision, EgressDecision::Allowed);
+    assert_eq!(events[0].address, Some(IpAddr::V4(REACHABLE)));
+    assert!(!format!("{events:?}").contains(token));
+}
+
+#[tokio::test]
+async fn egress_credential_placements() {
+    let web = Web::start().await;
+    let token = "egress-key-Qq2Ww3";
+    std::env::set_var("RTS_EGRESS_TOKEN_B", token);
+    for (placement, want) in [
+        (
+            CredentialPlacement::Header {
+                name: "x-api-key".into(),
+                format: "Key {}".into(),
+            },
+            format!("x-api-key=Key {token}"),
+        ),
+        (
+            CredentialPlacement::Query {
+                name: "apikey".into(),
+            },
+            format!("query=apikey={token}"),
+        ),
+        (CredentialPlacement::Basic, "authorization=Basic ".into()),
+    ] {
+        let mut route = web.api_route("RTS_EGRESS_TOKEN_B");
+        route.credential_as = placement;
+        std::env::set_var("RTS_EGRESS_TOKEN_B", token);
+        let (turn, _) = web.turn(vec![route]).await;
+        let before = web.up.seen().len();
+        let a = get(&turn, "/v1/egress/api/credential").await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let seen = web.up.seen()[before].clone();
+        let up = String::from_utf8_lossy(&seen.body).into_owned();
+        assert!(up.is_empty());
+        let line = seen
+            .headers
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .chain(std::iter::once(format!(
+                "query={}",
+                seen.uri.split_once('?').map_or("", |(_, q)| q)
+            )))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(line.contains(&want), "{want} not in {line}");
+        assert!(!a.text().contains(token), "echoed: {}", a.text());
+    }
+}
+
+#[tokio::test]
+async fn egress_refusals_name_their_rule() {
+    let web = Web::start().await;
+    std::env::set_var("RTS_EGRESS_TOKEN_C", "t-c-1234567");
+    let (turn, seen) = web
+        .turn(vec![web.web_route(), web.api_route("RTS_EGRESS_TOKEN_C")])
+        .await;
+    // Control: the route's methods (GET and HEAD by default).
+    let a = request(
+        turn.socket(),
+        "DELETE",
+        &web.url("egress.test", "/echo"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(denied_by(&a), "method");
+    // Controls that hold in every mode: userinfo, dot segments, encoded slashes.
+    let a = get(
+        &turn,
+        &format!(
+            "/v1/egress/web/https/user:pw@egress.test:{}/echo",
+            web.port()
+        ),
+    )
+    .await;
+    assert_eq!(denied_by(&a), "userinfo");
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("egress.test", "/a/../echo")).await),
+        "dot_segment"
+    );
+    assert_eq!(
+        denied_by(&get(&turn, "/v1/egress/api/x/%2e%2e/admin").await),
+        "dot_segment"
+    );
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("egress.test", "/a%2Fecho")).await),
+        "encoded_slash"
+    );
+    assert!(
+        web.up.seen().is_empty(),
+        "a refused request reached the upstream"
+    );
+    assert_eq!(
+        egress_events(&seen)
+            .iter()
+            .filter(|e| e.decision == EgressDecision::Denied)
+            .count(),
+        5
+    );
+    // No route, no egress.
+    assert_eq!(
+        get(&turn, "/v1/egress/nope/https/egress.test/echo")
+            .await
+            .status,
+        404
+    );
+}
+
+#[tokio::test]
+async fn egress_ip_literals_in_any_form_are_refused() {
+    // Control: the IP-literal rule. 127.0.0.2 is in the route's allow_private: without the
+    // rule each of these reaches the upstream.
+    let web = Web::start().await;
+    let (turn, _) = web.turn(vec![web.web_route()]).await;
+    for host in [
+        "2130706434",
+        "0177.0.0.2",
+        "0x7f000002",
+        "127.0.0.2",
+        "[::ffff:127.0.0.2]",
+    ] {
+        let a = get(&turn, &web.url(host, "/echo")).await;
+        assert_eq!(denied_by(&a), "ip_literal", "{host}");
+    }
+    assert!(web.up.seen().is_empty());
+}
+
+#[tokio::test]
+async fn egress_addresses_outside_the_routes_ranges_are_refused_and_redirects_checked() {
+    let web = Web::start().await;
+    let (turn, _) = web.turn(vec![web.web_route()]).await;
+    // Control: the address check (a name resolving to 127.0.0.3, or to the metadata address).
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("other.test", "/echo")).await),
+        "address"
+    );
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("meta.test", "/echo")).await),
+        "address"
+    );
+    assert!(web.other.seen().is_empty());
+    // Redirects are not followed by default: the 302 is the guest's.
+    let to = format!("https%3A%2F%2Fother.test:{}%2Fecho", web.port());
+    let a = get(
+        &turn,
+        &web.url("egress.test", &format!("/redirect?to={to}")),
+    )
+    .await;
+    assert_eq!(a.status, 302);
+    assert!(web.other.seen().is_empty());
+    // Followed within the route, each hop is checked as a new request.
+    let mut follow = web.web_route();
+    follow.redirects = Redirects::SameRoute;
+    let (turn, _) = web.turn(vec![follow]).await;
+    let a = get(
+        &turn,
+        &web.url("egress.test", &format!("/redirect?to={to}")),
+    )
+    .await;
+    assert_eq!(denied_by(&a), "address");
+    let a = get(
+        &turn,
+        &web.url(
+            "egress.test",
+            "/redirect?to=https%3A%2F%2F169.254.169.254%2Flatest",
+        ),
+    )
+    .await;
+    assert_eq!(denied_by(&a), "ip_literal");
+    assert!(web.other.seen().is_empty());
+    let to_same = format!("https%3A%2F%2Fegress.test:{}%2Fecho", web.port());
+    let a = get(
+        &turn,
+        &web.url("egress.test", &format!("/redirect?to={to_same}")),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+}
+
+#[tokio::test]
+async fn egress_resolves_once_and_connects_to_the_address_it_checked() {
+    // The test DNS answers rebind.test with 127.0.0.2 first and 127.0.0.3 after: one
+    // lookup, one connection, to 127.0.0.2.
+    let web = Web::start().await;
+    let (turn, seen) = web.turn(vec![web.web_route()]).await;
+    let a = get(&turn, &web.url("rebind.test", "/echo")).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(web.dns.queries("rebind.test"), 1);
+    assert_eq!(web.up.seen().len(), 1);
+    assert_eq!(web.up.seen()[0].local.ip(), IpAddr::V4(REACHABLE));
+    assert!(web.other.seen().is_empty());
+    assert_eq!(egress_events(&seen)[0].address, Some(IpAddr::V4(REACHABLE)));
+}
+
+#[tokio::test]
+async fn egress_answers_are_capped_stripped_and_timed() {
+    let web = Web::start().await;
+    let mut route = web.web_route();
+    route.limits.timeout_ms = 500;
+    route.limits.max_response_bytes = 2 << 20;
+    route.limits.max_bytes_in_per_turn = 64 << 20;
+    let (turn, _) = web.turn(vec![route]).await;
+    // Set-Cookie stripped, other headers kept.
+    let a = get(&turn, &web.url("egress.test", "/cookie")).await;
+    assert_eq!(a.status, 200);
+    assert!(a.headers.get("set-cookie").is_none());
+    assert_eq!(a.headers["x-kept"], "yes");
+    // A site cannot pass for the broker: its denial header and the broker's mark are gone.
+    assert!(a.headers.get(DENIED_HEADER).is_none());
+    assert!(a.headers.get(BROKER_HEADER).is_none());
+    // A slow upstream meets the deadline; the broker's own answer carries its mark.
+    let a = get(&turn, &web.url("egress.test", "/slow")).await;
+    assert_eq!(a.status, 504, "{}", a.text());
+    assert_eq!(a.headers[BROKER_HEADER], "1");
+    // An endless body meets the cap.
+    let a = get(&turn, &web.url("egress.test", "/endless")).await;
+    assert_eq!(
+        (a.status, a.error()),
+        (
+            502,
+            format!("the upstream's answer is larger than {} bytes", 2 << 20)
+        )
+    );
+    // A compression bomb is never inflated on the host: the guest gets the bytes sent.
+    let bomb = tokio::task::spawn_blocking(gzip_bomb).await.unwrap();
+    assert!(bomb.len() < 1 << 20);
+    let a = get(&turn, &web.url("egress.test", "/bomb")).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body.len(), bomb.len());
+    assert_eq!(a.headers["content-encoding"], "gzip");
+}
+
+#[tokio::test]
+async fn egress_per_turn_caps_and_audit_mode() {
+    let web = Web::start().await;
+    let mut route = web.web_route();
+    route.limits.max_requests_per_turn = 2;
+    let (turn, _) = web.turn(vec![route]).await;
+    for _ in 0..2 {
+        assert_eq!(
+            get(&turn, &web.url("egress.test", "/echo")).await.status,
+            200
+        );
+    }
+    let a = get(&turn, &web.url("egress.test", "/echo")).await;
+    assert_eq!(a.status, 429, "{}", a.text());
+    // Audit mode: a denied method is sent, and reported as would-be denied.
+    let mut audit = web.web_route();
+    audit.mode = EgressMode::Audit;
+    let (turn, seen) = web.turn(vec![audit]).await;
+    let a = request(
+        turn.socket(),
+        "DELETE",
+        &web.url("egress.test", "/echo"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = egress_events(&seen);
+    assert_eq!(events[0].decision, EgressDecision::AuditDenied);
+    assert_eq!(events[0].rule.as_deref(), Some("method"));
+    // ... but never past the address rules.
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("other.test", "/echo")).await),
+        "address"
+    );
+}
