@@ -59,6 +59,7 @@ pub fn turn_stdin() -> Vec<u8> {
         reset: false,
         tools: Vec::new(),
         mcp: Vec::new(),
+        egress: Vec::new(),
         max_steps: None,
         session_budget: None,
     };

@@ -169,6 +169,7 @@ mod tests {
             reset,
             tools: vec![],
             mcp: vec![],
+            egress: vec![],
             max_steps: None,
             session_budget: None,
         }

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod chat;
 pub mod compaction;
+pub mod egress;
 pub mod held;
 pub mod text;
 
@@ -88,6 +89,9 @@ pub struct Turn {
     pub tools: Vec<ToolSpec>,
     /// The MCP servers' allow-listed tools.
     pub mcp: Vec<McpServerSpec>,
+    /// The web routes the broker serves for this turn (none: no `fetch` tool).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<egress::RouteSpec>,
     /// Model steps in this turn; `None`: [`DEFAULT_MAX_STEPS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_steps: Option<u32>,
@@ -197,6 +201,9 @@ pub mod paths {
     /// `POST /v1/compact` with a [`crate::compaction::CompactRequest`]; `200` with a
     /// [`crate::compaction::CompactReply`].
     pub const COMPACT: &str = "/v1/compact";
+    /// `{METHOD} /v1/egress/{route}/{target}`: a web request through an operator's route
+    /// (see [`crate::egress`]).
+    pub const EGRESS_PREFIX: &str = "/v1/egress/";
 }
 
 /// The guest's built-in tools, by name: defined once here for the guest (which runs
@@ -213,8 +220,11 @@ pub mod builtin_tools {
     pub const LIST: &str = "list";
     /// Run a shell command in the workspace.
     pub const SH: &str = "sh";
+    /// A web request through one of the operator's egress routes (offered only when the
+    /// turn has routes).
+    pub const FETCH: &str = "fetch";
     /// Every built-in, in the order the guest offers them.
-    pub const ALL: [&str; 5] = [READ, WRITE, EDIT, LIST, SH];
+    pub const ALL: [&str; 6] = [READ, WRITE, EDIT, LIST, SH, FETCH];
 }
 
 /// The broker's answer to a host or MCP tool call (HTTP 200).
@@ -260,6 +270,7 @@ mod tests {
             reset: true,
             tools: vec![],
             mcp: vec![],
+            egress: vec![],
             max_steps: None,
             session_budget: None,
         };

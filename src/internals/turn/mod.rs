@@ -375,6 +375,7 @@ impl Run<'_> {
             reset: request.reset,
             tools,
             mcp,
+            egress: sandbox.broker().egress_specs(),
             max_steps: config.max_steps,
             session_budget: config.session_budget,
         };
