@@ -151,7 +151,29 @@ impl FetchRequest {
                 encode_component(value)
             ));
         }
-        let mut path = egress::request_path(&route, &encode(&target, false));
+        let target = match &self.target {
+            // `scheme/authority/path`: an IPv6 literal's brackets stay as they are (the
+            // broker decides whether a route may name an address at all).
+            Target::Url(_) if !matches!(form, Some(RouteForm::Upstream { .. })) => {
+                let mut parts = target.splitn(3, '/');
+                let scheme = encode(parts.next().unwrap_or(""), false);
+                let authority: String = parts
+                    .next()
+                    .unwrap_or("")
+                    .split_inclusive(['[', ']'])
+                    .map(|piece| match piece.strip_suffix(['[', ']']) {
+                        Some(stem) => encode(stem, false) + &piece[stem.len()..],
+                        None => encode(piece, false),
+                    })
+                    .collect();
+                match parts.next() {
+                    Some(path) => format!("{scheme}/{authority}/{}", encode(path, false)),
+                    None => format!("{scheme}/{authority}"),
+                }
+            }
+            _ => encode(&target, false),
+        };
+        let mut path = egress::request_path(&route, &target);
         if !query.is_empty() {
             path.push('?');
             path.push_str(&query.join("&"));
@@ -869,7 +891,8 @@ a whole URL (https://host/path?query), a route with a fixed upstream a path unde
 options:
   -X, --request METHOD    the method (default GET, or POST with a body)
   -H, --header 'Name: v'  a request header (repeatable)
-  -d, --data BODY         a request body (default Content-Type: application/x-www-form-urlencoded)
+  -d, --data BODY         a request body (default Content-Type: application/x-www-form-urlencoded);
+                          @PATH: the file's bytes (as --data-binary)
       --data-file PATH    the request body from a file (- for stdin), same default type
       --json BODY         a JSON body (Content-Type and Accept: application/json)
       --text              the body as text: HTML reduced to readable text, controls escaped;
@@ -962,11 +985,14 @@ fn parse(
                     .ok_or_else(|| format!("header {:?} is not 'Name: value'", shown(&header)))?;
                 headers.push((n.trim().to_owned(), v.trim().to_owned()));
             }
-            "-d" | "--data" => {
-                body = Some((
-                    value("a body")?.into_bytes(),
-                    "application/x-www-form-urlencoded",
-                ))
+            "-d" | "--data" | "--data-binary" => {
+                // As curl: `@PATH` is the body of a file (sent as it is).
+                let data = value("a body")?;
+                let bytes = match data.strip_prefix('@') {
+                    Some(path) => read_file(path)?,
+                    None => data.into_bytes(),
+                };
+                body = Some((bytes, "application/x-www-form-urlencoded"));
             }
             "--data-file" => {
                 let path = value("a path")?;

@@ -362,11 +362,16 @@ fn targets_become_broker_paths_and_bad_ones_are_refused_here() {
     let upstream = RouteForm::Upstream {
         base: "https://api.example.com/v1/".into(),
     };
-    let cases: [(FetchRequest, Option<&RouteForm>, Result<&str, &str>); 12] = [
+    let cases: [(FetchRequest, Option<&RouteForm>, Result<&str, &str>); 13] = [
         (
             url("https://h.example:8443/a/b?c=d&e"),
             Some(&hosts),
             Ok("/v1/egress/web/https/h.example:8443/a/b?c=d&e"),
+        ),
+        (
+            url("https://[::1]:8443/a[b]"),
+            None,
+            Ok("/v1/egress/web/https/[::1]:8443/a%5Bb%5D"),
         ),
         (
             url("https://h.example"),
@@ -561,6 +566,7 @@ fn the_subcommand_writes_the_raw_body_and_its_status_like_curl() {
         ),
         answer(200, &[("Content-Type", "application/json")], b"[]"),
         answer(302, &[("Location", "https://example.org/elsewhere")], b""),
+        answer(204, &[], b""),
     ]);
     let socket = broker.socket().to_path_buf();
     let raw = run(&socket, &["web", "https://example.org/a.png"]);
@@ -583,6 +589,7 @@ fn the_subcommand_writes_the_raw_body_and_its_status_like_curl() {
     );
     let json = run(&socket, &["-i", "--json", "{\"a\":1}", "api", "/items"]);
     let moved = run(&socket, &["web", "https://example.org/old"]);
+    let curlish = run(&socket, &["-d", "@body.txt", "api", "/items"]);
     let requests = broker.requests();
 
     assert_eq!(raw.0, 0, "{}", raw.2);
@@ -629,6 +636,14 @@ fn the_subcommand_writes_the_raw_body_and_its_status_like_curl() {
         String::from_utf8(json.1).unwrap(),
         "HTTP/1.1 200\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n[]"
     );
+
+    assert_eq!(curlish.0, 0, "{}", curlish.2);
+    assert!(
+        requests[5].starts_with("POST /v1/egress/api/items HTTP/1.1\r\n"),
+        "{}",
+        requests[5]
+    );
+    assert!(requests[5].ends_with("\r\n\r\na=1&b=2"), "{}", requests[5]);
 
     assert_eq!(moved.0, 0);
     assert!(moved.1.is_empty());
