@@ -42,6 +42,12 @@ pub enum HttpError {
     /// The response body was larger than allowed.
     #[error("broker response larger than {0} bytes")]
     TooLarge(usize),
+    /// The request was refused before anything was sent (a bad method or header).
+    #[error("invalid request: {0}")]
+    Request(String),
+    /// The sink a body was copied to refused it ([`Exchange::copy_body`]).
+    #[error("cannot write the response body")]
+    Sink(#[source] io::Error),
 }
 
 /// A response: its status and its (de-chunked) body.
@@ -86,6 +92,163 @@ impl UnixHttpClient {
             body,
             self.max_body,
         )
+    }
+}
+
+impl UnixHttpClient {
+    /// Sends `request` and reads the answer's head within `timeout`; the body stays on the
+    /// connection for [`Exchange::copy_body`] (under the same deadline). The client's
+    /// `max_body` is not applied here: the caller gives the body's cap when it copies it.
+    pub fn request(
+        &self,
+        request: &Request<'_>,
+        timeout: Duration,
+    ) -> Result<Exchange<Deadlined>, HttpError> {
+        request.check()?;
+        let deadline = Instant::now() + timeout;
+        let stream = UnixStream::connect(&self.socket).map_err(HttpError::Connect)?;
+        send(Deadlined { stream, deadline }, request)
+    }
+}
+
+/// Headers the client writes itself, or that would change how the exchange is framed: a
+/// request that sets one is refused before anything is sent.
+pub const RESERVED_HEADERS: [&str; 9] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+];
+
+/// The longest method accepted.
+const MAX_METHOD: usize = 32;
+
+/// A request of any method, with headers of the caller's (see [`RESERVED_HEADERS`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// The method (an HTTP token: `GET`, `POST`, …).
+    pub method: &'a str,
+    /// The request target: an origin-form path with its query (`/a/b?c=d`).
+    pub path: &'a str,
+    /// Header names and values, sent as given after the client's own.
+    pub headers: &'a [(String, String)],
+    /// The body (sent with a `Content-Length`; none for an empty body of `GET`, `HEAD`,
+    /// `DELETE` and `OPTIONS`).
+    pub body: &'a [u8],
+}
+
+/// An HTTP token character (RFC 9110 `tchar`).
+fn tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+impl Request<'_> {
+    /// Refuses what cannot be sent as given: a method or header name that is no token, a
+    /// header value with a control character (tab aside), a reserved header, a bad path.
+    pub fn check(&self) -> Result<(), HttpError> {
+        check_path(self.path)?;
+        if self.method.is_empty()
+            || self.method.len() > MAX_METHOD
+            || !self.method.bytes().all(tchar)
+        {
+            return Err(HttpError::Request("the method is not an http token".into()));
+        }
+        for (name, value) in self.headers {
+            if name.is_empty() || !name.bytes().all(tchar) {
+                return Err(HttpError::Request(format!(
+                    "header name {:?} is not an http token",
+                    cut(name)
+                )));
+            }
+            if RESERVED_HEADERS
+                .iter()
+                .any(|r| name.eq_ignore_ascii_case(r))
+            {
+                return Err(HttpError::Request(format!(
+                    "header {name} is set by the client itself"
+                )));
+            }
+            if value.bytes().any(|b| (b < b' ' && b != b'\t') || b == 0x7f) {
+                return Err(HttpError::Request(format!(
+                    "the value of header {name} has a control character"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A short, printable form of a rejected name.
+fn cut(text: &str) -> String {
+    text.chars().take(40).collect()
+}
+
+/// Sends `request` on a connected stream (`Connection: close`) and reads the answer's head
+/// (interim answers skipped). The caller bounds the time, as for [`post`].
+pub fn send<S: Read + Write>(mut conn: S, request: &Request<'_>) -> Result<Exchange<S>, HttpError> {
+    request.check()?;
+    let mut head = format!(
+        "{} {} HTTP/1.1\r\nHost: broker\r\nConnection: close\r\n",
+        request.method, request.path
+    );
+    let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS"]
+        .iter()
+        .any(|m| request.method.eq_ignore_ascii_case(m));
+    if !request.body.is_empty() || !bodiless {
+        head.push_str(&format!("Content-Length: {}\r\n", request.body.len()));
+    }
+    for (name, value) in request.headers {
+        head.push_str(&format!("{name}: {}\r\n", value.trim()));
+    }
+    head.push_str("\r\n");
+    let sent = conn
+        .write_all(head.as_bytes())
+        .and_then(|()| conn.write_all(request.body))
+        .and_then(|()| conn.flush());
+    let mut reader = BufReader::new(conn);
+    match sent {
+        Ok(()) => read_final_head(&mut reader).map(|head| Exchange { head, reader }),
+        // The server may answer (413, 400 …) and close before reading the whole body.
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            read_final_head(&mut reader)
+                .map(|head| Exchange { head, reader })
+                .map_err(|_| io_error(e))
+        }
+        Err(e) => Err(io_error(e)),
+    }
+}
+
+/// An answer whose head is read; its body is still on the connection.
+#[derive(Debug)]
+pub struct Exchange<R> {
+    head: ResponseHead,
+    reader: BufReader<R>,
+}
+
+impl<R: Read> Exchange<R> {
+    /// The answer's status and headers.
+    pub fn head(&self) -> &ResponseHead {
+        &self.head
+    }
+
+    /// Copies the body (de-chunked) to `sink` and returns its length. A body past `max`
+    /// bytes is refused with [`HttpError::TooLarge`] as soon as that is known (at its
+    /// length header, at the chunk that passes it, or at byte `max + 1`), after what came
+    /// before was copied. A sink that refuses a write stops the copy:
+    /// [`HttpError::Sink`] with its error (a sink that holds only the first bytes of a
+    /// body ends the exchange early so).
+    pub fn copy_body(mut self, sink: &mut dyn Write, max: usize) -> Result<u64, HttpError> {
+        copy_body(&mut self.reader, &self.head, sink, max)
     }
 }
 
@@ -134,8 +297,10 @@ pub fn post<S: Read + Write>(
     }
 }
 
-/// A stream whose every read and write gets the time left before the deadline.
-struct Deadlined {
+/// A unix stream whose every read and write gets the time left before the deadline of its
+/// exchange ([`UnixHttpClient::request`]).
+#[derive(Debug)]
+pub struct Deadlined {
     stream: UnixStream,
     deadline: Instant,
 }
@@ -201,16 +366,47 @@ fn read_line<R: BufRead>(
     Ok(())
 }
 
-/// The parts of a response head the client acts on.
-struct Head {
-    status: u16,
+/// A response head: the status, the headers and how the body is framed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseHead {
+    /// The HTTP status code.
+    pub status: u16,
+    /// The headers in their order, names as sent, values trimmed (bytes that are not
+    /// UTF-8 replaced).
+    pub headers: Vec<(String, String)>,
     content_length: Option<usize>,
     chunked: bool,
 }
 
+impl ResponseHead {
+    /// The value of the first header named `name` (in any letter case).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body's length, when the head gives it (not chunked).
+    pub fn content_length(&self) -> Option<usize> {
+        self.content_length.filter(|_| !self.chunked)
+    }
+}
+
+/// Reads heads until a final (non-1xx) one.
+fn read_final_head<R: BufRead>(reader: &mut R) -> Result<ResponseHead, HttpError> {
+    loop {
+        let head = read_head(reader)?;
+        // An interim answer (such as 100 Continue): the real one follows.
+        if !(100..200).contains(&head.status) {
+            return Ok(head);
+        }
+    }
+}
+
 /// Reads one response head (status line and headers, up to the empty line) and parses it
 /// with `httparse`.
-fn read_head<R: BufRead>(reader: &mut R) -> Result<Head, HttpError> {
+fn read_head<R: BufRead>(reader: &mut R) -> Result<ResponseHead, HttpError> {
     let mut raw = Vec::new();
     let mut budget = MAX_HEAD;
     loop {
@@ -243,10 +439,17 @@ fn read_head<R: BufRead>(reader: &mut R) -> Result<Head, HttpError> {
         .ok_or(HttpError::Malformed("bad status code"))?;
     let mut content_length: Option<usize> = None;
     let mut chunked = false;
+    let mut headers = Vec::with_capacity(response.headers.len());
     for header in response.headers.iter() {
-        let value = std::str::from_utf8(header.value)
-            .map_err(|_| HttpError::Malformed("non-utf8 response head"))?
-            .trim();
+        let framing = header.name.eq_ignore_ascii_case("content-length")
+            || header.name.eq_ignore_ascii_case("transfer-encoding");
+        let value = match std::str::from_utf8(header.value) {
+            Ok(value) => value.trim().to_owned(),
+            Err(_) if framing => return Err(HttpError::Malformed("non-utf8 response head")),
+            Err(_) => String::from_utf8_lossy(header.value).trim().to_owned(),
+        };
+        headers.push((header.name.to_owned(), value));
+        let value = headers[headers.len() - 1].1.as_str();
         if header.name.eq_ignore_ascii_case("content-length") {
             let n: usize = value
                 .parse()
@@ -265,8 +468,9 @@ fn read_head<R: BufRead>(reader: &mut R) -> Result<Head, HttpError> {
             }
         }
     }
-    Ok(Head {
+    Ok(ResponseHead {
         status,
+        headers,
         content_length,
         chunked,
     })
@@ -276,48 +480,93 @@ fn read_head<R: BufRead>(reader: &mut R) -> Result<Head, HttpError> {
 /// answers are skipped.
 pub fn read_response<R: Read>(reader: R, max_body: usize) -> Result<Response, HttpError> {
     let mut reader = BufReader::new(reader);
-    let head = loop {
-        let head = read_head(&mut reader)?;
-        // An interim answer (such as 100 Continue): the real one follows.
-        if !(100..200).contains(&head.status) {
-            break head;
-        }
-    };
-    let body = if head.chunked {
-        read_chunked(&mut reader, max_body)?
-    } else if let Some(n) = head.content_length {
+    let head = read_final_head(&mut reader)?;
+    let mut body = Vec::new();
+    if let Some(n) = head.content_length() {
         if n > max_body {
             return Err(HttpError::TooLarge(max_body));
         }
-        let mut body = vec![0; n];
-        reader.read_exact(&mut body).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                HttpError::Malformed("body shorter than content-length")
-            } else {
-                io_error(e)
-            }
-        })?;
-        body
-    } else {
-        let mut body = Vec::new();
-        reader
-            .by_ref()
-            .take(max_body as u64 + 1)
-            .read_to_end(&mut body)
-            .map_err(io_error)?;
-        if body.len() > max_body {
-            return Err(HttpError::TooLarge(max_body));
-        }
-        body
-    };
+        body.reserve_exact(n);
+    }
+    copy_body(&mut reader, &head, &mut body, max_body)?;
     Ok(Response {
         status: head.status,
         body,
     })
 }
 
-fn read_chunked<R: BufRead>(reader: &mut R, max_body: usize) -> Result<Vec<u8>, HttpError> {
-    let mut body = Vec::new();
+/// The piece of a body copied at once.
+const COPY_PIECE: usize = 16 * 1024;
+
+/// Copies the body that `head` frames from `reader` to `sink` (see [`Exchange::copy_body`]).
+fn copy_body<R: BufRead>(
+    reader: &mut R,
+    head: &ResponseHead,
+    sink: &mut dyn Write,
+    max_body: usize,
+) -> Result<u64, HttpError> {
+    if head.chunked {
+        copy_chunked(reader, sink, max_body)
+    } else if let Some(n) = head.content_length {
+        if n > max_body {
+            return Err(HttpError::TooLarge(max_body));
+        }
+        copy_exact(reader, n, sink, "body shorter than content-length")?;
+        Ok(n as u64)
+    } else {
+        // Up to the end of the connection.
+        let mut total = 0usize;
+        let mut piece = vec![0u8; COPY_PIECE];
+        loop {
+            let want = piece.len().min((max_body - total).saturating_add(1));
+            let n = match reader.read(&mut piece[..want]) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_error(e)),
+            };
+            if n == 0 {
+                return Ok(total as u64);
+            }
+            let keep = n.min(max_body - total);
+            sink.write_all(&piece[..keep]).map_err(HttpError::Sink)?;
+            total += keep;
+            if keep < n {
+                return Err(HttpError::TooLarge(max_body));
+            }
+        }
+    }
+}
+
+/// Copies exactly `n` bytes from `reader` to `sink`; fewer is `Malformed(short)`.
+fn copy_exact<R: BufRead>(
+    reader: &mut R,
+    mut n: usize,
+    sink: &mut dyn Write,
+    short: &'static str,
+) -> Result<(), HttpError> {
+    while n > 0 {
+        let buf = match reader.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_error(e)),
+        };
+        if buf.is_empty() {
+            return Err(HttpError::Malformed(short));
+        }
+        let take = buf.len().min(n);
+        sink.write_all(&buf[..take]).map_err(HttpError::Sink)?;
+        reader.consume(take);
+        n -= take;
+    }
+    Ok(())
+}
+
+fn copy_chunked<R: BufRead>(
+    reader: &mut R,
+    sink: &mut dyn Write,
+    max_body: usize,
+) -> Result<u64, HttpError> {
+    let mut total = 0usize;
     loop {
         let mut line = Vec::new();
         read_line(reader, &mut line, &mut 1024)?;
@@ -332,24 +581,17 @@ fn read_chunked<R: BufRead>(reader: &mut R, max_body: usize) -> Result<Vec<u8>, 
                 let mut trailer = Vec::new();
                 read_line(reader, &mut trailer, &mut budget)?;
                 if trailer == b"\r\n" || trailer == b"\n" {
-                    return Ok(body);
+                    return Ok(total as u64);
                 }
             }
         }
-        let room = max_body.saturating_sub(body.len());
+        let room = max_body - total;
         let size = match usize::try_from(size) {
             Ok(size) if size <= room => size,
             _ => return Err(HttpError::TooLarge(max_body)),
         };
-        let start = body.len();
-        body.resize(start + size, 0);
-        reader.read_exact(&mut body[start..]).map_err(|e| {
-            if e.kind() == io::ErrorKind::UnexpectedEof {
-                HttpError::Malformed("chunk shorter than its size")
-            } else {
-                io_error(e)
-            }
-        })?;
+        copy_exact(reader, size, sink, "chunk shorter than its size")?;
+        total += size;
         let mut end = Vec::new();
         read_line(reader, &mut end, &mut 2)?;
         if end != b"\r\n" && end != b"\n" {
@@ -457,6 +699,179 @@ mod tests {
         assert!(request.contains("Content-Length: 7\r\n"));
         assert!(request.contains("Connection: close\r\n"));
         assert!(request.ends_with("\r\n\r\n{\"a\":1}"));
+    }
+
+    #[test]
+    fn any_method_with_headers_and_the_answers_head() {
+        let (path, server, _dir) = serve_once(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/html; charset=utf-8\r\nX-Odd: caf\xe9\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        );
+        let client = UnixHttpClient::new(&path, 1024);
+        let headers = vec![
+            ("Accept".to_owned(), "text/html".to_owned()),
+            ("X-Tab".to_owned(), "a\tb ".to_owned()),
+        ];
+        let request = Request {
+            method: "PUT",
+            path: "/v1/egress/web/https/example.org/a?b=c",
+            headers: &headers,
+            body: b"hello",
+        };
+        let exchange = client.request(&request, Duration::from_secs(30)).unwrap();
+        assert_eq!(exchange.head().status, 200);
+        assert_eq!(
+            exchange.head().header("content-type"),
+            Some("text/html; charset=utf-8")
+        );
+        // A value that is not UTF-8 is kept, replaced; only the framing headers must be.
+        assert_eq!(exchange.head().header("x-odd"), Some("caf\u{fffd}"));
+        assert_eq!(exchange.head().content_length(), None);
+        let mut body = Vec::new();
+        assert_eq!(exchange.copy_body(&mut body, 1024).unwrap(), 5);
+        assert_eq!(body, b"abcde");
+        let request = String::from_utf8(server.join().unwrap()).unwrap();
+        assert_eq!(
+            request,
+            "PUT /v1/egress/web/https/example.org/a?b=c HTTP/1.1\r\nHost: broker\r\n\
+             Connection: close\r\nContent-Length: 5\r\nAccept: text/html\r\n\
+             X-Tab: a\tb\r\n\r\nhello"
+        );
+    }
+
+    #[test]
+    fn a_get_without_a_body_has_no_length_and_bad_requests_are_not_sent() {
+        let (path, server, _dir) =
+            serve_once(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
+        let client = UnixHttpClient::new(&path, 1024);
+        let ok = Request {
+            method: "GET",
+            path: "/v1/egress/api/x",
+            headers: &[],
+            body: b"",
+        };
+        let exchange = client.request(&ok, Duration::from_secs(30)).unwrap();
+        assert_eq!(exchange.head().status, 204);
+        assert_eq!(exchange.head().content_length(), Some(0));
+        let request = String::from_utf8(server.join().unwrap()).unwrap();
+        assert!(
+            !request.to_ascii_lowercase().contains("content-length"),
+            "{request}"
+        );
+
+        let mut sink = io::Cursor::new(Vec::new());
+        let bad = |method: &'static str, name: &str, value: &str| {
+            let headers = vec![(name.to_owned(), value.to_owned())];
+            let request = Request {
+                method,
+                path: "/v1/x",
+                headers: &headers,
+                body: b"",
+            };
+            request.check().unwrap_err().to_string()
+        };
+        assert_eq!(
+            bad("GE T", "A", "b"),
+            "invalid request: the method is not an http token"
+        );
+        assert_eq!(
+            bad("GET", "Content-Length", "1"),
+            "invalid request: header Content-Length is set by the client itself"
+        );
+        assert_eq!(
+            bad("GET", "HOST", "evil"),
+            "invalid request: header HOST is set by the client itself"
+        );
+        assert_eq!(
+            bad("GET", "X-A", "b\r\nX-Injected: 1"),
+            "invalid request: the value of header X-A has a control character"
+        );
+        assert_eq!(
+            bad("GET", "X A", "b"),
+            "invalid request: header name \"X A\" is not an http token"
+        );
+        let headers = vec![("X-A".to_owned(), "b\nc".to_owned())];
+        let request = Request {
+            method: "GET",
+            path: "/v1/x",
+            headers: &headers,
+            body: b"",
+        };
+        assert!(send(&mut sink, &request).is_err());
+        assert!(sink.get_ref().is_empty());
+    }
+
+    /// A sink that keeps the first `n` bytes and refuses the rest.
+    struct FirstBytes(Vec<u8>, usize);
+
+    impl Write for FirstBytes {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            let room = self.1 - self.0.len();
+            if room == 0 {
+                return Err(io::Error::other("full"));
+            }
+            let n = buf.len().min(room);
+            self.0.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_body_is_copied_within_its_cap_and_a_sink_can_stop_it() {
+        let framings: [&[u8]; 3] = [
+            b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n0123\r\n6\r\n456789\r\n0\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\n\r\n0123456789",
+        ];
+        for input in framings {
+            let exchange = send(Duplex(io::Cursor::new(input)), &get()).unwrap();
+            let mut whole = Vec::new();
+            assert_eq!(exchange.copy_body(&mut whole, 10).unwrap(), 10);
+            assert_eq!(whole, b"0123456789");
+
+            let exchange = send(Duplex(io::Cursor::new(input)), &get()).unwrap();
+            let mut first = FirstBytes(Vec::new(), 5);
+            let err = exchange.copy_body(&mut first, 1 << 20).unwrap_err();
+            assert!(matches!(err, HttpError::Sink(_)), "{err:?}");
+            assert_eq!(first.0, b"01234");
+
+            let exchange = send(Duplex(io::Cursor::new(input)), &get()).unwrap();
+            let mut capped = Vec::new();
+            let err = exchange.copy_body(&mut capped, 9).unwrap_err();
+            assert!(matches!(err, HttpError::TooLarge(9)), "{err:?}");
+            assert!(capped.len() <= 9);
+        }
+    }
+
+    fn get() -> Request<'static> {
+        Request {
+            method: "GET",
+            path: "/v1/x",
+            headers: &[],
+            body: b"",
+        }
+    }
+
+    /// Reads canned bytes, swallows writes.
+    struct Duplex<R>(R);
+
+    impl<R: Read> Read for Duplex<R> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+
+    impl<R> Write for Duplex<R> {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]

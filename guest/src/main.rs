@@ -13,6 +13,12 @@
 //! the error and runs nothing. `roundtable-guest --exec PROGRAM [ARGS…]` installs the same
 //! layer, then replaces itself with PROGRAM: the test suite's hostile image runs its
 //! attacks so, under the very code path the real turn runs under.
+//! `roundtable-guest fetch [OPTIONS] ROUTE URL-or-PATH` runs no turn: it installs the same
+//! layer (failing closed: nothing is sent without it), then sends one web request through
+//! the broker's egress route, the body to stdout ([`fetch`]); programs run with `sh` use
+//! it where they would use curl.
+//! `roundtable-guest --html-to-text SECS` runs no turn: `fetch`'s HTML converter, run by
+//! the guest as its own child under CPU and memory limits ([`html`]).
 //! `roundtable-guest --held-files` runs no turn: it counts the workspace files the turn's
 //! processes hold open after deleting them and prints one line ([`held`]); the host runs it
 //! beside the turn where it cannot see the guest's descriptors itself (gVisor).
@@ -24,7 +30,9 @@ mod broker;
 mod chat;
 mod compact;
 mod confine;
+mod fetch;
 mod held;
+mod html;
 mod model;
 mod prompt;
 mod runner;
@@ -54,7 +62,22 @@ fn main() {
     {
         held::main();
     }
-    // First of all: a turn never runs without the layer (fail closed).
+    if std::env::args_os().nth(1).is_some_and(|a| a == "fetch") {
+        fetch_command();
+    }
+    // `fetch`'s HTML converter, a child of the guest (which it inherits the layer from).
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|a| a == html::CHILD_ARG)
+    {
+        layered_or_exit("--html-to-text");
+        let args: Vec<String> = std::env::args_os()
+            .skip(2)
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        std::process::exit(html::child_main(&args));
+    }
+    // First of all for a turn: it never runs without the layer (fail closed).
     if let Err(error) = seccomp::install() {
         eprintln!("roundtable-guest: {error}");
         write_reply(&Reply::error(error.to_string()));
@@ -63,6 +86,7 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("--exec") {
         exec_confined();
     }
+
     let reply = match std::panic::catch_unwind(|| {
         read_turn().map(|turn| runner::run(&turn, &runner::RunnerOptions::container()))
     }) {
@@ -71,6 +95,40 @@ fn main() {
         Err(_) => Reply::error("the guest failed unexpectedly"),
     };
     write_reply(&reply);
+}
+
+/// Installs the layer for a subcommand that runs no turn (so prints no reply): without it,
+/// says why on stderr and exits 1 (fail closed).
+fn layered_or_exit(what: &str) {
+    if let Err(error) = seccomp::install() {
+        eprintln!("roundtable-guest {what}: {error}; nothing was run");
+        std::process::exit(1);
+    }
+}
+
+/// `fetch …`: one web request through the broker, under the layer (fail closed).
+fn fetch_command() -> ! {
+    layered_or_exit("fetch");
+    let args: Vec<String> = std::env::args_os()
+        .skip(2)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let options = runner::RunnerOptions::container();
+    let mut stdout = std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout().lock());
+    let code = fetch::command(
+        &args,
+        &options.socket,
+        &options.html,
+        &mut fetch::read_data_file,
+        &mut stdout,
+        &mut std::io::stderr().lock(),
+    );
+    // `exit` runs no destructor: what is still buffered goes out first.
+    if stdout.flush().is_err() && code == 0 {
+        std::process::exit(1);
+    }
+    drop(stdout);
+    std::process::exit(code);
 }
 
 /// `--exec PROGRAM [ARGS…]`: replaces this process (already under the layer) with PROGRAM;

@@ -16,6 +16,8 @@ use roundtable_sandbox_protocol::{Reply, Turn, BROKER_SOCKET, DEFAULT_MAX_STEPS,
 use crate::agent::{run_turn, AgentLimits};
 use crate::broker::Broker;
 use crate::confine::Root;
+use crate::fetch::{self, Fetcher};
+use crate::html::HtmlConverter;
 use crate::http::UnixHttpClient;
 use crate::model::Model;
 use crate::prompt;
@@ -37,6 +39,8 @@ pub struct RunnerOptions {
     pub tool_timeout: Duration,
     /// The largest broker response read.
     pub max_response: usize,
+    /// Where `fetch` reduces HTML to text.
+    pub html: HtmlConverter,
 }
 
 impl RunnerOptions {
@@ -49,6 +53,7 @@ impl RunnerOptions {
             model_timeout: Duration::from_secs(300),
             tool_timeout: Duration::from_secs(300),
             max_response: 4 * 1024 * 1024,
+            html: HtmlConverter::this_program(),
         }
     }
 }
@@ -96,8 +101,17 @@ pub fn run_with<M: Model, R: Remote>(
         turn.max_steps.unwrap_or(DEFAULT_MAX_STEPS),
         turn.session_budget.unwrap_or(DEFAULT_BUDGET),
     );
+    // Offered only when the turn has egress routes; its text is cut before the agent's cap.
+    let fetch = Fetcher::new(
+        &config.socket,
+        &turn.egress,
+        config.tool_timeout,
+        fetch::text_cap(agent.tool_result_cap),
+        config.html.clone(),
+    );
     let mut tools = Toolbox::new(
         Builtins::new(root.clone(), config.shell.clone()),
+        fetch,
         &turn.tools,
         &turn.mcp,
         remote,
@@ -398,6 +412,71 @@ mod tests {
             .error
             .unwrap()
             .starts_with("the workspace is not available"));
+    }
+
+    #[test]
+    fn fetch_is_offered_only_when_the_turn_has_egress_routes() {
+        use crate::testutil::{answer, StubBroker};
+        use roundtable_sandbox_protocol::egress::{RouteForm, RouteSpec};
+        let ws = TempDir::new();
+        let broker = StubBroker::start(vec![answer(
+            200,
+            &[("Content-Type", "text/plain")],
+            b"the page",
+        )]);
+        let mut cfg = config(&ws);
+        cfg.socket = broker.socket().to_path_buf();
+        let fetch_call = || {
+            calls(&[(
+                "c1",
+                "fetch",
+                r#"{"route":"web","url":"https://example.org/"}"#,
+            )])
+        };
+
+        let (reply, requests) = run_scripted(
+            &turn("read it", "ann", false),
+            &cfg,
+            vec![fetch_call(), text("no")],
+        );
+        assert!(reply.ok);
+        assert!(requests[0].tools.iter().all(|d| d.name != "fetch"));
+        assert!(requests[1].messages.contains(&Message::Tool {
+            tool_call_id: "c1".into(),
+            content: "error: unknown tool 'fetch'".into()
+        }));
+
+        let mut t = turn("read it", "ann", false);
+        t.egress = vec![RouteSpec {
+            name: "web".into(),
+            form: RouteForm::Hosts {
+                hosts: vec!["example.org".into()],
+            },
+            methods: vec!["GET".into()],
+            description: String::new(),
+        }];
+        let (reply, requests) = run_scripted(&t, &cfg, vec![fetch_call(), text("done")]);
+        assert_eq!(reply.text.as_deref(), Some("done"));
+        let fetch = requests[0]
+            .tools
+            .iter()
+            .find(|d| d.name == "fetch")
+            .unwrap();
+        // Cut before the turn's own cap of a tool result (32,000 bytes with the default budget).
+        assert!(
+            fetch.description.contains("at most 30 KiB"),
+            "{}",
+            fetch.description
+        );
+        let Some(Message::Tool { content, .. }) = requests[1].messages.last() else {
+            panic!("{:?}", requests[1].messages)
+        };
+        assert!(
+            content.starts_with("status 200 (GET https://example.org/ via route web)\n"),
+            "{content}"
+        );
+        assert!(content.ends_with("body (text):\nthe page\n"), "{content}");
+        assert_eq!(broker.requests().len(), 1);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! MCP tools of the turn, with the names the model sees and the way back to each.
 //!
 //! Names toward the model follow the OpenAI rule `^[A-Za-z0-9_-]{1,64}$`:
-//! - built-ins: `read`, `write`, `edit`, `list`, `sh` (they win over a host tool of the
-//!   same name, which is then left out and logged);
+//! - built-ins: `read`, `write`, `edit`, `list`, `sh`, and `fetch` when the turn has egress
+//!   routes (they win over a host tool of the same name, which is then left out and
+//!   logged; `fetch` is reserved even when it is not offered);
 //! - host tools: their name as given (one that breaks the rule is left out and logged);
 //! - MCP tools: `mcp__{server}__{tool}`, every character outside `[A-Za-z0-9_-]` replaced
 //!   by `_`, cut to 64 characters, and made unique with a `_2`, `_3` … suffix when two
@@ -17,6 +18,7 @@ use roundtable_sandbox_protocol::{paths, McpServerSpec, ToolSpec};
 
 use crate::agent::Tools;
 use crate::chat::{cap_text, ToolDef};
+use crate::fetch::Fetcher;
 use crate::http::encode_segment;
 use crate::tools::{Builtins, BUILTIN_NAMES};
 
@@ -33,6 +35,7 @@ pub trait Remote {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Route {
     Builtin,
+    Fetch,
     Host(String),
     Mcp { server: String, tool: String },
 }
@@ -41,6 +44,7 @@ enum Route {
 #[derive(Debug)]
 pub struct Toolbox<R> {
     builtins: Builtins,
+    fetch: Option<Fetcher>,
     remote: R,
     defs: Vec<ToolDef>,
     routes: BTreeMap<String, Route>,
@@ -85,13 +89,24 @@ fn schema(parameters: &Value) -> Value {
 }
 
 impl<R: Remote> Toolbox<R> {
-    /// The tools of a turn: built-ins, then `host`, then `mcp`.
-    pub fn new(builtins: Builtins, host: &[ToolSpec], mcp: &[McpServerSpec], remote: R) -> Self {
+    /// The tools of a turn: built-ins (`fetch` when the turn has egress routes), then
+    /// `host`, then `mcp`.
+    pub fn new(
+        builtins: Builtins,
+        fetch: Option<Fetcher>,
+        host: &[ToolSpec],
+        mcp: &[McpServerSpec],
+        remote: R,
+    ) -> Self {
         let mut defs = Builtins::definitions();
         let mut routes: BTreeMap<String, Route> = BUILTIN_NAMES
             .iter()
             .map(|n| ((*n).to_string(), Route::Builtin))
             .collect();
+        if let Some(fetch) = &fetch {
+            defs.push(fetch.definition());
+            routes.insert(fetch.definition().name, Route::Fetch);
+        }
         for tool in host {
             if !valid_name(&tool.name) {
                 log(&format!(
@@ -142,6 +157,7 @@ impl<R: Remote> Toolbox<R> {
         }
         Self {
             builtins,
+            fetch,
             remote,
             defs,
             routes,
@@ -164,6 +180,10 @@ impl<R: Remote> Tools for Toolbox<R> {
         match self.routes.get(name) {
             Some(Route::Builtin) => match self.builtins.call(name, args) {
                 Some(result) => result.map_err(|e| e.to_string()),
+                None => Err(format!("unknown tool '{name}'")),
+            },
+            Some(Route::Fetch) => match &self.fetch {
+                Some(fetch) => fetch.call(args),
                 None => Err(format!("unknown tool '{name}'")),
             },
             Some(Route::Host(tool)) => {
@@ -238,7 +258,7 @@ mod tests {
                 }],
             },
         ];
-        let mut tb = Toolbox::new(builtins, &host, &mcp, Recorder::default());
+        let mut tb = Toolbox::new(builtins, None, &host, &mcp, Recorder::default());
         let names: Vec<String> = tb.definitions().into_iter().map(|d| d.name).collect();
         assert_eq!(
             names,
