@@ -436,3 +436,106 @@ async fn the_guest_installs_its_seccomp_layer_for_every_process_of_the_turn() {
     }
     assert_no_leftovers(&sandbox).await;
 }
+
+/// Egress end to end (issue 45): the real guest in its sealed container (no network) asks
+/// the broker for a page through an operator's route, by the `fetch` tool and by
+/// `roundtable-guest fetch` from `sh`; the broker reaches a loopback HTTPS server with a
+/// CA the test made, resolving through the test's DNS server. The route's credential is
+/// added by the broker and never reaches the guest; a method the route does not allow is
+/// refused and the model is told it was the sandbox, not the site.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guest_reaches_the_web_only_through_the_brokers_routes() {
+    use roundtable_sandbox::{EgressRoute, KeyRef};
+    use roundtable_sandbox_test_support::egress::{Dns, TestCa, Upstream, REACHABLE};
+
+    let env = Env::new();
+    let ca = TestCa::new();
+    let up = Upstream::start(&ca, REACHABLE, 0).await;
+    let dns = Dns::start(&[("egress.test", &[REACHABLE])]).await;
+    let port = up.addr.port();
+    let token = "egress-e2e-token-Qq9Ww8";
+    std::env::set_var("RTS_E2E_EGRESS_TOKEN", token);
+
+    let mut route = EgressRoute::hosts("web", &["egress.test"]);
+    route.allow_private = vec!["127.0.0.2/32".into()];
+    route.ca_file = Some(ca.pem_file.clone());
+    route.credential = Some(KeyRef {
+        env: Some("RTS_E2E_EGRESS_TOKEN".into()),
+        file: None,
+    });
+    let base = format!("https://egress.test:{port}");
+    let model = ScriptedModel::start(vec![
+        Step::tool_call(
+            "c1",
+            "fetch",
+            json!({"route": "web", "url": format!("{base}/html")}),
+        ),
+        Step::tool_call(
+            "c2",
+            "fetch",
+            json!({"route": "web", "method": "DELETE", "url": format!("{base}/echo")}),
+        ),
+        Step::tool_call(
+            "c3",
+            "sh",
+            json!({"command": format!(
+                "/roundtable-guest fetch -s web '{base}/credential?from=sh'; echo \" exit=$?\"; \
+                 /roundtable-guest fetch -s -X DELETE web '{base}/echo'; echo \" exit=$?\""
+            )}),
+        ),
+        Step::text("fetched"),
+    ])
+    .await;
+    let mut config = model_config(&env, &model);
+    config.egress = vec![route];
+    config.egress_nameserver = Some(dns.addr);
+    let sandbox = Sandbox::new(config).await.unwrap();
+
+    let reply = sandbox
+        .run_turn(request("#web", "read the site"))
+        .await
+        .reply;
+    assert_eq!(reply.text.as_deref(), Some("fetched"), "{reply:?}");
+    let reqs = model.requests();
+    // The tool is offered with the route's name.
+    let tools = reqs[0].json()["tools"].to_string();
+    assert!(
+        tools.contains("\"fetch\"") && tools.contains("web"),
+        "{tools}"
+    );
+    let results = tool_results(&reqs[3].json());
+    assert_eq!(results.len(), 3, "{results:?}");
+    // The page as text: the heading and the paragraph, not the script.
+    assert!(results[0].contains("Hello"), "{}", results[0]);
+    assert!(results[0].contains("egress & web"), "{}", results[0]);
+    assert!(!results[0].contains("evil()"), "{}", results[0]);
+    // The refusal names the route and the rule, and says it is the sandbox's.
+    assert!(
+        results[1].contains("refused by the sandbox's egress rules, not by the site")
+            && results[1].contains("route web, rule method"),
+        "{}",
+        results[1]
+    );
+    // From sh: the upstream saw the broker's credential; the guest reads it redacted; a
+    // refused method exits 3.
+    assert!(
+        results[2].contains("authorization=Bearer [redacted]"),
+        "{}",
+        results[2]
+    );
+    assert!(results[2].contains(" exit=0"), "{}", results[2]);
+    assert!(results[2].contains(" exit=3"), "{}", results[2]);
+    assert!(!all_text(&reqs[3].json()).contains(token));
+    // Exactly the two allowed requests reached the site, both with the credential.
+    let seen = up.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].uri, "/html");
+    assert_eq!(seen[1].uri, "/credential?from=sh");
+    for s in &seen {
+        assert!(s
+            .headers
+            .iter()
+            .any(|(k, v)| k == "authorization" && v == &format!("Bearer {token}")));
+    }
+    sandbox.shutdown().await;
+}
