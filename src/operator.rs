@@ -10,5 +10,6 @@ pub use crate::config::{
     check_root_ancestors, check_socket_path, is_private_dir, violations, GVISOR_RUNTIME,
     MAX_SOCKET_PATH, MCP_DATA_DIR,
 };
+pub use crate::internals::broker::egress::rules::{verdict as egress_verdict, EgressVerdict};
 pub use crate::internals::image::{build as build_image, ImageError, ImageSource};
 pub use crate::quota::{filesystem_type, free_space, Floor};

@@ -5,10 +5,13 @@
 //! - `explain`: the effective policy (mounts, limits, tools, MCP allow-lists, the model
 //!   endpoint's host, the compaction settings), never a key;
 //! - `turn`: one turn for a channel from the command line;
+//! - `egress check`: one egress route's verdict on one request, nothing sent;
 //! - `sweep`: removes this runtime's leftover containers and run dirs;
 //! - `image build`: builds the guest image FROM scratch from the static guest and busybox.
 
 #![forbid(unsafe_code)]
+
+mod egress;
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -52,6 +55,11 @@ enum Command {
         #[arg(value_name = "FILE")]
         file: PathBuf,
     },
+    /// The web routes: `egress check ROUTE METHOD URL`
+    Egress {
+        #[command(subcommand)]
+        command: EgressCommand,
+    },
     /// The guest image
     Image {
         #[command(subcommand)]
@@ -78,6 +86,20 @@ struct TurnArgs {
     /// The message text (its words are joined with spaces)
     #[arg(required = true, value_name = "TEXT")]
     text: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum EgressCommand {
+    /// Whether route ROUTE allows METHOD URL, and which rule refuses it: nothing is resolved
+    /// or sent. Exit 0 allow, 1 deny
+    Check {
+        /// The route's name
+        route: String,
+        /// The method (GET, POST, ...)
+        method: String,
+        /// A whole URL (a route of host patterns), or a path under the route's upstream
+        url: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -141,6 +163,12 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Turn(args) => turn(settings, args).await,
         Command::Sweep => sweep(settings).await,
         Command::Audit { file } => audit_summary(&file),
+        Command::Egress {
+            command: EgressCommand::Check { route, method, url },
+        } => {
+            let (config, _) = settings.build().await.context("read the configuration")?;
+            egress::check(&config, &route, &method, &url)
+        }
         Command::Image {
             command:
                 ImageCommand::Build {
@@ -161,7 +189,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     }
 }
 
-/// One doctor line.
+/// One doctor line: passed, failed (with a fix), or passed with a warning and its fix.
 struct Check {
     ok: bool,
     name: &'static str,
@@ -175,6 +203,17 @@ fn pass(name: &'static str, detail: impl Into<String>) -> Check {
         name,
         detail: detail.into(),
         hint: None,
+    }
+}
+
+/// A check that passes with a warning: something the operator chose that weakens a
+/// control (shown, not counted as a failure).
+fn warn(name: &'static str, detail: impl Into<String>, hint: impl Into<String>) -> Check {
+    Check {
+        ok: true,
+        name,
+        detail: detail.into(),
+        hint: Some(hint.into()),
     }
 }
 
@@ -491,11 +530,16 @@ async fn doctor(
             Ok(len) => pass("socket path", format!("{len} of {MAX_SOCKET_PATH} bytes")),
         },
     );
+    checks.extend(egress::doctor(&config));
     let failed = checks.iter().filter(|c| !c.ok).count();
     for c in &checks {
         println!(
             "{} {:<15} {}",
-            if c.ok { "ok  " } else { "FAIL" },
+            match (c.ok, &c.hint) {
+                (false, _) => "FAIL",
+                (true, Some(_)) => "WARN",
+                (true, None) => "ok  ",
+            },
             c.name,
             c.detail
         );
@@ -819,6 +863,7 @@ async fn explain(
     for t in &config.tools {
         println!("host tool     {}: {}", t.name(), t.description());
     }
+    egress::explain(&config);
     if config.mcp.is_empty() {
         println!("mcp           (none)");
     }

@@ -84,6 +84,78 @@ pub(crate) fn check(
     }
 }
 
+/// What `roundtable-sandbox egress check` answers: the verdict of a route's rules on one
+/// request, without resolving or sending anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EgressVerdict {
+    /// Allowed: where it would go (`host:port/path?query`), and in `audit` mode the rule
+    /// that would refuse it in `enforce` mode, with its reason.
+    Allowed {
+        /// `host:port` and the path (and query) as sent upstream.
+        target: String,
+        /// In `audit` mode, the rule that would have refused it and why.
+        audit_denied: Option<(String, String)>,
+    },
+    /// Refused by `rule`, for `reason` (the same rule and reason a guest would get).
+    Denied {
+        /// The rule.
+        rule: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The verdict of `route` on `method url`, as the broker would give it before resolving the
+/// host. `url` is a whole URL for a route of host patterns, a path (with its query) under
+/// the base for a route with a fixed upstream (or a whole URL under that base). The
+/// address rules (what the host resolves to) are checked only when a request is sent.
+pub fn verdict(route: &EgressRoute, method: &str, url: &str) -> EgressVerdict {
+    let denied = |r: Refused| EgressVerdict::Denied {
+        rule: r.rule,
+        reason: r.reason,
+    };
+    let (raw, query) = match &route.upstream {
+        Some(base) => {
+            let rest = url.strip_prefix(base.trim_end_matches('/')).unwrap_or(url);
+            let rest = rest.split('#').next().unwrap_or("");
+            match rest.split_once('?') {
+                Some((p, q)) => (p.to_owned(), Some(q.to_owned())),
+                None => (rest.to_owned(), None),
+            }
+        }
+        None => match roundtable_sandbox_protocol::egress::url_target(url) {
+            Some(t) => t,
+            None => {
+                return denied(refused(
+                    "url",
+                    format!(
+                    "{url:?} is not scheme://host/path (routes of host patterns take whole URLs)"
+                ),
+                ))
+            }
+        },
+    };
+    match check(
+        route,
+        &method.to_ascii_uppercase(),
+        &raw,
+        query.as_deref(),
+        &[],
+    ) {
+        Ok(a) => EgressVerdict::Allowed {
+            target: format!(
+                "{}:{}{}{}",
+                a.target.host,
+                a.target.port,
+                a.target.path,
+                a.target.query.map(|q| format!("?{q}")).unwrap_or_default()
+            ),
+            audit_denied: a.audit_denied.map(|r| (r.rule, r.reason)),
+        },
+        Err(r) => denied(r),
+    }
+}
+
 /// The target of `raw`: for an upstream route, a path under its base; for a route of host
 /// patterns, `scheme/host[:port]/path`. The controls that hold in every mode run here.
 fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, Refused> {
