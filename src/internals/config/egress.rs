@@ -415,6 +415,12 @@ fn check_credential(route: &EgressRoute) -> Result<(), PolicyError> {
     match (&route.credential, &route.credential_as) {
         (None, CredentialPlacement::Bearer) => Ok(()),
         (None, _) => Err(bad(route, "credential_as is set but no credential is")),
+        // The credential goes to every host the route reaches: never to any host a guest
+        // names.
+        (Some(_), _) if route.hosts.iter().any(|h| h == "*") => Err(bad(
+            route,
+            "a credential on a route of any host (\"*\") would go wherever a guest points it: name the hosts",
+        )),
         (Some(_), CredentialPlacement::PathSegment) if route.upstream.is_none() => Err(bad(
             route,
             "credential_as = \"path_segment\" needs an upstream",
@@ -520,6 +526,15 @@ mod tests {
         assert_eq!(
             refusal(r),
             "egress route web: credential_as is set but no credential is"
+        );
+        let mut r = EgressRoute::hosts("web", &["*.example.com", "*"]);
+        r.credential = Some(KeyRef {
+            env: Some("TOKEN".into()),
+            file: None,
+        });
+        assert_eq!(
+            refusal(r),
+            "egress route web: a credential on a route of any host (\"*\") would go wherever a guest points it: name the hosts"
         );
         assert_eq!(
             validate(&[
