@@ -352,6 +352,19 @@ async fn egress_addresses_outside_the_routes_ranges_are_refused_and_redirects_ch
     )
     .await;
     assert_eq!(a.status, 200, "{}", a.text());
+    // Each hop counts as a request of the turn: a redirect and its target use two.
+    let mut counted = web.web_route();
+    counted.redirects = Redirects::SameRoute;
+    counted.limits.max_requests_per_turn = 2;
+    let (turn, _) = web.turn(vec![counted]).await;
+    let a = get(
+        &turn,
+        &web.url("egress.test", &format!("/redirect?to={to_same}")),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let a = get(&turn, &web.url("egress.test", "/echo")).await;
+    assert_eq!(a.status, 429, "{}", a.text());
 }
 
 #[tokio::test]

@@ -413,9 +413,21 @@ struct Exchange<'a> {
 impl Exchange<'_> {
     async fn run(&self, mut target: rules::Target, call: &mut Call) -> Response {
         let cfg = &self.route.config;
+        // One deadline for the whole request, its redirects included.
         let deadline = Duration::from_millis(cfg.limits.timeout_ms);
-        for _hop in 0..=MAX_HOPS {
-            let answer = tokio::time::timeout(deadline, self.once(&target, call)).await;
+        let until = tokio::time::Instant::now() + deadline;
+        for hop in 0..=MAX_HOPS {
+            if hop > 0 {
+                // Each hop is a new request of the route: its caps too.
+                let out = (target.path.len()
+                    + target.query.as_deref().map_or(0, str::len)
+                    + self.body.len()) as u64;
+                if let Err(response) = count(self.turn, cfg, out) {
+                    return *response;
+                }
+                call.bytes_out += out;
+            }
+            let answer = tokio::time::timeout_at(until, self.once(&target, call)).await;
             let incoming = match answer {
                 Err(_) => {
                     return super::http::failure(
