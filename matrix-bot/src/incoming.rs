@@ -7,13 +7,21 @@
 //! events, edits (`m.replace`: an edit would re-run a question), notices (`m.notice`:
 //! another bot's output), emotes, redacted events or other types.
 //!
-//! **Only events after it started** ([`answerable_from`]): the first sync of a process
-//! (a full sync: the rooms' state and their latest events, all from before the start) is
-//! read for its state and invites only, and in a room the bot joins later, the events
-//! before its own join (the room's history, which the join's sync carries) are not
-//! answered. This needs no clock: what came before is known by its place in the sync, not
-//! by a timestamp. A restart begins with a full sync again, so no old message (nor one sent
-//! while the bot was down) is answered after it.
+//! **Only events after it started.** Three rules, each enough in the usual case, together
+//! also when a server or a clock misbehaves:
+//!
+//! - by place ([`answerable_from`]): the first sync of a process (a full sync: the rooms'
+//!   state and their latest events, all from before the start) is read for its state and
+//!   invites only, and in a room the bot joins later, the events before its own join (the
+//!   room's history, which the join's sync carries) are not answered. This needs no clock;
+//!   it needs the first sync to be new (the bot's filter is its process's own: a homeserver
+//!   may answer a repeated request from a cache, and Synapse's first sync of a bot
+//!   restarted within two minutes was the old process's, whose syncs then replayed the
+//!   past);
+//! - by time ([`message`]): a message the homeserver stamped (`origin_server_ts`) before
+//!   the bot's start is not answered, wherever it comes (a replay, a late federation);
+//! - a restart begins with a full sync again, so no old message (nor one sent while the
+//!   bot was down) is answered after it.
 //!
 //! **Which invites** ([`InviteRule`]): the inviter (the sender of the invite's
 //! `m.room.member` event, which the inviter's homeserver signs) must be on the allow-list:
@@ -74,6 +82,9 @@ pub struct Me {
     pub display_name: Option<String>,
     /// The configured prefix, if any.
     pub prefix: Option<String>,
+    /// Messages stamped (`origin_server_ts`, ms since the epoch) before this are not
+    /// answered: the bot's start.
+    pub not_before_ms: u64,
 }
 
 impl Me {
@@ -139,6 +150,13 @@ pub fn message(event: &Value, me: &Me, sent_by_me: &dyn Fn(&str) -> bool) -> Opt
         return None;
     }
     if !event["unsigned"]["redacted_because"].is_null() {
+        return None;
+    }
+    // From before the start (or unstamped): not answered.
+    if event["origin_server_ts"]
+        .as_u64()
+        .is_none_or(|ts| ts < me.not_before_ms)
+    {
         return None;
     }
     let content = &event["content"];
@@ -304,13 +322,14 @@ mod tests {
             user_id: "@bot:localhost".into(),
             display_name: Some("Sandbox Bot".into()),
             prefix: Some("!ai ".into()),
+            not_before_ms: 1_000,
         }
     }
 
     fn text(sender: &str, body: &str) -> Value {
         json!({
             "type": "m.room.message", "sender": sender, "event_id": "$e1",
-            "origin_server_ts": 1, "content": {"msgtype": "m.text", "body": body}
+            "origin_server_ts": 2_000, "content": {"msgtype": "m.text", "body": body}
         })
     }
 
@@ -406,6 +425,20 @@ mod tests {
         assert_eq!(asked(&text("@ann:localhost", "hello all")), None);
         assert_eq!(asked(&text("@ann:localhost", "robot: hi")), None);
         assert_eq!(asked(&text("@ann:localhost", "bot:")), None);
+    }
+
+    /// A message stamped before the start is not answered, wherever it comes from. (Fails
+    /// without the `origin_server_ts` check.)
+    #[test]
+    fn messages_stamped_before_the_start_are_not_answered() {
+        let mut e = text("@ann:localhost", "bot: hello");
+        assert!(asked(&e).is_some());
+        e["origin_server_ts"] = json!(999);
+        assert_eq!(asked(&e), None);
+        e["origin_server_ts"] = json!(1_000);
+        assert!(asked(&e).is_some());
+        e["origin_server_ts"] = Value::Null;
+        assert_eq!(asked(&e), None);
     }
 
     fn join(user: &str) -> Value {
