@@ -411,6 +411,8 @@ mod tests {
         let mut edit = text("@ann:localhost", "* bot: hello again");
         edit["content"]["m.relates_to"] = json!({"rel_type": "m.replace", "event_id": "$e0"});
         edit["content"]["m.new_content"] = json!({"msgtype": "m.text", "body": "bot: hello again"});
+        // (Clients put the edit's mentions on it too: addressed, but an edit.)
+        edit["content"]["m.mentions"] = json!({"user_ids": ["@bot:localhost"]});
         assert_eq!(asked(&edit), None);
         let mut notice = text("@other-bot:localhost", "bot: loop?");
         notice["content"]["msgtype"] = json!("m.notice");

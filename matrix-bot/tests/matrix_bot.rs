@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{floor_config, scratch};
+use common::{floor_config, floor_config_with, scratch};
 use serde_json::{json, Value};
 use synapse::{wait_until_or, Proc, Synapse, User};
 
@@ -39,6 +39,11 @@ fn private_file(path: &Path, text: &str) -> PathBuf {
 /// Starts the bot as `@bot:localhost` (password from a file, session in `d/session.json`);
 /// returns it once its first sync is read.
 fn start_bot(d: &Path, hs: &Synapse, extra: &[&str]) -> Bot {
+    start_bot_configured(d, hs, &floor_config(d), extra)
+}
+
+/// [`start_bot`] with the sandbox's config file `config`.
+fn start_bot_configured(d: &Path, hs: &Synapse, config: &Path, extra: &[&str]) -> Bot {
     let password = private_file(&d.join("bot-password"), &format!("{BOT_PASSWORD}\n"));
     let mut bot = Command::new(env!("CARGO_BIN_EXE_matrix-bot"))
         .args(["--homeserver", &hs.url, "--user", "@bot:localhost"])
@@ -52,7 +57,7 @@ fn start_bot(d: &Path, hs: &Synapse, extra: &[&str]) -> Bot {
         .arg(d.join("ws"))
         .arg("--offline")
         .arg("--config")
-        .arg(floor_config(d))
+        .arg(config)
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -695,4 +700,140 @@ fn a_flood_delays_no_other_room_and_a_rate_limited_bot_delivers_every_reply() {
         }
     }
     bot.stop(d);
+}
+
+/// Issue 46: the per-speaker limits count the sender's user id, which they cannot change:
+/// with `speaker_turns_per_minute = 2`, a user's third question is refused, and a new
+/// display name gets no fresh limits; another user has limits of their own. `--metrics`,
+/// `[budgets]` and `[audit]` work as for the other bots: the audit trail and the state file
+/// hold the user id, never the display name; no metric label holds a room or a user.
+#[test]
+fn limits_key_on_the_user_id_not_the_display_name() {
+    let dir = scratch("rtl-");
+    let d = dir.path();
+    let hs = synapse::start(d, (50.0, 200));
+    hs.register("bot", BOT_PASSWORD, false);
+    let dave = hs.register("dave", "dave-pass", false);
+    let erin = hs.register("erin", "erin-pass", false);
+    let state = d.join("budgets.sqlite");
+    let audit = d.join("audit.jsonl");
+    let config = floor_config_with(
+        d,
+        &format!(
+            "[budgets]\nstate_file = \"{}\"\nspeaker_turns_per_minute = 2\n[audit]\npath = \"{}\"\n",
+            state.display(),
+            audit.display()
+        ),
+    );
+    let bot = start_bot_configured(d, &hs, &config, &["--metrics", "127.0.0.1:0"]);
+    let metrics = {
+        let (i, _) = bot.wait_for("matrix-bot: metrics at http://", 0);
+        let line = bot.lines()[i].clone();
+        let rest = line.split_once("http://").unwrap().1.to_owned();
+        rest.strip_suffix("/metrics").unwrap_or(&rest).to_owned()
+    };
+    let room = hs.create_room(&dave, &[BOT, &erin.id], false);
+    hs.join(&erin, &room);
+    wait_joined(&hs, &dave, &room);
+    set_name(&hs, &dave, &room, "Dave Original");
+    for text in ["first", "second"] {
+        let (_, a) = ask(&hs, &dave, &room, &format!("bot: {text}"));
+        assert!(
+            a.contains(&format!("read it back (Dave Original: {text})")),
+            "{a}"
+        );
+    }
+    let refused = "error: budget speaker_turns_per_minute exceeded: this speaker has started 2 turns in the last minute; try again in ";
+    let third = hs.say(&dave, &room, "bot: third");
+    let n = answer_to(&hs, &dave, &room, &third);
+    assert_eq!(n["content"]["msgtype"], "m.notice");
+    assert!(body(&n).starts_with(refused), "{n}");
+    // A new display name: the same sender, no fresh limits.
+    for name in ["Dave Renamed", "Someone Else"] {
+        set_name(&hs, &dave, &room, name);
+        let q = hs.say(&dave, &room, &format!("bot: as {name}"));
+        let n = answer_to(&hs, &dave, &room, &q);
+        assert!(body(&n).starts_with(refused), "{name} got a turn: {n}");
+    }
+    // Another user: limits of their own.
+    let (_, a) = ask(&hs, &erin, &room, "bot: my turn");
+    assert!(a.contains("read it back (erin: my turn)"), "{a}");
+
+    // No label names a room or a user.
+    let body = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(&metrics).unwrap();
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {metrics}\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    };
+    assert!(body.contains("roundtable_turns_total"), "{body}");
+    assert!(
+        !body.contains("localhost") && !body.contains(&room) && !body.contains("Dave"),
+        "{body}"
+    );
+    bot.stop(d);
+
+    // The audit trail: a line per turn and refusal, each with the user id as the speaker.
+    let trail = std::fs::read_to_string(&audit).unwrap();
+    let mut speakers: Vec<String> = trail
+        .lines()
+        .map(|l| {
+            let line: Value = serde_json::from_str(l).unwrap();
+            line["speaker"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    speakers.sort();
+    assert_eq!(
+        speakers,
+        [
+            "@dave:localhost",
+            "@dave:localhost",
+            "@dave:localhost",
+            "@dave:localhost",
+            "@dave:localhost",
+            "@erin:localhost"
+        ],
+        "{trail}"
+    );
+    assert!(!trail.contains("Dave"), "{trail}");
+    // The state file counts the user id.
+    let mut kept = Vec::new();
+    for f in ["budgets.sqlite", "budgets.sqlite-wal"] {
+        kept.extend(std::fs::read(d.join(f)).unwrap_or_default());
+    }
+    let holds = |needle: &str| kept.windows(needle.len()).any(|w| w == needle.as_bytes());
+    assert!(holds("@dave:localhost"), "no user id counted");
+    assert!(!holds("Dave"));
+}
+
+/// Sets `user`'s display name and waits until `room`'s member event carries it.
+fn set_name(hs: &Synapse, user: &User, room: &str, name: &str) {
+    hs.call(
+        "PUT",
+        &format!(
+            "/_matrix/client/v3/profile/{}/displayname",
+            synapse::enc(&user.id)
+        ),
+        Some(&user.token),
+        Some(&json!({ "displayname": name })),
+    );
+    wait_until_or(
+        "the new display name in the room",
+        || {
+            hs.call(
+                "GET",
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/state/m.room.member/{}",
+                    synapse::enc(room),
+                    synapse::enc(&user.id)
+                ),
+                Some(&user.token),
+                None,
+            )["displayname"]
+                == name
+        },
+        String::new,
+    );
 }
