@@ -55,7 +55,7 @@ use matrix_sdk::{Client, SessionMeta, SessionTokens};
 use outbox::{Bounds, Outbox, Outgoing, Pacer};
 use render::Kind;
 use roundtable_sandbox::display;
-use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
+use roundtable_sandbox::settings::Settings;
 use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
     SupervisorOptions, TurnFailure, TurnPhase,
@@ -118,10 +118,8 @@ const AFTER_HELP: &str = "The password or access token is read from a file (--pa
 --access-token-file) or the environment (MATRIX_PASSWORD, MATRIX_ACCESS_TOKEN), never from a \
 flag. The session file keeps the bot's device across restarts. Without OPENAI_API_KEY (and \
 without --config) the embedded offline model is used. The key only ever comes from the \
-environment (or the file the config names), never from a flag.";
-
-// `SETTINGS_NOTE` says the same of the model's key; kept in sight for a reader of --help.
-const _: &str = SETTINGS_NOTE;
+environment (or the file the config names), never from a flag. Roots default to \
+$ROUNDTABLE_HOME or /tmp/roundtable-sandbox-<uid>.";
 
 /// How the bot paces and bounds what it posts, and how it retries.
 #[derive(Debug, Clone, clap::Args)]

@@ -318,7 +318,7 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
 
     // A reply carrying HTML, Markdown links, an image and control characters (OSC 52 to the
     // clipboard, BEL, a bidi override, CR LF, C1 CSI), as Bob receives it.
-    let hostile = r"bot: run: printf '<b>bold</b> <script>alert(1)</script> [click](javascript:alert(1)) [docs](https://evil.example/x) ![img](https://evil.example/i.png) <a href=https://evil.example/y>y</a>\n\033]52;c;aGk=\007 \342\200\256evil\r\nnext\302\233'";
+    let hostile = r"bot: run: printf '<b>bold</b> <script>alert(1)</script> [click](javascript:alert(1)) [docs](https://evil.example/x) ![img](https://evil.example/i.png) <a href=https://evil.example/y>y</a>\n\033]52;c;aGk=\007 \342\200\256evil\r\nnext\302\233\n\n```js\nalert(2)\n```\n\n| a | b |\n|:-:|--:|\n| c | d |\n'";
     let q = hs.say(&alice, &room_a, hostile);
     let seen = answer_to(&hs, &bob, &room_a, &q);
     let c = &seen["content"];
@@ -357,6 +357,13 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
         "{html}"
     );
     assert!(html.contains(r"\u{1b}]52;c;aGk=\u{7}"), "{html}");
+    // Markdown's own markup passes the sanitizer's list: the code block and the table stay,
+    // their class and style attributes do not.
+    assert!(
+        html.contains("<pre><code>alert(2)\n</code></pre>"),
+        "{html}"
+    );
+    assert!(html.contains("<th>a</th>"), "{html}");
     let lower = html.to_lowercase();
     for bad in [
         "<script",
@@ -365,6 +372,8 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
         "<b>",
         "onerror",
         "href=\"javascript",
+        "class=",
+        "style=",
     ] {
         assert!(!lower.contains(bad), "{bad} in {html}");
     }
