@@ -43,12 +43,17 @@ fn start_bot(d: &Path, hs: &Synapse, extra: &[&str]) -> Bot {
 }
 
 /// [`start_bot`] with the sandbox's config file `config`.
+/// Logs in with the password from a file, unless `extra` gives an access token file.
 fn start_bot_configured(d: &Path, hs: &Synapse, config: &Path, extra: &[&str]) -> Bot {
-    let password = private_file(&d.join("bot-password"), &format!("{BOT_PASSWORD}\n"));
+    let mut login = Vec::new();
+    if !extra.contains(&"--access-token-file") {
+        let password = private_file(&d.join("bot-password"), &format!("{BOT_PASSWORD}\n"));
+        login.push("--password-file".into());
+        login.push(password.into_os_string());
+    }
     let mut bot = Command::new(env!("CARGO_BIN_EXE_matrix-bot"))
         .args(["--homeserver", &hs.url, "--user", "@bot:localhost"])
-        .arg("--password-file")
-        .arg(&password)
+        .args(login)
         .arg("--session-file")
         .arg(d.join("session.json"))
         .arg("--run-root")
@@ -658,6 +663,15 @@ fn a_flood_delays_no_other_room_and_a_rate_limited_bot_delivers_every_reply() {
         .filter_map(|l| l.split("; outbox ").nth(1)?.trim().parse().ok())
         .collect();
     assert!(depths.iter().all(|&n| n <= 8), "{depths:?}");
+    // A long answer is cut into several events, each a reply to its question.
+    assert!(
+        flood.iter().any(|q| flood_events
+            .iter()
+            .filter(|e| answers(e) == Some(q.as_str()) && e["content"]["msgtype"] == "m.text")
+            .count()
+            >= 2),
+        "{flood_events:#?}"
+    );
     // Every flood event answers one of the flood's questions.
     assert!(flood_events
         .iter()
@@ -734,7 +748,36 @@ fn limits_key_on_the_user_id_not_the_display_name() {
             audit.display()
         ),
     );
-    let bot = start_bot_configured(d, &hs, &config, &["--metrics", "127.0.0.1:0"]);
+    // The bot logs in with an access token this time (from a file), as an operator who
+    // made one elsewhere would.
+    let login = hs.call(
+        "POST",
+        "/_matrix/client/v3/login",
+        None,
+        Some(
+            &json!({"type": "m.login.password", "password": BOT_PASSWORD,
+                     "identifier": {"type": "m.id.user", "user": "bot"}}),
+        ),
+    );
+    let token = private_file(
+        &d.join("bot-token"),
+        login["access_token"].as_str().unwrap(),
+    );
+    let token = token.to_str().unwrap();
+    let bot = start_bot_configured(
+        d,
+        &hs,
+        &config,
+        &["--metrics", "127.0.0.1:0", "--access-token-file", token],
+    );
+    let device = login["device_id"].as_str().unwrap();
+    assert!(
+        bot.lines().iter().any(|l| l.contains(&format!(
+            "logged in as @bot:localhost with an access token (device {device})"
+        ))),
+        "{:?}",
+        bot.lines()
+    );
     let metrics = {
         let (i, _) = bot.wait_for("matrix-bot: metrics at http://", 0);
         let line = bot.lines()[i].clone();
