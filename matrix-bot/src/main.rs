@@ -1405,6 +1405,21 @@ mod tests {
         assert!(check_homeserver("ftp://x").is_err());
     }
 
+    /// The client for an https homeserver builds (its TLS stack has a crypto provider
+    /// although two are compiled in: the core's ring, matrix-sdk's aws-lc) without
+    /// contacting the server.
+    #[test]
+    fn a_client_for_an_https_homeserver_builds() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let url = check_homeserver("https://127.0.0.1:1").unwrap();
+            new_client(&url).await.unwrap();
+        });
+    }
+
     #[test]
     fn answers_reply_to_the_asking_event_in_its_thread() {
         let asked = Message {
