@@ -28,6 +28,23 @@ struct Bot {
     echo: Option<std::thread::JoinHandle<()>>,
 }
 
+/// A bot left running by a failed test is stopped as a bot is (SIGTERM: it shuts its
+/// runtime down, removing its containers) before it is killed: a failed test leaves no
+/// container either.
+impl Drop for Bot {
+    fn drop(&mut self) {
+        if !matches!(self.proc.0.try_wait(), Ok(None)) {
+            return;
+        }
+        let pid = nix::unistd::Pid::from_raw(self.proc.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline && matches!(self.proc.0.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 /// A private file holding `text` (the service user's, 0600).
 fn private_file(path: &Path, text: &str) -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
