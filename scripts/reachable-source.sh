@@ -2,14 +2,14 @@
 # Prints the source tree the tests must run from, as root, so that the service user can
 # reach everything the tests hand it: the test binaries cargo runs through
 # scripts/as-service-user.sh, the sources they read at run time (tests/support/*.py, named
-# by CARGO_MANIFEST_DIR), the configs, the MCP venv (<tree>/.venv-mcp) and the images'
-# build contexts.
+# by CARGO_MANIFEST_DIR), the configs, the MCP venv (<tree>/.venv-mcp), the Synapse venv
+# (<tree>/.venv-synapse) and the images' build contexts.
 #   - the clone itself, when the service user can enter and read all of it (the usual case);
 #   - else a mirror of it in a directory this setup owns and the service user can read:
 #     ${ROUNDTABLE_MIRROR_ROOT:-/var/lib/roundtable-sandbox-tests}/<key>, the key the first 16
 #     hex digits of the sha256 of the clone's path (or $ROUNDTABLE_MIRROR_KEY). The mirror
-#     is the clone's files (without target/, .git and .venv-mcp), copied anew on each run;
-#     its own target/ and .venv-mcp are kept between runs (an incremental build).
+#     is the clone's files (without target/, .git, .venv-mcp and .venv-synapse), copied anew
+#     on each run; its own target/ and venvs are kept between runs (an incremental build).
 # No mode of the clone, of any directory above it or of any directory this script did not
 # create is changed. When even the mirror is out of the service user's reach, it stops with
 # one sentence naming the path and the fix.
@@ -20,10 +20,10 @@ if [ "$(id -u)" -ne 0 ]; then echo "$repo"; exit 0; fi
 as_user() { setpriv --reuid="$user" --regid="$user" --init-groups env HOME=/tmp "$@"; }
 
 # The first path under $1 the service user cannot enter or read (nothing when it can read
-# it all); target/, .git and .venv-mcp are the build's own, not sources.
+# it all); target/, .git and the venvs are the build's own, not sources.
 first_unreadable() {
   local out
-  if ! out=$(as_user find "$1" \( -path "$1/target" -o -path "$1/.git" -o -path "$1/.venv-mcp" \) \
+  if ! out=$(as_user find "$1" \( -path "$1/target" -o -path "$1/.git" -o -path "$1/.venv-mcp" -o -path "$1/.venv-synapse" \) \
       -prune -o \( -type d ! -executable -o ! -readable \) -print -quit 2>/dev/null); then
     out="$1"
   fi
@@ -56,12 +56,12 @@ unreachable() {
   exit 1
 }
 as_user test -x "$mirror" || unreachable "$mirror"
-find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp -exec rm -rf {} +
+find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp ! -name .venv-synapse -exec rm -rf {} +
 # Modification times are kept: cargo rebuilds only what changed since the last run.
-tar -C "$repo" --exclude=./target --exclude=./.git --exclude=./.venv-mcp -cf - . \
+tar -C "$repo" --exclude=./target --exclude=./.git --exclude=./.venv-mcp --exclude=./.venv-synapse -cf - . \
   | tar -C "$mirror" --no-same-owner -xf -
 # The copy is this setup's: readable by the service user whatever the clone's modes were.
-find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp \
+find "$mirror" -mindepth 1 -maxdepth 1 ! -name target ! -name .venv-mcp ! -name .venv-synapse \
   -exec chmod -R u+rwX,go+rX,go-w {} +
 
 blocked=$(first_unreadable "$mirror")

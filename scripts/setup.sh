@@ -4,14 +4,18 @@
 # the Docker socket, and the MCP servers' venv. Idempotent. Run as root.
 #   --gvisor (or ROUNDTABLE_GVISOR=1): also register gVisor's runsc with the engine
 #   (scripts/setup-gvisor.sh: package, daemon.json, SIGHUP reload, never a restart).
+#   --synapse (or ROUNDTABLE_SYNAPSE=1): also the Synapse homeserver's venv the Matrix bot's
+#   tests start (scripts/synapse-venv.sh; scripts/test.sh asks for it, the demo does not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 user="${ROUNDTABLE_USER:-roundtable}"
 gvisor="${ROUNDTABLE_GVISOR:-0}"
+synapse="${ROUNDTABLE_SYNAPSE:-0}"
 for arg in "$@"; do
   case "$arg" in
     --gvisor) gvisor=1 ;;
-    *) echo "setup: unknown argument $arg (known: --gvisor)" >&2; exit 2 ;;
+    --synapse) synapse=1 ;;
+    *) echo "setup: unknown argument $arg (known: --gvisor, --synapse)" >&2; exit 2 ;;
   esac
 done
 if [ "$(id -u)" -ne 0 ]; then
@@ -53,5 +57,6 @@ sock="${DOCKER_HOST:-unix:///var/run/docker.sock}"; sock="${sock#unix://}"
 sock_group=$(stat -c %G "$sock")
 id -nG "$user" | tr ' ' '\n' | grep -qx "$sock_group" || usermod -aG "$sock_group" "$user"
 if [ -x scripts/mcp-venv.sh ]; then scripts/mcp-venv.sh; fi
+if [ "$synapse" = 1 ]; then scripts/synapse-venv.sh; fi
 if [ "$gvisor" = 1 ]; then scripts/setup-gvisor.sh; fi
 echo "setup: ready (service user $user: uid $(id -u "$user"), groups $(id -nG "$user"))" >&2

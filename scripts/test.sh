@@ -11,15 +11,18 @@ if [ "$(id -u)" -eq 0 ]; then
   # From a clone the service user cannot read (under /root or a `mktemp -d`: 0700), the
   # tests run from a mirror of it that it can (scripts/reachable-source.sh).
   if [ -z "${ROUNDTABLE_MIRRORED_FROM:-}" ]; then
-    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh --gvisor
+    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh --gvisor --synapse
     src=$(scripts/reachable-source.sh)
     if [ "$src" != "$(pwd -P)" ]; then
       echo "== running from $src (a mirror of this clone the service user can read)" >&2
       ROUNDTABLE_MIRRORED_FROM="$PWD" exec "$src/scripts/test.sh" "$@"
     fi
   fi
-  scripts/setup.sh --gvisor
+  # --synapse: the Matrix bot's tests run a real Synapse homeserver (a venv from PyPI).
+  scripts/setup.sh --gvisor --synapse
   export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/as-service-user.sh"
+else
+  scripts/synapse-venv.sh
 fi
 # Free space where the build goes, for a run that fails for want of it.
 echo "== disk: $(df -h --output=avail "$PWD" | tail -1 | tr -d ' ') free for target/" >&2
@@ -46,7 +49,8 @@ cargo check -p roundtable-sandbox-api-check --quiet
 RUSTDOCFLAGS="-D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links" \
   cargo doc --no-deps --quiet -p roundtable-sandbox -p roundtable-sandbox-actors \
   -p roundtable-sandbox-metrics -p roundtable-sandbox-protocol
-if cargo tree "${shipped[@]}" -e normal,build,features -i roundtable-sandbox | grep -q 'feature "testing"'; then
+# (The Matrix bot, a crate of its own that nothing else compiles, is checked here too.)
+if cargo tree "${shipped[@]}" -p roundtable-sandbox-matrix-bot -e normal,build,features -i roundtable-sandbox | grep -q 'feature "testing"'; then
   echo "a build of the CLI and the bots enables roundtable-sandbox's testing feature (cargo tree -e normal,build,features -i roundtable-sandbox)" >&2
   exit 1
 fi

@@ -55,6 +55,14 @@ async fn attack_forge_the_model_url_and_headers() {
             "the key injected once, the guest's dropped"
         );
         assert_eq!(r.header_values("content-type"), vec!["application/json"]);
+        // No encoding asked for: the broker caps the bytes the upstream sends and never
+        // inflates them, whatever features another crate turns on in reqwest (the Matrix
+        // bot's matrix-sdk turns on gzip).
+        assert!(
+            r.header_values("accept-encoding").is_empty(),
+            "{:?}",
+            r.header_values("accept-encoding")
+        );
         for forged in [
             "x-api-key",
             "api-key",

@@ -243,6 +243,13 @@ pub(crate) fn http_client(connect_timeout: Duration) -> Result<reqwest::Client, 
         .tls_backend_preconfigured(tls)
         .redirect(reqwest::redirect::Policy::none())
         .no_proxy()
+        // No transparent decompression, whatever features another crate of the bot enables
+        // on reqwest (matrix-sdk turns on `gzip`): the broker reads and caps the bytes the
+        // upstream sent, and asks for none encoded.
+        .no_gzip()
+        .no_brotli()
+        .no_zstd()
+        .no_deflate()
         .connect_timeout(connect_timeout)
         .user_agent(concat!(
             "roundtable-sandbox-broker/",
