@@ -33,6 +33,10 @@ command -v ii >/dev/null || need+=(ii)
 [ -x /usr/bin/prometheus ] || need+=(prometheus)   # the metrics test scrapes a bot with a real one
 command -v debootstrap >/dev/null || need+=(debootstrap)   # the MCP servers' image
 command -v prometheus >/dev/null || need+=(prometheus)     # the metrics' end-to-end test
+# The budgets' shared store's tests start their own server from these binaries (as the
+# service user, in a private data directory, on loopback); the package's own cluster is
+# not used.
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   apt-get update -qq

@@ -99,6 +99,13 @@ pub enum EventKind {
     /// the turn's last event (its `Phase(Done)`; a refused message's `Ended`). Its
     /// `speaker` is guest-chosen text: never a metric label (see [`TurnFacts`]).
     Facts(Box<TurnFacts>),
+    /// The budgets' shared store (`[budgets] store`): this process's view of the other
+    /// processes' spend turned stale (the database not reached for longer than
+    /// `max_staleness_secs`: new turns refused unless `fail_open`) or fresh again.
+    BudgetStore {
+        /// Whether the view is stale now.
+        stale: bool,
+    },
     /// One call to the container engine.
     Engine {
         /// The operation (`create`, `start`, `remove`, `inspect`, …).

@@ -78,15 +78,16 @@ use turn::resources::LiveTurns;
 pub use audit::{AuditError, AuditSettings, AuditStats};
 pub use broker::{BoxFuture, BrokerError, HostTool, ToolCallContext};
 pub use budgets::{
-    Budget, BudgetBook, BudgetRefusal, BudgetStore, CounterKey, HostUsage, StoreError,
+    Budget, BudgetBook, BudgetRefusal, BudgetStore, CounterKey, HostUsage, PostgresStore,
+    SharedView, StoreError,
 };
 pub use channel::ChannelId;
 pub use config::{
     ApiKey, ApiKeyProvider, BrokerLimits, BudgetSettings, BudgetStoreOpener, Cidr, CompactionModel,
     Config, ConfigBuilder, ConfigError, CredentialPlacement, DenyRule, EgressLimits, EgressMode,
     EgressRoute, KeyRef, Limits, McpConfine, McpLimits, McpScope, McpServer, McpTransport,
-    ModelRequestPolicy, PolicyError, ProvidedKey, Redirects, ResolvedConfig, WarmSettings,
-    DEFAULT_IMAGE, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
+    ModelRequestPolicy, PolicyError, ProvidedKey, Redirects, ResolvedConfig, StoreSource,
+    WarmSettings, DEFAULT_IMAGE, DEFAULT_PROMPT, DEFAULT_TURN_TIMEOUT,
 };
 pub use driver::{ContainerDriver, DockerDriver, DockerOptions, DriverError, RunOutcome};
 pub use events::{Event, EventKind, Observer};
@@ -227,6 +228,9 @@ impl Sandbox {
             config.observer.clone(),
             audit.clone().map(|a| a as Arc<dyn events::EventSink>),
         ));
+        if let Some(book) = &budgets {
+            book.observe(events.clone());
+        }
         let driver: Arc<dyn ContainerDriver> = match config.driver {
             Some(d) => d,
             None => {

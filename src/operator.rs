@@ -5,7 +5,7 @@
 //! needs none of it (the crate root has the embedding API).
 
 pub use crate::audit::summary::{summarize as summarize_audit, AuditSummary};
-pub use crate::budgets::{check_state_file, SqliteStore, StateFileCheck};
+pub use crate::budgets::{check_shared_store, check_state_file, SqliteStore, StateFileCheck};
 pub use crate::config::{
     check_root_ancestors, check_socket_path, is_private_dir, violations, GVISOR_RUNTIME,
     MAX_SOCKET_PATH, MCP_DATA_DIR,

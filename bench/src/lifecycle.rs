@@ -203,6 +203,7 @@ pub async fn observed_warm_sandbox(
             // `budgets` alone: token budgets only (`turns` adds the speakers' turns per
             // minute, whose admissions the writer commits).
             speaker_turns_per_minute: has("turns").then_some(10_000),
+            ..Default::default()
         };
     }
     // The audit trail beside the state file (issue 23 item 8: audit and accounting on).
@@ -225,6 +226,52 @@ pub async fn observed_warm_sandbox(
     Sandbox::new(c)
         .await
         .context("start the budgeted warm runtime")
+}
+
+/// A warm runtime with every budget set (far from reached, turns per minute too), its
+/// counters in the SQLite `state_file` or, with `store_url_file`, in the PostgreSQL store
+/// whose URL that file holds (`state_file` its journal). The `store` part's sides.
+pub async fn budget_store_sandbox(
+    image: &str,
+    roots: &Roots,
+    model_url: &str,
+    state_file: &Path,
+    store_url_file: Option<&Path>,
+    namespace: &str,
+) -> Result<Sandbox> {
+    let mut c = bench_config(
+        &roots.warm_run_root,
+        &roots.warm_workspace_root,
+        image,
+        model_url,
+    )
+    .command(command())
+    .instance(format!("bench-store-{namespace}-{}", std::process::id()))
+    .warm(roundtable_sandbox::WarmSettings {
+        enabled: true,
+        max: 64,
+        ttl_secs: None,
+    })
+    .build();
+    c.budgets = roundtable_sandbox::BudgetSettings {
+        state_file: Some(state_file.to_owned()),
+        speaker_tokens_per_day: Some(1_000_000_000),
+        channel_tokens_per_day: Some(1_000_000_000),
+        bot_tokens_per_day: Some(1_000_000_000),
+        speaker_turns_per_minute: Some(10_000),
+        store: store_url_file.map(|f| {
+            roundtable_sandbox::StoreSource::Ref(roundtable_sandbox::KeyRef {
+                env: None,
+                file: Some(f.to_owned()),
+            })
+        }),
+        namespace: store_url_file.map(|_| namespace.to_owned()),
+        ..Default::default()
+    };
+    c.observer = Some(phase_recorder());
+    Sandbox::new(c)
+        .await
+        .context("start the budget store's warm runtime")
 }
 
 /// The settings every runtime of the bench shares: the image, a model endpoint (plain HTTP

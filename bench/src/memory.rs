@@ -53,6 +53,7 @@ async fn measure(channels: usize, observed: bool) -> Result<Value> {
             bot_tokens_per_day: Some(1_000_000_000),
             // No rate limit: one speaker sends every turn of the measurement.
             speaker_turns_per_minute: None,
+            ..Default::default()
         };
         let metrics = std::sync::Arc::new(roundtable_sandbox_metrics::Metrics::new());
         core.observer = Some(metrics.observer());

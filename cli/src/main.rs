@@ -475,8 +475,13 @@ async fn doctor(
             Err(e) => fail("engine disk", e.to_string(), "fix the docker check first"),
         }
     });
-    if let Some(file) = &config.budgets.state_file {
-        checks.push(state_file_check(file, config.effective_time_zone()));
+    match (&config.budgets.state_file, &config.budgets.store) {
+        (Some(_), Some(_)) => checks.push(shared_store_check(
+            &config.budgets,
+            config.effective_time_zone(),
+        )),
+        (Some(file), None) => checks.push(state_file_check(file, config.effective_time_zone())),
+        _ => {}
     }
     if let Some(check) = metrics_check(metrics) {
         checks.push(check);
@@ -585,6 +590,35 @@ fn state_file_check(file: &Path, time_zone: &str) -> Check {
             NAME,
             e.to_string(),
             "stop the other process holding it, or move a damaged file aside (its counters are lost)",
+        ),
+    }
+}
+
+/// The budgets' shared store: connects, checks the schema and the namespace's settings
+/// (never changing them) and loads today's counters as a start does; never shows its URL.
+fn shared_store_check(budgets: &roundtable_sandbox::BudgetSettings, time_zone: &str) -> Check {
+    const NAME: &str = "budget store";
+    match roundtable_sandbox::operator::check_shared_store(budgets, time_zone) {
+        Ok(c) if c.warnings.is_empty() => pass(
+            NAME,
+            format!(
+                "PostgreSQL, namespace {:?}: connects, schema current, settings agree; today's {} \
+                 counter(s), {} turn(s) of the last minute",
+                budgets.effective_namespace(),
+                c.counters,
+                c.turns
+            ),
+        ),
+        Ok(c) => fail(
+            NAME,
+            c.warnings.join("; "),
+            "a start goes on with these values clamped",
+        ),
+        Err(e) => fail(
+            NAME,
+            e.to_string(),
+            "start the database, fix the URL's source, or give every process of the namespace \
+             the same limits and time_zone",
         ),
     }
 }
@@ -757,10 +791,34 @@ async fn explain(
         ),
         (Some(f), false) => println!(
             "budgets       {}; days start at 00:00 {zone}; a turn past one is refused before its container, \
-             a model call past one gets 429; counters in {} (SQLite, WAL)",
+             a model call past one gets 429; counters in {}",
             set.join(", "),
-            f.display()
+            match bg.store {
+                None => format!("{} (SQLite, WAL)", f.display()),
+                Some(_) => "the shared store (below)".to_owned(),
+            }
         ),
+    }
+    if let Some(source) = &bg.store {
+        println!(
+            "budget store  PostgreSQL, namespace {:?}, its URL from {} (never shown); shared by \
+             every process of the namespace (their limits and time_zone must agree); {} is this \
+             process's journal; reconciled every 100 ms; a view older than {} s refuses new turns",
+            bg.effective_namespace(),
+            source.describe(),
+            bg.state_file
+                .as_ref()
+                .map_or_else(|| "(no state_file)".into(), |f| f.display().to_string()),
+            bg.effective_max_staleness().as_secs()
+        );
+        if bg.fail_open {
+            println!(
+                "WARNING       budgets.fail_open = true: with the database unreachable past {} s, \
+                 turns are admitted on this process's own counts (each process may then spend \
+                 a whole budget on its own)",
+                bg.effective_max_staleness().as_secs()
+            );
+        }
     }
     match &config.audit.path {
         None => println!("audit         off"),

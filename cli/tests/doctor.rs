@@ -343,6 +343,97 @@ fn a_corrupt_or_missing_budget_state_file_is_reported_and_explain_shows_the_budg
     );
 }
 
+/// The budgets' shared store: `explain` and `doctor` name where its URL comes from, never
+/// the URL (a password in it); `fail_open` is a WARNING; a URL written in the config file
+/// is refused without being echoed.
+#[test]
+fn the_shared_budget_store_is_shown_by_its_source_never_its_url() {
+    let (d, run, ws) = roots();
+    let state = d.path().join("journal.sqlite");
+    let url_file = d.path().join("budgets-url");
+    // Port 1 on loopback: nothing listens there.
+    std::fs::write(
+        &url_file,
+        "postgres://bot:s3cr3t-pw@127.0.0.1:1/bots?sslmode=disable&connect_timeout=2",
+    )
+    .unwrap();
+    let config = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        &format!(
+            "disk_floor_mb = 0\ndisk_floor_percent = 0\n[budgets]\nstate_file = \"{}\"\n\
+             speaker_tokens_per_day = 50000\nstore = {{ file = \"{}\" }}\nnamespace = \"bot-1\"\n\
+             fail_open = true\n",
+            state.display(),
+            url_file.display()
+        ),
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config", &config])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains(&format!(
+            "budget store  PostgreSQL, namespace \"bot-1\", its URL from file {} (never shown)",
+            url_file.display()
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "WARNING       budgets.fail_open = true: with the database unreachable past 10 s"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("s3cr3t") && !text.contains("bot:"), "{text}");
+    let (code, out) = doctor(&["--config", &config], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "FAIL budget store    budget store PostgreSQL (namespace \"bot-1\", URL from file {}): connect:",
+            url_file.display()
+        )),
+        "{out}"
+    );
+    assert!(
+        !out.contains("s3cr3t") && !out.contains("127.0.0.1:1"),
+        "{out}"
+    );
+    // Written in the file itself: refused by doctor's config rules, echoed by nothing.
+    let literal = floor_config(
+        d.path(),
+        &run,
+        &ws,
+        &format!(
+            "[budgets]\nstate_file = \"{}\"\nstore = \"postgres://bot:s3cr3t-pw@db/bots\"\n",
+            state.display()
+        ),
+    );
+    let (code, out) = doctor(&["--config", &literal], &[]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("budgets.store must name where its URL comes from, not hold it"),
+        "{out}"
+    );
+    assert!(!out.contains("s3cr3t"), "{out}");
+    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
+        .args(["explain", "--config", &literal])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains("s3cr3t"), "{text}");
+}
+
 #[test]
 fn doctor_checks_the_metrics_address_and_explain_shows_it() {
     let (d, run, ws) = roots();

@@ -32,6 +32,7 @@
 //! | `roundtable_broker_refusals_total` | counter | `status`, `limit` |
 //! | `roundtable_tool_calls_total` | counter | `kind` (`host`, `mcp`), `outcome` (`ok`, `error`) |
 //! | `roundtable_budget_refusals_total` | counter | `budget`, `stage` (`admission`, `model_call`) |
+//! | `roundtable_budget_store_stale` | gauge | — (1 while the shared budget store's view is older than `max_staleness_secs`) |
 //! | `roundtable_engine_call_duration_seconds` | histogram | `operation`, `outcome` |
 //! | `roundtable_egress_requests_total` | counter | `route` (the operator's route names), `decision` (`allowed`, `denied`, `audit_denied`) |
 //! | `roundtable_egress_bytes_total` | counter | `route`, `direction` (`out`, `in`) |
@@ -124,6 +125,7 @@ pub struct Metrics {
     refusals: Family<RefusalLabels, Counter>,
     tool_calls: Family<Labels2, Counter>,
     budget_refusals: Family<Labels2, Counter>,
+    budget_store_stale: Gauge,
     engine: HistFamily<Labels2>,
     model_duration: HistFamily<Labels3>,
     model_tokens: HistFamily<Labels3>,
@@ -232,6 +234,12 @@ impl Metrics {
             "Turns (at admission) and model calls (mid-turn) refused by a budget",
             budget_refusals.clone(),
         );
+        let budget_store_stale = Gauge::default();
+        registry.register(
+            "roundtable_budget_store_stale",
+            "1 while this process's view of the shared budget store is older than max_staleness_secs",
+            budget_store_stale.clone(),
+        );
         let engine: HistFamily<Labels2> = Family::new_with_constructor(seconds);
         registry.register_with_unit(
             "roundtable_engine_call_duration",
@@ -281,6 +289,7 @@ impl Metrics {
             refusals,
             tool_calls,
             budget_refusals,
+            budget_store_stale,
             engine,
             model_duration,
             model_tokens,
@@ -354,6 +363,9 @@ impl Metrics {
                 self.budget_refusals
                     .get_or_create(&[("budget", labels::budget(*budget)), ("stage", stage)])
                     .inc();
+            }
+            EventKind::BudgetStore { stale } => {
+                self.budget_store_stale.set(i64::from(*stale));
             }
             EventKind::Engine { op, latency, ok } => {
                 self.engine

@@ -6,7 +6,7 @@
 //! `config` (the operator's settings, one module per section, validated once), `broker`
 //! (the per-turn HTTP server on a unix socket that holds the key and the allow-listed host
 //! and MCP tools: guest requests are hostile), `turn` (one turn's lifecycle and teardown),
-//! `budgets` (the host's usage accounting and the `[budgets]` limits, durable in SQLite),
+//! `budgets` (the host's usage accounting and the `[budgets]` limits, durable in SQLite or a shared PostgreSQL),
 //! `audit` (the audit trail, one JSON line per turn, and its summary), `quota` (the
 //! workspace size cap, measured by descriptor only, and the free-space floor), `sweep`
 //! (removal of what a crashed runtime left behind), `warm` (prepared containers for the

@@ -1,6 +1,7 @@
 //! Test support for the real parts the test suites share (dev-only, never published):
 //!
 //! - [`model`]: a scripted OpenAI-compatible model server on loopback;
+//! - [`postgres`]: a real PostgreSQL server on loopback in a private data directory;
 //! - [`broker_client`]: a guest-side HTTP/1.1 client for a turn's broker socket;
 //! - [`mcp_process`]: the MCP servers' venv, and their pids as the tests watch them;
 //! - [`mcp_stub`]: the stub MCP server of `tests/support/mcp_stub.py` as a configuration;
@@ -25,6 +26,7 @@ pub mod hostile;
 pub mod mcp_process;
 pub mod mcp_stub;
 pub mod model;
+pub mod postgres;
 pub mod warm_switch;
 
 pub use roundtable_sandbox::internals::testing as sandbox;

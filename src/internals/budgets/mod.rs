@@ -7,8 +7,11 @@
 //! `usage`, never the guest), and both of its checks are in the core's own paths, the
 //! admission at the start of a turn's run ([`crate::Sandbox::run`]; before any workspace or container,
 //! so `Sandbox::run_turn*` and the actor layer get it alike) and the broker's check before
-//! each model call. The durable part is behind [`BudgetStore`] (`store`), so a shared
-//! database can replace the SQLite file when one bot runs as several processes.
+//! each model call. The durable part is behind [`BudgetStore`]: the SQLite file
+//! ([`SqliteStore`], `store`), or, when one bot runs as several processes, a PostgreSQL
+//! database they share ([`PostgresStore`], `postgres`; the bound across processes and the
+//! faults are in its doc and docs/design.md), each process reconciling through its
+//! [`SharedView`].
 //!
 //! - [`HostUsage`]: one turn's usage as the host counted it (what `TurnOutcome::usage`
 //!   carries). The reply's `usage` is the guest's own claim and is never read here;
@@ -39,6 +42,7 @@
 //! `budgets::concurrent_turns_of_one_speaker_pass_the_budget_by_at_most_one_call`,
 //! `budgets::dropped_calls_are_charged_at_their_worst_case`.
 
+mod postgres;
 mod store;
 
 use std::collections::{HashMap, VecDeque};
@@ -49,6 +53,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use chrono::{DateTime, NaiveDate, TimeZone, Utc};
 
 pub use crate::config::BudgetSettings;
+pub use postgres::{PgStats, PostgresStore};
 pub use store::{BudgetStore, CounterKey, SqliteStore, StoreError};
 // The one rule for a stored count, for this workspace's tests (a store of the crate, the
 // PostgreSQL one to come, uses it from `store`).
@@ -288,6 +293,9 @@ pub enum Budget {
     BotTokensPerDay,
     /// `speaker_turns_per_minute`.
     SpeakerTurnsPerMinute,
+    /// `store`: the shared store's view is older than `max_staleness_secs` (the database
+    /// not reached), so no budget can be checked against the other processes' spend.
+    Store,
 }
 
 impl Budget {
@@ -298,6 +306,7 @@ impl Budget {
             Budget::ChannelTokensPerDay => "channel_tokens_per_day",
             Budget::BotTokensPerDay => "bot_tokens_per_day",
             Budget::SpeakerTurnsPerMinute => "speaker_turns_per_minute",
+            Budget::Store => "store",
         }
     }
 }
@@ -318,6 +327,175 @@ pub struct BudgetRefusal {
 /// The current time (injected in tests).
 pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 
+/// The book's side of a store shared by several processes ([`BudgetStore::share`]): the
+/// store reports through it what the database acknowledged of this process's charges, the
+/// totals the other processes' charges made, their turns, and when it last reconciled
+/// (the view's age, which the admission checks against `max_staleness_secs`).
+#[derive(Clone)]
+pub struct SharedView {
+    inner: Arc<ViewInner>,
+}
+
+struct ViewInner {
+    state: SharedState,
+    clock: Option<Clock>,
+    /// When the store last reconciled (Unix ms).
+    synced_ms: AtomicI64,
+    max_staleness_ms: i64,
+    fail_open: bool,
+    /// Whether the view was stale at the writer's last look (its transitions are told).
+    stale: AtomicBool,
+    /// When the last warning of a stale view was logged (Unix ms).
+    warned_ms: AtomicI64,
+    events: std::sync::OnceLock<Arc<crate::events::EventHub>>,
+    /// The PostgreSQL store's counts (statements, round trips), for the bench.
+    stats: std::sync::OnceLock<Arc<PgStats>>,
+}
+
+impl std::fmt::Debug for SharedView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedView")
+            .field("synced_ms", &self.inner.synced_ms)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedView {
+    fn now_ms(&self) -> i64 {
+        self.inner
+            .clock
+            .as_ref()
+            .map_or_else(Utc::now, |c| c())
+            .timestamp_millis()
+    }
+
+    /// The book's current day (`YYYY-MM-DD` in the configured zone): the day whose
+    /// counters the store reads back.
+    pub fn day(&self) -> String {
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .day
+            .to_string()
+    }
+
+    /// The store holds these charges of this process now (`day`'s; `totals`: each
+    /// counter's total in the store after them, every process's charges, when known).
+    pub fn acknowledged(
+        &self,
+        day: &str,
+        deltas: &[(CounterKey, u64)],
+        totals: &[(CounterKey, u64)],
+    ) {
+        let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.day.to_string() != day {
+            return;
+        }
+        for (key, total) in totals {
+            st.tokens.slot_of(key).set_base(*total);
+        }
+        for (key, delta) in deltas {
+            if let Some(slot) = st.tokens.find(key) {
+                slot.acknowledge(*delta);
+            }
+        }
+    }
+
+    /// Counters of `day` that changed in the store (by any process): their totals.
+    pub fn totals(&self, day: &str, totals: &[(CounterKey, u64)]) {
+        self.acknowledged(day, &[], totals);
+    }
+
+    /// Turns the other processes started (speaker, Unix ms by the admitting process's
+    /// clock); one stamped after this process's now counts as started now.
+    pub fn turns(&self, turns: &[(String, i64)]) {
+        if turns.is_empty() {
+            return;
+        }
+        let now_ms = self.now_ms();
+        let mut st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (speaker, at) in turns {
+            let at = (*at).min(now_ms);
+            if at <= now_ms - MINUTE_MS {
+                continue;
+            }
+            let window = st.turns.entry(speaker.clone()).or_default();
+            // Kept in order: a turn of another process may be older than this one's last.
+            let i = window.partition_point(|&t| t <= at);
+            window.insert(i, at);
+        }
+    }
+
+    /// The PostgreSQL store's counts, once it shares the view.
+    pub(crate) fn set_stats(&self, stats: Arc<PgStats>) {
+        let _ = self.inner.stats.set(stats);
+    }
+
+    /// The store reconciled just now: the view is fresh.
+    pub fn synced(&self) {
+        self.inner.synced_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// How old the view is (ms).
+    fn age_ms(&self) -> i64 {
+        self.now_ms()
+            .saturating_sub(self.inner.synced_ms.load(Ordering::Relaxed))
+    }
+
+    /// Refuses a turn while the view is older than `max_staleness_secs` (unless fail open).
+    fn check(&self) -> Result<(), BudgetRefusal> {
+        let age = self.age_ms();
+        if age <= self.inner.max_staleness_ms || self.inner.fail_open {
+            return Ok(());
+        }
+        Err(BudgetRefusal {
+            budget: Budget::Store,
+            limit: (self.inner.max_staleness_ms / 1000) as u64,
+            message: format!(
+                "the budgets' shared database has not been reached for {} s (max_staleness_secs = \
+                 {}): new turns are refused until it is back",
+                age / 1000,
+                self.inner.max_staleness_ms / 1000
+            ),
+        })
+    }
+
+    /// The writer's look at each tick: a view that turned stale (or fresh again) is told
+    /// once, as a warning and an event (the metrics' gauge); a stale one is warned again
+    /// every minute.
+    fn watch(&self) {
+        let age = self.age_ms();
+        let stale = age > self.inner.max_staleness_ms;
+        let was = self.inner.stale.swap(stale, Ordering::Relaxed);
+        let now = self.now_ms();
+        if stale {
+            let last = self.inner.warned_ms.load(Ordering::Relaxed);
+            if !was || now - last >= MINUTE_MS {
+                self.inner.warned_ms.store(now, Ordering::Relaxed);
+                tracing::warn!(
+                    age_secs = age / 1000,
+                    max_staleness_secs = self.inner.max_staleness_ms / 1000,
+                    fail_open = self.inner.fail_open,
+                    "budgets: the shared database has not been reached; {}",
+                    if self.inner.fail_open {
+                        "turns are admitted on this process's own counts (fail_open)"
+                    } else {
+                        "new turns are refused until it is back"
+                    }
+                );
+            }
+        } else if was {
+            tracing::info!("budgets: the shared database is reached again; turns are admitted");
+        }
+        if stale != was {
+            if let Some(events) = self.inner.events.get() {
+                events.emit(None, None, crate::events::EventKind::BudgetStore { stale });
+            }
+        }
+    }
+}
+
 /// What the writer thread commits.
 enum Write {
     Tokens {
@@ -326,9 +504,6 @@ enum Write {
     },
     NewDay(String),
     Flush(mpsc::SyncSender<()>),
-    /// Charges or started turns wait in [`BookState::unsaved`] and the writer was asleep
-    /// (sent by the first of them after it fell asleep, not once per charge or turn).
-    Wake,
 }
 
 /// One of today's token counters (a speaker's, a channel's or the bot's): its total and
@@ -336,28 +511,52 @@ enum Write {
 /// day), so a model call's check and charge are a few atomic operations, no lookup and no
 /// lock of the book (the book's lock is taken when a counter turns dirty, once per commit
 /// interval per counter).
+///
+/// The total is `base + pending`: `base` what the store said (loaded at the start; with a
+/// shared store, the database's total as last read back, every process's charges), and
+/// `pending` this process's charges not yet in `base` (with a store of its own, every
+/// charge since the start; with a shared store, until the database acknowledged them).
 #[derive(Debug)]
 struct Slot {
     key: CounterKey,
-    total: AtomicU64,
+    base: AtomicU64,
+    pending: AtomicU64,
     unsaved: AtomicU64,
     /// The worst cases of the model calls in flight ([`CallCharge`]): counted by every
     /// check, never stored.
     held: AtomicU64,
 }
 
+/// Adds `n` to `a`, saturating; what `a` held before.
+fn saturating_add(a: &AtomicU64, n: u64) -> u64 {
+    a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+        Some(h.saturating_add(n))
+    })
+    .unwrap_or_else(|h| h)
+}
+
+/// Subtracts `n` from `a`, stopping at 0.
+fn saturating_sub(a: &AtomicU64, n: u64) {
+    let _ = a.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+        Some(h.saturating_sub(n))
+    });
+}
+
 impl Slot {
-    fn new(key: CounterKey, total: u64) -> Arc<Self> {
+    fn new(key: CounterKey, base: u64) -> Arc<Self> {
         Arc::new(Self {
             key,
-            total: AtomicU64::new(total),
+            base: AtomicU64::new(base),
+            pending: AtomicU64::new(0),
             unsaved: AtomicU64::new(0),
             held: AtomicU64::new(0),
         })
     }
 
     fn total(&self) -> u64 {
-        self.total.load(Ordering::Relaxed)
+        self.base
+            .load(Ordering::Relaxed)
+            .saturating_add(self.pending.load(Ordering::Relaxed))
     }
 
     /// What the checks count: the charged total and the calls in flight at their worst.
@@ -367,33 +566,30 @@ impl Slot {
     }
 
     fn hold(&self, n: u64) {
-        let _ = self
-            .held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
-                Some(h.saturating_add(n))
-            });
+        saturating_add(&self.held, n);
     }
 
     fn release(&self, n: u64) {
-        let _ = self
-            .held
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
-                Some(h.saturating_sub(n))
-            });
+        saturating_sub(&self.held, n);
     }
 
     /// Adds `n`, saturating (an upstream's `usage` is any `u64`); whether the slot had
     /// nothing unsaved (the caller lists it for the writer).
     fn add(&self, n: u64) -> bool {
-        fn saturating_add(a: &AtomicU64, n: u64) -> u64 {
-            let was = a.fetch_add(n, Ordering::Relaxed);
-            if was.checked_add(n).is_none() {
-                a.store(u64::MAX, Ordering::Relaxed);
-            }
-            was
-        }
-        saturating_add(&self.total, n);
+        saturating_add(&self.pending, n);
         saturating_add(&self.unsaved, n) == 0
+    }
+
+    /// A shared store's total for this counter (every process's charges it holds).
+    /// Set before the acknowledged charges leave `pending`: in between, a check counts
+    /// them twice (refuses early), never not at all.
+    fn set_base(&self, total: u64) {
+        self.base.store(total, Ordering::Relaxed);
+    }
+
+    /// `delta` of this process's charges is in the shared store's total now.
+    fn acknowledge(&self, delta: u64) {
+        saturating_sub(&self.pending, delta);
     }
 }
 
@@ -426,15 +622,27 @@ impl Counters {
     fn from_keys(keys: impl IntoIterator<Item = (CounterKey, u64)>) -> Self {
         let mut c = Self::new();
         for (key, n) in keys {
-            let slot = match &key {
-                CounterKey::Speaker(s) => c.speaker_slot(s),
-                CounterKey::Channel(h) => c.channel_slot(h),
-                CounterKey::Bot => c.bot.clone(),
-            };
-            slot.add(n);
-            slot.unsaved.store(0, Ordering::Relaxed);
+            c.slot_of(&key).set_base(n);
         }
         c
+    }
+
+    /// The counter of `key` (made if new).
+    fn slot_of(&mut self, key: &CounterKey) -> Arc<Slot> {
+        match key {
+            CounterKey::Speaker(s) => self.speaker_slot(s),
+            CounterKey::Channel(h) => self.channel_slot(h),
+            CounterKey::Bot => self.bot.clone(),
+        }
+    }
+
+    /// The counter of `key`, if there is one.
+    fn find(&self, key: &CounterKey) -> Option<&Arc<Slot>> {
+        match key {
+            CounterKey::Speaker(s) => self.speakers.get(s),
+            CounterKey::Channel(h) => self.channels.get(h),
+            CounterKey::Bot => Some(&self.bot),
+        }
     }
 
     fn slot(
@@ -472,12 +680,7 @@ impl Counters {
 
     /// A counter's charged total.
     fn get(&self, key: &CounterKey) -> u64 {
-        let slot = match key {
-            CounterKey::Speaker(s) => self.speakers.get(s),
-            CounterKey::Channel(h) => self.channels.get(h),
-            CounterKey::Bot => Some(&self.bot),
-        };
-        slot.map_or(0, |s| s.total())
+        self.find(key).map_or(0, |s| s.total())
     }
 }
 
@@ -489,10 +692,6 @@ struct Unsaved {
     dirty: Vec<Arc<Slot>>,
     /// Turns started (speaker, Unix ms), for the speakers' turns per minute.
     turns: Vec<(String, i64)>,
-    /// The writer is awake (it takes what waits here at its next tick) or a
-    /// [`Write::Wake`] is on its way: nothing to send. Cleared by the writer only, under
-    /// the lock, when it finds nothing here and falls asleep.
-    woken: bool,
 }
 
 impl Unsaved {
@@ -531,21 +730,13 @@ struct Taken {
     turns: Vec<(String, i64)>,
 }
 
-/// Takes what waits for the writer. With nothing waiting and `may_sleep`, the writer falls
-/// asleep (`woken` cleared under the same lock: the next charge or turn wakes it) and
-/// `None` is returned.
-fn take_unsaved(state: &SharedState, may_sleep: bool) -> Option<Taken> {
+/// Takes what waits for the writer (`None`: nothing).
+fn take_unsaved(state: &SharedState) -> Option<Taken> {
     let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
     let deltas = st.unsaved.drain();
     let turns = std::mem::take(&mut st.unsaved.turns);
     let day = std::mem::take(&mut st.unsaved.day);
-    if deltas.is_empty() && turns.is_empty() {
-        if may_sleep {
-            st.unsaved.woken = false;
-        }
-        return None;
-    }
-    Some(Taken { day, deltas, turns })
+    (!deltas.is_empty() || !turns.is_empty()).then_some(Taken { day, deltas, turns })
 }
 
 /// The budgets' counters, checks and writer (see the module doc).
@@ -566,9 +757,8 @@ pub struct BudgetBook {
     /// Held while a model call's check and hold run ([`TurnAccount::hold`]).
     holding: Mutex<()>,
     state_file: Option<PathBuf>,
-    /// The writer's wake-ups sent (tests: a busy book sends one).
-    #[cfg(test)]
-    wakes: AtomicU64,
+    /// With a store shared by several processes: its view (the admission's staleness).
+    shared: Option<SharedView>,
 }
 
 impl std::fmt::Debug for BudgetBook {
@@ -592,8 +782,11 @@ impl BudgetBook {
         let Some(path) = &settings.state_file else {
             return Ok(None);
         };
-        let store = SqliteStore::open(path)?;
-        Self::build(settings, time_zone, Box::new(store), None).map(Some)
+        let store: Box<dyn BudgetStore> = match &settings.store {
+            Some(_) => Box::new(PostgresStore::open(settings, time_zone)?),
+            None => Box::new(SqliteStore::open(path)?),
+        };
+        Self::build(settings, time_zone, store, None).map(Some)
     }
 
     /// A book on any store, with the clock `clock`.
@@ -630,10 +823,26 @@ impl BudgetBook {
             turns,
             unsaved: Unsaved::default(),
         }));
-        let shared = state.clone();
+        let view = SharedView {
+            inner: Arc::new(ViewInner {
+                state: state.clone(),
+                clock: clock.clone(),
+                synced_ms: AtomicI64::new(now.timestamp_millis()),
+                max_staleness_ms: i64::try_from(settings.effective_max_staleness().as_millis())
+                    .unwrap_or(i64::MAX),
+                fail_open: settings.fail_open,
+                stale: AtomicBool::new(false),
+                warned_ms: AtomicI64::new(0),
+                events: std::sync::OnceLock::new(),
+                stats: std::sync::OnceLock::new(),
+            }),
+        };
+        let shared = store.share(view.clone()).then_some(view);
+        let watch = shared.clone();
+        let writer_state = state.clone();
         let thread = std::thread::Builder::new()
             .name("budget-writer".into())
-            .spawn(move || writer(store, rx, shared))
+            .spawn(move || writer(store, rx, writer_state, watch))
             .map_err(|e| StoreError::Open {
                 path: settings.state_file.clone().unwrap_or_default(),
                 reason: format!("start the writer thread: {e}"),
@@ -652,14 +861,35 @@ impl BudgetBook {
             thread: Mutex::new(Some(thread)),
             holding: Mutex::new(()),
             state_file: settings.state_file.clone(),
-            #[cfg(test)]
-            wakes: AtomicU64::new(0),
+            shared,
         }))
     }
 
     /// The settings.
     pub fn settings(&self) -> &BudgetSettings {
         &self.settings
+    }
+
+    /// Reports the shared store's view turning stale or fresh on `events` (the metrics'
+    /// gauge): set once, by the runtime that owns the book.
+    pub(crate) fn observe(&self, events: Arc<crate::events::EventHub>) {
+        if let Some(view) = &self.shared {
+            let _ = view.inner.events.set(events);
+        }
+    }
+
+    /// With the PostgreSQL store: what it sent (statements, round trips, rounds).
+    pub fn store_stats(&self) -> Option<Arc<PgStats>> {
+        self.shared
+            .as_ref()
+            .and_then(|v| v.inner.stats.get().cloned())
+    }
+
+    /// With a shared store: how old this process's view of the other processes' spend is.
+    pub fn shared_view_age(&self) -> Option<std::time::Duration> {
+        self.shared
+            .as_ref()
+            .map(|v| std::time::Duration::from_millis(v.age_ms().max(0) as u64))
     }
 
     /// The state file, if the store is one.
@@ -774,18 +1004,6 @@ impl BudgetBook {
         st.unsaved
             .dirty
             .extend(turned.into_iter().flatten().cloned());
-        self.wake_writer(st);
-    }
-
-    /// Wakes the writer if it sleeps (with the state's lock held: the writer falls asleep
-    /// under it). An awake writer takes what waits at its next tick: a busy bot's charges
-    /// and turns wake no thread.
-    fn wake_writer(&self, st: &mut BookState) {
-        if !std::mem::replace(&mut st.unsaved.woken, true) {
-            #[cfg(test)]
-            self.wakes.fetch_add(1, Ordering::Relaxed);
-            self.send(Write::Wake);
-        }
     }
 
     fn resets(&self) -> String {
@@ -854,6 +1072,9 @@ impl BudgetBook {
     /// Admits a turn: every token budget has room and the speaker has not started
     /// `speaker_turns_per_minute` turns in the last minute; an admitted turn is counted.
     pub fn admit(&self, speaker: &str, channel: &str) -> Result<(), BudgetRefusal> {
+        if let Some(view) = &self.shared {
+            view.check()?;
+        }
         let now = self.now();
         let now_ms = now.timestamp_millis();
         let mut st = self.state(now);
@@ -884,7 +1105,6 @@ impl BudgetBook {
         }
         if self.settings.speaker_turns_per_minute.is_some() {
             st.unsaved.turns.push((speaker.to_owned(), now_ms));
-            self.wake_writer(&mut st);
         }
         Ok(())
     }
@@ -986,6 +1206,34 @@ pub fn check_state_file(
     })
 }
 
+/// `doctor`'s check of a shared store (`[budgets] store`): connects as a start does (TLS,
+/// the schema's version, the namespace's settings against these: never set or replaced
+/// here), sends what the journal holds, and loads today's counters and the last minute's
+/// turns as a start does. What it found, for the check's line.
+#[cfg(any(feature = "cli", feature = "testing"))]
+pub fn check_shared_store(
+    settings: &BudgetSettings,
+    time_zone: &str,
+) -> Result<StateFileCheck, StoreError> {
+    let tz: chrono_tz::Tz = time_zone.parse().unwrap_or_else(|_| {
+        chrono_tz::TZ_VARIANTS
+            .into_iter()
+            .find(|tz| tz.name().eq_ignore_ascii_case(time_zone))
+            .unwrap_or(chrono_tz::UTC)
+    });
+    let mut store = PostgresStore::check(settings, tz.name())?;
+    let loaded = load_start(&mut store, tz, Utc::now())?;
+    Ok(StateFileCheck {
+        counters: loaded.tokens.len(),
+        turns: loaded.turns.len(),
+        warnings: store
+            .load_reports()
+            .iter()
+            .map(|r| r.warning(std::path::Path::new("(the shared store)")))
+            .collect(),
+    })
+}
+
 /// The first instant of `now`'s day in `tz` and of the next (a day of a time-zone change
 /// included: its start is its first local instant that exists).
 fn day_span(tz: chrono_tz::Tz, now: DateTime<Utc>) -> (DateTime<Utc>, DateTime<Utc>) {
@@ -1021,26 +1269,24 @@ impl Drop for BudgetBook {
     }
 }
 
-/// How often an awake writer commits what was charged and started since its last commit: at
+/// How often the writer commits what was charged and started since its last commit: at
 /// most this much of the last charges and turns is lost with a crash of the process (what
 /// was committed stays), and under load one commit (one fsync) serves every call and turn
 /// of the interval. 100 ms: a commit with its fsync costs the writer thread ~260 µs of CPU
 /// on the bench's VM, which at 20 ms was 1.0 µs of every broker call's ~145 µs at 13,000
-/// calls a second (0.7 %); at 100 ms it is a fifth of that.
+/// calls a second (0.7 %); at 100 ms it is a fifth of that. An interval with nothing to
+/// commit writes nothing (the tick only takes the book's lock).
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// How many ticks with nothing to commit an awake writer waits before it falls asleep
-/// (10 s): while a bot is busy, its charges and turns find the writer awake and wake no
-/// thread (a wake-up is a cross-thread signal on the charging or admitting thread, the
-/// turn's own); an idle bot's writer sleeps until the next charge or turn.
-const IDLE_TICKS: u32 = 100;
-
 /// Commits the writes in order. Charges and started turns are gathered in memory
-/// ([`BookState::unsaved`]); the first of them after the writer fell asleep wakes it, and an
-/// awake writer takes them every [`COMMIT_INTERVAL`], in one transaction each (under load one
-/// commit, one fsync, per interval; no wake-up per call or turn), until [`IDLE_TICKS`] ticks
-/// found nothing; a flush takes them at once.
-fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: SharedState) {
+/// ([`BookState::unsaved`]; no charge or admission signals this thread) and taken every
+/// [`COMMIT_INTERVAL`], in one transaction each; a flush takes them at once.
+fn writer(
+    mut store: Box<dyn BudgetStore>,
+    rx: mpsc::Receiver<Write>,
+    state: SharedState,
+    watch: Option<SharedView>,
+) {
     use mpsc::RecvTimeoutError;
     let report = |r: Result<(), StoreError>| {
         if let Err(e) = r {
@@ -1048,60 +1294,39 @@ fn writer(mut store: Box<dyn BudgetStore>, rx: mpsc::Receiver<Write>, state: Sha
             tracing::error!(error = %e, "budget state write failed");
         }
     };
-    // Commits what waits; whether there was anything (none and `may_sleep`: asleep).
-    let commit = |store: &mut Box<dyn BudgetStore>, may_sleep: bool| {
-        let Some(t) = take_unsaved(&state, may_sleep) else {
-            return false;
+    let commit = |store: &mut Box<dyn BudgetStore>| {
+        let Some(t) = take_unsaved(&state) else {
+            return;
         };
-        if !t.deltas.is_empty() {
-            report(store.add_tokens(&t.day, &t.deltas));
-        }
-        if let Some(&(_, last)) = t.turns.last() {
-            report(store.record_turns(&t.turns, last - MINUTE_MS));
-        }
-        true
+        let forget = t.turns.last().map_or(0, |&(_, last)| last - MINUTE_MS);
+        report(store.commit(&t.day, &t.deltas, &t.turns, forget));
     };
-    let handle = |store: &mut Box<dyn BudgetStore>, w: Write| match w {
-        Write::Tokens { day, deltas } => report(store.add_tokens(&day, &deltas)),
-        Write::NewDay(day) => report(store.forget_days_before(&day)),
-        Write::Flush(done) => {
-            commit(store, false);
-            let _ = done.send(());
-        }
-        Write::Wake => {}
-    };
-    // Asleep: until a write comes.
-    'asleep: while let Ok(w) = rx.recv() {
-        let woken = matches!(w, Write::Wake);
-        handle(&mut store, w);
-        if !woken {
-            continue;
-        }
-        // Awake: a commit every interval while there is something to commit.
-        let mut next = std::time::Instant::now() + COMMIT_INTERVAL;
-        let mut idle = 0;
-        loop {
-            match rx.recv_timeout(next.saturating_duration_since(std::time::Instant::now())) {
-                Ok(w) => {
-                    handle(&mut store, w);
-                    continue;
+    let mut next = std::time::Instant::now() + COMMIT_INTERVAL;
+    loop {
+        match rx.recv_timeout(next.saturating_duration_since(std::time::Instant::now())) {
+            Ok(Write::Tokens { day, deltas }) => report(store.add_tokens(&day, &deltas)),
+            Ok(Write::NewDay(day)) => report(store.forget_days_before(&day)),
+            Ok(Write::Flush(done)) => {
+                commit(&mut store);
+                report(store.flush());
+                let _ = done.send(());
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                commit(&mut store);
+                if let Some(view) = &watch {
+                    view.watch();
                 }
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => break 'asleep,
+                // A fixed rate: a commit's own time does not stretch the interval.
+                next += COMMIT_INTERVAL;
+                let now = std::time::Instant::now();
+                if next <= now {
+                    next = now + COMMIT_INTERVAL;
+                }
             }
-            next = std::time::Instant::now() + COMMIT_INTERVAL;
-            // The last idle tick: with nothing to commit, the writer falls asleep.
-            let last = idle + 1 >= IDLE_TICKS;
-            if commit(&mut store, last) {
-                idle = 0;
-            } else if last {
-                continue 'asleep;
-            } else {
-                idle += 1;
-            }
+            Err(RecvTimeoutError::Disconnected) => break,
         }
     }
-    commit(&mut store, false);
+    commit(&mut store);
 }
 
 #[cfg(test)]
@@ -1332,11 +1557,10 @@ mod tests {
         assert_eq!(log.lock().unwrap()[turns.len()..], ["turns 1"]);
     }
 
-    /// A busy book's charges and turns find the writer awake: one wake-up for all of them
-    /// (none on the turn's or the call's thread after the first), and each interval's are
-    /// committed at its tick, not held until a flush.
+    /// A busy book's charges and turns are committed at each interval's tick, not held
+    /// until a flush; an idle book's writer writes nothing.
     #[test]
-    fn a_busy_book_wakes_its_writer_once_and_commits_every_interval() {
+    fn a_busy_book_commits_every_interval_and_an_idle_one_writes_nothing() {
         let now = Arc::new(Mutex::new(
             Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap(),
         ));
@@ -1355,8 +1579,11 @@ mod tests {
                 .map(|n| n.parse().unwrap())
                 .collect()
         };
+        // Idle from the start: ticks pass, nothing is written.
+        std::thread::sleep(COMMIT_INTERVAL * 5);
+        assert!(log.lock().unwrap().is_empty(), "{:?}", log.lock().unwrap());
         // A turn and a charge every 10 ms until three ticks have committed (about 300 ms;
-        // on a loaded machine, longer).
+        // on a loaded machine, longer): no flush, the ticks alone.
         let started = std::time::Instant::now();
         let mut rounds = 0;
         while turn_commits(&log).len() < 3 {
@@ -1370,10 +1597,18 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         book.flush();
-        assert_eq!(book.wakes.load(Ordering::Relaxed), 1, "{rounds} rounds");
         let turns = turn_commits(&log);
         assert_eq!(turns.iter().sum::<usize>(), rounds, "{turns:?}");
         assert_eq!(book.tokens(&CounterKey::Speaker("a".into())), rounds as u64);
+        // Idle again: the ticks that follow write nothing.
+        let written = log.lock().unwrap().len();
+        std::thread::sleep(COMMIT_INTERVAL * 5);
+        assert_eq!(
+            log.lock().unwrap().len(),
+            written,
+            "{:?}",
+            log.lock().unwrap()
+        );
     }
 
     #[test]

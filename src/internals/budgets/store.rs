@@ -53,7 +53,7 @@ impl CounterKey {
         }
     }
 
-    fn from_columns(scope: &str, key: String) -> Option<Self> {
+    pub(super) fn from_columns(scope: &str, key: String) -> Option<Self> {
         match scope {
             "speaker" => Some(CounterKey::Speaker(key)),
             "channel" => Some(CounterKey::Channel(key)),
@@ -215,6 +215,15 @@ pub enum StoreError {
         /// What failed.
         reason: String,
     },
+    /// A shared store (`[budgets] store`) could not be opened or used: unreachable, its
+    /// schema newer than this build's, its namespace's settings not this process's.
+    #[error("budget store {what}: {reason}")]
+    Database {
+        /// Which store: its kind, namespace and where its URL comes from (never the URL).
+        what: String,
+        /// What failed.
+        reason: String,
+    },
 }
 
 /// The durable side of the budgets: today's token counters and the recent turns of each
@@ -238,6 +247,39 @@ pub trait BudgetStore: Send + 'static {
         turns: &[(String, i64)],
         forget_before_ms: i64,
     ) -> Result<(), StoreError>;
+    /// Commits one interval's charges of `day` and its started turns (either may be
+    /// empty). The default adds the tokens, then records the turns (both tried).
+    fn commit(
+        &mut self,
+        day: &str,
+        deltas: &[(CounterKey, u64)],
+        turns: &[(String, i64)],
+        forget_before_ms: i64,
+    ) -> Result<(), StoreError> {
+        let tokens = match deltas.is_empty() {
+            true => Ok(()),
+            false => self.add_tokens(day, deltas),
+        };
+        let turns = match turns.is_empty() {
+            true => Ok(()),
+            false => self.record_turns(turns, forget_before_ms),
+        };
+        tokens.and(turns)
+    }
+    /// Called once, before the book's writer starts: a store that several processes share
+    /// keeps `view` and reports through it what the database acknowledged and what the
+    /// others wrote (reconciling on its own interval), and returns true; the book then
+    /// refuses turns while the view is older than `max_staleness_secs`. The default (a
+    /// store of this process alone) returns false.
+    fn share(&mut self, view: super::SharedView) -> bool {
+        let _ = view;
+        false
+    }
+    /// Called after a commit by the book's flush: a store that sends its commits on
+    /// elsewhere waits until they are there (the default: nothing to wait for).
+    fn flush(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// The schema version this build writes (`PRAGMA user_version`).
@@ -249,7 +291,7 @@ const BUSY_TIMEOUT: Duration = Duration::from_millis(1500);
 #[derive(Debug)]
 pub struct SqliteStore {
     path: PathBuf,
-    conn: rusqlite::Connection,
+    pub(super) conn: rusqlite::Connection,
     /// What each load found that was not clean (warned as it was found; `doctor` shows it).
     reports: Vec<LoadReport>,
 }
@@ -279,7 +321,6 @@ impl SqliteStore {
     }
 
     /// The state file.
-    #[cfg(any(feature = "cli", feature = "testing"))]
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -340,7 +381,7 @@ impl SqliteStore {
         tx.commit()
     }
 
-    fn err(&self, e: &rusqlite::Error) -> StoreError {
+    pub(super) fn err(&self, e: &rusqlite::Error) -> StoreError {
         classify(&self.path, e)
     }
 
@@ -381,7 +422,7 @@ fn text(v: rusqlite::types::ValueRef<'_>) -> Option<String> {
 }
 
 /// A SQLite error as a store error naming the file.
-fn classify(path: &Path, e: &rusqlite::Error) -> StoreError {
+pub(super) fn classify(path: &Path, e: &rusqlite::Error) -> StoreError {
     let path = path.to_owned();
     let reason = e.to_string();
     match e.sqlite_error_code() {

@@ -5,6 +5,53 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::keys::KeyRef;
+
+/// The default `[budgets] namespace`.
+pub(crate) const DEFAULT_NAMESPACE: &str = "default";
+/// The default `[budgets] max_staleness_secs`.
+pub(crate) const DEFAULT_MAX_STALENESS_SECS: u64 = 10;
+/// The default `[budgets] statement_timeout_ms`.
+pub(crate) const DEFAULT_STATEMENT_TIMEOUT_MS: u64 = 2000;
+
+/// `[budgets] store`: where a shared store's URL comes from, never the URL itself (it may
+/// hold a password): `{ env = "VAR" }` or `{ file = "/run/secrets/budgets-url" }`, read as
+/// the model's key is ([`KeyRef`]). A plain string is refused (without echoing it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreSource {
+    /// The URL's source.
+    Ref(KeyRef),
+    /// A URL written in the config file itself: refused by validation.
+    Literal,
+}
+
+impl<'de> Deserialize<'de> for StoreSource {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Literal(#[allow(dead_code)] String),
+            Ref(KeyRef),
+        }
+        // The literal's text is dropped here: no error or log can show it.
+        Ok(match Raw::deserialize(d)? {
+            Raw::Literal(_) => StoreSource::Literal,
+            Raw::Ref(r) => StoreSource::Ref(r),
+        })
+    }
+}
+
+impl StoreSource {
+    /// Where the URL comes from, for `explain` and messages (never the URL).
+    pub fn describe(&self) -> String {
+        match self {
+            StoreSource::Ref(KeyRef { env: Some(v), .. }) => format!("environment variable {v}"),
+            StoreSource::Ref(KeyRef { file: Some(f), .. }) => format!("file {}", f.display()),
+            _ => "nowhere valid".into(),
+        }
+    }
+}
+
 /// The `[budgets]` section: every budget is optional (none set: nothing is refused, the
 /// usage is still counted).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
@@ -26,6 +73,28 @@ pub struct BudgetSettings {
     /// Turns one speaker may start per minute (a sliding minute).
     #[serde(default)]
     pub speaker_turns_per_minute: Option<u32>,
+    /// A PostgreSQL database shared by the processes of one bot (`postgres://…`), its URL
+    /// read from an environment variable or a file. With it, `state_file` is this
+    /// process's local journal of the charges not yet in the database.
+    #[serde(default)]
+    pub store: Option<StoreSource>,
+    /// With `store`: the bot's name in the database (one database can serve several bots;
+    /// each namespace its own counters and settings). Default `default`.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// With `store`: how old this process's view of the others' spend may get (the
+    /// database not reached) before new turns are refused. Default 10 s.
+    #[serde(default)]
+    pub max_staleness_secs: Option<u64>,
+    /// With `store`: past `max_staleness_secs`, admit turns on this process's own counts
+    /// instead of refusing them (each process then spends on its own view: `explain`
+    /// flags it). Default false: fail closed.
+    #[serde(default)]
+    pub fail_open: bool,
+    /// With `store`: the database's statement timeout for this process's statements
+    /// (a slow database is a failed reconcile, retried). Default 2000 ms.
+    #[serde(default)]
+    pub statement_timeout_ms: Option<u64>,
 }
 
 impl BudgetSettings {
@@ -35,6 +104,87 @@ impl BudgetSettings {
             || self.channel_tokens_per_day.is_some()
             || self.bot_tokens_per_day.is_some()
             || self.speaker_turns_per_minute.is_some()
+    }
+
+    /// The namespace in the shared store.
+    pub fn effective_namespace(&self) -> &str {
+        self.namespace.as_deref().unwrap_or(DEFAULT_NAMESPACE)
+    }
+
+    /// How old the view of the shared store may get.
+    pub fn effective_max_staleness(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(
+            self.max_staleness_secs
+                .unwrap_or(DEFAULT_MAX_STALENESS_SECS),
+        )
+    }
+
+    /// The shared store's statement timeout.
+    pub fn effective_statement_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(
+            self.statement_timeout_ms
+                .unwrap_or(DEFAULT_STATEMENT_TIMEOUT_MS),
+        )
+    }
+
+    /// The rules of the shared store's keys, without side effects.
+    fn validate_store(&self) -> Result<(), String> {
+        let Some(store) = &self.store else {
+            for (key, set) in [
+                ("namespace", self.namespace.is_some()),
+                ("max_staleness_secs", self.max_staleness_secs.is_some()),
+                ("fail_open", self.fail_open),
+                ("statement_timeout_ms", self.statement_timeout_ms.is_some()),
+            ] {
+                if set {
+                    return Err(format!("{key} needs store (a shared PostgreSQL store)"));
+                }
+            }
+            return Ok(());
+        };
+        match store {
+            StoreSource::Literal => {
+                return Err(
+                    "store must name where its URL comes from, not hold it (it may \
+                            hold a password): store = { env = \"VAR\" } or store = { file = \
+                            \"/path\" }"
+                        .into(),
+                )
+            }
+            StoreSource::Ref(r) if r.env.is_some() == r.file.is_some() => {
+                return Err("store: set one of env or file".into())
+            }
+            StoreSource::Ref(_) => {}
+        }
+        if self.state_file.is_none() {
+            return Err(
+                "state_file is required with store (this process's local journal of \
+                        the charges not yet in the database)"
+                    .into(),
+            );
+        }
+        let ns = self.effective_namespace();
+        if ns.is_empty()
+            || ns.len() > 64
+            || !ns
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        {
+            return Err(format!(
+                "namespace must be 1 to 64 of A-Z, a-z, 0-9, '-', '_', '.', got {ns:?}"
+            ));
+        }
+        if let Some(n) = self.max_staleness_secs {
+            if !(1..=86_400).contains(&n) {
+                return Err(format!("max_staleness_secs must be 1 to 86400, got {n}"));
+            }
+        }
+        if let Some(n) = self.statement_timeout_ms {
+            if !(10..=60_000).contains(&n) {
+                return Err(format!("statement_timeout_ms must be 10 to 60000, got {n}"));
+            }
+        }
+        Ok(())
     }
 
     /// The rules, without side effects; the message names the key.
@@ -64,7 +214,7 @@ impl BudgetSettings {
             None => {}
             Some(path) => operator_file("state_file", path, roots)?,
         }
-        Ok(())
+        self.validate_store()
     }
 }
 

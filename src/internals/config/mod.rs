@@ -60,7 +60,7 @@ mod warm;
 
 pub use audit::AuditSettings;
 pub use broker::BrokerLimits;
-pub use budgets::BudgetSettings;
+pub use budgets::{BudgetSettings, StoreSource};
 pub use compaction::CompactionModel;
 pub use egress::Cidr;
 pub use egress::{CredentialPlacement, DenyRule, EgressLimits, EgressMode, EgressRoute, Redirects};
