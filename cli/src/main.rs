@@ -776,6 +776,14 @@ async fn explain(
             bg.speaker_turns_per_minute.map(u64::from),
             "turns per speaker per minute",
         ),
+        limit(
+            bg.speaker_egress_bytes_per_day,
+            "egress bytes per speaker per day",
+        ),
+        limit(
+            bg.channel_egress_bytes_per_day,
+            "egress bytes per channel per day",
+        ),
     ]
     .into_iter()
     .flatten()
