@@ -302,6 +302,13 @@ impl Broker {
         self.mcp.live_sessions()
     }
 
+    /// Calls waiting for `server`'s shared MCP session, not counting the one it runs (for
+    /// this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_waiting(&self, server: &str) -> usize {
+        self.mcp.waiting(server)
+    }
+
     /// Ends the runtime-long parts: every MCP child is closed, then killed if it lingers,
     /// and reaped. Later MCP calls are refused.
     pub async fn shutdown(&self) {
