@@ -199,6 +199,12 @@ impl FairQueue {
         Some(self.permit(id, ""))
     }
 
+    /// Whether a call (or a pause) holds the session.
+    #[cfg(feature = "testing")]
+    pub(crate) fn held(&self) -> bool {
+        self.lock().holder.is_some()
+    }
+
     /// Calls waiting for the session (not the one holding it).
     pub(crate) fn waiting(&self) -> usize {
         self.lock().wake.len()

@@ -356,6 +356,12 @@ impl McpPool {
         self.servers.get(server).map_or(0, |s| s.fair.waiting())
     }
 
+    /// Whether a call holds `server`'s shared session.
+    #[cfg(feature = "testing")]
+    pub(crate) fn running(&self, server: &str) -> bool {
+        self.servers.get(server).is_some_and(|s| s.fair.held())
+    }
+
     /// Whether `server`'s shared session is in use (a call holds or waits for it, or a
     /// turn that called it still runs): the pause code's check ([`fair::FairQueue::busy`]).
     #[allow(dead_code)] // the hook of the pause code (issue 43, item 4)
