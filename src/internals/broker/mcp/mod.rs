@@ -407,7 +407,7 @@ impl McpPool {
         );
         // A shared session: the call waits for its turn (fair across channels, [`fair`])
         // before its timeout starts; the turn's end takes it out of the queue.
-        let turn = match srv.scope {
+        let permit = match srv.scope {
             McpScope::Shared => {
                 srv.fair.used_by(stop);
                 tokio::select! {
@@ -431,7 +431,7 @@ impl McpPool {
             slot: &slot,
             stdio: matches!(srv.config.transport, McpTransport::Stdio { .. }),
             armed: true,
-            turn,
+            permit,
         };
         let work = async {
             // Held for the whole call: a session in use is never stopped to make room.
@@ -722,14 +722,14 @@ async fn end_session(session: &Session) {
 /// its deadline or the turn's stop, and from a spawned task when the call is dropped
 /// (the connection aborted). Only stdio sessions: an http session is the remote's.
 ///
-/// It holds a shared session's turn ([`fair::Permit`]) and hands it on only once the
+/// It holds a shared session's permit ([`fair::Permit`]) and hands it on only once the
 /// session is ended (or taken out to be closed), so the next call never gets the session
 /// of a call that did not finish: it restarts it.
 struct EndOnDrop<'a> {
     slot: &'a std::sync::Mutex<Option<Arc<Session>>>,
     stdio: bool,
     armed: bool,
-    turn: Option<fair::Permit>,
+    permit: Option<fair::Permit>,
 }
 
 impl EndOnDrop<'_> {
@@ -744,14 +744,14 @@ impl EndOnDrop<'_> {
         if let Some(session) = self.take() {
             end_session(&session).await;
         }
-        self.turn = None;
+        self.permit = None;
     }
 }
 
 impl Drop for EndOnDrop<'_> {
     fn drop(&mut self) {
         let Some(session) = self.take() else { return };
-        let turn = self.turn.take();
+        let permit = self.permit.take();
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -775,7 +775,7 @@ impl Drop for EndOnDrop<'_> {
             None => {
                 handle.spawn(async move {
                     end_session(&session).await;
-                    drop(turn);
+                    drop(permit);
                 });
             }
         }
