@@ -302,6 +302,26 @@ impl Broker {
         self.mcp.live_sessions()
     }
 
+    /// Calls waiting for `server`'s shared MCP session, not counting the one it runs (for
+    /// this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_waiting(&self, server: &str) -> usize {
+        self.mcp.waiting(server)
+    }
+
+    /// Whether a call holds `server`'s shared MCP session (for this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_running(&self, server: &str) -> bool {
+        self.mcp.running(server)
+    }
+
+    /// Whether `server`'s shared MCP session is in use: a call holds it or waits for it, or
+    /// a turn that called it still runs (for this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_in_use(&self, server: &str) -> bool {
+        self.mcp.shared_busy(server)
+    }
+
     /// Ends the runtime-long parts: every MCP child is closed, then killed if it lingers,
     /// and reaped. Later MCP calls are refused.
     pub async fn shutdown(&self) {

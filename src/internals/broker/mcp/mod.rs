@@ -15,6 +15,10 @@
 //!   tool that differs from the pin is refused from then on (tool rug-pull); the call is
 //!   dropped, which sends `notifications/cancelled`, when the turn ends or the deadline
 //!   passes;
+//! - a shared session runs one call at a time, handed out fairly across channels (each
+//!   channel's calls in order, round-robin between channels), its `call_timeout` starting
+//!   once it holds the session; a call that does not finish stops the (stdio) session, and
+//!   the calls waiting behind it, never sent, run on the restarted session ([`fair`]);
 //! - channel sessions are bounded by the server's `max_sessions`: the least recently used
 //!   idle one is stopped to make room, and a call that finds every session busy is refused;
 //! - [`McpPool::release`]: a retired channel's sessions stopped;
@@ -25,6 +29,7 @@
 
 mod client;
 pub(crate) mod container;
+mod fair;
 mod wire;
 
 use std::collections::{BTreeMap, HashMap};
@@ -167,6 +172,9 @@ struct Server {
     cap: usize,
     pins: BTreeMap<String, Pinned>,
     sessions: std::sync::Mutex<Sessions>,
+    /// A shared server's calls, one at a time in a fair order across channels
+    /// ([`fair`]); unused by a channel-scoped server.
+    fair: fair::FairQueue,
 }
 
 impl Server {
@@ -302,6 +310,7 @@ impl McpPool {
             cap: config.session_cap(),
             pins,
             sessions: std::sync::Mutex::new(sessions),
+            fair: fair::FairQueue::default(),
         })
     }
 
@@ -341,6 +350,27 @@ impl McpPool {
         self.servers.values().map(|s| s.table().live.len()).sum()
     }
 
+    /// The calls waiting for `server`'s shared session (not the one running).
+    #[cfg(feature = "testing")]
+    pub(crate) fn waiting(&self, server: &str) -> usize {
+        self.servers.get(server).map_or(0, |s| s.fair.waiting())
+    }
+
+    /// Whether a call holds `server`'s shared session.
+    #[cfg(feature = "testing")]
+    pub(crate) fn running(&self, server: &str) -> bool {
+        self.servers.get(server).is_some_and(|s| s.fair.held())
+    }
+
+    /// Whether `server`'s shared session is in use (a call holds or waits for it, or a
+    /// turn that called it still runs): the pause code's check ([`fair::FairQueue::busy`]).
+    #[allow(dead_code)] // the hook of the pause code (issue 43, item 4)
+    pub(crate) fn shared_busy(&self, server: &str) -> bool {
+        self.servers
+            .get(server)
+            .is_some_and(|s| s.scope == McpScope::Shared && s.fair.busy() > 0)
+    }
+
     /// Calls an allow-listed tool in the caller's session.
     pub(crate) async fn call(
         &self,
@@ -375,6 +405,20 @@ impl McpPool {
             META_SPEAKER.into(),
             serde_json::json!({"id": ctx.speaker.id, "name": ctx.speaker.name}),
         );
+        // A shared session: the call waits for its turn (fair across channels, [`fair`])
+        // before its timeout starts; the turn's end takes it out of the queue.
+        let permit = match srv.scope {
+            McpScope::Shared => {
+                srv.fair.used_by(stop);
+                tokio::select! {
+                    permit = srv.fair.acquire(&segment) => Some(permit),
+                    _ = stop.cancelled() => {
+                        return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
+                    }
+                }
+            }
+            McpScope::Channel => None,
+        };
         let key = match srv.scope {
             McpScope::Shared => String::new(),
             McpScope::Channel => segment,
@@ -387,6 +431,7 @@ impl McpPool {
             slot: &slot,
             stdio: matches!(srv.config.transport, McpTransport::Stdio { .. }),
             armed: true,
+            permit,
         };
         let work = async {
             // Held for the whole call: a session in use is never stopped to make room.
@@ -450,6 +495,13 @@ impl McpPool {
         };
         match outcome {
             Err(_) => {
+                if srv.scope == McpScope::Shared {
+                    tracing::warn!(
+                        server,
+                        waiting = srv.fair.waiting(),
+                        "a call to a shared MCP session timed out; the calls waiting run on a restarted session"
+                    );
+                }
                 guard.end_now().await;
                 failure(
                     StatusCode::GATEWAY_TIMEOUT,
@@ -669,10 +721,15 @@ async fn end_session(session: &Session) {
 /// Ends the call's session when the call does not finish ([`end_session`]): at once on
 /// its deadline or the turn's stop, and from a spawned task when the call is dropped
 /// (the connection aborted). Only stdio sessions: an http session is the remote's.
+///
+/// It holds a shared session's permit ([`fair::Permit`]) and hands it on only once the
+/// session is ended (or taken out to be closed), so the next call never gets the session
+/// of a call that did not finish: it restarts it.
 struct EndOnDrop<'a> {
     slot: &'a std::sync::Mutex<Option<Arc<Session>>>,
     stdio: bool,
     armed: bool,
+    permit: Option<fair::Permit>,
 }
 
 impl EndOnDrop<'_> {
@@ -687,12 +744,14 @@ impl EndOnDrop<'_> {
         if let Some(session) = self.take() {
             end_session(&session).await;
         }
+        self.permit = None;
     }
 }
 
 impl Drop for EndOnDrop<'_> {
     fn drop(&mut self) {
         let Some(session) = self.take() else { return };
+        let permit = self.permit.take();
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -714,7 +773,10 @@ impl Drop for EndOnDrop<'_> {
             }
             Some(None) => {}
             None => {
-                handle.spawn(async move { end_session(&session).await });
+                handle.spawn(async move {
+                    end_session(&session).await;
+                    drop(permit);
+                });
             }
         }
     }
