@@ -11,7 +11,7 @@
 //!   parts, for this workspace's tests and bench, are `internals::docker`).
 
 pub(crate) mod docker;
-mod networks;
+
 pub(crate) use docker::create_body;
 
 use std::collections::BTreeMap;
