@@ -14,17 +14,6 @@ pub const GUEST_OOM_SCORE_ADJ: i64 = 1000;
 pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
     let memory = (spec.memory_mb as i64) * 1024 * 1024;
     let file_size = (spec.file_size_mb as i64).saturating_mul(1024 * 1024);
-    let bind = |source: &std::path::Path, target: &str, read_only: bool| Mount {
-        target: Some(target.to_owned()),
-        source: Some(source.to_string_lossy().into_owned()),
-        typ: Some(MountType::BIND),
-        read_only: Some(read_only),
-        bind_options: Some(MountBindOptions {
-            propagation: Some(MountBindOptionsPropagationEnum::RPRIVATE),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
     let host_config = HostConfig {
         network_mode: Some("none".into()),
         readonly_rootfs: Some(true),
@@ -158,5 +147,71 @@ impl DockerDriver {
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+/// A session's container ([`crate::driver::SessionSpec`]): the body of a turn's
+/// ([`create_body`]: its caps, no capabilities, read-only root, an init, no core dumps, the
+/// OOM killer's first pick, gVisor's sizing), with the session's argv, environment, working
+/// directory and only its own mounts, no supplementary group, its stdin kept open, and the
+/// engine's default network only when asked.
+pub(super) fn session_body(spec: &crate::driver::SessionSpec) -> ContainerCreateBody {
+    let (entrypoint, cmd) = match spec.argv.split_first() {
+        Some((program, args)) => (vec![program.clone()], args.to_vec()),
+        None => (Vec::new(), Vec::new()),
+    };
+    let turn = ContainerSpec {
+        name: spec.name.clone(),
+        image: spec.image.clone(),
+        run_dir: Default::default(),
+        workspace_dir: Default::default(),
+        uid: spec.uid,
+        gid: spec.gid,
+        memory_mb: spec.memory_mb,
+        cpus: spec.cpus,
+        pids: spec.pids,
+        tmpfs_mb: spec.tmpfs_mb,
+        file_size_mb: spec.file_size_mb,
+        output_cap: 0,
+        stderr_cap: 0,
+        labels: spec.labels.clone(),
+        command: Some(entrypoint),
+        runtime: spec.runtime.clone(),
+    };
+    let mut body = create_body(&turn);
+    body.cmd = Some(cmd);
+    body.stdin_once = Some(false);
+    body.working_dir = Some(spec.working_dir.clone());
+    body.env = Some(spec.env.clone());
+    if let Some(host) = body.host_config.as_mut() {
+        host.mounts = Some(
+            spec.mounts
+                .iter()
+                .map(|m| bind(&m.source, &m.target, m.read_only))
+                .collect(),
+        );
+        host.group_add = None;
+        if spec.network {
+            host.network_mode = Some("bridge".into());
+        }
+    }
+    if spec.network {
+        body.network_disabled = Some(false);
+    }
+    body
+}
+
+/// A private bind mount of `source` at `target`.
+fn bind(source: &std::path::Path, target: &str, read_only: bool) -> Mount {
+    Mount {
+        target: Some(target.to_owned()),
+        source: Some(source.to_string_lossy().into_owned()),
+        typ: Some(MountType::BIND),
+        read_only: Some(read_only),
+        bind_options: Some(MountBindOptions {
+            propagation: Some(MountBindOptionsPropagationEnum::RPRIVATE),
+            ..Default::default()
+        }),
+        ..Default::default()
     }
 }

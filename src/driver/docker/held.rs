@@ -150,7 +150,7 @@ impl DockerDriver {
             user: Some(sandboxed.user.as_str()),
             working_dir: Some("/"),
             env: Some(vec!["PATH=/bin"]),
-            cmd: Some(vec![GUEST_PROGRAM, HELD_FILES_ARG, sandboxed.dir]),
+            cmd: Some(vec![GUEST_PROGRAM, HELD_FILES_ARG, &sandboxed.dir]),
             detach_keys: None,
         };
         let exec = match docker.create_exec(name, options).await {

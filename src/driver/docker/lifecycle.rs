@@ -3,6 +3,7 @@
 //! the listing of containers by label.
 
 use super::*;
+use crate::driver::LabelledContainer;
 
 impl DockerDriver {
     /// Names of containers whose removal failed and is still to be retried.
@@ -162,7 +163,7 @@ impl DockerDriver {
             // An MCP session's container is the broker's: its pool sweeps it at startup.
             if c.labels
                 .as_ref()
-                .is_some_and(|l| l.contains_key(crate::broker::LABEL_MCP))
+                .is_some_and(|l| l.contains_key(crate::driver::LABEL_MCP))
             {
                 continue;
             }
@@ -225,5 +226,51 @@ impl DockerDriver {
                 .any(|e| e.as_ref().is_ok_and(|e| e.action.as_deref() == Some("oom"))),
             Err(_) => false,
         }
+    }
+
+    /// Pauses the named container (see [`ContainerDriver::pause`]).
+    pub(super) async fn pause_inner(&self, name: &str) -> Result<(), DriverError> {
+        let docker = self.engine().await?;
+        self.call("pause", name, docker.pause_container(name)).await
+    }
+
+    /// Unpauses the named container (see [`ContainerDriver::resume`]).
+    pub(super) async fn resume_inner(&self, name: &str) -> Result<(), DriverError> {
+        let docker = self.engine().await?;
+        self.call("unpause", name, docker.unpause_container(name))
+            .await
+    }
+
+    /// Every container carrying all of `labels` (see [`ContainerDriver::list_labelled`]).
+    pub(super) async fn list_labelled_inner(
+        &self,
+        labels: &[String],
+    ) -> Result<Vec<LabelledContainer>, DriverError> {
+        let docker = self.engine().await?;
+        let filters: HashMap<&str, Vec<String>> = HashMap::from([("label", labels.to_vec())]);
+        let list = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let found = self
+            .call("list", "", docker.list_containers(Some(list)))
+            .await?;
+        Ok(found
+            .into_iter()
+            .filter_map(|c| {
+                let name = c
+                    .names
+                    .and_then(|n| n.into_iter().next())
+                    .map(|n| n.trim_start_matches('/').to_owned())
+                    .or(c.id)?;
+                let mounts = c
+                    .mounts
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|m| Some((m.destination?, m.source?)))
+                    .collect();
+                Some(LabelledContainer { name, mounts })
+            })
+            .collect())
     }
 }

@@ -128,7 +128,7 @@ pub struct DockerDriver {
 #[derive(Debug, Clone)]
 struct Sandboxed {
     user: String,
-    dir: &'static str,
+    dir: String,
 }
 
 /// A container answered at its reply's frame: whether it has exited, and its watcher.
@@ -361,6 +361,37 @@ impl ContainerDriver for DockerDriver {
         scope: SweepScope<'a>,
     ) -> BoxFuture<'a, Result<Vec<String>, DriverError>> {
         Box::pin(self.sweep_inner(scope))
+    }
+
+    fn start_session<'a>(
+        &'a self,
+        spec: &'a crate::driver::SessionSpec,
+    ) -> BoxFuture<'a, Result<crate::driver::SessionIo, DriverError>> {
+        Box::pin(self.start_session_inner(spec))
+    }
+
+    fn pause<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        Box::pin(self.pause_inner(name))
+    }
+
+    fn resume<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        Box::pin(self.resume_inner(name))
+    }
+
+    fn list_labelled<'a>(
+        &'a self,
+        labels: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<crate::driver::LabelledContainer>, DriverError>> {
+        Box::pin(self.list_labelled_inner(labels))
+    }
+
+    fn image_file<'a>(
+        &'a self,
+        image: &'a str,
+        path: &'a str,
+        max: u64,
+    ) -> BoxFuture<'a, Result<Vec<u8>, DriverError>> {
+        Box::pin(self.image_file_inner(image, path, max))
     }
 }
 

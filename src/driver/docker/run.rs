@@ -76,7 +76,7 @@ impl DockerDriver {
                 name.to_owned(),
                 Sandboxed {
                     user: format!("{}:{}", spec.uid, spec.gid),
-                    dir: WORKSPACE_MOUNT,
+                    dir: WORKSPACE_MOUNT.to_owned(),
                 },
             );
         }

@@ -1,54 +1,142 @@
-//! Long-lived attached containers (an MCP session's): created, attached (stdin kept open)
-//! and started.
+//! Long-lived attached containers (an MCP session's, [`ContainerDriver::start_session`]):
+//! created with a turn's hardening and the session's own argv, mounts and network,
+//! attached (stdin kept open) and started; and a file read out of an image
+//! ([`ContainerDriver::image_file`]: a container created from it, never started, its
+//! archive read, removed).
+
+use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
 
 use super::*;
+use crate::driver::{SessionIo, SessionOutput, SessionSpec};
 
 impl DockerDriver {
-    /// Creates, attaches and starts a long-lived container whose stdin stays open (an MCP
-    /// session, see `broker::mcp_container`): its stdout and stderr, and its stdin. Under
-    /// gVisor the files its processes hold open are counted inside, on `measured` (the
-    /// session's data mount), by the image's `/roundtable-guest --held-files`.
-    pub(crate) async fn start_attached(
+    /// Creates, attaches and starts a session's container (see
+    /// [`ContainerDriver::start_session`]). Under gVisor the files its processes hold open
+    /// are counted inside, on `spec.measured`, by `/roundtable-guest --held-files`.
+    pub(super) async fn start_session_inner(
         &self,
-        name: &str,
-        body: ContainerCreateBody,
-        measured: &'static str,
-    ) -> Result<bollard::container::AttachContainerResults, DriverError> {
+        spec: &SessionSpec,
+    ) -> Result<SessionIo, DriverError> {
         let docker = self.engine().await?;
-        let image = body.image.clone().unwrap_or_default();
-        let runtime = body.host_config.as_ref().and_then(|h| h.runtime.clone());
-        let user = body.user.clone().unwrap_or_default();
-        let create = CreateContainerOptionsBuilder::new().name(name).build();
-        match self
-            .call("create", name, docker.create_container(Some(create), body))
-            .await
-        {
-            Ok(_) => {}
-            Err(DriverError::Call {
-                status, message, ..
-            }) if status == Some(404) || message.contains("No such image") => {
-                return Err(DriverError::ImageMissing { image })
-            }
-            Err(DriverError::Call { message, .. })
-                if runtime.is_some() && message.to_lowercase().contains("runtime") =>
-            {
-                return Err(DriverError::RuntimeMissing {
-                    runtime: runtime.unwrap_or_default(),
-                })
-            }
-            Err(e) => return Err(e),
-        }
-        if runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
+        self.retry_pending_removals().await;
+        let name = spec.name.as_str();
+        self.create(
+            docker,
+            name,
+            create::session_body(spec),
+            spec.runtime.as_deref(),
+        )
+        .await?;
+        if spec.runtime.as_deref() == Some(crate::driver::GVISOR_RUNTIME) {
             let sandboxed = Sandboxed {
-                user,
-                dir: measured,
+                user: format!("{}:{}", spec.uid, spec.gid),
+                dir: spec.measured.clone(),
             };
             self.sandboxed
                 .lock()
                 .unwrap()
                 .insert(name.to_owned(), sandboxed);
         }
-        self.attach_and_start(docker, name).await
+        let bollard::container::AttachContainerResults { output, input } =
+            self.attach_and_start(docker, name).await?;
+        let output = output
+            .take_while(|frame| std::future::ready(frame.is_ok()))
+            .filter_map(|frame| {
+                std::future::ready(match frame {
+                    Ok(LogOutput::StdOut { message }) => Some(SessionOutput::Stdout(message)),
+                    Ok(LogOutput::StdErr { message }) => Some(SessionOutput::Stderr(message)),
+                    _ => None,
+                })
+            });
+        Ok(SessionIo {
+            output: Box::pin(output),
+            input,
+        })
+    }
+
+    /// The regular file `path` of `image` (see [`ContainerDriver::image_file`]).
+    pub(super) async fn image_file_inner(
+        &self,
+        image: &str,
+        path: &str,
+        max: u64,
+    ) -> Result<Vec<u8>, DriverError> {
+        let docker = self.engine().await?;
+        let name = format!("rtb-read-{:016x}", uuid::Uuid::new_v4().as_u128() as u64);
+        let body = ContainerCreateBody {
+            image: Some(image.to_owned()),
+            entrypoint: Some(vec!["/nonexistent".into()]),
+            network_disabled: Some(true),
+            host_config: Some(HostConfig {
+                network_mode: Some("none".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.create(docker, &name, body, None).await?;
+        let read = self.read_archive(docker, &name, path, max).await;
+        if let Err(e) = self.remove_inner(&name).await {
+            tracing::warn!(container = %name, error = %e, "remove the container an image file was read from");
+        }
+        read
+    }
+
+    /// The one regular file an archive of `path` in container `name` holds.
+    async fn read_archive(
+        &self,
+        docker: &Docker,
+        name: &str,
+        path: &str,
+        max: u64,
+    ) -> Result<Vec<u8>, DriverError> {
+        let failed = |message: String| DriverError::Call {
+            engine: ENGINE,
+            op: "read a file of an image",
+            container: name.to_owned(),
+            status: None,
+            message,
+        };
+        let options = DownloadFromContainerOptionsBuilder::new()
+            .path(path)
+            .build();
+        let mut stream = docker.download_from_container(name, Some(options));
+        // The archive: the file, its header and padding (tar's blocks), no more.
+        let cap = max.saturating_add(64 * 1024);
+        let mut archive = Vec::new();
+        let read = async {
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(|e| classify("archive", name, e))?;
+                archive.extend_from_slice(&chunk);
+                if archive.len() as u64 > cap {
+                    return Err(failed(format!("{path} is larger than {max} bytes")));
+                }
+            }
+            Ok(())
+        };
+        tokio::time::timeout(self.options.call_timeout, read)
+            .await
+            .map_err(|_| DriverError::CallTimeout {
+                engine: ENGINE,
+                op: "archive",
+                container: name.to_owned(),
+                after: self.options.call_timeout,
+            })??;
+        let mut entries = tar::Archive::new(&archive[..]);
+        let mut entries = entries.entries().map_err(|e| failed(e.to_string()))?;
+        let mut entry = match entries.next() {
+            Some(Ok(entry)) => entry,
+            Some(Err(e)) => return Err(failed(e.to_string())),
+            None => return Err(failed(format!("{path} is not in the image"))),
+        };
+        if entry.header().entry_type() != tar::EntryType::Regular {
+            return Err(failed(format!("{path} is not a regular file")));
+        }
+        if entry.header().size().unwrap_or(u64::MAX) > max {
+            return Err(failed(format!("{path} is larger than {max} bytes")));
+        }
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut bytes).map_err(|e| failed(e.to_string()))?;
+        Ok(bytes)
     }
 
     /// Attaches to a created container's stdin, stdout and stderr, then starts it.
@@ -71,45 +159,5 @@ impl DockerDriver {
         self.call("start", name, docker.start_container(name, None))
             .await?;
         Ok(io)
-    }
-
-    /// Removes a container (killed first), as a turn's teardown does; a failure is retried
-    /// before the next run or sweep.
-    pub(crate) async fn remove_container(&self, name: &str) -> Result<(), DriverError> {
-        self.remove_inner(name).await
-    }
-
-    /// Every container (running or not) carrying all of `labels` (`key=value`): name and
-    /// the host source of each bind mount by its target.
-    pub(crate) async fn list_labelled(
-        &self,
-        labels: Vec<String>,
-    ) -> Result<Vec<(String, HashMap<String, String>)>, DriverError> {
-        let docker = self.engine().await?;
-        let filters: HashMap<&str, Vec<String>> = HashMap::from([("label", labels)]);
-        let list = ListContainersOptionsBuilder::new()
-            .all(true)
-            .filters(&filters)
-            .build();
-        let found = self
-            .call("list", "", docker.list_containers(Some(list)))
-            .await?;
-        Ok(found
-            .into_iter()
-            .filter_map(|c| {
-                let name = c
-                    .names
-                    .and_then(|n| n.into_iter().next())
-                    .map(|n| n.trim_start_matches('/').to_owned())
-                    .or(c.id)?;
-                let mounts = c
-                    .mounts
-                    .unwrap_or_default()
-                    .into_iter()
-                    .filter_map(|m| Some((m.destination?, m.source?)))
-                    .collect();
-                Some((name, mounts))
-            })
-            .collect())
     }
 }
