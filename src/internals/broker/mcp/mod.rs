@@ -184,9 +184,11 @@ pub(crate) struct McpPool {
     /// Server names in configuration order (the order handed to the turn).
     order: Vec<String>,
     http: reqwest::Client,
-    /// The engine of container-confined sessions, its driver, and the host path of the
-    /// wrapper every session's command runs under ([`McpEngine::install_wrapper`]).
-    engine: Option<(McpEngine, Arc<dyn ContainerDriver>, std::path::PathBuf)>,
+    /// The engine of container-confined sessions, and its driver.
+    engine: Option<(McpEngine, Arc<dyn ContainerDriver>)>,
+    /// The host path of the wrapper every container session's command runs under
+    /// ([`McpEngine::install_wrapper`]).
+    wrapper: std::path::PathBuf,
 }
 
 impl McpPool {
@@ -207,11 +209,16 @@ impl McpPool {
             }
             (Some(c), Some(engine)) => Some(container_engine(&c.name, engine).await?),
         };
+        let (engine, wrapper) = match engine {
+            Some((engine, driver, wrapper)) => (Some((engine, driver)), wrapper),
+            None => (None, Default::default()),
+        };
         let mut pool = Self {
             servers: BTreeMap::new(),
             order: configs.iter().map(|c| c.name.clone()).collect(),
             http,
             engine,
+            wrapper,
         };
         for config in configs {
             match pool.start_one(config).await {
@@ -384,8 +391,8 @@ impl McpPool {
             *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
             let quota = srv.config.limits.data_quota();
             let confined = self.engine.as_ref().filter(|_| srv.config.in_container());
-            let data_dir = confined.map(|(e, _, _)| e.data_dir(name_of(srv), &session.segment));
-            if let (Some((engine, _, _)), Some(dir)) = (confined, &data_dir) {
+            let data_dir = confined.map(|(e, _)| e.data_dir(name_of(srv), &session.segment));
+            if let (Some((engine, _)), Some(dir)) = (confined, &data_dir) {
                 if let Err(msg) = engine.check(name_of(srv), dir, &quota) {
                     end_session(&session).await;
                     return Err(CallError::Quota(msg));
@@ -815,11 +822,11 @@ impl McpPool {
         let start = async {
             let live = match transport {
                 McpTransport::Stdio { command, args, env } if config.in_container() => {
-                    let Some((engine, driver, wrapper)) = &self.engine else {
+                    let Some((engine, driver)) = &self.engine else {
                         return Err("no container engine for MCP containers".to_owned());
                     };
                     let (container, (output, input)) = container::start(
-                        (engine, driver, wrapper),
+                        (engine, driver, &self.wrapper),
                         config,
                         segment,
                         (command, args, env),
