@@ -67,7 +67,7 @@ pub use crate::driver::LABEL_MCP;
 pub const DATA_MOUNT: &str = "/data";
 /// Where the guest program is mounted in a session's container (read-only): the wrapper
 /// that installs the seccomp layer, and the held-files measurer under gVisor.
-pub const WRAPPER: &str = roundtable_sandbox_protocol::held::GUEST_PROGRAM;
+pub(crate) const WRAPPER: &str = roundtable_sandbox_protocol::held::GUEST_PROGRAM;
 /// The dir under the data root that holds the wrapper (no server is named so: a server's
 /// name has no dot).
 const WRAPPER_DIR: &str = ".wrapper";
