@@ -198,6 +198,7 @@ mod mcp;
 mod mcp_confined;
 mod mcp_hostile;
 mod mcp_http;
+mod mcp_layer;
 mod mcp_scopes;
 mod mcp_shared;
 mod model;

@@ -51,7 +51,7 @@ use super::http::{error_response, failure, refuse, Response};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{BrokerError, TurnContext};
 use crate::config::{McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT};
-use crate::driver::DockerDriver;
+use crate::driver::ContainerDriver;
 use crate::events::Refusal;
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
@@ -193,7 +193,10 @@ pub(crate) struct McpPool {
     order: Vec<String>,
     http: reqwest::Client,
     /// The engine of container-confined sessions, and its driver.
-    engine: Option<(McpEngine, DockerDriver)>,
+    engine: Option<(McpEngine, Arc<dyn ContainerDriver>)>,
+    /// The host path of the wrapper every container session's command runs under
+    /// ([`McpEngine::install_wrapper`]).
+    wrapper: std::path::PathBuf,
 }
 
 impl McpPool {
@@ -212,24 +215,18 @@ impl McpPool {
                     error: "it runs in a container but the broker has no container engine".into(),
                 })
             }
-            (Some(c), Some(engine)) => {
-                let driver = engine.driver();
-                // What a crashed runtime left: its sessions' containers.
-                engine
-                    .sweep(&driver)
-                    .await
-                    .map_err(|error| BrokerError::McpStart {
-                        server: c.name.clone(),
-                        error: format!("sweep leftover MCP containers: {error}"),
-                    })?;
-                Some((engine.clone(), driver))
-            }
+            (Some(c), Some(engine)) => Some(container_engine(&c.name, engine).await?),
+        };
+        let (engine, wrapper) = match engine {
+            Some((engine, driver, wrapper)) => (Some((engine, driver)), wrapper),
+            None => (None, Default::default()),
         };
         let mut pool = Self {
             servers: BTreeMap::new(),
             order: configs.iter().map(|c| c.name.clone()).collect(),
             http,
             engine,
+            wrapper,
         };
         for config in configs {
             match pool.start_one(config).await {
@@ -595,6 +592,7 @@ impl McpPool {
     ) -> Result<(Arc<Client>, Option<Stopped>), CallError> {
         let name = &srv.config.name;
         let mut state = session.state.lock().await;
+        resume_paused(&mut state).await;
         let tripped = match &*state {
             State::Running(s) => s.watcher().and_then(|w| w.tripped()),
             _ => None,
@@ -674,6 +672,23 @@ impl McpPool {
             .collect()
     }
 
+    /// Pauses the channel's container sessions (channel-scoped servers only; a shared
+    /// session is never paused) once a turn of the channel has ended: nothing of theirs
+    /// runs until their next call resumes them ([`resume_paused`]). A session a call holds
+    /// (a next turn's, already) is left running.
+    pub(crate) async fn pause_channel(&self, segment: &str) {
+        let channel_scoped = self
+            .servers
+            .values()
+            .filter(|s| s.scope == McpScope::Channel && s.config.in_container());
+        for srv in channel_scoped {
+            let session = srv.table().live.get(segment).map(|(s, _)| s.clone());
+            if let Some(session) = session {
+                pause_session(&session).await;
+            }
+        }
+    }
+
     /// Closes every session; a child that does not exit is terminated, then killed, and
     /// always reaped. Later calls are refused.
     pub(crate) async fn shutdown(&self) {
@@ -686,6 +701,47 @@ impl McpPool {
             for session in sessions {
                 stop_session(&session, State::Shutdown).await;
             }
+        }
+    }
+}
+
+/// Pauses a session's container unless a call holds the session (only the table and the
+/// caller do then: a call takes its own hold before it waits for the state, so a call that
+/// comes after this check finds the container paused and resumes it). One the backend
+/// cannot pause is stopped: its next call starts it again on its data.
+async fn pause_session(session: &Arc<Session>) {
+    let mut state = session.state.lock().await;
+    if Arc::strong_count(session) > 2 {
+        return;
+    }
+    let State::Running(live) = &mut *state else {
+        return;
+    };
+    if live.is_closed() {
+        return;
+    }
+    let Some(container) = live.container.as_mut() else {
+        return;
+    };
+    if let Err(e) = container.pause().await {
+        tracing::info!(error = %e, "MCP session not paused at its turn's end; stopped (its next call starts it again)");
+        if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+            close(live).await;
+        }
+    }
+}
+
+/// Thaws a session paused at its last turn's end, before its call; one that cannot be
+/// thawed is stopped, and the call starts it again on its data.
+async fn resume_paused(state: &mut State) {
+    let State::Running(live) = state else { return };
+    let Some(container) = live.container.as_mut().filter(|c| c.is_paused()) else {
+        return;
+    };
+    if let Err(e) = container.resume().await {
+        tracing::warn!(error = %e, "paused MCP session not resumed; started again");
+        if let State::Running(live) = std::mem::replace(state, State::Stopped) {
+            close(live).await;
         }
     }
 }
@@ -831,9 +887,13 @@ impl McpPool {
                     let Some((engine, driver)) = &self.engine else {
                         return Err("no container engine for MCP containers".to_owned());
                     };
-                    let (container, (output, input)) =
-                        container::start(engine, driver, config, segment, (command, args, env))
-                            .await?;
+                    let (container, (output, input)) = container::start(
+                        (engine, driver, &self.wrapper),
+                        config,
+                        segment,
+                        (command, args, env),
+                    )
+                    .await?;
                     let client = Client::stdio(server, caps, output, input);
                     // A session that ends (the server stopped, or broke a cap) is removed
                     // at once, not at its next call.
@@ -991,4 +1051,28 @@ async fn close(live: impl Into<Box<Live>>) {
     if let Some(mut child) = child {
         let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, child.exited.wait_for(|e| *e)).await;
     }
+}
+
+/// The engine of container-confined sessions, ready: what a crashed runtime left swept,
+/// the wrapper read out of the guest image (`server`: the first such server, named in an
+/// error).
+async fn container_engine(
+    server: &str,
+    engine: &McpEngine,
+) -> Result<(McpEngine, Arc<dyn ContainerDriver>, std::path::PathBuf), BrokerError> {
+    let failed = |error: String| BrokerError::McpStart {
+        server: server.to_owned(),
+        error,
+    };
+    let driver = engine.driver();
+    // What a crashed runtime left: its sessions' containers.
+    engine
+        .sweep(driver.as_ref())
+        .await
+        .map_err(|error| failed(format!("sweep leftover MCP containers: {error}")))?;
+    let wrapper = engine
+        .install_wrapper(driver.as_ref())
+        .await
+        .map_err(failed)?;
+    Ok((engine.clone(), driver, wrapper))
 }
