@@ -218,10 +218,12 @@ async fn attack_write_to_the_run_dir() {
 #[tokio::test(flavor = "multi_thread")]
 async fn attack_reach_another_channels_workspace() {
     let env = Env::new();
-    // Channel #a keeps a secret in its workspace.
+    // Channel #a keeps a secret in its workspace: a marker of this run, in no program's
+    // bytes (the static guest's 6 MB held "a-secret" by chance).
+    let secret = format!("a-secret-{}", uuid::Uuid::new_v4().simple());
     let sandbox = Sandbox::new(hostile::sh_config(
         &env,
-        &reply_after("echo a-secret > /workspace/secret-of-a"),
+        &reply_after(&format!("echo {secret} > /workspace/secret-of-a")),
     ))
     .await
     .unwrap();
@@ -244,7 +246,7 @@ async fn attack_reach_another_channels_workspace() {
         ln -s {a_host} /workspace/peek
         cat /workspace/peek/secret-of-a 2>/dev/null && out="$out symlink:READ"
         find / \( -path /proc -o -path /sys \) -prune -o -type f \
-          -exec grep -ls a-secret {{}} + 2>/dev/null | grep -q . && out="$out grep:FOUND"
+          -exec grep -ls {secret} {{}} + 2>/dev/null | grep -q . && out="$out grep:FOUND"
         "#
     ));
     drop(sandbox);
