@@ -300,3 +300,86 @@ pub fn print_targets(targets: &[Target]) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn empty() -> Results {
+        Results {
+            machine: Machine {
+                cpu: "cpu".into(),
+                cpus: 2,
+                virtualisation: "virtual machine",
+                mem_mib: 1,
+                kernel: "k".into(),
+                docker: "d".into(),
+                storage_driver: "overlay2".into(),
+                cgroup: "2".into(),
+            },
+            options: RunOptions {
+                iterations: 1,
+                warmup: 0,
+                rounds: 1,
+                broker_calls: 1,
+                channels: 1,
+                image: "i".into(),
+            },
+            memory: Memory::default(),
+            turn: None,
+            warm_memory: None,
+            gvisor: None,
+            concurrency: None,
+            throughput: None,
+            soak: None,
+            ablation: None,
+            broker: None,
+            accounting: None,
+            observed: None,
+            store: None,
+            targets: Vec::new(),
+        }
+    }
+
+    /// A part not run leaves its targets unmeasured and its key out of the JSON.
+    #[test]
+    fn parts_not_run_are_not_measured_and_not_written() {
+        let mut r = empty();
+        r.targets = targets(&r);
+        assert_eq!(r.targets.len(), 15);
+        assert!(r
+            .targets
+            .iter()
+            .all(|t| t.value.is_none() && t.met.is_none()));
+        let v = serde_json::to_value(&r).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["machine", "memory", "options", "targets"]);
+        assert_eq!(v["memory"], serde_json::json!({}));
+    }
+
+    /// The targets read the typed figures; NaN is not a value, and a limit is inclusive.
+    #[test]
+    fn targets_read_the_figures() {
+        let mut r = empty();
+        r.memory.idle_channels = Some(memory::IdleChannels {
+            observed: false,
+            channels: 10,
+            live_channels: 74,
+            rss_start_kib: 0,
+            rss_after_turns_on_existing_channels_kib: 0,
+            rss_after_new_idle_channels_kib: 0,
+            growth_turns_only_kib: 0.0,
+            growth_new_channels_kib: 40.0,
+            per_channel_raw_kib: 4.0,
+            per_channel_kib: 4.0,
+        });
+        let t = targets(&r);
+        let rss = t
+            .iter()
+            .find(|t| t.target == "RSS per idle channel")
+            .unwrap();
+        assert_eq!((rss.value, rss.met), (Some(4.0), Some(true)));
+        assert_eq!(at_least("x", Some(0.969_4), 0.97).met, Some(false));
+        assert_eq!(at_most("x", Some(f64::NAN), 1.0, "×").met, None);
+    }
+}
