@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 if [ "$(id -u)" -eq 0 ]; then
-  scripts/setup.sh
+  # --tests: `--only store` starts a PostgreSQL server from the package's binaries.
+  scripts/setup.sh --tests
 fi
 if [ "${BENCH_SKIP_IMAGE:-0}" != 1 ]; then
   scripts/build-image.sh

@@ -36,7 +36,7 @@ if [ ! -f "$tarball" ]; then
     echo "build-mcp-image: run as root the first time (debootstrap and chroot)" >&2
     exit 1
   fi
-  command -v debootstrap >/dev/null || { echo "build-mcp-image: install debootstrap (scripts/setup.sh)" >&2; exit 1; }
+  command -v debootstrap >/dev/null || { echo "build-mcp-image: install debootstrap (scripts/setup.sh --tests)" >&2; exit 1; }
   mkdir -p "$cache"
   root=$(mktemp -d "$cache/rootfs.XXXXXX")
   cleanup() {

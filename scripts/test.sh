@@ -11,15 +11,18 @@ if [ "$(id -u)" -eq 0 ]; then
   # From a clone the service user cannot read (under /root or a `mktemp -d`: 0700), the
   # tests run from a mirror of it that it can (scripts/reachable-source.sh).
   if [ -z "${ROUNDTABLE_MIRRORED_FROM:-}" ]; then
-    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh --gvisor --synapse
+    # The base (the service user, which the mirror's check needs); the tests' packages and
+    # venvs below, in the tree the tests run from (venvs built once, there).
+    id "${ROUNDTABLE_USER:-roundtable}" >/dev/null 2>&1 || scripts/setup.sh
     src=$(scripts/reachable-source.sh)
     if [ "$src" != "$(pwd -P)" ]; then
       echo "== running from $src (a mirror of this clone the service user can read)" >&2
       ROUNDTABLE_MIRRORED_FROM="$PWD" exec "$src/scripts/test.sh" "$@"
     fi
   fi
-  # --synapse: the Matrix bot's tests run a real Synapse homeserver (a venv from PyPI).
-  scripts/setup.sh --gvisor --synapse
+  # --tests: what only the tests use (ngIRCd, ii, Prometheus, debootstrap, PostgreSQL, the
+  # MCP servers' venv and the Synapse homeserver's, which the Matrix bot's tests run).
+  scripts/setup.sh --tests --gvisor
   export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="$PWD/scripts/as-service-user.sh"
 else
   scripts/synapse-venv.sh

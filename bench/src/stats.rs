@@ -1,6 +1,23 @@
-//! Samples and their summary (p50, p95, mean), and the JSON form of a summary.
+//! The bench's statistics, in one place: samples and their summary (p50, p95, mean), the
+//! ratios and medians the verdicts read, their 95 % intervals (distribution-free for a
+//! median, bootstrap for a ratio of p50s), the balanced orders the sides run in, and how an
+//! interval or a distribution is printed.
 
 use std::time::Duration;
+
+use serde::Serialize;
+
+/// A summary of [`Samples`] as the JSON results hold it (ms, rounded to 3 decimals; NaN,
+/// written `null`, when there are none).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Summary {
+    pub n: usize,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub mean_ms: f64,
+    pub min_ms: f64,
+    pub max_ms: f64,
+}
 
 /// Durations of one measured path.
 #[derive(Debug, Default, Clone)]
@@ -56,15 +73,56 @@ impl Samples {
         self.ms.iter().copied().fold(f64::NAN, f64::max)
     }
 
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "n": self.len(),
-            "p50_ms": round3(self.p50()),
-            "p95_ms": round3(self.p95()),
-            "mean_ms": round3(self.mean()),
-            "min_ms": round3(self.min()),
-            "max_ms": round3(self.max()),
-        })
+    pub fn summary(&self) -> Summary {
+        Summary {
+            n: self.len(),
+            p50_ms: round3(self.p50()),
+            p95_ms: round3(self.p95()),
+            mean_ms: round3(self.mean()),
+            min_ms: round3(self.min()),
+            max_ms: round3(self.max()),
+        }
+    }
+}
+
+/// Named samples kept in the order their names first came (a turn's phases, the bare
+/// lifecycle's steps).
+#[derive(Debug, Default)]
+pub struct NamedSamples(Vec<(String, Samples)>);
+
+impl NamedSamples {
+    pub fn push(&mut self, name: &str, d: Duration) {
+        match self.0.iter_mut().find(|(n, _)| n == name) {
+            Some((_, s)) => s.push(d),
+            None => {
+                let mut s = Samples::default();
+                s.push(d);
+                self.0.push((name.to_owned(), s));
+            }
+        }
+    }
+
+    /// Each phase's span, from its start to the next phase's start (`began`: each phase's
+    /// start in order), under `prefix` + its name.
+    pub fn push_spans(&mut self, prefix: &str, began: &[(String, Duration)]) {
+        for w in began.windows(2) {
+            self.push(
+                &format!("{prefix}{}", w[0].0),
+                w[1].1.saturating_sub(w[0].1),
+            );
+        }
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Samples)> {
+        self.0.iter().map(|(n, s)| (n.as_str(), s))
+    }
+
+    /// The summaries by name (JSON keys sorted).
+    pub fn summaries(&self) -> std::collections::BTreeMap<String, Summary> {
+        self.0
+            .iter()
+            .map(|(n, s)| (n.clone(), s.summary()))
+            .collect()
     }
 }
 
@@ -80,6 +138,48 @@ fn nearest_rank(sorted: &[f64], p: f64) -> f64 {
 /// Rounds to 3 decimals (JSON readability); NaN becomes null through serde_json.
 pub fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
+}
+
+/// Each value rounded to 3 decimals.
+pub fn round3_all(v: &[f64]) -> Vec<f64> {
+    v.iter().map(|x| round3(*x)).collect()
+}
+
+/// A 95 % interval as the JSON results hold it: `[lo, hi]` rounded, or `null`.
+pub fn ci95(ci: Option<(f64, f64)>) -> Option<[f64; 2]> {
+    ci.map(|(a, b)| [round3(a), round3(b)])
+}
+
+/// A 95 % interval as `[lo, hi]`, or why there is none.
+pub fn interval(ci: Option<(f64, f64)>) -> String {
+    ci.map_or_else(
+        || "too few samples".to_owned(),
+        |(lo, hi)| format!("[{lo:.3}, {hi:.3}]"),
+    )
+}
+
+/// The 10th to 90th percentiles of `s` (ms), for a distribution's shape at a glance.
+pub fn deciles(s: &Samples) -> String {
+    (1..10)
+        .map(|d| format!("{:.2}", s.pct(f64::from(d) * 10.0)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The median of the iterations' differences `a[i] − b[i]` (µs, each iteration ran one of
+/// each back to back) with its 95 % interval, as `+12 µs [-3, +30]`.
+pub fn paired_diff(a: &Samples, b: &Samples) -> String {
+    let d: Vec<f64> = a
+        .values()
+        .iter()
+        .zip(b.values())
+        .map(|(a, b)| (a - b) * 1000.0)
+        .collect();
+    format!(
+        "{:+.0} µs {}",
+        median(&d),
+        median_ci(&d).map_or_else(String::new, |(lo, hi)| format!("[{lo:+.0}, {hi:+.0}]"))
+    )
 }
 
 /// `a / b`, rounded to 3 decimals.

@@ -51,7 +51,7 @@ fn tool(name: &str) -> &str {
             return name;
         }
     }
-    panic!("{name} is not installed: run scripts/setup.sh (it installs ngircd and ii)");
+    panic!("{name} is not installed: run scripts/setup.sh --tests (it installs ngircd and ii)");
 }
 
 /// One of ii's input FIFOs, held open for the whole test: a writer that closes between

@@ -1,5 +1,5 @@
 //! The metrics endpoint scraped by a real Prometheus (the Debian package `prometheus`,
-//! which scripts/setup.sh installs): the terminal bot runs with `--metrics` and a scripted
+//! which scripts/setup.sh --tests installs): the terminal bot runs with `--metrics` and a scripted
 //! OpenAI-compatible upstream on loopback, serves turns that succeed, time out, are busy,
 //! go over the workspace quota and hit a budget (mid-turn and at admission), while
 //! Prometheus scrapes it every second; the test then asks Prometheus's HTTP API for each
@@ -283,7 +283,7 @@ impl Prometheus {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("run prometheus (scripts/setup.sh installs the Debian package)");
+            .expect("run prometheus (scripts/setup.sh --tests installs the Debian package)");
         let p = Self { child, addr };
         let deadline = Instant::now() + PATIENCE;
         while p.get("/-/ready").map(|(s, _)| s) != Some(200) {

@@ -1,5 +1,5 @@
 //! A real PostgreSQL server for the budgets' shared store: Debian's `postgresql` binaries
-//! (`scripts/setup.sh` installs them), a private data directory made by `initdb` in a
+//! (`scripts/setup.sh --tests` installs them), a private data directory made by `initdb` in a
 //! temporary directory, started as the user the tests run as (the service user), listening
 //! on loopback only (its unix socket in the data directory). Stopped (fast shutdown),
 //! killed (`SIGKILL`) and started again on the same port and data by the fault tests.
@@ -46,8 +46,8 @@ impl Postgres {
 
     /// The same, with `-c` settings (`"fsync=off"`, …) at every start.
     pub fn start_with(extra: &[&str]) -> Self {
-        let bin =
-            bin_dir().expect("PostgreSQL's server binaries (scripts/setup.sh installs postgresql)");
+        let bin = bin_dir()
+            .expect("PostgreSQL's server binaries (scripts/setup.sh --tests installs postgresql)");
         let dir = tempfile::Builder::new()
             .prefix("rt-pg-")
             .tempdir_in("/tmp")

@@ -23,7 +23,7 @@ impl ActorPath {
     /// entrypoint override as the other paths.
     pub async fn start(
         image: &str,
-        roots: &crate::lifecycle::Roots,
+        roots: &crate::harness::lifecycle::Roots,
         max_containers: usize,
     ) -> Result<Self> {
         let core = roundtable_sandbox::Config::builder(
@@ -34,7 +34,7 @@ impl ActorPath {
         .model("http://127.0.0.1:9/v1", "bench-model")
         .api_key(roundtable_sandbox::ApiKey::from_static("sk-bench"))
         .allow_http(true)
-        .command(crate::lifecycle::command())
+        .command(crate::harness::lifecycle::command())
         .instance(format!("bench-actors-{}", std::process::id()))
         .build();
         let mut config = SupervisorOptions::new(core);

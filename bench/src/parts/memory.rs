@@ -1,4 +1,6 @@
-//! Memory of the actor layer: RSS growth per idle `ChannelActor`.
+//! Memory: part 4, RSS growth per idle `ChannelActor` (`--only memory`); part 8b, the same
+//! with metrics and accounting on against all off (`--only observed`); part 1c, the memory
+//! of prepared containers (with part 1, `--only turn`).
 //!
 //! Runs in a child process of its own (`roundtable-bench --memory-child N`), so nothing of
 //! the other measurements is in its heap. Turns use the fake driver's instant replies
@@ -17,21 +19,56 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use roundtable_sandbox::internals::testing::FakeDriver;
 use roundtable_sandbox_actors::{GuestMessage, SandboxSupervisor, Status, SupervisorOptions};
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
 /// Concurrent turns in flight while channels are made.
 const BATCH: usize = 64;
+
+/// The memory child's figures (KiB): one run of N idle channels.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IdleChannels {
+    pub observed: bool,
+    pub channels: usize,
+    pub live_channels: usize,
+    pub rss_start_kib: u64,
+    pub rss_after_turns_on_existing_channels_kib: u64,
+    pub rss_after_new_idle_channels_kib: u64,
+    pub growth_turns_only_kib: f64,
+    pub growth_new_channels_kib: f64,
+    pub per_channel_raw_kib: f64,
+    /// (growth with new channels − growth from turns alone) / N (the target's).
+    pub per_channel_kib: f64,
+}
+
+/// Part 8b's figures: two children each way, alternating (off, on, off, on).
+#[derive(Debug, Serialize)]
+pub struct ObservedIdle {
+    pub on: Vec<IdleChannels>,
+    pub off: Vec<IdleChannels>,
+    /// The mean growth on / off (the target's).
+    pub on_vs_off_growth: f64,
+}
+
+/// The prepared containers' memory, per container (KiB).
+#[derive(Debug, Serialize)]
+pub struct Prepared {
+    pub n: usize,
+    pub engine_rss_kib_per_container: f64,
+    pub shims_added: usize,
+    pub container_cgroup_kib_mean: f64,
+    pub host_process_rss_kib_per_container: f64,
+}
 
 /// In the child: measures and prints the JSON result on stdout.
 pub fn child(channels: usize, observed: bool) -> Result<()> {
     let system = actix::System::new();
     let value = system.block_on(measure(channels, observed))?;
-    println!("{value}");
+    println!("{}", serde_json::to_string(&value)?);
     Ok(())
 }
 
-async fn measure(channels: usize, observed: bool) -> Result<Value> {
-    let roots = crate::lifecycle::Roots::new()?;
+async fn measure(channels: usize, observed: bool) -> Result<IdleChannels> {
+    let roots = crate::harness::lifecycle::Roots::new()?;
     let state_dir = tempfile::Builder::new()
         .prefix("rtb-mem-")
         .tempdir_in("/tmp")?;
@@ -92,7 +129,7 @@ async fn measure(channels: usize, observed: bool) -> Result<Value> {
     };
     let settle = || async {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        crate::rss_kib()
+        crate::probe::rss_kib()
     };
     // Warm-up: BATCH channels, many turns on them.
     let warm: Vec<String> = (0..BATCH).map(|i| format!("#warm-{i}")).collect();
@@ -121,22 +158,74 @@ async fn measure(channels: usize, observed: bool) -> Result<Value> {
     let per_channel_raw = channels_growth / channels as f64;
     let per_channel = ((channels_growth - turns_growth) / channels as f64).max(0.0);
     drop(served);
-    Ok(json!({
-        "observed": observed,
-        "channels": channels,
-        "live_channels": live,
-        "rss_start_kib": rss_start,
-        "rss_after_turns_on_existing_channels_kib": rss_after_turns,
-        "rss_after_new_idle_channels_kib": rss_after_channels,
-        "growth_turns_only_kib": turns_growth,
-        "growth_new_channels_kib": channels_growth,
-        "per_channel_raw_kib": crate::stats::round3(per_channel_raw),
-        "per_channel_kib": crate::stats::round3(per_channel),
-    }))
+    Ok(IdleChannels {
+        observed,
+        channels,
+        live_channels: live,
+        rss_start_kib: rss_start,
+        rss_after_turns_on_existing_channels_kib: rss_after_turns,
+        rss_after_new_idle_channels_kib: rss_after_channels,
+        growth_turns_only_kib: turns_growth,
+        growth_new_channels_kib: channels_growth,
+        per_channel_raw_kib: crate::stats::round3(per_channel_raw),
+        per_channel_kib: crate::stats::round3(per_channel),
+    })
+}
+
+/// Part 4: RSS per idle channel, in a child process of its own (an actix system).
+pub fn idle(channels: usize) -> Result<IdleChannels> {
+    println!("\n== 4. memory: RSS per idle ChannelActor, {channels} channels");
+    let m = idle_channels(channels, false)?;
+    println!(
+        "RSS growth: {} new idle channels +{} KiB, the same turns on existing channels +{} KiB \
+         => {:.2} KiB per idle channel ({:.2} KiB raw)",
+        channels,
+        m.growth_new_channels_kib,
+        m.growth_turns_only_kib,
+        m.per_channel_kib,
+        m.per_channel_raw_kib,
+    );
+    Ok(m)
+}
+
+/// Part 8b (issue 23, item 8): idle channels with metrics and accounting on against all
+/// off, alternating child processes (off, on, off, on).
+pub fn observed_idle(channels: usize) -> Result<ObservedIdle> {
+    println!("\n== 8b. memory of {channels} idle channels: metrics and accounting on vs all off");
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for k in 0..4 {
+        let observed = k % 2 == 1;
+        let m = idle_channels(channels, observed)?;
+        println!(
+            "  {} : +{} KiB for {channels} new idle channels",
+            if observed { "on " } else { "off" },
+            m.growth_new_channels_kib,
+        );
+        if observed {
+            on.push(m)
+        } else {
+            off.push(m)
+        }
+    }
+    let mean = |v: &[IdleChannels]| {
+        v.iter().map(|m| m.growth_new_channels_kib).sum::<f64>() / v.len() as f64
+    };
+    let ratio = mean(&on) / mean(&off);
+    println!(
+        "idle channels' RSS growth: on {:.0} KiB, off {:.0} KiB (mean of 2 each; {:.3}×)",
+        mean(&on),
+        mean(&off),
+        ratio
+    );
+    Ok(ObservedIdle {
+        on,
+        off,
+        on_vs_off_growth: crate::stats::round3(ratio),
+    })
 }
 
 /// In the parent: runs the child and reads its JSON.
-pub fn idle_channels(channels: usize, observed: bool) -> Result<Value> {
+fn idle_channels(channels: usize, observed: bool) -> Result<IdleChannels> {
     let exe = std::env::current_exe()?;
     let mut child = std::process::Command::new(exe);
     child.args(["--memory-child", &channels.to_string()]);
@@ -202,21 +291,21 @@ async fn container_kib(docker: &bollard::Docker, name: &str) -> Option<u64> {
 /// The extra memory of `n` prepared containers (waiting for their turn): the engine's
 /// host processes (dockerd, containerd, one shim each), the containers' own cgroups, and
 /// this process (the attach streams and exit watchers it holds), each per container.
-pub async fn prepared(warm: &roundtable_sandbox::Sandbox, n: usize) -> Result<Value> {
+pub async fn prepared(warm: &roundtable_sandbox::Sandbox, n: usize) -> Result<Prepared> {
     println!("\n== 1c. memory of prepared containers: {n} prepared at once, waiting");
     let docker = roundtable_sandbox::DockerDriver::default();
     let client = docker.client().await?.clone();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (engine_before, shims_before) = engine_rss_kib();
-    let host_before = crate::rss_kib();
+    let host_before = crate::probe::rss_kib();
     let mut prepared = Vec::new();
     for i in 0..n {
-        prepared.push(crate::lifecycle::prepare(warm, &format!("#mem-{i}")).await?);
+        prepared.push(crate::harness::lifecycle::prepare(warm, &format!("#mem-{i}")).await?);
     }
     // Let the guests settle (blocked on stdin).
     tokio::time::sleep(Duration::from_secs(2)).await;
     let (engine_after, shims_after) = engine_rss_kib();
-    let host_after = crate::rss_kib();
+    let host_after = crate::probe::rss_kib();
     let mut cgroup = Vec::new();
     for p in &prepared {
         if let Some(kib) = container_kib(&client, p.container()).await {
@@ -238,11 +327,11 @@ pub async fn prepared(warm: &roundtable_sandbox::Sandbox, n: usize) -> Result<Va
         "per prepared container (KiB): engine host processes +{engine:.0} ({} shims more), container cgroup {cgroup_mean:.0}, this process +{host:.0}",
         shims_after.saturating_sub(shims_before)
     );
-    Ok(json!({
-        "n": n,
-        "engine_rss_kib_per_container": engine,
-        "shims_added": shims_after.saturating_sub(shims_before),
-        "container_cgroup_kib_mean": cgroup_mean,
-        "host_process_rss_kib_per_container": host,
-    }))
+    Ok(Prepared {
+        n,
+        engine_rss_kib_per_container: engine,
+        shims_added: shims_after.saturating_sub(shims_before),
+        container_cgroup_kib_mean: cgroup_mean,
+        host_process_rss_kib_per_container: host,
+    })
 }

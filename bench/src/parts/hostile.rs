@@ -51,7 +51,8 @@ use roundtable_sandbox::internals::broker::Broker;
 use roundtable_sandbox::internals::broker::{BrokerPolicy, TurnContext};
 use roundtable_sandbox::internals::testing::{broker_policy, FnTool};
 use roundtable_sandbox::protocol::Speaker;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
@@ -193,16 +194,6 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
         other.stop().await?;
         Ok(())
     })
-}
-
-/// The child's CPU time (user + system), in clock ticks.
-pub(crate) fn cpu_ticks(pid: u32) -> Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
-    let rest = text.rsplit_once(')').context("/proc/pid/stat")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let tick = |i: usize| -> Result<u64> { Ok(fields.get(i).context("stat field")?.parse()?) };
-    Ok(tick(11)? + tick(12)?)
 }
 
 fn status_kib(pid: u32, field: &str) -> Result<u64> {
@@ -511,8 +502,32 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// The measurement; prints the figures and returns them as JSON.
-pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
+/// The hostile turn's figures.
+#[derive(Debug, Serialize)]
+pub struct Hostile {
+    pub attack: String,
+    pub other_channel_p50_ms_before: f64,
+    pub other_channel_p50_ms_during: f64,
+    pub other_channel_ratio: f64,
+    pub child_cpu_s: f64,
+    pub warn_lines: u64,
+    pub seconds: u64,
+    pub idle_kib: u64,
+    /// The child's VmHWM after the attack.
+    pub peak_kib: u64,
+    pub peak_sampled_kib: u64,
+    pub after_kib: u64,
+    /// Peak − idle (the target's, at most [`TARGET_MIB`]).
+    pub over_idle_mib: f64,
+    pub ratio: f64,
+    pub target_mib: f64,
+    pub met: bool,
+    /// What the attackers were answered, counted.
+    pub answers: BTreeMap<String, u64>,
+}
+
+/// The measurement; prints the figures and returns them.
+pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
     let (model_url, upstream_task) = upstream().await?;
     let dir = tempfile::Builder::new()
         .prefix("rtb-hostile-")
@@ -575,7 +590,7 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
         "\n== hostile turn ({attack:?} attack): {seconds} s against one turn's broker (child pid {pid}, default limits)"
     );
     let tally = Arc::new(Tally::default());
-    let cpu_before = cpu_ticks(pid)?;
+    let cpu_before = crate::probe::cpu_ticks(pid)?;
     let end = Instant::now() + Duration::from_secs(seconds);
     // `ROUNDTABLE_BENCH_NO_OTHER=1`: the other channel is measured before the attack only
     // (what its calls during the attack cost the peak, issue 21).
@@ -683,7 +698,7 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
     }
     let hwm_kib = status_kib(pid, "VmHWM:")?;
     let after_kib = status_kib(pid, "VmRSS:")?;
-    let cpu = (cpu_ticks(pid)? - cpu_before) as f64 / 100.0;
+    let cpu = (crate::probe::cpu_ticks(pid)? - cpu_before) as f64 / 100.0;
     let mut busy = busy.await?;
     // Each attacker records how its last attempt ended, then stops.
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
@@ -734,22 +749,22 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Value> {
     for (what, n) in &answers {
         println!("  {n:>6}  {what}");
     }
-    Ok(json!({
-        "attack": format!("{attack:?}").to_lowercase(),
-        "other_channel_p50_ms_before": quiet_ms,
-        "other_channel_p50_ms_during": busy_ms,
-        "other_channel_ratio": busy_ms / quiet_ms,
-        "child_cpu_s": cpu,
-        "warn_lines": warn_lines,
-        "seconds": seconds,
-        "idle_kib": idle_kib,
-        "peak_kib": hwm_kib,
-        "peak_sampled_kib": peak_sampled,
-        "after_kib": after_kib,
-        "over_idle_mib": over,
-        "ratio": hwm_kib as f64 / idle_kib.max(1) as f64,
-        "target_mib": TARGET_MIB,
-        "met": over <= TARGET_MIB,
-        "answers": answers,
-    }))
+    Ok(Hostile {
+        attack: format!("{attack:?}").to_lowercase(),
+        other_channel_p50_ms_before: quiet_ms,
+        other_channel_p50_ms_during: busy_ms,
+        other_channel_ratio: busy_ms / quiet_ms,
+        child_cpu_s: cpu,
+        warn_lines,
+        seconds,
+        idle_kib,
+        peak_kib: hwm_kib,
+        peak_sampled_kib: peak_sampled,
+        after_kib,
+        over_idle_mib: over,
+        ratio: hwm_kib as f64 / idle_kib.max(1) as f64,
+        target_mib: TARGET_MIB,
+        met: over <= TARGET_MIB,
+        answers,
+    })
 }

@@ -1,4 +1,4 @@
-//! The price of gVisor: the same turns through the whole runtime under the engine's default
+//! Part 1b, the price of gVisor: the same turns through the whole runtime under the engine's default
 //! runtime (runc) and under gVisor (`runsc`), interleaved in one run.
 //!
 //! Two kinds of turn, each on both runtimes:
@@ -18,10 +18,49 @@ use anyhow::{Context, Result};
 use roundtable_sandbox::internals::config::GVISOR_RUNTIME;
 use roundtable_sandbox::internals::testing::DockerDriverExt;
 use roundtable_sandbox::Sandbox;
-use serde_json::{json, Value};
+use std::collections::BTreeMap;
 
-use crate::lifecycle::{bare_turn_on, bench_config, command, runtime_turn_profiled, warm_turn};
-use crate::stats::{ratio, Samples};
+use serde::Serialize;
+
+use crate::harness::lifecycle::{
+    bare_turn_on, bench_config, command, runtime_turn_profiled, warm_turn,
+};
+use crate::stats::{ratio, NamedSamples, Samples, Summary};
+
+/// One path's figures.
+#[derive(Debug, Serialize)]
+pub struct PathFigures {
+    pub reply: Summary,
+    pub total: Summary,
+    /// The turn's phases, each from its start to the next's (none for a bare path).
+    pub phases: BTreeMap<String, Summary>,
+}
+
+/// The ratios of part 1b (p50 unless named p95).
+#[derive(Debug, Serialize)]
+pub struct Ratios {
+    pub trivial_gvisor_vs_runc_reply_p50: f64,
+    pub trivial_gvisor_vs_runc_reply_p95: f64,
+    pub trivial_gvisor_vs_runc_total_p50: f64,
+    pub guest_gvisor_vs_runc_reply_p50: f64,
+    pub guest_gvisor_vs_runc_reply_p95: f64,
+    pub guest_gvisor_vs_runc_total_p50: f64,
+    pub warm_reply_vs_bare_reply_p50_runc: f64,
+    pub cold_reply_vs_bare_reply_p50_runc: f64,
+    pub warm_reply_vs_bare_reply_p50_gvisor: f64,
+    pub cold_reply_vs_bare_reply_p50_gvisor: f64,
+    pub guest_warm_vs_trivial_warm_reply_p50_runc: f64,
+    pub guest_cold_vs_trivial_cold_reply_p50_runc: f64,
+}
+
+/// Part 1b's figures: by path (`trivial_runc`, `guest_gvisor_warm`, `bare_runc`, …) and
+/// the ratios.
+#[derive(Debug, Serialize)]
+pub struct Gvisor {
+    #[serde(flatten)]
+    pub paths: BTreeMap<&'static str, PathFigures>,
+    pub ratios: Ratios,
+}
 
 /// How a path's turn runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +135,7 @@ pub async fn compare(
     model_url: &str,
     iterations: usize,
     warmup: usize,
-) -> Result<Option<Value>> {
+) -> Result<Option<Gvisor>> {
     let (listed, _) = driver.runtimes().await?;
     if !listed.iter().any(|r| r == GVISOR_RUNTIME) {
         println!(
@@ -107,7 +146,7 @@ pub async fn compare(
     }
     println!("\n== 1b. runc vs gVisor, trivial vs the real guest, cold vs warm, against the bare lifecycle on each runtime: {iterations} interleaved iterations per path");
     let docker = driver.client().await?.clone();
-    let stdin = crate::lifecycle::turn_stdin();
+    let stdin = crate::harness::lifecycle::turn_stdin();
     let dir = tempfile::Builder::new()
         .prefix("rtg-")
         .tempdir_in("/tmp")
@@ -130,7 +169,7 @@ pub async fn compare(
             ),
         });
     }
-    let mut profile: Vec<Vec<(String, Samples)>> = PATHS.iter().map(|_| Vec::new()).collect();
+    let mut profile: Vec<NamedSamples> = PATHS.iter().map(|_| NamedSamples::default()).collect();
     let one = |idx: usize, channel: String| {
         let (s, docker, stdin) = (&sandboxes[idx], &docker, &stdin);
         async move {
@@ -162,24 +201,14 @@ pub async fn compare(
                 .with_context(|| PATHS[idx].0)?;
             reply[idx].push(t.reply);
             total[idx].push(t.total);
-            for w in phases.windows(2) {
-                let span = w[1].1.saturating_sub(w[0].1);
-                match profile[idx].iter_mut().find(|(n, _)| *n == w[0].0) {
-                    Some((_, s)) => s.push(span),
-                    None => {
-                        let mut s = Samples::default();
-                        s.push(span);
-                        profile[idx].push((w[0].0.clone(), s));
-                    }
-                }
-            }
+            profile[idx].push_spans("", &phases);
         }
     }
     println!(
         "{:<20} {:>10} {:>10} {:>10} {:>10}   (ms)",
         "path", "reply p50", "reply p95", "total p50", "total p95"
     );
-    let mut out = json!({});
+    let mut paths = BTreeMap::new();
     for (k, (name, ..)) in PATHS.iter().enumerate() {
         println!(
             "{:<20} {:>10.1} {:>10.1} {:>10.1} {:>10.1}",
@@ -189,53 +218,55 @@ pub async fn compare(
             total[k].p50(),
             total[k].p95()
         );
-        let mut phases = json!({});
-        for (n, s) in &profile[k] {
-            phases[n] = s.json();
-        }
-        out[*name] = json!({"reply": reply[k].json(), "total": total[k].json(), "phases": phases});
+        paths.insert(
+            *name,
+            PathFigures {
+                reply: reply[k].summary(),
+                total: total[k].summary(),
+                phases: profile[k].summaries(),
+            },
+        );
     }
     for k in [0, 2, 4, 6, 5] {
         print!("phases of {} (p50 ms):", PATHS[k].0);
-        for (n, s) in &profile[k] {
+        for (n, s) in profile[k].iter() {
             print!(" {n} {:.1}", s.p50());
         }
         println!();
     }
-    let ratios = json!({
-        "trivial_gvisor_vs_runc_reply_p50": ratio(reply[1].p50(), reply[0].p50()),
-        "trivial_gvisor_vs_runc_reply_p95": ratio(reply[1].p95(), reply[0].p95()),
-        "trivial_gvisor_vs_runc_total_p50": ratio(total[1].p50(), total[0].p50()),
-        "guest_gvisor_vs_runc_reply_p50": ratio(reply[3].p50(), reply[2].p50()),
-        "guest_gvisor_vs_runc_reply_p95": ratio(reply[3].p95(), reply[2].p95()),
-        "guest_gvisor_vs_runc_total_p50": ratio(total[3].p50(), total[2].p50()),
-        "warm_reply_vs_bare_reply_p50_runc": ratio(reply[4].p50(), reply[7].p50()),
-        "cold_reply_vs_bare_reply_p50_runc": ratio(reply[0].p50(), reply[7].p50()),
-        "warm_reply_vs_bare_reply_p50_gvisor": ratio(reply[5].p50(), reply[8].p50()),
-        "cold_reply_vs_bare_reply_p50_gvisor": ratio(reply[1].p50(), reply[8].p50()),
-        "guest_warm_vs_trivial_warm_reply_p50_runc": ratio(reply[6].p50(), reply[4].p50()),
-        "guest_cold_vs_trivial_cold_reply_p50_runc": ratio(reply[2].p50(), reply[0].p50()),
-    });
-    let f = |k: &str| ratios[k].as_f64().unwrap_or(f64::NAN);
+    let r = |a: &Samples, b: &Samples| ratio(a.p50(), b.p50());
+    let ratios = Ratios {
+        trivial_gvisor_vs_runc_reply_p50: r(&reply[1], &reply[0]),
+        trivial_gvisor_vs_runc_reply_p95: ratio(reply[1].p95(), reply[0].p95()),
+        trivial_gvisor_vs_runc_total_p50: r(&total[1], &total[0]),
+        guest_gvisor_vs_runc_reply_p50: r(&reply[3], &reply[2]),
+        guest_gvisor_vs_runc_reply_p95: ratio(reply[3].p95(), reply[2].p95()),
+        guest_gvisor_vs_runc_total_p50: r(&total[3], &total[2]),
+        warm_reply_vs_bare_reply_p50_runc: r(&reply[4], &reply[7]),
+        cold_reply_vs_bare_reply_p50_runc: r(&reply[0], &reply[7]),
+        warm_reply_vs_bare_reply_p50_gvisor: r(&reply[5], &reply[8]),
+        cold_reply_vs_bare_reply_p50_gvisor: r(&reply[1], &reply[8]),
+        guest_warm_vs_trivial_warm_reply_p50_runc: r(&reply[6], &reply[4]),
+        guest_cold_vs_trivial_cold_reply_p50_runc: r(&reply[2], &reply[0]),
+    };
     println!(
         "gVisor / runc (p50): trivial reply {:.2}, total {:.2}; real guest reply {:.2}, total {:.2}",
-        f("trivial_gvisor_vs_runc_reply_p50"),
-        f("trivial_gvisor_vs_runc_total_p50"),
-        f("guest_gvisor_vs_runc_reply_p50"),
-        f("guest_gvisor_vs_runc_total_p50"),
+        ratios.trivial_gvisor_vs_runc_reply_p50,
+        ratios.trivial_gvisor_vs_runc_total_p50,
+        ratios.guest_gvisor_vs_runc_reply_p50,
+        ratios.guest_gvisor_vs_runc_total_p50,
     );
     println!(
         "reply / bare reply (p50): runc warm {:.3}, cold {:.3}; gVisor warm {:.3}, cold {:.3}; real guest / trivial (runc): warm {:.2}, cold {:.2}",
-        f("warm_reply_vs_bare_reply_p50_runc"),
-        f("cold_reply_vs_bare_reply_p50_runc"),
-        f("warm_reply_vs_bare_reply_p50_gvisor"),
-        f("cold_reply_vs_bare_reply_p50_gvisor"),
-        f("guest_warm_vs_trivial_warm_reply_p50_runc"),
-        f("guest_cold_vs_trivial_cold_reply_p50_runc"),
+        ratios.warm_reply_vs_bare_reply_p50_runc,
+        ratios.cold_reply_vs_bare_reply_p50_runc,
+        ratios.warm_reply_vs_bare_reply_p50_gvisor,
+        ratios.cold_reply_vs_bare_reply_p50_gvisor,
+        ratios.guest_warm_vs_trivial_warm_reply_p50_runc,
+        ratios.guest_cold_vs_trivial_cold_reply_p50_runc,
     );
-    out["ratios"] = ratios;
     for s in sandboxes.into_iter().flatten() {
         s.shutdown().await;
     }
-    Ok(Some(out))
+    Ok(Some(Gvisor { paths, ratios }))
 }
