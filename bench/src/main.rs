@@ -56,7 +56,7 @@ struct Options {
     #[arg(
         long,
         value_delimiter = ',',
-        value_parser = ["turn", "gvisor", "concurrency", "throughput", "ablation", "broker", "memory", "accounting", "observed", "soak", "store"],
+        value_parser = ["turn", "gvisor", "concurrency", "throughput", "ablation", "broker", "memory", "accounting", "observed", "soak", "store", "egress"],
         default_value = "turn,gvisor,concurrency,throughput,broker,memory,accounting,observed"
     )]
     only: Vec<String>,
@@ -134,9 +134,10 @@ struct HostileOptions {
     #[arg(long, value_name = "N", default_value_t = 20)]
     seconds: u64,
     /// Which attack: `chat` (model and tool calls, slow clients, endless streams),
-    /// `compaction` (compactions answered with 4 MB) or `mcp` (hostile MCP answers over
+    /// `compaction` (compactions answered with 4 MB), `egress` (many large egress answers
+    /// at once) or `mcp` (hostile MCP answers over
     /// stdio and streamable HTTP: the review of issue 43)
-    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction", "mcp"])]
+    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction", "mcp", "egress"])]
     attack: String,
     /// Where the JSON result goes
     #[arg(long, value_name = "PATH", default_value = "target/bench/hostile.json")]
@@ -216,6 +217,7 @@ fn hostile_main(o: &HostileOptions) -> Result<()> {
         .build()?;
     let attack = match o.attack.as_str() {
         "compaction" => hostile::Attack::Compaction,
+        "egress" => hostile::Attack::Egress,
         "mcp" => hostile::Attack::Mcp,
         _ => hostile::Attack::Chat,
     };
@@ -256,6 +258,7 @@ async fn run(o: &Options) -> Result<Results> {
         accounting: None,
         observed: None,
         store: None,
+        egress: None,
         targets: Vec::new(),
     };
     let model = Model::start().await?;
@@ -312,6 +315,9 @@ async fn run(o: &Options) -> Result<Results> {
     }
     if o.wants("store") {
         results.store = Some(parts::store::run(o, &model).await?);
+    }
+    if o.wants("egress") {
+        results.egress = Some(parts::egress::run(o).await?);
     }
     let left = lifecycle::sweep_bench_containers(&docker).await?;
     if left > 0 {

@@ -6,8 +6,9 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::parts::{
-    ablation::Ablation, accounting::Accounting, broker::BrokerPart, concurrency, gvisor::Gvisor,
-    memory, soak::Soak, store::Store, throughput::Throughput, turn::TurnOverhead,
+    ablation::Ablation, accounting::Accounting, broker::BrokerPart, concurrency,
+    egress::EgressPart, gvisor::Gvisor, memory, soak::Soak, store::Store, throughput::Throughput,
+    turn::TurnOverhead,
 };
 use crate::stats::round3;
 
@@ -40,6 +41,8 @@ pub struct Results {
     pub observed: Option<Accounting>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store: Option<Store>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressPart>,
     pub targets: Vec<Target>,
 }
 
@@ -216,6 +219,12 @@ pub fn targets(r: &Results) -> Vec<Target> {
             "×",
         ),
         at_most(
+            "egress GET: broker-added latency (p50 of paired differences)",
+            r.egress.as_ref().map(|e| e.added_p50_ms),
+            crate::parts::egress::TARGET_ADDED_MS,
+            "ms",
+        ),
+        at_most(
             "broker-added latency (p50)",
             r.broker.as_ref().map(|b| b.added_p50_ms),
             0.5,
@@ -337,6 +346,7 @@ mod tests {
             accounting: None,
             observed: None,
             store: None,
+            egress: None,
             targets: Vec::new(),
         }
     }

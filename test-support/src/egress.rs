@@ -39,6 +39,7 @@ pub const NAMES: &[&str] = &[
 pub struct TestCa {
     /// The CA's certificate, PEM, in a file of the test's temp dir.
     pub pem_file: PathBuf,
+    ca_cert: rustls::pki_types::CertificateDer<'static>,
     server_cert: rustls::pki_types::CertificateDer<'static>,
     server_key: rustls::pki_types::PrivateKeyDer<'static>,
     _dir: tempfile::TempDir,
@@ -73,10 +74,28 @@ impl TestCa {
             .expect("write the CA");
         Self {
             pem_file,
+            ca_cert: ca.der().clone(),
             server_cert: cert.der().clone(),
             server_key: rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
             _dir: dir,
         }
+    }
+
+    /// A TLS client trusting this CA alone (the bench's direct path: the request the broker
+    /// sends, without the broker).
+    pub fn client_config(&self) -> Arc<rustls::ClientConfig> {
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(self.ca_cert.clone())
+            .expect("the CA's certificate");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("protocol versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Arc::new(config)
     }
 
     fn server_config(&self) -> Arc<rustls::ServerConfig> {
@@ -146,6 +165,9 @@ impl Upstream {
                 let Ok((tcp, peer)) = listener.accept().await else {
                     continue;
                 };
+                // As a web server sets it (nginx's `tcp_nodelay on`): without it, its
+                // answer waits on the client's delayed ACK of its session tickets (40 ms).
+                tcp.set_nodelay(true).ok();
                 let (acceptor, record) = (acceptor.clone(), record.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
@@ -411,6 +433,42 @@ impl Drop for Dns {
 pub const REACHABLE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
 /// See [`REACHABLE`].
 pub const UNREACHABLE: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
+
+/// One `GET path` to `host` at `addr` on a new TCP and TLS connection (HTTP/1.1), as the
+/// broker's egress sends it: the status and the body's length.
+pub async fn direct_get(
+    config: Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    host: &str,
+    path: &str,
+) -> std::io::Result<(u16, usize)> {
+    use http_body_util::Empty;
+    let other = |e: &dyn std::fmt::Display| std::io::Error::other(e.to_string());
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned()).map_err(|e| other(&e))?;
+    let tls = tokio_rustls::TlsConnector::from(config)
+        .connect(name, tcp)
+        .await?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| other(&e))?;
+    let driving = tokio::spawn(connection);
+    let request = hyper::Request::get(path)
+        .header("host", host)
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| other(&e))?;
+    let response = sender.send_request(request).await.map_err(|e| other(&e))?;
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| other(&e))?
+        .to_bytes();
+    driving.abort();
+    Ok((status, body.len()))
+}
 
 /// Waits until `addr` accepts a TCP connection (the server is up).
 pub async fn wait_listening(addr: SocketAddr) {

@@ -80,7 +80,13 @@ pub enum Attack {
     Compaction,
     /// Hostile MCP answers.
     Mcp,
+    /// Many large egress answers at once (issue 45).
+    Egress,
 }
+
+/// The child's egress route (`--attack egress`): `ROUNDTABLE_BENCH_EGRESS` = the CA's PEM
+/// file, a space, the DNS server's address.
+const EGRESS_ENV: &str = "ROUNDTABLE_BENCH_EGRESS";
 
 /// The child's MCP servers (`--attack mcp`): `ROUNDTABLE_BENCH_MCP` = the stub's dir, a
 /// space, the hostile HTTP server's URL.
@@ -161,6 +167,13 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
         if !policy.mcp.is_empty() {
             policy.allow_http = true;
             policy.limits.max_tool_calls = 10_000;
+        }
+        if let Some((ca, dns)) = std::env::var(EGRESS_ENV)
+            .ok()
+            .and_then(|v| v.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
+        {
+            policy.egress = vec![super::egress::route(Path::new(&ca))];
+            policy.egress_nameserver = Some(dns.parse().context("the DNS address")?);
         }
         // The other channel's turn has calls to spare for its 10 calls a second (a broker
         // of its own, in the same process and runtime: what it measures is the host's
@@ -420,6 +433,21 @@ async fn trickle(
     }
 }
 
+/// One attacker `GET`ting `path` through the egress route until `end`, at once again
+/// after each answer (read whole).
+async fn egress_flood(socket: PathBuf, path: String, end: Instant, tally: Arc<Tally>) {
+    while Instant::now() < end {
+        let left = end.saturating_duration_since(Instant::now());
+        let answer = tokio::time::timeout(left, super::egress::broker_get(&socket, &path)).await;
+        let what = path.rsplit('/').next().unwrap_or("?").to_owned();
+        match answer {
+            Ok(Ok(status)) => tally.add(format!("egress {what} {status}")),
+            Ok(Err(_)) => tally.add(format!("egress {what} failed")),
+            Err(_) => tally.add(format!("egress {what} still open at the end")),
+        }
+    }
+}
+
 /// A streamed model call read `per_read` bytes per 10 ms (0: never read).
 async fn stream_reader(socket: PathBuf, per_read: usize, end: Instant, tally: Arc<Tally>) {
     while Instant::now() < end {
@@ -535,6 +563,21 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
     let socket = dir.path().join("broker.sock");
     let mut mcp_http = None;
     let mut command = Command::new(std::env::current_exe()?);
+    // `--attack egress`: the site and its DNS live here, in the parent (not counted).
+    let web = match attack {
+        Attack::Egress => {
+            use roundtable_sandbox_test_support::egress::{Dns, TestCa, Upstream, REACHABLE};
+            let ca = TestCa::new();
+            let up = Upstream::start(&ca, REACHABLE, 0).await;
+            let dns = Dns::start(&[("egress.test", &[REACHABLE])]).await;
+            command.env(
+                EGRESS_ENV,
+                format!("{} {}", ca.pem_file.display(), dns.addr),
+            );
+            Some((ca, up, dns))
+        }
+        _ => None,
+    };
     if attack == Attack::Mcp {
         let (server, url) = hostile_http()?;
         mcp_http = Some(server);
@@ -683,6 +726,23 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
             ));
         }
     }
+    if let Some((_, up, _)) = &web {
+        // 16 connections each for a 1 MiB answer (the route's `max_response_bytes`), an
+        // endless one (cut at the cap) and a gzip bomb (cut at the cap after decoding),
+        // each retrying as soon as it is answered.
+        let port = up.addr.port();
+        for what in ["big?kb=1024", "endless", "bomb"] {
+            let path = format!("/v1/egress/web/https/egress.test:{port}/{what}");
+            for _ in 0..16 {
+                set.spawn(egress_flood(
+                    socket.clone(),
+                    path.clone(),
+                    end,
+                    tally.clone(),
+                ));
+            }
+        }
+    }
     let readers: &[usize] = if attack == Attack::Chat {
         &[0, 0, 1024, 1024]
     } else {
@@ -710,6 +770,7 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
     drop(child.stdin.take());
     let exited = tokio::task::spawn_blocking(move || child.wait()).await??;
     upstream_task.abort();
+    drop(web);
     if let Some(mut server) = mcp_http {
         let _ = server.kill();
         let _ = server.wait();

@@ -14,6 +14,7 @@
 //! | `accounting`  | 7. accounting, budgets and audit on vs off | [`accounting`] |
 //! | `observed`    | 8. metrics too (+ 8b. idle channels' memory) | [`accounting`], [`memory`] |
 //! | `store`       | 11. the budgets' PostgreSQL store vs the SQLite file | [`store`] |
+//! | `egress`      | 12. an egress GET through the broker vs direct (no Docker) | [`egress`] |
 //!
 //! And outside `--only`: `roundtable-bench hostile` ([`hostile`]) and `--broker-side`
 //! ([`broker_side`]).
@@ -28,6 +29,7 @@ pub mod accounting;
 pub mod broker;
 pub mod broker_side;
 pub mod concurrency;
+pub mod egress;
 pub mod gvisor;
 pub mod hostile;
 pub mod memory;
