@@ -223,6 +223,11 @@ impl Sandbox {
                 }
             }
         }
+        // A backend of the embedder's runs the MCP sessions too (or refuses them: its trait's
+        // defaults fail closed).
+        if let (Some(engine), Some(driver)) = (policy.mcp_engine.as_mut(), &config.driver) {
+            engine.driver = Some(driver.clone());
+        }
         let broker = broker::Broker::start(policy).await?;
         let events = Arc::new(events::EventHub::new(
             config.observer.clone(),

@@ -138,6 +138,8 @@ impl CloneLimits for BudgetSettings {
         self.channel_tokens_per_day = from.channel_tokens_per_day;
         self.bot_tokens_per_day = from.bot_tokens_per_day;
         self.speaker_turns_per_minute = from.speaker_turns_per_minute;
+        self.speaker_egress_bytes_per_day = from.speaker_egress_bytes_per_day;
+        self.channel_egress_bytes_per_day = from.channel_egress_bytes_per_day;
         self
     }
 }
@@ -177,6 +179,35 @@ fn settings_must_agree_and_a_newer_schema_is_refused() {
         ),
         "2000 Europe/Paris"
     );
+    // The egress budgets are agreed on too.
+    let mut s4 = settings(&pg, "bots", "alpha", &tmp.path().join("d"));
+    s4 = s4.clone_limits(&s2);
+    s4.channel_egress_bytes_per_day = Some(1 << 20);
+    let held = BudgetBook::open(&s2, "Europe/Paris").unwrap().unwrap();
+    let e = BudgetBook::open(&s4, "Europe/Paris")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("(channel_egress_bytes_per_day: this process 1048576, the database unset)"),
+        "{e}"
+    );
+    drop(held);
+    // A schema of version 1 (before the egress budgets) is migrated by a start.
+    pg.psql(
+        "bots",
+        "ALTER TABLE roundtable_budgets.namespaces DROP COLUMN speaker_egress_bytes_per_day, \
+         DROP COLUMN channel_egress_bytes_per_day; \
+         UPDATE roundtable_budgets.meta SET schema_version = 1",
+    );
+    drop(BudgetBook::open(&s4, "Europe/Paris").unwrap().unwrap());
+    assert_eq!(
+        pg.psql(
+            "bots",
+            "SELECT schema_version || ' ' || (SELECT channel_egress_bytes_per_day FROM \
+             roundtable_budgets.namespaces WHERE ns = 'alpha') FROM roundtable_budgets.meta"
+        ),
+        "2 1048576"
+    );
     // A schema of a newer build: refused at startup, clearly.
     pg.psql(
         "bots",
@@ -186,7 +217,7 @@ fn settings_must_agree_and_a_newer_schema_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("the database's schema is version 99, newer than this build's (1)"),
+        e.contains("the database's schema is version 99, newer than this build's (2)"),
         "{e}"
     );
 }

@@ -164,7 +164,7 @@ fn each_rule_has_its_message() {
             err(&c),
             format!(
                 "host tool \"{builtin}\" has the name of a built-in guest \
-                 tool (built-ins: read, write, edit, list, sh)"
+                 tool (built-ins: read, write, edit, list, sh, fetch)"
             )
         );
     }
@@ -1012,6 +1012,14 @@ fn budget_rules_have_their_messages() {
     assert_eq!(
         err(&with(set(|b| b.speaker_turns_per_minute = Some(0)))),
         "budgets.speaker_turns_per_minute must be 1 to 10000, got 0"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.speaker_egress_bytes_per_day = Some(0)))),
+        "budgets.speaker_egress_bytes_per_day must be 1 to 1000000000000, got 0"
+    );
+    assert_eq!(
+        err(&with(set(|b| b.channel_egress_bytes_per_day = Some(0)))),
+        "budgets.channel_egress_bytes_per_day must be 1 to 1000000000000, got 0"
     );
     assert_eq!(
         err(&with(set(|b| b.state_file = Some("state.sqlite".into())))),

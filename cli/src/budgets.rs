@@ -20,6 +20,14 @@ pub(crate) fn explain(config: &Config) {
             bg.speaker_turns_per_minute.map(u64::from),
             "turns per speaker per minute",
         ),
+        limit(
+            bg.speaker_egress_bytes_per_day,
+            "egress bytes per speaker per day",
+        ),
+        limit(
+            bg.channel_egress_bytes_per_day,
+            "egress bytes per channel per day",
+        ),
     ]
     .into_iter()
     .flatten()

@@ -41,7 +41,9 @@ pub(crate) fn explain(config: &Config) {
                 "one session per channel (at most {}, least recently used stopped first)",
                 m.session_cap()
             ),
-            McpScope::Shared => "one session shared by every channel (cross-channel)".into(),
+            McpScope::Shared => {
+                "one session shared by every channel (cross-channel; its calls one at a time, in turn across channels)".into()
+            }
         };
         println!(
             "mcp           {}: {how}; {scope}; allow-list: {}",
@@ -54,7 +56,27 @@ pub(crate) fn explain(config: &Config) {
                 m.name
             );
         }
+        if m.scope() == McpScope::Shared {
+            shared_mcp_warning(m, config.broker_limits.call_timeout);
+        }
     }
+}
+
+/// The two hazards of a shared MCP server (issue 43): its data is every channel's, and so
+/// is its availability.
+fn shared_mcp_warning(m: &roundtable_sandbox::McpServer, call_timeout: std::time::Duration) {
+    let timeout = match m.transport {
+        McpTransport::Stdio { .. } => {
+            "a call that times out stops the session for every channel (the calls waiting run on a restarted one; what the server kept only in memory is lost)"
+        }
+        McpTransport::Http { .. } => {
+            "a call that times out is cancelled and the session kept (the calls behind it wait for whatever the remote still does for it)"
+        }
+    };
+    println!(
+        "WARNING       mcp {} is shared by every channel: whatever it keeps, every channel can read; its calls run one at a time, in turn across channels, so one channel's slow call delays the others' (each call up to {:?}), and {timeout}; scope = \"channel\" gives each channel its own session",
+        m.name, call_timeout
+    );
 }
 
 /// `doctor`'s lines for the MCP servers.

@@ -11,8 +11,10 @@
 //! Before anything else (before the turn is read) it installs its seccomp layer
 //! ([`seccomp`]), which every process of the turn inherits; if that fails it replies with
 //! the error and runs nothing. `roundtable-guest --exec PROGRAM [ARGS…]` installs the same
-//! layer, then replaces itself with PROGRAM: the test suite's hostile image runs its
-//! attacks so, under the very code path the real turn runs under.
+//! layer, then replaces itself with PROGRAM: every MCP session's container runs its
+//! server's command so (the host mounts this static program read-only into any image, see
+//! the broker's `mcp/container.rs`), and the test suite's hostile image runs its attacks
+//! so, under the very code path the real turn runs under.
 //! `roundtable-guest fetch [OPTIONS] ROUTE URL-or-PATH` runs no turn: it installs the same
 //! layer (failing closed: nothing is sent without it), then sends one web request through
 //! the broker's egress route, the body to stdout ([`fetch`]); programs run with `sh` use

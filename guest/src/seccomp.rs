@@ -11,7 +11,9 @@
 //! - `sendmsg`, `sendmmsg`: the only way to pass a descriptor (`SCM_RIGHTS`): a file sent
 //!   over a unix socket and closed is held only in the socket's queue, where the quota's
 //!   descriptor scan cannot see it. Nothing of a turn needs them: the guest's broker client
-//!   writes with `write(2)`, busybox's tools have no network to talk to;
+//!   writes with `write(2)`, busybox's tools have no network to talk to (an MCP session
+//!   with a network, run under this layer by `--exec`, resolves names with glibc's
+//!   `single-request` option, which sends with `send(2)`);
 //! - `io_uring_setup`, `io_uring_enter`, `io_uring_register`: io_uring runs `sendmsg`,
 //!   `fallocate` and the rest behind seccomp's back;
 //! - `fallocate` with `FALLOC_FL_KEEP_SIZE` set and `FALLOC_FL_PUNCH_HOLE` not: it

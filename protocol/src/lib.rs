@@ -11,6 +11,8 @@
 //! - [`compaction`]: the compaction request and reply (`POST /v1/compact`) and the one
 //!   definition of the summary rules, used by the guest and by the host's compactor;
 //! - [`text`]: the text caps and cleaning both sides apply;
+//! - [`parse_reply`] ([`frame`]): the strict parse of a reply the host applies, with its
+//!   [`ReplyError`] and the [`GUEST_ERROR_PREFIX`] a guest's own failure carries;
 //! - [`held`]: the one line the guest prints when the host asks it, inside a sandbox, for
 //!   the files the turn's processes hold open after deleting them (`--held-files`).
 //!
@@ -22,9 +24,12 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use frame::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
+
 pub mod chat;
 pub mod compaction;
 pub mod egress;
+pub mod frame;
 pub mod held;
 pub mod text;
 

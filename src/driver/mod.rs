@@ -7,12 +7,13 @@
 //! - [`RunOutcome`]: what a run did (exit status, capped stdout, stderr tail),
 //!   collected with an [`OutputCollector`] and judged once, by the turn;
 //! - [`DriverError`]: each way a driver call can fail, backend-neutral;
+//! - [`SessionSpec`] and the trait's session methods: long-lived attached containers (MCP
+//!   sessions), paused and resumed, listed by label, wrapped with a file of an image;
 //! - `docker`: the Docker Engine driver on bollard ([`DockerDriver`]; its engine-level
 //!   parts, for this workspace's tests and bench, are `internals::docker`).
 
 pub(crate) mod docker;
-mod networks;
-pub(crate) use docker::create_body;
+mod session;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -23,9 +24,12 @@ use roundtable_sandbox_protocol::Reply;
 use roundtable_sandbox_protocol::REPLY_FRAME_END;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::broker::BoxFuture;
-pub use crate::turn::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 pub use docker::{DockerDriver, DockerOptions};
+pub use futures_util::future::BoxFuture;
+pub use roundtable_sandbox_protocol::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
+pub use session::{
+    is_static_elf, LabelledContainer, SessionIo, SessionMount, SessionOutput, SessionSpec,
+};
 
 /// The gVisor runtime's name as `scripts/setup.sh --gvisor` registers it with the engine.
 pub const GVISOR_RUNTIME: &str = "runsc";
@@ -34,6 +38,10 @@ pub const GVISOR_RUNTIME: &str = "runsc";
 pub const LABEL_RUNTIME: &str = "roundtable-sandbox";
 /// Label with the first 16 hex digits of the channel's hash.
 pub const LABEL_CHANNEL: &str = "roundtable-sandbox.channel";
+/// Label on every MCP session's container (its value is the server's name): such a
+/// container is its MCP pool's, which sweeps it at startup ([`ContainerDriver::sweep`]
+/// leaves it).
+pub const LABEL_MCP: &str = "roundtable-sandbox.mcp";
 /// Label with the turn id.
 pub const LABEL_TURN: &str = "roundtable-sandbox.turn";
 /// Set to `1` to keep containers after their turn (debugging only).
@@ -530,6 +538,67 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         WorkspaceHome::HostDir
     }
 
+    /// Creates and starts a long-lived container whose stdin stays open (an MCP session,
+    /// `spec` hardened as a turn's), attached: its output and its stdin. The container is
+    /// left for [`ContainerDriver::remove`]. The default refuses
+    /// ([`DriverError::Unsupported`]).
+    fn start_session<'a>(
+        &'a self,
+        spec: &'a SessionSpec,
+    ) -> BoxFuture<'a, Result<SessionIo, DriverError>> {
+        let _ = spec;
+        Box::pin(async {
+            Err(DriverError::Unsupported {
+                op: "start a session",
+            })
+        })
+    }
+
+    /// Freezes every process of the named container (nothing of it runs until
+    /// [`ContainerDriver::resume`]). The default refuses ([`DriverError::Unsupported`]):
+    /// the caller then stops the container instead.
+    fn pause<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        let _ = name;
+        Box::pin(async { Err(DriverError::Unsupported { op: "pause" }) })
+    }
+
+    /// Thaws a container [`ContainerDriver::pause`] froze. The default refuses
+    /// ([`DriverError::Unsupported`]).
+    fn resume<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        let _ = name;
+        Box::pin(async { Err(DriverError::Unsupported { op: "resume" }) })
+    }
+
+    /// Every container (running or not) carrying all of `labels` (`key` or `key=value`),
+    /// with its bind mounts. The default refuses ([`DriverError::Unsupported`]).
+    fn list_labelled<'a>(
+        &'a self,
+        labels: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<LabelledContainer>, DriverError>> {
+        let _ = labels;
+        Box::pin(async {
+            Err(DriverError::Unsupported {
+                op: "list containers by label",
+            })
+        })
+    }
+
+    /// The regular file at `path` in `image` (at most `max` bytes; a link, a directory or a
+    /// larger file is an error). The default refuses ([`DriverError::Unsupported`]).
+    fn image_file<'a>(
+        &'a self,
+        image: &'a str,
+        path: &'a str,
+        max: u64,
+    ) -> BoxFuture<'a, Result<Vec<u8>, DriverError>> {
+        let _ = (image, path, max);
+        Box::pin(async {
+            Err(DriverError::Unsupported {
+                op: "read a file of an image",
+            })
+        })
+    }
+
     /// The host directory where the engine stores images and container layers, whose
     /// filesystem the free-space floor guards (`None`: no such directory on this host, as
     /// for a fake or a remote backend). No default: a backend says which, so a floor is
@@ -658,5 +727,33 @@ mod tests {
         }
         assert!(Minimal.processes("c").await.is_err());
         assert!(Minimal.oom_killed("c").await.is_err());
+        // What MCP sessions need: refused, so no session runs on a backend without it.
+        let unsupported = |e: DriverError| matches!(e, DriverError::Unsupported { .. });
+        let spec = SessionSpec {
+            name: "s".into(),
+            image: "i".into(),
+            uid: 1,
+            gid: 1,
+            memory_mb: 1,
+            cpus: 1.0,
+            pids: 1,
+            tmpfs_mb: 1,
+            file_size_mb: 1,
+            labels: BTreeMap::new(),
+            argv: vec!["x".into()],
+            env: Vec::new(),
+            working_dir: "/".into(),
+            mounts: Vec::new(),
+            network: false,
+            runtime: None,
+            measured: "/data".into(),
+        };
+        assert!(unsupported(Minimal.start_session(&spec).await.unwrap_err()));
+        assert!(unsupported(Minimal.pause("c").await.unwrap_err()));
+        assert!(unsupported(Minimal.resume("c").await.unwrap_err()));
+        assert!(unsupported(Minimal.list_labelled(&[]).await.unwrap_err()));
+        assert!(unsupported(
+            Minimal.image_file("i", "/f", 1).await.unwrap_err()
+        ));
     }
 }

@@ -73,24 +73,7 @@ fn read(path: &Path) -> Result<Vec<u8>, ImageError> {
     })
 }
 
-/// A static ELF has no `PT_INTERP` program header (no dynamic loader).
-pub fn is_static_elf(bytes: &[u8]) -> bool {
-    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
-        return false;
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([bytes[o], bytes[o + 1]]) as usize;
-    let u64_at = |o: usize| {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(&bytes[o..o + 8]);
-        u64::from_le_bytes(b) as usize
-    };
-    let (phoff, phentsize, phnum) = (u64_at(0x20), u16_at(0x36), u16_at(0x38));
-    (0..phnum).all(|i| {
-        let o = phoff + i * phentsize;
-        o + 4 <= bytes.len()
-            && u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]) != 3
-    })
-}
+pub use crate::driver::is_static_elf;
 
 /// The build context as a tar archive.
 pub fn context_tar(source: &ImageSource) -> Result<Vec<u8>, ImageError> {

@@ -456,3 +456,104 @@ async fn egress_per_turn_caps_and_audit_mode() {
         "address"
     );
 }
+
+/// A turn of `speaker_id` in `channel` on `broker` whose account is on `book`.
+async fn turn_on(
+    broker: &Arc<roundtable_sandbox::internals::broker::Broker>,
+    book: &Arc<roundtable_sandbox::internals::budgets::BudgetBook>,
+    channel: &str,
+    speaker_id: &str,
+) -> BrokerTurn {
+    use roundtable_sandbox::internals::budgets::TurnAccount;
+    let account = Arc::new(TurnAccount::new(
+        speaker_id,
+        &channel_segment(channel),
+        Some(book.clone()),
+    ));
+    let mut who = speaker();
+    who.id = speaker_id.into();
+    BrokerTurn::start_with(broker, channel, who, None, Some(account)).await
+}
+
+#[tokio::test]
+async fn egress_daily_budgets_refuse_past_their_bytes_hold_requests_in_flight_and_survive_a_restart(
+) {
+    use roundtable_sandbox::internals::budgets::{BudgetBook, BudgetSettings};
+    let web = Web::start().await;
+    let mut p = policy("http://127.0.0.1:9/v1");
+    let mut route = web.web_route();
+    route.limits.max_response_bytes = 8 * 1024;
+    p.egress = vec![route];
+    p.egress_nameserver = Some(web.dns.addr);
+    let broker = start_broker(p).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let settings = BudgetSettings {
+        speaker_egress_bytes_per_day: Some(4096),
+        channel_egress_bytes_per_day: Some(64 * 1024),
+        state_file: Some(dir.path().join("state.sqlite")),
+        ..Default::default()
+    };
+    let book = BudgetBook::open(&settings, "UTC").unwrap().unwrap();
+    let turn = turn_on(&broker, &book, "chan-1", "u1").await;
+    // A request in flight holds its worst case: a second one of the speaker is refused
+    // while the first waits on its answer (both would pass a check of bytes charged only).
+    let slow = {
+        let socket = turn.socket().to_owned();
+        let url = web.url("egress.test", "/slow");
+        tokio::spawn(async move { request(&socket, "GET", &url, &[], "").await })
+    };
+    // Its worst case is held from before it is sent: once the site has it, it is held.
+    while !web.up.seen().iter().any(|s| s.uri.contains("/slow")) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refused = get(&turn, &web.url("egress.test", "/big?kb=1")).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(
+        refused.error().starts_with(
+            "budget speaker_egress_bytes_per_day exceeded: this speaker has used today's 4096 \
+             egress bytes; the budget resets at 00:00 UTC"
+        ),
+        "{}",
+        refused.error()
+    );
+    assert_eq!(refused.headers[BROKER_HEADER], "1");
+    slow.abort();
+    drop(turn);
+    // Dropped unsettled, the slow request is charged its worst case: the speaker is out of
+    // bytes for the day in every channel; another speaker in the channel is served.
+    let turn = turn_on(&broker, &book, "chan-2", "u1").await;
+    assert_eq!(
+        get(&turn, &web.url("egress.test", "/echo")).await.status,
+        429
+    );
+    let other = turn_on(&broker, &book, "chan-1", "u2").await;
+    let a = get(&other, &web.url("egress.test", "/big?kb=2")).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let a = get(&other, &web.url("egress.test", "/big?kb=2")).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(
+        get(&other, &web.url("egress.test", "/echo")).await.status,
+        429,
+        "u2 has read 4 KiB: its own budget is spent"
+    );
+    drop((turn, other));
+    // After a restart on the same state file: u1 and u2 still refused, u3 served.
+    book.flush();
+    let mut book = book;
+    // (The ended turns' accounts are let go by the broker's tasks as they end.)
+    while let Err(b) = Arc::try_unwrap(book) {
+        book = b;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let book = BudgetBook::open(&settings, "UTC").unwrap().unwrap();
+    let turn = turn_on(&broker, &book, "chan-3", "u1").await;
+    assert_eq!(
+        get(&turn, &web.url("egress.test", "/echo")).await.status,
+        429
+    );
+    let turn = turn_on(&broker, &book, "chan-3", "u3").await;
+    assert_eq!(
+        get(&turn, &web.url("egress.test", "/echo")).await.status,
+        200
+    );
+}

@@ -4,7 +4,7 @@
 //!
 //! One test binary, one module per topic: `model` (the model proxy), `tools` (host tools),
 //! `limits`, `peer` (peer check, cancellation), `policy`, `mcp` (stdio servers as host children),
-//! `mcp_confined` (stdio servers in their own containers, the default), `mcp_scopes` (session scopes), `mcp_http` (streamable HTTP) and `logs`. This file holds
+//! `mcp_confined` (stdio servers in their own containers, the default), `mcp_scopes` (session scopes), `mcp_shared` (a shared session's fair order and timeouts), `mcp_http` (streamable HTTP) and `logs`. This file holds
 //! the fixtures they share.
 
 use roundtable_sandbox_test_support::broker_client as client;
@@ -198,7 +198,9 @@ mod mcp;
 mod mcp_confined;
 mod mcp_hostile;
 mod mcp_http;
+mod mcp_layer;
 mod mcp_scopes;
+mod mcp_shared;
 mod model;
 mod peer;
 mod policy;

@@ -1,7 +1,8 @@
 //! Container-confined stdio MCP sessions (the default): real `mcp-server-sqlite` in the
 //! image `scripts/build-mcp-image.sh` builds, each session its own container. The review's
 //! sqlite attack rerun, the confinement seen from inside, the data quota, the memory cap,
-//! a call past its deadline, the sweep, release and shutdown, a killed session restarted.
+//! a call past its deadline (and a shared session's waiting call run in a new container
+//! after one), the sweep, release and shutdown, a killed session restarted.
 
 use super::*;
 use roundtable_sandbox::internals::broker::McpEngine;
@@ -497,6 +498,62 @@ async fn mcp_call_timing_out_stops_the_container() {
     assert!(sql(&turn, "read_query", "SELECT 2 AS two")
         .await
         .contains("'two': 2"));
+    shut_down(broker, &engine).await;
+}
+
+/// The review's case in containers (issue 43, item 5): a shared session, one channel's
+/// query never ends, another channel's call waits behind it. The timed-out call's
+/// container is removed before the waiting call is handed the session, which then runs in
+/// a new container on the same data.
+#[tokio::test]
+async fn mcp_shared_container_restarts_for_the_call_waiting_behind_a_timed_out_one() {
+    let mut server = sqlite();
+    server.scope = Some(McpScope::Shared);
+    let (engine, broker, alpha) = start_with(server, |p| {
+        // As above: room for the waiting call's cold start on a loaded machine.
+        p.limits.call_timeout = Duration::from_secs(30);
+    })
+    .await;
+    let beta = start_turn_in(&broker, "#beta").await;
+    sql(&beta, "create_table", "CREATE TABLE notes (body TEXT)").await;
+    let first = wait_containers(&engine, 1).await;
+    let socket = alpha.socket().to_owned();
+    let slow = tokio::spawn(async move {
+        post_json(
+            &socket,
+            "/v1/mcp/sqlite/read_query",
+            &json!({"query": "SELECT count(*) FROM (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c)"}),
+        )
+        .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !broker.mcp_running("sqlite") {
+        assert!(Instant::now() < deadline, "the slow call never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let socket = beta.socket().to_owned();
+    let insert = tokio::spawn(async move {
+        post_json(
+            &socket,
+            "/v1/mcp/sqlite/write_query",
+            &json!({"query": "INSERT INTO notes VALUES ('from beta')"}),
+        )
+        .await
+    });
+    while broker.mcp_waiting("sqlite") != 1 {
+        assert!(Instant::now() < deadline, "the insert never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let a = slow.await.unwrap();
+    assert_eq!(a.status, 504, "{}", a.text());
+    let b = insert.await.unwrap();
+    assert_eq!(b.status, 200, "{}", b.text());
+    assert_eq!(b.json()["ok"], true, "{}", b.text());
+    let second = wait_containers(&engine, 1).await;
+    assert_ne!(second, first, "the insert ran in a new container");
+    assert!(sql(&alpha, "read_query", "SELECT body FROM notes")
+        .await
+        .contains("from beta"));
     shut_down(broker, &engine).await;
 }
 

@@ -29,7 +29,7 @@ async fn the_policy_is_checked_at_setup() {
     p.tools = vec![Arc::new(Named("sh"))];
     assert_eq!(
         err(p.clone()),
-        r#"host tool "sh" has the name of a built-in guest tool (built-ins: read, write, edit, list, sh)"#
+        r#"host tool "sh" has the name of a built-in guest tool (built-ins: read, write, edit, list, sh, fetch)"#
     );
     p.tools = vec![Arc::new(Named("bad-schema"))];
     assert!(err(p.clone()).starts_with("invalid JSON schema for tool bad-schema: "));

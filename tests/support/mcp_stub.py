@@ -11,7 +11,10 @@ one channel's session present a different tool).
 
 Tools: echo {text} -> text; sleep {seconds} (answered from a thread, so a
 notifications/cancelled is still read and logged); crash (exits mid-call);
-fail (answers isError); meta -> the call's `_meta` as JSON; secret (never allow-listed).
+fail (answers isError); meta -> the call's `_meta` as JSON; secret (never allow-listed);
+hold {tag} (appends the tag to `calls` when the call starts, then answers the tag once the
+file `open` exists in $STUB_DIR: a test sees the order calls reach the server in, and holds
+one as long as it likes).
 
 Hostile answers (issue 43), each sized by its `mb` argument (megabytes, default 15):
 bigmeta (a result whose `_meta` is `mb` of `{"":0}` objects, its text "ok"); structured
@@ -66,6 +69,15 @@ def tools():
         {"name": "fail", "description": "Fail", "inputSchema": obj},
         {"name": "meta", "description": "The call's _meta", "inputSchema": obj},
         {"name": "secret", "description": "Not allow-listed", "inputSchema": obj},
+        {
+            "name": "hold",
+            "description": "Hold until the file open exists",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"tag": {"type": "string"}},
+                "required": ["tag"],
+            },
+        },
         {"name": "bigmeta", "description": "A huge _meta", "inputSchema": obj},
         {"name": "structured", "description": "Huge structured content", "inputSchema": obj},
         {"name": "notify", "description": "Unsolicited notifications", "inputSchema": obj},
@@ -109,6 +121,14 @@ def endless():
             sys.stdout.flush()
 
 
+def holder(mid, tag):
+    with open(os.path.join(DIR, "calls"), "a") as f:
+        f.write(tag + "\n")
+    while not os.path.exists(os.path.join(DIR, "open")):
+        time.sleep(0.02)
+    result(mid, text(tag))
+
+
 def sleeper(mid, seconds):
     time.sleep(seconds)
     result(mid, text("slept"))
@@ -137,6 +157,8 @@ for line in sys.stdin:
             result(mid, text(args["text"]))
         elif name == "sleep":
             threading.Thread(target=sleeper, args=(mid, args.get("seconds", 30)), daemon=True).start()
+        elif name == "hold":
+            threading.Thread(target=holder, args=(mid, args["tag"]), daemon=True).start()
         elif name == "crash":
             os._exit(3)
         elif name == "fail":

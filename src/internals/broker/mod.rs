@@ -80,7 +80,7 @@ use tokio_util::sync::CancellationToken;
 
 /// A boxed future, as the object-safe traits of this crate return (re-exported from
 /// `futures-util`, so an implementation can name either).
-pub use futures_util::future::BoxFuture;
+pub use crate::driver::BoxFuture;
 
 use crate::config::PolicyError;
 
@@ -271,12 +271,25 @@ impl Broker {
         ctx: TurnContext,
     ) -> BrokerListener {
         let stop = ctx.cancel.child_token();
+        self.pause_at_end(&ctx, &stop);
         let task = tokio::spawn(server::serve(self.clone(), acceptor, ctx, stop.clone()));
         BrokerListener {
             path,
             stop,
             task: Some(task),
         }
+    }
+
+    /// Once the turn's serving ends (`stop`: the listener stopped or dropped, or the turn
+    /// cancelled), pauses the channel's MCP sessions: no work of theirs outlives the turn
+    /// (see `mcp::McpPool::pause_channel`).
+    fn pause_at_end(self: &Arc<Self>, ctx: &TurnContext, stop: &CancellationToken) {
+        let (broker, stop) = (self.clone(), stop.clone());
+        let segment = ctx.channel.segment().to_owned();
+        tokio::spawn(async move {
+            stop.cancelled().await;
+            broker.mcp.pause_channel(&segment).await;
+        });
     }
 
     /// Stops the channel's MCP sessions (channel-scoped servers only). They are taken out
@@ -300,6 +313,26 @@ impl Broker {
     #[cfg(feature = "testing")]
     pub fn mcp_sessions(&self) -> usize {
         self.mcp.live_sessions()
+    }
+
+    /// Calls waiting for `server`'s shared MCP session, not counting the one it runs (for
+    /// this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_waiting(&self, server: &str) -> usize {
+        self.mcp.waiting(server)
+    }
+
+    /// Whether a call holds `server`'s shared MCP session (for this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_running(&self, server: &str) -> bool {
+        self.mcp.running(server)
+    }
+
+    /// Whether `server`'s shared MCP session is in use: a call holds it or waits for it, or
+    /// a turn that called it still runs (for this workspace's tests).
+    #[cfg(feature = "testing")]
+    pub fn mcp_in_use(&self, server: &str) -> bool {
+        self.mcp.shared_busy(server)
     }
 
     /// Ends the runtime-long parts: every MCP child is closed, then killed if it lingers,

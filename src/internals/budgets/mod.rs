@@ -282,6 +282,67 @@ impl Drop for CallCharge {
     }
 }
 
+impl TurnAccount {
+    /// An egress request is about to be sent: every egress budget of the turn's speaker
+    /// and channel must have room, and then the request's worst case (`worst` bytes: what it
+    /// may send and read, its redirects' included) is held on them until its bytes settle
+    /// it ([`EgressCharge::settle`]); dropped unsettled, the worst case is charged. So an
+    /// egress budget is passed by at most one request, as a token budget by one call.
+    pub fn hold_egress(self: &Arc<Self>, worst: u64) -> Result<EgressCharge, BudgetRefusal> {
+        let slots = match &self.book {
+            None => Vec::new(),
+            Some(book) => book.check_and_hold_egress(&self.speaker, &self.channel, worst)?,
+        };
+        Ok(EgressCharge {
+            account: self.clone(),
+            slots,
+            worst,
+            settled: false,
+        })
+    }
+}
+
+/// An egress request's charge on the egress budgets, from its check until its bytes are
+/// known ([`TurnAccount::hold_egress`]).
+#[derive(Debug)]
+#[must_use = "dropped unsettled, the request is charged at its worst case"]
+pub struct EgressCharge {
+    account: Arc<TurnAccount>,
+    slots: Vec<Arc<Slot>>,
+    worst: u64,
+    settled: bool,
+}
+
+impl EgressCharge {
+    /// The request's bytes, sent and read: counted for the turn and charged to the budgets
+    /// in place of its worst case.
+    pub fn settle(mut self, bytes_out: u64, bytes_in: u64) {
+        self.settled = true;
+        self.release();
+        self.account.count_egress(bytes_out, bytes_in);
+        if let Some(book) = &self.account.book {
+            book.charge_egress(&self.slots, bytes_out.saturating_add(bytes_in));
+        }
+    }
+
+    fn release(&self) {
+        for slot in &self.slots {
+            slot.release(self.worst);
+        }
+    }
+}
+
+impl Drop for EgressCharge {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.release();
+            if let Some(book) = &self.account.book {
+                book.charge_egress(&self.slots, self.worst);
+            }
+        }
+    }
+}
+
 /// A budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Budget {
@@ -293,6 +354,10 @@ pub enum Budget {
     BotTokensPerDay,
     /// `speaker_turns_per_minute`.
     SpeakerTurnsPerMinute,
+    /// `speaker_egress_bytes_per_day`.
+    SpeakerEgressBytesPerDay,
+    /// `channel_egress_bytes_per_day`.
+    ChannelEgressBytesPerDay,
     /// `store`: the shared store's view is older than `max_staleness_secs` (the database
     /// not reached), so no budget can be checked against the other processes' spend.
     Store,
@@ -306,6 +371,8 @@ impl Budget {
             Budget::ChannelTokensPerDay => "channel_tokens_per_day",
             Budget::BotTokensPerDay => "bot_tokens_per_day",
             Budget::SpeakerTurnsPerMinute => "speaker_turns_per_minute",
+            Budget::SpeakerEgressBytesPerDay => "speaker_egress_bytes_per_day",
+            Budget::ChannelEgressBytesPerDay => "channel_egress_bytes_per_day",
             Budget::Store => "store",
         }
     }
@@ -603,11 +670,13 @@ struct TurnSlots {
     bot: Arc<Slot>,
 }
 
-/// Today's token counters by speaker, channel and for the whole bot.
+/// Today's token counters by speaker, channel and for the whole bot, and the egress bytes'
+/// by speaker and channel (`egress`).
 struct Counters {
     speakers: HashMap<String, Arc<Slot>>,
     channels: HashMap<String, Arc<Slot>>,
     bot: Arc<Slot>,
+    egress: HashMap<CounterKey, Arc<Slot>>,
 }
 
 impl Counters {
@@ -616,6 +685,7 @@ impl Counters {
             speakers: HashMap::new(),
             channels: HashMap::new(),
             bot: Slot::new(CounterKey::Bot, 0),
+            egress: HashMap::new(),
         }
     }
 
@@ -633,6 +703,11 @@ impl Counters {
             CounterKey::Speaker(s) => self.speaker_slot(s),
             CounterKey::Channel(h) => self.channel_slot(h),
             CounterKey::Bot => self.bot.clone(),
+            egress => self
+                .egress
+                .entry(egress.clone())
+                .or_insert_with(|| Slot::new(egress.clone(), 0))
+                .clone(),
         }
     }
 
@@ -642,6 +717,7 @@ impl Counters {
             CounterKey::Speaker(s) => self.speakers.get(s),
             CounterKey::Channel(h) => self.channels.get(h),
             CounterKey::Bot => Some(&self.bot),
+            egress => self.egress.get(egress),
         }
     }
 
@@ -1004,6 +1080,84 @@ impl BudgetBook {
         st.unsaved
             .dirty
             .extend(turned.into_iter().flatten().cloned());
+    }
+
+    /// The egress budgets set, with today's counters of `speaker` and `channel` (made if
+    /// new; an egress budget not set counts nothing).
+    fn egress_slots(&self, speaker: &str, channel: &str) -> Vec<(Budget, u64, Arc<Slot>)> {
+        let s = &self.settings;
+        let mut st = self.state(self.now());
+        let mut out = Vec::new();
+        if let Some(limit) = s.speaker_egress_bytes_per_day {
+            let key = CounterKey::SpeakerEgress(speaker.to_owned());
+            out.push((
+                Budget::SpeakerEgressBytesPerDay,
+                limit,
+                st.tokens.slot_of(&key),
+            ));
+        }
+        if let Some(limit) = s.channel_egress_bytes_per_day {
+            let key = CounterKey::ChannelEgress(channel.to_owned());
+            out.push((
+                Budget::ChannelEgressBytesPerDay,
+                limit,
+                st.tokens.slot_of(&key),
+            ));
+        }
+        out
+    }
+
+    /// Every egress budget of `speaker` and `channel` has room (the bytes charged today and
+    /// the requests in flight at their worst), and then `worst` is held on each, in one
+    /// step under the book's lock (as a model call's tokens: [`TurnAccount::hold`]).
+    fn check_and_hold_egress(
+        &self,
+        speaker: &str,
+        channel: &str,
+        worst: u64,
+    ) -> Result<Vec<Arc<Slot>>, BudgetRefusal> {
+        let slots = self.egress_slots(speaker, channel);
+        let _one_at_a_time = self.holding.lock().unwrap_or_else(|e| e.into_inner());
+        for (budget, limit, slot) in &slots {
+            if slot.used() >= *limit {
+                let who = match budget {
+                    Budget::SpeakerEgressBytesPerDay => "this speaker",
+                    _ => "this channel",
+                };
+                return Err(BudgetRefusal {
+                    budget: *budget,
+                    limit: *limit,
+                    message: format!(
+                        "{who} has used today's {limit} egress bytes; {}",
+                        self.resets()
+                    ),
+                });
+            }
+        }
+        Ok(slots
+            .into_iter()
+            .map(|(_, _, slot)| {
+                slot.hold(worst);
+                slot
+            })
+            .collect())
+    }
+
+    /// Adds `bytes` to the egress counters `slots`; a counter that turns dirty is listed
+    /// for the writer.
+    fn charge_egress(&self, slots: &[Arc<Slot>], bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        let turned: Vec<Arc<Slot>> = slots.iter().filter(|s| s.add(bytes)).cloned().collect();
+        if turned.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.unsaved.dirty.is_empty() {
+            st.unsaved.day = st.day.to_string();
+        }
+        st.unsaved.dirty.extend(turned);
     }
 
     fn resets(&self) -> String {

@@ -42,10 +42,11 @@ use super::{BudgetSettings, BudgetStore, CounterKey, SharedView, StoreError, COM
 use crate::config::StoreSource;
 
 /// The schema version this build writes (`roundtable_budgets.meta`).
-pub(crate) const PG_SCHEMA_VERSION: i32 = 1;
+pub(crate) const PG_SCHEMA_VERSION: i32 = 2;
 
 /// Each version's migration, from the one before (index 0: from nothing to version 1).
-const MIGRATIONS: &[&str] = &["
+const MIGRATIONS: &[&str] = &[
+    "
     CREATE TABLE roundtable_budgets.namespaces (
         ns TEXT PRIMARY KEY,
         version BIGINT NOT NULL DEFAULT 0,
@@ -69,7 +70,13 @@ const MIGRATIONS: &[&str] = &["
         ns TEXT NOT NULL, batch TEXT NOT NULL,
         applied_at TIMESTAMPTZ NOT NULL DEFAULT now(),
         PRIMARY KEY (ns, batch));
-"];
+",
+    // Version 2: the egress budgets (issue 45), agreed on as the token budgets are.
+    "ALTER TABLE roundtable_budgets.namespaces
+        ADD COLUMN speaker_egress_bytes_per_day BIGINT,
+        ADD COLUMN channel_egress_bytes_per_day BIGINT;
+",
+];
 
 /// The advisory lock keys' first half (the second is `hashtext(ns)`): setups of a
 /// namespace one at a time, and the live processes (shared) against a settings change
@@ -190,6 +197,8 @@ struct Agreed {
     channel_tokens_per_day: Option<i64>,
     bot_tokens_per_day: Option<i64>,
     speaker_turns_per_minute: Option<i64>,
+    speaker_egress_bytes_per_day: Option<i64>,
+    channel_egress_bytes_per_day: Option<i64>,
     time_zone: String,
 }
 
@@ -201,6 +210,8 @@ impl Agreed {
             channel_tokens_per_day: i(settings.channel_tokens_per_day),
             bot_tokens_per_day: i(settings.bot_tokens_per_day),
             speaker_turns_per_minute: settings.speaker_turns_per_minute.map(i64::from),
+            speaker_egress_bytes_per_day: i(settings.speaker_egress_bytes_per_day),
+            channel_egress_bytes_per_day: i(settings.channel_egress_bytes_per_day),
             time_zone: time_zone.to_owned(),
         }
     }
@@ -212,6 +223,8 @@ impl Agreed {
             bot_tokens_per_day: row.get(2),
             speaker_turns_per_minute: row.get(3),
             time_zone: row.get(4),
+            speaker_egress_bytes_per_day: row.get(5),
+            channel_egress_bytes_per_day: row.get(6),
         }
     }
 
@@ -239,6 +252,16 @@ impl Agreed {
                 "speaker_turns_per_minute",
                 self.speaker_turns_per_minute,
                 stored.speaker_turns_per_minute,
+            ),
+            (
+                "speaker_egress_bytes_per_day",
+                self.speaker_egress_bytes_per_day,
+                stored.speaker_egress_bytes_per_day,
+            ),
+            (
+                "channel_egress_bytes_per_day",
+                self.channel_egress_bytes_per_day,
+                stored.channel_egress_bytes_per_day,
             ),
         ] {
             if mine != theirs {
@@ -1215,7 +1238,8 @@ impl Shipper {
         let a = &self.agreed;
         let ns = &self.ns;
         let select = "SELECT speaker_tokens_per_day, channel_tokens_per_day, bot_tokens_per_day,
-                             speaker_turns_per_minute, time_zone
+                             speaker_turns_per_minute, time_zone,
+                             speaker_egress_bytes_per_day, channel_egress_bytes_per_day
                       FROM roundtable_budgets.namespaces WHERE ns = $1";
         if self.check_only {
             let row = self.timed(client.query_opt(select, &[ns])).await?;
@@ -1240,8 +1264,8 @@ impl Shipper {
             self.timed(client.execute(
                 "INSERT INTO roundtable_budgets.namespaces (ns, speaker_tokens_per_day,
                      channel_tokens_per_day, bot_tokens_per_day, speaker_turns_per_minute,
-                     time_zone)
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+                     time_zone, speaker_egress_bytes_per_day, channel_egress_bytes_per_day)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
                 &[
                     ns,
                     &a.speaker_tokens_per_day,
@@ -1249,6 +1273,8 @@ impl Shipper {
                     &a.bot_tokens_per_day,
                     &a.speaker_turns_per_minute,
                     &a.time_zone,
+                    &a.speaker_egress_bytes_per_day,
+                    &a.channel_egress_bytes_per_day,
                 ],
             ))
             .await?;
@@ -1269,7 +1295,9 @@ impl Shipper {
                 self.timed(client.execute(
                     "UPDATE roundtable_budgets.namespaces SET speaker_tokens_per_day = $2,
                          channel_tokens_per_day = $3, bot_tokens_per_day = $4,
-                         speaker_turns_per_minute = $5, time_zone = $6, settings_at = now()
+                         speaker_turns_per_minute = $5, time_zone = $6,
+                         speaker_egress_bytes_per_day = $7, channel_egress_bytes_per_day = $8,
+                         settings_at = now()
                      WHERE ns = $1",
                     &[
                         ns,
@@ -1278,6 +1306,8 @@ impl Shipper {
                         &a.bot_tokens_per_day,
                         &a.speaker_turns_per_minute,
                         &a.time_zone,
+                        &a.speaker_egress_bytes_per_day,
+                        &a.channel_egress_bytes_per_day,
                     ],
                 ))
                 .await?;

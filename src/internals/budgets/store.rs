@@ -32,15 +32,20 @@ use std::time::Duration;
 
 use rusqlite::{ErrorCode, OptionalExtension};
 
-/// What a token counter counts.
+/// What a counter counts: a speaker's, a channel's or the bot's tokens, or a speaker's or
+/// a channel's egress bytes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum CounterKey {
-    /// One speaker (their platform id), across channels.
+    /// One speaker's tokens (their platform id, or limits key), across channels.
     Speaker(String),
-    /// One channel (its sha256 hex).
+    /// One channel's tokens (its sha256 hex).
     Channel(String),
-    /// The whole bot.
+    /// The whole bot's tokens.
     Bot,
+    /// One speaker's egress bytes (sent and read), across channels.
+    SpeakerEgress(String),
+    /// One channel's egress bytes.
+    ChannelEgress(String),
 }
 
 impl CounterKey {
@@ -50,6 +55,8 @@ impl CounterKey {
             CounterKey::Speaker(id) => ("speaker", id),
             CounterKey::Channel(hash) => ("channel", hash),
             CounterKey::Bot => ("bot", ""),
+            CounterKey::SpeakerEgress(id) => ("speaker_egress", id),
+            CounterKey::ChannelEgress(hash) => ("channel_egress", hash),
         }
     }
 
@@ -58,6 +65,8 @@ impl CounterKey {
             "speaker" => Some(CounterKey::Speaker(key)),
             "channel" => Some(CounterKey::Channel(key)),
             "bot" => Some(CounterKey::Bot),
+            "speaker_egress" => Some(CounterKey::SpeakerEgress(key)),
+            "channel_egress" => Some(CounterKey::ChannelEgress(key)),
             _ => None,
         }
     }

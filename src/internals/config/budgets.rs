@@ -73,6 +73,13 @@ pub struct BudgetSettings {
     /// Turns one speaker may start per minute (a sliding minute).
     #[serde(default)]
     pub speaker_turns_per_minute: Option<u32>,
+    /// Egress bytes (sent and read through `[[egress]]` routes) one speaker may use per
+    /// day, across channels.
+    #[serde(default)]
+    pub speaker_egress_bytes_per_day: Option<u64>,
+    /// Egress bytes one channel may use per day.
+    #[serde(default)]
+    pub channel_egress_bytes_per_day: Option<u64>,
     /// A PostgreSQL database shared by the processes of one bot (`postgres://…`), its URL
     /// read from an environment variable or a file. With it, `state_file` is this
     /// process's local journal of the charges not yet in the database.
@@ -104,6 +111,8 @@ impl BudgetSettings {
             || self.channel_tokens_per_day.is_some()
             || self.bot_tokens_per_day.is_some()
             || self.speaker_turns_per_minute.is_some()
+            || self.speaker_egress_bytes_per_day.is_some()
+            || self.channel_egress_bytes_per_day.is_some()
     }
 
     /// The namespace in the shared store.
@@ -193,6 +202,14 @@ impl BudgetSettings {
             ("speaker_tokens_per_day", self.speaker_tokens_per_day),
             ("channel_tokens_per_day", self.channel_tokens_per_day),
             ("bot_tokens_per_day", self.bot_tokens_per_day),
+            (
+                "speaker_egress_bytes_per_day",
+                self.speaker_egress_bytes_per_day,
+            ),
+            (
+                "channel_egress_bytes_per_day",
+                self.channel_egress_bytes_per_day,
+            ),
         ] {
             if let Some(n) = value {
                 if !(1..=1_000_000_000_000).contains(&n) {

@@ -77,7 +77,11 @@ pub enum McpScope {
     /// live in its own file. The default for stdio servers.
     Channel,
     /// One session for every channel, started with the broker: whatever the server
-    /// keeps is seen by every channel (cross-channel). The default for http servers.
+    /// keeps is seen by every channel (cross-channel). Its calls run one at a time, handed
+    /// out in turn across channels, each up to `call_timeout` from when it holds the
+    /// session: one channel's slow call delays the others'. A stdio call that times out
+    /// stops the session, and the calls waiting behind it (never sent) run on the restarted
+    /// one. The default for http servers.
     Shared,
 }
 

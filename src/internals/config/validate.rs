@@ -231,6 +231,8 @@ pub(super) fn resolve(config: &Config) -> Result<ResolvedConfig, ConfigError> {
     // under MCP_DATA_DIR of the workspace root, held to the workspaces' free-space floor.
     resolved.broker.mcp_engine = Some(crate::broker::McpEngine {
         docker_host: resolved.docker.host.clone(),
+        driver: None,
+        guest_image: resolved.image.clone(),
         instance: resolved.instance.clone(),
         uid: resolved.uid,
         gid: resolved.gid,

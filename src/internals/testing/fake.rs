@@ -572,6 +572,68 @@ impl ContainerDriver for FakeDriver {
         }
     }
 
+    /// Around a real driver, its session (an MCP session); otherwise refused (the trait's
+    /// default: no session runs on a fake).
+    fn start_session<'a>(
+        &'a self,
+        spec: &'a crate::driver::SessionSpec,
+    ) -> BoxFuture<'a, Result<crate::driver::SessionIo, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.start_session(spec),
+            _ => Box::pin(async {
+                Err(DriverError::Unsupported {
+                    op: "start a session",
+                })
+            }),
+        }
+    }
+
+    /// Records `pause <name>`; around a real driver, its pause; otherwise done.
+    fn pause<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        self.lock().events.push(format!("pause {name}"));
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.pause(name),
+            _ => Box::pin(async { Ok(()) }),
+        }
+    }
+
+    /// Records `resume <name>`; around a real driver, its resume; otherwise done.
+    fn resume<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
+        self.lock().events.push(format!("resume {name}"));
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.resume(name),
+            _ => Box::pin(async { Ok(()) }),
+        }
+    }
+
+    /// Around a real driver, its listing; otherwise none.
+    fn list_labelled<'a>(
+        &'a self,
+        labels: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<crate::driver::LabelledContainer>, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.list_labelled(labels),
+            _ => Box::pin(async { Ok(Vec::new()) }),
+        }
+    }
+
+    /// Around a real driver, the image's file; otherwise refused.
+    fn image_file<'a>(
+        &'a self,
+        image: &'a str,
+        path: &'a str,
+        max: u64,
+    ) -> BoxFuture<'a, Result<Vec<u8>, DriverError>> {
+        match &self.mode {
+            Mode::Around { inner, .. } => inner.image_file(image, path, max),
+            _ => Box::pin(async {
+                Err(DriverError::Unsupported {
+                    op: "read a file of an image",
+                })
+            }),
+        }
+    }
+
     /// Around a real driver, the engine's; otherwise there is none on this host.
     fn data_root(&self) -> BoxFuture<'_, Result<Option<std::path::PathBuf>, DriverError>> {
         match &self.mode {

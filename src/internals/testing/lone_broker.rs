@@ -77,6 +77,8 @@ pub fn mcp_engine() -> crate::broker::McpEngine {
         .keep();
     crate::broker::McpEngine {
         docker_host: crate::driver::DockerOptions::default().host,
+        driver: None,
+        guest_image: super::env::image(),
         instance: format!("rtb-test-{}", uuid::Uuid::new_v4().simple()),
         uid: nix::unistd::getuid().as_raw(),
         gid: nix::unistd::getgid().as_raw(),

@@ -2,7 +2,9 @@
 
 use roundtable_sandbox_protocol::Reply;
 
-use super::outcome::{ReplyError, TurnError};
+use roundtable_sandbox_protocol::{parse_reply, ReplyError};
+
+use super::outcome::TurnError;
 use crate::driver::{ContainerDriver, ContainerSpec, RunOutcome};
 
 /// Judges what a container did, the same for every backend. A run handed over at its
@@ -66,38 +68,6 @@ pub(super) async fn judge_run(
         }
     }
 }
-
-/// Strictly parses the guest's stdout: exactly one [`Reply`] JSON document (whitespace
-/// around it allowed), no unknown field, a consistent shape, at most `cap` bytes. A failed
-/// reply's error is prefixed with [`GUEST_ERROR_PREFIX`].
-pub fn parse_reply(stdout: &[u8], cap: usize) -> Result<Reply, ReplyError> {
-    if stdout.len() > cap {
-        return Err(ReplyError::OutputTooLarge { cap });
-    }
-    if stdout.iter().all(u8::is_ascii_whitespace) {
-        return Err(ReplyError::MalformedOutput {
-            reason: "no output".into(),
-        });
-    }
-    let mut reply: Reply =
-        serde_json::from_slice(stdout).map_err(|e| ReplyError::MalformedOutput {
-            reason: e.to_string(),
-        })?;
-    reply
-        .check_shape()
-        .map_err(|reason| ReplyError::MalformedOutput {
-            reason: reason.into(),
-        })?;
-    // A failure the guest reports is marked as the guest's: it can never pass for one of
-    // the host's own errors (a timeout, a stop, an out-of-memory kill).
-    if let Some(error) = reply.error.take() {
-        reply.error = Some(format!("{GUEST_ERROR_PREFIX}{error}"));
-    }
-    Ok(reply)
-}
-
-/// What every failure reported by the guest itself starts with (see [`parse_reply`]).
-pub const GUEST_ERROR_PREFIX: &str = "the guest reported an error: ";
 
 #[cfg(test)]
 mod tests {

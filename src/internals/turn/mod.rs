@@ -44,12 +44,12 @@ use crate::driver::DriverError;
 use crate::events::{EventKind, TurnEvents, WarmEvent};
 use crate::Sandbox;
 pub use judge::judge;
-pub use judge::{parse_reply, GUEST_ERROR_PREFIX};
 pub use kinds::{TurnFailure, TurnPhase};
-pub use outcome::{ReplyError, TurnError, TurnOutcome};
+pub use outcome::{TurnError, TurnOutcome};
 pub use prepared::PreparedTurn;
 use resources::{Start, TurnResources};
 pub use resources::{LABEL_PREPARED, SOCKET_FILE};
+pub use roundtable_sandbox_protocol::{parse_reply, ReplyError, GUEST_ERROR_PREFIX};
 
 /// What the caller asks of one turn.
 #[derive(Debug, Clone)]

@@ -1,6 +1,7 @@
 //! How a turn ends: its errors ([`TurnError`], [`ReplyError`]), their kinds
 //! ([`TurnFailure`]) and the outcome a caller gets ([`TurnOutcome`]).
 
+use roundtable_sandbox_protocol::ReplyError;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -98,24 +99,6 @@ pub enum TurnError {
     /// A budget (`[budgets]`) refused the turn before it started.
     #[error(transparent)]
     Budget(#[from] crate::budgets::BudgetRefusal),
-}
-
-/// Why the guest's stdout is not a reply (see [`parse_reply`](crate::internals::turn::parse_reply)).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ReplyError {
-    #[error("guest output exceeds {cap} bytes")]
-    /// The output passed its cap.
-    OutputTooLarge {
-        /// The cap.
-        cap: usize,
-    },
-    #[error("guest output is not a valid reply: {reason}")]
-    /// The output is not one JSON reply.
-    MalformedOutput {
-        /// Why.
-        reason: String,
-    },
 }
 
 impl TurnError {

@@ -42,6 +42,7 @@ use secrecy::{ExposeSecret, SecretString};
 
 use super::http::{full, holding, refuse, Response, Turn};
 use super::BrokerError;
+use crate::budgets::EgressCharge;
 use crate::config::{Cidr, CredentialPlacement, EgressRoute, Redirects};
 use crate::events::{BrokerEvent, EgressCall, EgressDecision, Refusal};
 
@@ -194,8 +195,13 @@ pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) 
     let mut call = Call::new(route, req.method().as_str(), started);
     let answer = serve(turn, route, req, target, &mut call).await;
     call.latency = started.elapsed();
-    if let Some(account) = &turn.ctx.account {
-        account.count_egress(call.bytes_out, call.bytes_in);
+    match call.charge.take() {
+        Some(charge) => charge.settle(call.bytes_out, call.bytes_in),
+        None => {
+            if let Some(account) = &turn.ctx.account {
+                account.count_egress(call.bytes_out, call.bytes_in);
+            }
+        }
     }
     if let Some(events) = &turn.ctx.events {
         events.broker(BrokerEvent::Egress(Box::new(call.event())));
@@ -209,6 +215,8 @@ struct Call {
     latency: Duration,
     bytes_out: u64,
     bytes_in: u64,
+    /// Its worst case held on the egress budgets, once it passed their check.
+    charge: Option<EgressCharge>,
 }
 
 impl Call {
@@ -230,6 +238,7 @@ impl Call {
             latency: Duration::ZERO,
             bytes_out: 0,
             bytes_in: 0,
+            charge: None,
         }
     }
 
@@ -314,6 +323,20 @@ async fn serve(
     if let Err(response) = count(turn, cfg, out) {
         return *response;
     }
+    if let Some(account) = &turn.ctx.account {
+        match account.hold_egress(worst_case(cfg, out)) {
+            Ok(charge) => call.charge = Some(charge),
+            Err(r) => {
+                call.event.decision = EgressDecision::Denied;
+                call.event.rule = Some(r.budget.key().to_owned());
+                return refuse(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Refusal::Budget(r.budget),
+                    &r.to_string(),
+                );
+            }
+        }
+    }
     call.bytes_out = out;
     let ctx = Exchange {
         turn,
@@ -363,6 +386,16 @@ async fn read_body(req: Request<IncomingBody>, cap: usize, timeout_ms: u64) -> R
         ),
     };
     Err(Box::new(refused))
+}
+
+/// What a request may send and read at most, its redirects' hops included: what the egress
+/// budgets hold while it runs.
+fn worst_case(cfg: &EgressRoute, out: u64) -> u64 {
+    let hops = match cfg.redirects {
+        Redirects::None => 1,
+        Redirects::SameRoute => MAX_HOPS as u64 + 1,
+    };
+    hops.saturating_mul(out.saturating_add(cfg.limits.max_response_bytes as u64))
 }
 
 /// Counts a request of the turn on the route (`out` bytes sent): `429` past its requests

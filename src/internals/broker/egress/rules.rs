@@ -86,7 +86,7 @@ pub(crate) fn check(
 
 /// What `roundtable-sandbox egress check` answers: the verdict of a route's rules on one
 /// request, without resolving or sending anything.
-#[cfg(any(feature = "cli", feature = "testing"))]
+#[cfg(feature = "cli")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EgressVerdict {
     /// Allowed: where it would go (`host:port/path?query`), and in `audit` mode the rule
@@ -110,7 +110,7 @@ pub enum EgressVerdict {
 /// host. `url` is a whole URL for a route of host patterns, a path (with its query) under
 /// the base for a route with a fixed upstream (or a whole URL under that base). The
 /// address rules (what the host resolves to) are checked only when a request is sent.
-#[cfg(any(feature = "cli", feature = "testing"))]
+#[cfg(feature = "cli")]
 pub fn verdict(route: &EgressRoute, method: &str, url: &str) -> EgressVerdict {
     let denied = |r: Refused| EgressVerdict::Denied {
         rule: r.rule,

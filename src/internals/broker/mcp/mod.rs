@@ -15,6 +15,10 @@
 //!   tool that differs from the pin is refused from then on (tool rug-pull); the call is
 //!   dropped, which sends `notifications/cancelled`, when the turn ends or the deadline
 //!   passes;
+//! - a shared session runs one call at a time, handed out fairly across channels (each
+//!   channel's calls in order, round-robin between channels), its `call_timeout` starting
+//!   once it holds the session; a call that does not finish stops the (stdio) session, and
+//!   the calls waiting behind it, never sent, run on the restarted session ([`fair`]);
 //! - channel sessions are bounded by the server's `max_sessions`: the least recently used
 //!   idle one is stopped to make room, and a call that finds every session busy is refused;
 //! - [`McpPool::release`]: a retired channel's sessions stopped;
@@ -25,6 +29,7 @@
 
 mod client;
 pub(crate) mod container;
+mod fair;
 mod wire;
 
 use std::collections::{BTreeMap, HashMap};
@@ -46,7 +51,7 @@ use super::http::{error_response, failure, refuse, Response};
 use super::tools::{check_args, compile_schema, tool_result};
 use super::{BrokerError, TurnContext};
 use crate::config::{McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT};
-use crate::driver::DockerDriver;
+use crate::driver::ContainerDriver;
 use crate::events::Refusal;
 
 /// Variables a stdio child inherits from the runtime; everything else it gets is configured.
@@ -167,6 +172,9 @@ struct Server {
     cap: usize,
     pins: BTreeMap<String, Pinned>,
     sessions: std::sync::Mutex<Sessions>,
+    /// A shared server's calls, one at a time in a fair order across channels
+    /// ([`fair`]); unused by a channel-scoped server.
+    fair: fair::FairQueue,
 }
 
 impl Server {
@@ -185,7 +193,10 @@ pub(crate) struct McpPool {
     order: Vec<String>,
     http: reqwest::Client,
     /// The engine of container-confined sessions, and its driver.
-    engine: Option<(McpEngine, DockerDriver)>,
+    engine: Option<(McpEngine, Arc<dyn ContainerDriver>)>,
+    /// The host path of the wrapper every container session's command runs under
+    /// ([`McpEngine::install_wrapper`]).
+    wrapper: std::path::PathBuf,
 }
 
 impl McpPool {
@@ -204,24 +215,18 @@ impl McpPool {
                     error: "it runs in a container but the broker has no container engine".into(),
                 })
             }
-            (Some(c), Some(engine)) => {
-                let driver = engine.driver();
-                // What a crashed runtime left: its sessions' containers.
-                engine
-                    .sweep(&driver)
-                    .await
-                    .map_err(|error| BrokerError::McpStart {
-                        server: c.name.clone(),
-                        error: format!("sweep leftover MCP containers: {error}"),
-                    })?;
-                Some((engine.clone(), driver))
-            }
+            (Some(c), Some(engine)) => Some(container_engine(&c.name, engine).await?),
+        };
+        let (engine, wrapper) = match engine {
+            Some((engine, driver, wrapper)) => (Some((engine, driver)), wrapper),
+            None => (None, Default::default()),
         };
         let mut pool = Self {
             servers: BTreeMap::new(),
             order: configs.iter().map(|c| c.name.clone()).collect(),
             http,
             engine,
+            wrapper,
         };
         for config in configs {
             match pool.start_one(config).await {
@@ -302,6 +307,7 @@ impl McpPool {
             cap: config.session_cap(),
             pins,
             sessions: std::sync::Mutex::new(sessions),
+            fair: fair::FairQueue::default(),
         })
     }
 
@@ -341,6 +347,27 @@ impl McpPool {
         self.servers.values().map(|s| s.table().live.len()).sum()
     }
 
+    /// The calls waiting for `server`'s shared session (not the one running).
+    #[cfg(feature = "testing")]
+    pub(crate) fn waiting(&self, server: &str) -> usize {
+        self.servers.get(server).map_or(0, |s| s.fair.waiting())
+    }
+
+    /// Whether a call holds `server`'s shared session.
+    #[cfg(feature = "testing")]
+    pub(crate) fn running(&self, server: &str) -> bool {
+        self.servers.get(server).is_some_and(|s| s.fair.held())
+    }
+
+    /// Whether `server`'s shared session is in use (a call holds or waits for it, or a
+    /// turn that called it still runs): the pause code's check ([`fair::FairQueue::busy`]).
+    #[allow(dead_code)] // the hook of the pause code (issue 43, item 4)
+    pub(crate) fn shared_busy(&self, server: &str) -> bool {
+        self.servers
+            .get(server)
+            .is_some_and(|s| s.scope == McpScope::Shared && s.fair.busy() > 0)
+    }
+
     /// Calls an allow-listed tool in the caller's session.
     pub(crate) async fn call(
         &self,
@@ -375,6 +402,20 @@ impl McpPool {
             META_SPEAKER.into(),
             serde_json::json!({"id": ctx.speaker.id, "name": ctx.speaker.name}),
         );
+        // A shared session: the call waits for its turn (fair across channels, [`fair`])
+        // before its timeout starts; the turn's end takes it out of the queue.
+        let permit = match srv.scope {
+            McpScope::Shared => {
+                srv.fair.used_by(stop);
+                tokio::select! {
+                    permit = srv.fair.acquire(&segment) => Some(permit),
+                    _ = stop.cancelled() => {
+                        return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
+                    }
+                }
+            }
+            McpScope::Channel => None,
+        };
         let key = match srv.scope {
             McpScope::Shared => String::new(),
             McpScope::Channel => segment,
@@ -387,6 +428,7 @@ impl McpPool {
             slot: &slot,
             stdio: matches!(srv.config.transport, McpTransport::Stdio { .. }),
             armed: true,
+            permit,
         };
         let work = async {
             // Held for the whole call: a session in use is never stopped to make room.
@@ -450,6 +492,13 @@ impl McpPool {
         };
         match outcome {
             Err(_) => {
+                if srv.scope == McpScope::Shared {
+                    tracing::warn!(
+                        server,
+                        waiting = srv.fair.waiting(),
+                        "a call to a shared MCP session timed out; the calls waiting run on a restarted session"
+                    );
+                }
                 guard.end_now().await;
                 failure(
                     StatusCode::GATEWAY_TIMEOUT,
@@ -543,6 +592,7 @@ impl McpPool {
     ) -> Result<(Arc<Client>, Option<Stopped>), CallError> {
         let name = &srv.config.name;
         let mut state = session.state.lock().await;
+        resume_paused(&mut state).await;
         let tripped = match &*state {
             State::Running(s) => s.watcher().and_then(|w| w.tripped()),
             _ => None,
@@ -622,6 +672,23 @@ impl McpPool {
             .collect()
     }
 
+    /// Pauses the channel's container sessions (channel-scoped servers only; a shared
+    /// session is never paused) once a turn of the channel has ended: nothing of theirs
+    /// runs until their next call resumes them ([`resume_paused`]). A session a call holds
+    /// (a next turn's, already) is left running.
+    pub(crate) async fn pause_channel(&self, segment: &str) {
+        let channel_scoped = self
+            .servers
+            .values()
+            .filter(|s| s.scope == McpScope::Channel && s.config.in_container());
+        for srv in channel_scoped {
+            let session = srv.table().live.get(segment).map(|(s, _)| s.clone());
+            if let Some(session) = session {
+                pause_session(&session).await;
+            }
+        }
+    }
+
     /// Closes every session; a child that does not exit is terminated, then killed, and
     /// always reaped. Later calls are refused.
     pub(crate) async fn shutdown(&self) {
@@ -634,6 +701,47 @@ impl McpPool {
             for session in sessions {
                 stop_session(&session, State::Shutdown).await;
             }
+        }
+    }
+}
+
+/// Pauses a session's container unless a call holds the session (only the table and the
+/// caller do then: a call takes its own hold before it waits for the state, so a call that
+/// comes after this check finds the container paused and resumes it). One the backend
+/// cannot pause is stopped: its next call starts it again on its data.
+async fn pause_session(session: &Arc<Session>) {
+    let mut state = session.state.lock().await;
+    if Arc::strong_count(session) > 2 {
+        return;
+    }
+    let State::Running(live) = &mut *state else {
+        return;
+    };
+    if live.is_closed() {
+        return;
+    }
+    let Some(container) = live.container.as_mut() else {
+        return;
+    };
+    if let Err(e) = container.pause().await {
+        tracing::info!(error = %e, "MCP session not paused at its turn's end; stopped (its next call starts it again)");
+        if let State::Running(live) = std::mem::replace(&mut *state, State::Stopped) {
+            close(live).await;
+        }
+    }
+}
+
+/// Thaws a session paused at its last turn's end, before its call; one that cannot be
+/// thawed is stopped, and the call starts it again on its data.
+async fn resume_paused(state: &mut State) {
+    let State::Running(live) = state else { return };
+    let Some(container) = live.container.as_mut().filter(|c| c.is_paused()) else {
+        return;
+    };
+    if let Err(e) = container.resume().await {
+        tracing::warn!(error = %e, "paused MCP session not resumed; started again");
+        if let State::Running(live) = std::mem::replace(state, State::Stopped) {
+            close(live).await;
         }
     }
 }
@@ -669,10 +777,15 @@ async fn end_session(session: &Session) {
 /// Ends the call's session when the call does not finish ([`end_session`]): at once on
 /// its deadline or the turn's stop, and from a spawned task when the call is dropped
 /// (the connection aborted). Only stdio sessions: an http session is the remote's.
+///
+/// It holds a shared session's permit ([`fair::Permit`]) and hands it on only once the
+/// session is ended (or taken out to be closed), so the next call never gets the session
+/// of a call that did not finish: it restarts it.
 struct EndOnDrop<'a> {
     slot: &'a std::sync::Mutex<Option<Arc<Session>>>,
     stdio: bool,
     armed: bool,
+    permit: Option<fair::Permit>,
 }
 
 impl EndOnDrop<'_> {
@@ -687,12 +800,14 @@ impl EndOnDrop<'_> {
         if let Some(session) = self.take() {
             end_session(&session).await;
         }
+        self.permit = None;
     }
 }
 
 impl Drop for EndOnDrop<'_> {
     fn drop(&mut self) {
         let Some(session) = self.take() else { return };
+        let permit = self.permit.take();
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -714,7 +829,10 @@ impl Drop for EndOnDrop<'_> {
             }
             Some(None) => {}
             None => {
-                handle.spawn(async move { end_session(&session).await });
+                handle.spawn(async move {
+                    end_session(&session).await;
+                    drop(permit);
+                });
             }
         }
     }
@@ -769,9 +887,13 @@ impl McpPool {
                     let Some((engine, driver)) = &self.engine else {
                         return Err("no container engine for MCP containers".to_owned());
                     };
-                    let (container, (output, input)) =
-                        container::start(engine, driver, config, segment, (command, args, env))
-                            .await?;
+                    let (container, (output, input)) = container::start(
+                        (engine, driver, &self.wrapper),
+                        config,
+                        segment,
+                        (command, args, env),
+                    )
+                    .await?;
                     let client = Client::stdio(server, caps, output, input);
                     // A session that ends (the server stopped, or broke a cap) is removed
                     // at once, not at its next call.
@@ -929,4 +1051,28 @@ async fn close(live: impl Into<Box<Live>>) {
     if let Some(mut child) = child {
         let _ = tokio::time::timeout(SHUTDOWN_TIMEOUT, child.exited.wait_for(|e| *e)).await;
     }
+}
+
+/// The engine of container-confined sessions, ready: what a crashed runtime left swept,
+/// the wrapper read out of the guest image (`server`: the first such server, named in an
+/// error).
+async fn container_engine(
+    server: &str,
+    engine: &McpEngine,
+) -> Result<(McpEngine, Arc<dyn ContainerDriver>, std::path::PathBuf), BrokerError> {
+    let failed = |error: String| BrokerError::McpStart {
+        server: server.to_owned(),
+        error,
+    };
+    let driver = engine.driver();
+    // What a crashed runtime left: its sessions' containers.
+    engine
+        .sweep(driver.as_ref())
+        .await
+        .map_err(|error| failed(format!("sweep leftover MCP containers: {error}")))?;
+    let wrapper = engine
+        .install_wrapper(driver.as_ref())
+        .await
+        .map_err(failed)?;
+    Ok((engine.clone(), driver, wrapper))
 }

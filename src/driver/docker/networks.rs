@@ -3,7 +3,8 @@
 
 use bollard::query_parameters::ListNetworksOptions;
 
-use super::{DockerDriver, DriverError};
+use super::DockerDriver;
+use crate::driver::DriverError;
 
 impl DockerDriver {
     /// The subnets of every network the engine has (`addr/len`).
