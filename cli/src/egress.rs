@@ -27,27 +27,30 @@ pub(crate) fn explain(config: &Config) {
 
 /// `doctor`'s lines: a route in audit mode fails (its rules refuse nothing); a route that
 /// reaches private addresses or IP literals, or posts anywhere, passes with a warning.
-pub(crate) fn doctor(config: &Config) -> Vec<crate::Check> {
+pub(crate) fn doctor(config: &Config) -> Vec<crate::doctor::Check> {
     let mut out = Vec::new();
     for r in &config.egress {
         let mut lines = warnings(r).into_iter();
         if r.mode == EgressMode::Audit {
             let line = lines.next().unwrap_or_default();
-            out.push(crate::fail(
+            out.push(crate::doctor::fail(
                 "egress",
                 line,
                 "set mode = \"enforce\" once the audit entries show what the route needs",
             ));
         }
         for line in lines {
-            out.push(crate::warn(
+            out.push(crate::doctor::warn(
                 "egress",
                 line,
                 "keep it only if the route needs it (a private deployment, the tests)",
             ));
         }
         if r.mode != EgressMode::Audit && warnings(r).is_empty() {
-            out.push(crate::pass("egress", format!("route {} enforced", r.name)));
+            out.push(crate::doctor::pass(
+                "egress",
+                format!("route {} enforced", r.name),
+            ));
         }
     }
     out

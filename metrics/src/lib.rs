@@ -157,144 +157,140 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A registry with every metric at zero.
+    /// A registry with every metric at zero: the turns' metrics, then the broker's (the
+    /// order they are exported in).
     pub fn new() -> Self {
-        let mut registry = Registry::default();
-        let turns = Family::<Labels1, Counter>::default();
-        registry.register(
+        let mut metrics = Self {
+            registry: Registry::default(),
+            turns: Family::default(),
+            turn_duration: Family::new_with_constructor(seconds),
+            phase_duration: Family::new_with_constructor(seconds),
+            queue_depth: Gauge::default(),
+            running: Gauge::default(),
+            prepared: Gauge::default(),
+            adoptions: Counter::default(),
+            fallbacks: Family::default(),
+            discards: Family::default(),
+            refusals: Family::default(),
+            tool_calls: Family::default(),
+            budget_refusals: Family::default(),
+            budget_store_stale: Gauge::default(),
+            engine: Family::new_with_constructor(seconds),
+            model_duration: Family::new_with_constructor(seconds),
+            model_tokens: Family::new_with_constructor(tokens),
+            egress: Family::default(),
+            egress_bytes: Family::default(),
+            state: Mutex::default(),
+        };
+        metrics.register_turns();
+        metrics.register_broker();
+        metrics
+    }
+
+    /// Registers the turns' metrics: outcomes, durations and phases, the queue, the
+    /// containers running and prepared, and the warm path's adoptions, fallbacks and
+    /// discards.
+    fn register_turns(&mut self) {
+        self.registry.register(
             "roundtable_turns",
             "Turns ended, by outcome (ok or the failure kind; refused messages included)",
-            turns.clone(),
+            self.turns.clone(),
         );
-        let turn_duration: HistFamily<Labels2> = Family::new_with_constructor(seconds);
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "roundtable_turn_duration",
             "Turn duration from admission to its end, by launch type and outcome",
             Unit::Seconds,
-            turn_duration.clone(),
+            self.turn_duration.clone(),
         );
-        let phase_duration: HistFamily<Labels1> = Family::new_with_constructor(seconds);
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "roundtable_turn_phase_duration",
             "Time a turn spent in each phase (waiting_for_slot included)",
             Unit::Seconds,
-            phase_duration.clone(),
+            self.phase_duration.clone(),
         );
-        let queue_depth = Gauge::default();
-        registry.register(
+        self.registry.register(
             "roundtable_queue_depth",
             "Messages waiting behind their channel's running turn",
-            queue_depth.clone(),
+            self.queue_depth.clone(),
         );
-        let running = Gauge::default();
-        registry.register(
+        self.registry.register(
             "roundtable_containers_running",
             "Turn containers running (from the start of the container phase to the turn's teardown)",
-            running.clone(),
+            self.running.clone(),
         );
-        let prepared = Gauge::default();
-        registry.register(
+        self.registry.register(
             "roundtable_containers_prepared",
             "Prepared (warm) containers waiting for their channel's next turn",
-            prepared.clone(),
+            self.prepared.clone(),
         );
-        let adoptions = Counter::default();
-        registry.register(
+        self.registry.register(
             "roundtable_warm_adoptions",
             "Turns served by a prepared container",
-            adoptions.clone(),
+            self.adoptions.clone(),
         );
-        let fallbacks = Family::<Labels1, Counter>::default();
-        registry.register(
+        self.registry.register(
             "roundtable_warm_fallbacks",
             "Prepared containers that could not serve (the turn started cold), by reason",
-            fallbacks.clone(),
+            self.fallbacks.clone(),
         );
-        let discards = Family::<Labels1, Counter>::default();
-        registry.register(
+        self.registry.register(
             "roundtable_warm_discards",
             "Prepared containers removed unused, by reason",
-            discards.clone(),
+            self.discards.clone(),
         );
-        let refusals = Family::<RefusalLabels, Counter>::default();
-        registry.register(
+    }
+
+    /// Registers the broker's metrics: its refusals, the tool calls, the budgets, the
+    /// engine calls, the model calls (GenAI conventions) and the egress.
+    fn register_broker(&mut self) {
+        self.registry.register(
             "roundtable_broker_refusals",
             "Requests the broker refused itself, by status and the limit that refused",
-            refusals.clone(),
+            self.refusals.clone(),
         );
-        let tool_calls = Family::<Labels2, Counter>::default();
-        registry.register(
+        self.registry.register(
             "roundtable_tool_calls",
             "Host and MCP tool calls made, by kind and outcome",
-            tool_calls.clone(),
+            self.tool_calls.clone(),
         );
-        let budget_refusals = Family::<Labels2, Counter>::default();
-        registry.register(
+        self.registry.register(
             "roundtable_budget_refusals",
             "Turns (at admission) and model calls (mid-turn) refused by a budget",
-            budget_refusals.clone(),
+            self.budget_refusals.clone(),
         );
-        let budget_store_stale = Gauge::default();
-        registry.register(
+        self.registry.register(
             "roundtable_budget_store_stale",
             "1 while this process's view of the shared budget store is older than max_staleness_secs",
-            budget_store_stale.clone(),
+            self.budget_store_stale.clone(),
         );
-        let engine: HistFamily<Labels2> = Family::new_with_constructor(seconds);
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "roundtable_engine_call_duration",
             "Calls to the container engine, by operation and outcome",
             Unit::Seconds,
-            engine.clone(),
+            self.engine.clone(),
         );
-        let model_duration: HistFamily<Labels3> = Family::new_with_constructor(seconds);
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "gen_ai_client_operation_duration",
             "GenAI operation duration: each model call the broker forwarded, to the upstream's answer",
             Unit::Seconds,
-            model_duration.clone(),
+            self.model_duration.clone(),
         );
-        let model_tokens: HistFamily<Labels3> = Family::new_with_constructor(tokens);
-        registry.register(
+        self.registry.register(
             "gen_ai_client_token_usage",
             "Tokens of each model call as the upstream reported them, by token type",
-            model_tokens.clone(),
+            self.model_tokens.clone(),
         );
-        let egress = Family::<EgressLabels, Counter>::default();
-        registry.register(
+        self.registry.register(
             "roundtable_egress_requests",
             "Egress requests, by route and decision (allowed, denied, audit_denied)",
-            egress.clone(),
+            self.egress.clone(),
         );
-        let egress_bytes = Family::<EgressBytesLabels, Counter>::default();
-        registry.register_with_unit(
+        self.registry.register_with_unit(
             "roundtable_egress",
             "Egress bytes, by route and direction (out: paths, queries, bodies; in: bodies)",
             Unit::Bytes,
-            egress_bytes.clone(),
+            self.egress_bytes.clone(),
         );
-        Self {
-            registry,
-            egress,
-            egress_bytes,
-            turns,
-            turn_duration,
-            phase_duration,
-            queue_depth,
-            running,
-            prepared,
-            adoptions,
-            fallbacks,
-            discards,
-            refusals,
-            tool_calls,
-            budget_refusals,
-            budget_store_stale,
-            engine,
-            model_duration,
-            model_tokens,
-            state: Mutex::default(),
-        }
     }
 
     /// The observer to install on the runtime: records every event here.

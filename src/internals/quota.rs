@@ -345,6 +345,21 @@ impl Frame {
     fn fd(&self) -> Result<BorrowedFd<'_>, MeasureError> {
         self.dir.fd().map_err(MeasureError::io("list a directory"))
     }
+
+    /// At the end of its listing: a directory that changed while it was listed may have
+    /// had an entry renamed past the listing, so it is listed again (what was counted is
+    /// not again), at most [`RELISTS`] times. Whether it was rewound.
+    fn relisted(&mut self) -> Result<bool, MeasureError> {
+        let after = rustix::fs::fstat(self.fd()?).map_err(MeasureError::io("stat a directory"))?;
+        if stamp(&after) != self.before && self.relists < RELISTS {
+            self.relists += 1;
+            self.before = stamp(&after);
+            self.dir.rewind();
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
 }
 
 /// Measures the workspace, and the files the turn's processes hold open after deleting
@@ -355,26 +370,97 @@ pub fn measure(
     quota: &Quota,
     held: Option<&HeldFiles>,
 ) -> Result<Usage, MeasureError> {
-    let mut usage = Usage::default();
-    let mut seen: HashSet<(u64, u64)> = HashSet::new();
+    let mut tally = Tally {
+        quota,
+        seen: HashSet::new(),
+        usage: Usage::default(),
+    };
+    if let Walked::OverQuota = walk(workspace, &mut tally)? {
+        return Ok(tally.usage);
+    }
+    tally.add_held(workspace.dev, held)?;
+    Ok(tally.usage)
+}
+
+/// What a measure has counted: every file once (by device and inode), against its quota.
+struct Tally<'q> {
+    quota: &'q Quota,
+    seen: HashSet<(u64, u64)>,
+    usage: Usage,
+}
+
+/// What counting one file did.
+enum Counted {
+    /// It was counted before (a hard link, or a directory listed again).
+    Again,
+    /// Counted, within the quota.
+    New,
+    /// Counted, and the usage is past the quota.
+    Over,
+}
+
+/// How a walk of the workspace's tree ended.
+enum Walked {
+    Whole,
+    /// Stopped as soon as the quota was passed.
+    OverQuota,
+}
+
+impl Tally<'_> {
+    /// Counts one file, unless it was counted before.
+    fn count(&mut self, st: &Stat) -> Counted {
+        if !self.seen.insert(key(st)) {
+            return Counted::Again;
+        }
+        self.usage.entries += 1;
+        self.usage.bytes = self.usage.bytes.saturating_add(blocks(st));
+        if self.quota.exceeded_by(&self.usage) {
+            Counted::Over
+        } else {
+            Counted::New
+        }
+    }
+
+    /// Adds the files the turn's processes hold open after deleting them.
+    fn add_held(&mut self, dev: u64, held: Option<&HeldFiles>) -> Result<(), MeasureError> {
+        let usage = &mut self.usage;
+        match held {
+            None => {}
+            Some(HeldFiles::HostProcesses(processes)) => {
+                held_files(dev, processes, &mut self.seen, usage)?;
+            }
+            // Counted inside the sandbox, on its view of the workspace: no name is left to them,
+            // so none of them is in the tree just walked.
+            Some(HeldFiles::Counted { files, bytes }) => {
+                usage.held_files = usage.held_files.saturating_add(*files);
+                usage.held_bytes = usage.held_bytes.saturating_add(*bytes);
+                usage.bytes = usage.bytes.saturating_add(*bytes);
+            }
+            Some(HeldFiles::Unmeasurable(why)) => {
+                return Err(match why {
+                    Unmeasurable::HiddenDescriptors => MeasureError::HiddenDescriptors,
+                    Unmeasurable::MappedDeleted => MeasureError::MappedDeleted,
+                    other => MeasureError::Sandbox(other.clone()),
+                })
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Walks the workspace's tree depth first, counting every entry once, never leaving its
+/// device or following a link, stopping as soon as the quota is passed.
+fn walk(workspace: &Workspace, tally: &mut Tally<'_>) -> Result<Walked, MeasureError> {
     let root_fd = rustix::fs::openat(workspace.fd.as_fd(), c".", dir_flags(), Mode::empty())
         .map_err(MeasureError::io("open the workspace"))?;
     let root = rustix::fs::fstat(&root_fd).map_err(MeasureError::io("stat the workspace"))?;
-    seen.insert(key(&root));
-    usage.bytes = blocks(&root);
+    tally.seen.insert(key(&root));
+    tally.usage.bytes = blocks(&root);
     let mut stack = vec![Frame::new(root_fd)?];
     while let Some(frame) = stack.last_mut() {
         let entry = match frame.dir.read() {
             None => {
-                // A directory that changed while it was listed may have had an entry
-                // renamed past the listing: list it again (what was counted is not again).
-                let after =
-                    rustix::fs::fstat(frame.fd()?).map_err(MeasureError::io("stat a directory"))?;
-                if stamp(&after) != frame.before && frame.relists < RELISTS {
-                    frame.relists += 1;
-                    frame.before = stamp(&after);
-                    frame.dir.rewind();
-                } else {
+                if !frame.relisted()? {
                     stack.pop();
                 }
                 continue;
@@ -400,13 +486,10 @@ pub fn measure(
         if st.st_dev != workspace.dev {
             return Err(MeasureError::ForeignDevice);
         }
-        if !seen.insert(key(&st)) {
-            continue;
-        }
-        usage.entries += 1;
-        usage.bytes = usage.bytes.saturating_add(blocks(&st));
-        if quota.exceeded_by(&usage) {
-            return Ok(usage);
+        match tally.count(&st) {
+            Counted::Again => continue,
+            Counted::Over => return Ok(Walked::OverQuota),
+            Counted::New => {}
         }
         if FileType::from_raw_mode(st.st_mode as _) != FileType::Directory {
             continue;
@@ -429,38 +512,15 @@ pub fn measure(
             return Err(MeasureError::ForeignDevice);
         }
         if key(&opened) != key(&st) {
-            if !seen.insert(key(&opened)) {
-                continue;
-            }
-            usage.entries += 1;
-            usage.bytes = usage.bytes.saturating_add(blocks(&opened));
-            if quota.exceeded_by(&usage) {
-                return Ok(usage);
+            match tally.count(&opened) {
+                Counted::Again => continue,
+                Counted::Over => return Ok(Walked::OverQuota),
+                Counted::New => {}
             }
         }
         stack.push(frame);
     }
-    match held {
-        None => {}
-        Some(HeldFiles::HostProcesses(processes)) => {
-            held_files(workspace.dev, processes, &mut seen, &mut usage)?;
-        }
-        // Counted inside the sandbox, on its view of the workspace: no name is left to them,
-        // so none of them is in the tree just walked.
-        Some(HeldFiles::Counted { files, bytes }) => {
-            usage.held_files = usage.held_files.saturating_add(*files);
-            usage.held_bytes = usage.held_bytes.saturating_add(*bytes);
-            usage.bytes = usage.bytes.saturating_add(*bytes);
-        }
-        Some(HeldFiles::Unmeasurable(why)) => {
-            return Err(match why {
-                Unmeasurable::HiddenDescriptors => MeasureError::HiddenDescriptors,
-                Unmeasurable::MappedDeleted => MeasureError::MappedDeleted,
-                other => MeasureError::Sandbox(other.clone()),
-            })
-        }
-    }
-    Ok(usage)
+    Ok(Walked::Whole)
 }
 
 /// Opens a subdirectory relative to its parent, never through a link. `None`: it is no

@@ -503,6 +503,59 @@ fn line(f: Finished, include_text: bool) -> Line {
     let r = &facts.record;
     let total = r.total.unwrap_or_default();
     let wall = f.wall - chrono::Duration::from_std(total).unwrap_or_default();
+    let durations = durations(r, total);
+    let launch = match (r.warm, r.ran()) {
+        (true, _) => "warm",
+        (false, true) => "cold",
+        (false, false) => "none",
+    };
+    let (outcome, explained) = match r.ended {
+        None => ("unknown".to_owned(), Some("the turn's end was not seen")),
+        Some(None) => ("ok".to_owned(), None),
+        Some(Some(failure)) => (snake(&failure), Some(explain(failure))),
+    };
+    let (model_calls, tool_calls, egress) = calls(r);
+    let refusals = refusals(r);
+    let usage = facts.usage;
+    let text = facts.text.as_ref().filter(|_| include_text);
+    Line {
+        v: 1,
+        at: wall.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        turn: f.turn,
+        channel: f.channel.as_deref().map(str::to_owned),
+        speaker: Some(facts.speaker.clone()),
+        launch: launch.to_owned(),
+        outcome,
+        explain: explained.map(str::to_owned),
+        budget: facts.budget.as_ref().map(|b| BudgetLine {
+            name: b.budget.key().to_owned(),
+            limit: b.limit,
+            message: b.message.clone(),
+        }),
+        duration_ms: durations,
+        model_calls,
+        tool_calls,
+        refusals,
+        egress,
+        refusals_omitted: r.refusals_omitted,
+        warm_fallback: r.fell_back,
+        usage: UsageLine {
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            model_calls: usage.model_calls,
+            tool_calls: usage.tool_calls,
+            estimated: usage.estimated,
+        },
+        bytes_in: Some(facts.bytes_in),
+        bytes_out: Some(facts.bytes_out),
+        workspace_bytes: facts.workspace_bytes,
+        text: text.map(|t| t.message.clone()),
+        reply: text.map(|t| t.reply.clone()),
+    }
+}
+
+/// The turn's durations: in all, waiting for its slot, and in each phase.
+fn durations(r: &crate::events::TurnRecord, total: Duration) -> Durations {
     let mut durations = Durations {
         total: ms(total),
         slot_wait: r.slot_wait.map(ms),
@@ -519,16 +572,14 @@ fn line(f: Finished, include_text: bool) -> Line {
             _ => {}
         }
     }
-    let launch = match (r.warm, r.ran()) {
-        (true, _) => "warm",
-        (false, true) => "cold",
-        (false, false) => "none",
-    };
-    let (outcome, explained) = match r.ended {
-        None => ("unknown".to_owned(), Some("the turn's end was not seen")),
-        Some(None) => ("ok".to_owned(), None),
-        Some(Some(failure)) => (snake(&failure), Some(explain(failure))),
-    };
+    durations
+}
+
+/// The turn's broker calls, each a line: its model calls, its tool calls and its egress
+/// requests.
+fn calls(
+    r: &crate::events::TurnRecord,
+) -> (Vec<ModelCallLine>, Vec<ToolCallLine>, Vec<EgressLine>) {
     let (mut model_calls, mut tool_calls, mut egress) = (Vec::new(), Vec::new(), Vec::new());
     for call in &r.calls {
         match call {
@@ -571,8 +622,12 @@ fn line(f: Finished, include_text: bool) -> Line {
             _ => {}
         }
     }
-    let refusals = r
-        .refusals
+    (model_calls, tool_calls, egress)
+}
+
+/// The broker's refusals in the turn, each with the limit (the budget) that refused.
+fn refusals(r: &crate::events::TurnRecord) -> Vec<RefusalLine> {
+    r.refusals
         .iter()
         .map(|(status, limit)| {
             let (limit, budget) = match limit {
@@ -585,43 +640,7 @@ fn line(f: Finished, include_text: bool) -> Line {
                 budget,
             }
         })
-        .collect();
-    let usage = facts.usage;
-    let text = facts.text.as_ref().filter(|_| include_text);
-    Line {
-        v: 1,
-        at: wall.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-        turn: f.turn,
-        channel: f.channel.as_deref().map(str::to_owned),
-        speaker: Some(facts.speaker.clone()),
-        launch: launch.to_owned(),
-        outcome,
-        explain: explained.map(str::to_owned),
-        budget: facts.budget.as_ref().map(|b| BudgetLine {
-            name: b.budget.key().to_owned(),
-            limit: b.limit,
-            message: b.message.clone(),
-        }),
-        duration_ms: durations,
-        model_calls,
-        tool_calls,
-        refusals,
-        egress,
-        refusals_omitted: r.refusals_omitted,
-        warm_fallback: r.fell_back,
-        usage: UsageLine {
-            prompt_tokens: usage.prompt_tokens,
-            completion_tokens: usage.completion_tokens,
-            model_calls: usage.model_calls,
-            tool_calls: usage.tool_calls,
-            estimated: usage.estimated,
-        },
-        bytes_in: Some(facts.bytes_in),
-        bytes_out: Some(facts.bytes_out),
-        workspace_bytes: facts.workspace_bytes,
-        text: text.map(|t| t.message.clone()),
-        reply: text.map(|t| t.reply.clone()),
-    }
+        .collect()
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -43,6 +43,7 @@ use roundtable_sandbox_protocol::compaction::{
 use roundtable_sandbox_protocol::Usage;
 use secrecy::{ExposeSecret, SecretString};
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
 use super::http::holding;
@@ -156,72 +157,133 @@ pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
 /// Answers one compaction request, under the turn's caps: the calls-in-flight permit for
 /// its whole duration (`429`), one compaction at a time (`429`), the turn's model calls not used up and its compactions not
 /// past `max_compactions` (`429`, the guest then builds the plain summary itself).
+///
+/// The steps: the method and the announced size checked, the turn's caps taken
+/// ([`admit`]), the body read within its cap and the call deadline ([`read_request`]),
+/// checked and parsed off the async threads ([`parse_off_thread`]), then the chain run.
 async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
-    let warnings = &turn.warnings;
-    // A refusal by one of the turn's limits, marked with it; any other is the compactor's
-    // own (its caps and rules).
-    let refuse_by = |status: StatusCode, limit, reason: &str| {
-        warnings.refused(reason);
-        super::http::refuse(status, limit, reason)
-    };
-    let refuse = |status: StatusCode, reason: &str| {
-        refuse_by(status, crate::events::Refusal::Compaction, reason)
-    };
-    // A `429` for a turn past its `max` of `what`.
-    let too_many = |limit, what: &str, max: &dyn std::fmt::Display| {
-        let reason = format!("too many {what} in this turn (limit {max})");
-        refuse_by(StatusCode::TOO_MANY_REQUESTS, limit, &reason)
-    };
     if req.method() != Method::POST {
         return refuse(
+            turn,
             StatusCode::METHOD_NOT_ALLOWED,
             "method not allowed: use POST",
         );
     }
     let limits = turn.broker.policy.limits;
     let cap = limits.max_request_bytes.min(MAX_REQUEST_BYTES);
-    let too_large = format!("compaction request too large (limit {cap} bytes)");
     let declared = req
         .headers()
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > cap as u64) {
-        return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large);
+        return refuse(turn, StatusCode::PAYLOAD_TOO_LARGE, &too_large(cap));
     }
+    let (permit, one) = match admit(turn) {
+        Ok(held) => held,
+        Err(refused) => return *refused,
+    };
+    let body = match read_request(turn, req, declared, cap).await {
+        Ok(body) => body,
+        Err(refused) => return *refused,
+    };
+    let request = match parse_off_thread(turn, body).await {
+        Ok(request) => request,
+        Err(refused) => return *refused,
+    };
+    let reply = compact(turn, &request).await;
+    drop(request);
+    drop(one);
+    holding(json_response(StatusCode::OK, &reply), permit)
+}
+
+/// An answer that ends a request before the chain runs (a refusal).
+type Halt = Box<Response>;
+
+/// A refusal by one of the turn's limits, marked with it (logged, rate-limited).
+fn refuse_by(
+    turn: &Turn,
+    status: StatusCode,
+    limit: crate::events::Refusal,
+    reason: &str,
+) -> Response {
+    turn.warnings.refused(reason);
+    super::http::refuse(status, limit, reason)
+}
+
+/// A refusal of the compactor's own (its caps and rules).
+fn refuse(turn: &Turn, status: StatusCode, reason: &str) -> Response {
+    refuse_by(turn, status, crate::events::Refusal::Compaction, reason)
+}
+
+/// A `429` for a turn past its `max` of `what`.
+fn too_many(
+    turn: &Turn,
+    limit: crate::events::Refusal,
+    what: &str,
+    max: &dyn std::fmt::Display,
+) -> Response {
+    let reason = format!("too many {what} in this turn (limit {max})");
+    refuse_by(turn, StatusCode::TOO_MANY_REQUESTS, limit, &reason)
+}
+
+/// The refusal of a body past `cap`.
+fn too_large(cap: usize) -> String {
+    format!("compaction request too large (limit {cap} bytes)")
+}
+
+/// Takes the turn's caps for one compaction: a place among the calls in flight and the
+/// turn's one compaction at a time (both held until the answer is sent), with its model
+/// calls not used up and its compactions counted against `max_compactions`.
+fn admit(turn: &Turn) -> Result<(OwnedSemaphorePermit, OwnedSemaphorePermit), Halt> {
+    let limits = turn.broker.policy.limits;
     // A place among the calls in flight, held until the answer is sent (as for a chat call).
     let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
-        return too_many(
+        return Err(Box::new(too_many(
+            turn,
             crate::events::Refusal::CallsInFlight,
             "calls in flight",
             &limits.max_calls_in_flight,
-        );
+        )));
     };
     // One compaction at a time per turn: the guest's agent loop never asks for two at once,
     // so a second is only an attacker multiplying what each one holds.
     let Ok(one) = turn.compacting.clone().try_acquire_owned() else {
-        return refuse(
+        return Err(Box::new(refuse(
+            turn,
             StatusCode::TOO_MANY_REQUESTS,
             "a compaction is already in flight in this turn",
-        );
+        )));
     };
     // A turn whose model calls are used up gets no more compactions: each upstream call
     // counts against them, and the plain summary is not served forever.
     if turn.model_calls.load(Ordering::SeqCst) >= limits.max_model_calls {
-        return too_many(
+        return Err(Box::new(too_many(
+            turn,
             crate::events::Refusal::ModelCalls,
             "model calls",
             &limits.max_model_calls,
-        );
+        )));
     }
     if turn.compactions.fetch_add(1, Ordering::SeqCst) >= limits.max_compactions {
-        return too_many(
+        return Err(Box::new(too_many(
+            turn,
             crate::events::Refusal::Compaction,
             "compactions",
             &limits.max_compactions,
-        );
+        )));
     }
-    // Read into one buffer of the announced size (no second copy of the body).
+    Ok((permit, one))
+}
+
+/// Reads the body into one buffer of the announced size (no second copy of the body),
+/// refused past `cap` or when not received within the call deadline.
+async fn read_request(
+    turn: &Turn,
+    req: Request<Incoming>,
+    declared: Option<u64>,
+    cap: usize,
+) -> Result<Vec<u8>, Halt> {
     let mut buf: Vec<u8> = Vec::with_capacity(declared.map_or(0, |n| n as usize).min(cap));
     let mut incoming = req.into_body();
     let read = async {
@@ -236,42 +298,49 @@ async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
         }
         Ok::<_, hyper::Error>(true)
     };
-    match tokio::time::timeout(limits.call_timeout, read).await {
-        Err(_) => {
-            return refuse(
-                StatusCode::REQUEST_TIMEOUT,
-                "request body not received in time",
-            )
+    match tokio::time::timeout(turn.broker.policy.limits.call_timeout, read).await {
+        Err(_) => Err(Box::new(refuse(
+            turn,
+            StatusCode::REQUEST_TIMEOUT,
+            "request body not received in time",
+        ))),
+        Ok(Ok(false)) => Err(Box::new(refuse(
+            turn,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &too_large(cap),
+        ))),
+        Ok(Err(_)) => Err(Box::new(refuse(
+            turn,
+            StatusCode::BAD_REQUEST,
+            "request body unreadable",
+        ))),
+        Ok(Ok(true)) => {
+            drop(incoming);
+            Ok(buf)
         }
-        Ok(Ok(false)) => return refuse(StatusCode::PAYLOAD_TOO_LARGE, &too_large),
-        Ok(Err(_)) => return refuse(StatusCode::BAD_REQUEST, "request body unreadable"),
-        Ok(Ok(true)) => {}
     }
-    drop(incoming);
-    let body = buf;
-    // Checked and parsed off the async threads; the body is dropped there.
+}
+
+/// Checks and parses the body off the async threads (it is dropped there); a refused
+/// request is the guest's `4xx`, its fixed reason logged.
+async fn parse_off_thread(turn: &Turn, body: Vec<u8>) -> Result<CompactRequest, Halt> {
     let parsed = tokio::task::spawn_blocking(move || parse_request(&body)).await;
-    let request = match parsed {
-        Ok(Ok(r)) => r,
+    match parsed {
+        Ok(Ok(r)) => Ok(r),
         Ok(Err(refusal)) => {
-            warnings.refused(refusal.reason);
-            return super::http::refuse(
+            turn.warnings.refused(refusal.reason);
+            Err(Box::new(super::http::refuse(
                 refusal.status,
                 crate::events::Refusal::Compaction,
                 &refusal.message,
-            );
+            )))
         }
-        Err(_) => {
-            return refuse(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "compaction request not parsed",
-            )
-        }
-    };
-    let reply = compact(turn, &request).await;
-    drop(request);
-    drop(one);
-    holding(json_response(StatusCode::OK, &reply), permit)
+        Err(_) => Err(Box::new(refuse(
+            turn,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "compaction request not parsed",
+        ))),
+    }
 }
 
 /// Which upstream a step calls.
@@ -349,8 +418,14 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
         };
         let attempt = match key {
             Ok(key) => {
-                let key = key.as_ref();
-                call(turn, request, who, url, model, key, timeout, &mut usage).await
+                let target = Target {
+                    who,
+                    url,
+                    model,
+                    key: key.as_ref(),
+                    timeout,
+                };
+                call(turn, request, &target, &mut usage).await
             }
             Err(reason) => Err(reason.to_owned()),
         };
@@ -383,19 +458,29 @@ async fn compact(turn: &Turn, request: &CompactRequest) -> CompactReply {
     }
 }
 
-/// One summary request to `url` with the shared rules; the finished summary, or why not.
-#[allow(clippy::too_many_arguments)]
+/// The upstream one step of the chain calls: its URL, model, key and deadline.
+struct Target<'a> {
+    who: Who,
+    url: &'a reqwest::Url,
+    model: &'a str,
+    key: Option<&'a SecretString>,
+    timeout: Duration,
+}
+
+/// One summary request to the target with the shared rules; the finished summary, or why
+/// not.
+///
+/// The steps: one of the turn's model calls taken, the request written
+/// ([`summary_body`]), the budgets' worst case held ([`hold`]), the request built with
+/// its key ([`authorised`]), sent and read within the deadline ([`SummaryCall::exchange`]),
+/// then the answer read and its charge settled ([`SummaryCall::answer`]).
 async fn call(
     turn: &Turn,
     request: &CompactRequest,
-    who: Who,
-    url: &reqwest::Url,
-    model: &str,
-    key: Option<&SecretString>,
-    timeout: Duration,
+    target: &Target<'_>,
     usage: &mut Usage,
 ) -> Result<String, String> {
-    let name = who.name();
+    let name = target.who.name();
     let limits = turn.broker.policy.limits;
     if turn.model_calls.fetch_add(1, Ordering::SeqCst) >= limits.max_model_calls {
         return Err(format!(
@@ -403,7 +488,48 @@ async fn call(
             limits.max_model_calls
         ));
     }
-    /// The summary request, written straight from its parts (no JSON value built).
+    let body = summary_body(turn, request, target.model);
+    let request_bytes = body.len();
+    let charge = hold(turn, request_bytes, name)?;
+    usage.model_calls += 1;
+    crate::events::emit(
+        &turn.ctx.events,
+        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
+    );
+    let http = match authorised(turn, target, body) {
+        Ok(http) => http,
+        Err(reason) => {
+            if let Some(charge) = charge {
+                charge.settle(0, 0, false);
+            }
+            return Err(reason);
+        }
+    };
+    let cap = limits.max_response_bytes.min(MAX_ANSWER_BYTES);
+    let mut call = SummaryCall {
+        turn,
+        who: target.who,
+        charge,
+        request_bytes,
+        started: std::time::Instant::now(),
+    };
+    let (status, bytes, truncated) = call.exchange(http, target.timeout, cap).await?;
+    let Answer {
+        content,
+        prompt,
+        completion,
+    } = call.answer(request, status, bytes, truncated, cap).await?;
+    if let Some(n) = prompt {
+        usage.prompt_tokens = Some(usage.prompt_tokens.unwrap_or(0).saturating_add(n));
+    }
+    if let Some(n) = completion {
+        usage.completion_tokens = Some(usage.completion_tokens.unwrap_or(0).saturating_add(n));
+    }
+    finish_summary(request, &content).ok_or_else(|| format!("the {name} answer is empty"))
+}
+
+/// The summary request, written straight from its parts (no JSON value built).
+fn summary_body(turn: &Turn, request: &CompactRequest, model: &str) -> Vec<u8> {
     #[derive(serde::Serialize)]
     struct Summarise<'a> {
         model: &'a str,
@@ -412,18 +538,23 @@ async fn call(
         max_tokens: u32,
     }
     let messages: Vec<Message> = summary_messages(request);
-    let body = serde_json::to_vec(&Summarise {
+    serde_json::to_vec(&Summarise {
         model,
         messages: &messages,
         stream: false,
         max_tokens: turn.broker.policy.model_request.max_tokens,
     })
-    .expect("a summary request serialises");
-    drop(messages);
-    let request_bytes = body.len();
-    // Every budget must have room; the call's worst case is then held until its answer
-    // settles it (as a chat call's).
-    let charge = match turn.ctx.account.as_ref().map(|a| {
+    .expect("a summary request serialises")
+}
+
+/// Every budget must have room; the call's worst case is then held until its answer
+/// settles it (as a chat call's). A refusal is the turn's `BudgetRefused` event.
+fn hold(
+    turn: &Turn,
+    request_bytes: usize,
+    name: &str,
+) -> Result<Option<crate::budgets::CallCharge>, String> {
+    match turn.ctx.account.as_ref().map(|a| {
         a.hold(
             crate::budgets::estimate_tokens(request_bytes),
             u64::from(turn.broker.policy.model_request.max_tokens),
@@ -437,54 +568,61 @@ async fn call(
                     mid_turn: true,
                 },
             );
-            return Err(format!("the {name} call is refused: {refusal}"));
+            Err(format!("the {name} call is refused: {refusal}"))
         }
-        Some(Ok(charge)) => Some(charge),
-        None => None,
-    };
-    usage.model_calls += 1;
-    crate::events::emit(
-        &turn.ctx.events,
-        crate::events::EventKind::Phase(crate::TurnPhase::ModelCall),
-    );
+        Some(Ok(charge)) => Ok(Some(charge)),
+        None => Ok(None),
+    }
+}
+
+/// The HTTP request to the target, its key in the `Authorization` header.
+fn authorised(
+    turn: &Turn,
+    target: &Target<'_>,
+    body: Vec<u8>,
+) -> Result<reqwest::RequestBuilder, String> {
     let mut http = turn
         .broker
         .upstream
         .client
-        .post(url.clone())
+        .post(target.url.clone())
         .header(CONTENT_TYPE, "application/json")
         .header(ACCEPT, "application/json")
         .body(body);
-    if let Some(key) = key {
+    if let Some(key) = target.key {
         let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
         else {
-            if let Some(charge) = charge {
-                charge.settle(0, 0, false);
-            }
-            return Err(format!("the {name} key is not a valid header value"));
+            return Err(format!(
+                "the {} key is not a valid header value",
+                target.who.name()
+            ));
         };
         value.set_sensitive(true);
         http = http.header(AUTHORIZATION, value);
     }
-    let cap = limits.max_response_bytes.min(MAX_ANSWER_BYTES);
-    let exchange = async {
-        let mut response = http.send().await.map_err(Exchange::Send)?;
-        let status = response.status();
-        match read_body(&mut response, cap).await {
-            Ok(bytes) => Ok((status, bytes, false)),
-            Err(ReadError::TooLarge { .. }) => Ok((status, Vec::new(), true)),
-            Err(_) => Err(Exchange::Read),
-        }
-    };
-    // One model call event per call that was tried, as the guest's calls have: the
-    // upstream's status (or what a guest would have got), its latency and usage.
-    let started = std::time::Instant::now();
-    let report = |status: StatusCode, counts: Option<(Option<u64>, Option<u64>)>| {
-        if let Some(events) = &turn.ctx.events {
+    Ok(http)
+}
+
+/// One summary call once its request is built: what its answer settles, and what its
+/// model call event reports.
+struct SummaryCall<'t> {
+    turn: &'t Turn,
+    who: Who,
+    /// The budgets' hold, settled by the answer (kept at its worst case otherwise).
+    charge: Option<crate::budgets::CallCharge>,
+    request_bytes: usize,
+    started: std::time::Instant,
+}
+
+impl SummaryCall<'_> {
+    /// One model call event per call that was tried, as the guest's calls have: the
+    /// upstream's status (or what a guest would have got), its latency and usage.
+    fn report(&self, status: StatusCode, counts: Option<(Option<u64>, Option<u64>)>) {
+        if let Some(events) = &self.turn.ctx.events {
             events.broker(crate::events::BrokerEvent::ModelCall {
-                operation: who.operation(),
+                operation: self.who.operation(),
                 status: status.as_u16(),
-                latency: started.elapsed(),
+                latency: self.started.elapsed(),
                 usage: counts.map(|(p, c)| Usage {
                     model_calls: 1,
                     prompt_tokens: p,
@@ -493,97 +631,112 @@ async fn call(
                 }),
             });
         }
-    };
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(timeout, exchange) => r,
-        _ = turn.stop.cancelled() => {
-            report(StatusCode::SERVICE_UNAVAILABLE, None);
-            return Err("the turn was stopped".to_owned());
-        }
-    };
-    let failed = |status: StatusCode, msg: String| {
-        report(status, None);
-        Err(msg)
-    };
-    let (status, bytes, truncated) = match outcome {
-        Err(_) => {
-            return failed(
+    }
+
+    /// Sends the request and reads its answer (at most `cap` bytes) within `timeout`,
+    /// unless the turn is stopped first: the status, the bytes and whether they were cut.
+    async fn exchange(
+        &mut self,
+        http: reqwest::RequestBuilder,
+        timeout: Duration,
+        cap: usize,
+    ) -> Result<(StatusCode, Vec<u8>, bool), String> {
+        let name = self.who.name();
+        let exchange = async {
+            let mut response = http.send().await.map_err(Exchange::Send)?;
+            let status = response.status();
+            match read_body(&mut response, cap).await {
+                Ok(bytes) => Ok((status, bytes, false)),
+                Err(ReadError::TooLarge { .. }) => Ok((status, Vec::new(), true)),
+                Err(_) => Err(Exchange::Read),
+            }
+        };
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(timeout, exchange) => r,
+            _ = self.turn.stop.cancelled() => {
+                self.report(StatusCode::SERVICE_UNAVAILABLE, None);
+                return Err("the turn was stopped".to_owned());
+            }
+        };
+        let (status, msg) = match outcome {
+            Ok(Ok(r)) => {
+                if let Some(account) = &self.turn.ctx.account {
+                    account.count_model_call();
+                }
+                return Ok(r);
+            }
+            Err(_) => (
                 StatusCode::GATEWAY_TIMEOUT,
                 format!("the {name} timed out after {timeout:?}"),
-            )
-        }
-        Ok(Err(Exchange::Send(e))) if e.is_connect() => {
-            // Nothing reached the upstream.
-            if let Some(charge) = charge {
-                charge.settle(0, 0, false);
+            ),
+            Ok(Err(Exchange::Send(e))) if e.is_connect() => {
+                // Nothing reached the upstream.
+                if let Some(charge) = self.charge.take() {
+                    charge.settle(0, 0, false);
+                }
+                (
+                    StatusCode::BAD_GATEWAY,
+                    format!("the {name} is unreachable"),
+                )
             }
-            return failed(
-                StatusCode::BAD_GATEWAY,
-                format!("the {name} is unreachable"),
-            );
-        }
-        Ok(Err(Exchange::Send(e))) if e.is_timeout() => {
-            return failed(StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
-        }
-        Ok(Err(_)) => {
-            return failed(
+            Ok(Err(Exchange::Send(e))) if e.is_timeout() => {
+                (StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
+            }
+            Ok(Err(_)) => (
                 StatusCode::BAD_GATEWAY,
                 format!("the {name} request failed"),
-            )
-        }
-        Ok(Ok(r)) => r,
-    };
-    if let Some(account) = &turn.ctx.account {
-        account.count_model_call();
-    }
-    if !status.is_success() {
-        if let Some(charge) = charge {
-            charge.settle(crate::budgets::estimate_tokens(request_bytes), 0, true);
-        }
-        report(status, None);
-        return Err(format!("the {name} returned HTTP {}", status.as_u16()));
-    }
-    if truncated {
-        report(StatusCode::BAD_GATEWAY, None);
-        return Err(format!("the {name} answer is larger than {cap} bytes"));
-    }
-    // Only the text (copied up to the summary's size) and the counts are kept; the parse
-    // runs off the async threads and the answer's bytes are dropped there.
-    let keep = request.limits().bytes.saturating_add(1);
-    let answer_bytes = bytes.len();
-    let caps = Caps::bytes(cap);
-    let parsed = bounded::off_thread(move || {
-        bounded::check(&bytes, caps).ok()?;
-        parse_answer(&bytes, keep)
-    })
-    .await;
-    report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
-    // Host-counted, from the upstream's own usage (or the estimate), answer or not.
-    if let Some(charge) = charge {
-        match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
-            Some((Some(p), c)) => charge.settle(p, c.unwrap_or(0), false),
-            _ => charge.settle(
-                crate::budgets::estimate_tokens(request_bytes),
-                crate::budgets::estimate_tokens(answer_bytes),
-                true,
             ),
+        };
+        self.report(status, None);
+        Err(msg)
+    }
+
+    /// Reads the upstream's answer: a refusal or a cut answer is a failed step; a
+    /// successful one is parsed off the async threads (only the text, copied up to the
+    /// summary's size, and the counts are kept; the answer's bytes are dropped there). The
+    /// charge is settled, host-counted from the upstream's own usage (or the estimate).
+    async fn answer(
+        mut self,
+        request: &CompactRequest,
+        status: StatusCode,
+        bytes: Vec<u8>,
+        truncated: bool,
+        cap: usize,
+    ) -> Result<Answer, String> {
+        let name = self.who.name();
+        if !status.is_success() {
+            if let Some(charge) = self.charge.take() {
+                charge.settle(crate::budgets::estimate_tokens(self.request_bytes), 0, true);
+            }
+            self.report(status, None);
+            return Err(format!("the {name} returned HTTP {}", status.as_u16()));
         }
+        if truncated {
+            self.report(StatusCode::BAD_GATEWAY, None);
+            return Err(format!("the {name} answer is larger than {cap} bytes"));
+        }
+        let keep = request.limits().bytes.saturating_add(1);
+        let answer_bytes = bytes.len();
+        let caps = Caps::bytes(cap);
+        let parsed = bounded::off_thread(move || {
+            bounded::check(&bytes, caps).ok()?;
+            parse_answer(&bytes, keep)
+        })
+        .await;
+        self.report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
+        // Host-counted, from the upstream's own usage (or the estimate), answer or not.
+        if let Some(charge) = self.charge.take() {
+            match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
+                Some((Some(p), c)) => charge.settle(p, c.unwrap_or(0), false),
+                _ => charge.settle(
+                    crate::budgets::estimate_tokens(self.request_bytes),
+                    crate::budgets::estimate_tokens(answer_bytes),
+                    true,
+                ),
+            }
+        }
+        parsed.ok_or_else(|| format!("the {name} answer is not a chat completion"))
     }
-    let Some(Answer {
-        content,
-        prompt,
-        completion,
-    }) = parsed
-    else {
-        return Err(format!("the {name} answer is not a chat completion"));
-    };
-    if let Some(n) = prompt {
-        usage.prompt_tokens = Some(usage.prompt_tokens.unwrap_or(0).saturating_add(n));
-    }
-    if let Some(n) = completion {
-        usage.completion_tokens = Some(usage.completion_tokens.unwrap_or(0).saturating_add(n));
-    }
-    finish_summary(request, &content).ok_or_else(|| format!("the {name} answer is empty"))
 }
 
 /// Why a summary call's exchange failed.

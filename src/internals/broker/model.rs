@@ -289,6 +289,10 @@ impl Upstream {
 
     /// Forwards one chat completion ([`prepare`]d). Every secret of `policy` (the key just
     /// resolved among them) is redacted from the answer.
+    ///
+    /// The steps: the request built with the key, sent and its answer read within the
+    /// call's deadline ([`Upstream::exchange`]), then the answer mapped for the guest (a
+    /// whole answer, the upstream's refusal or a stream), its charge settled.
     pub(crate) async fn chat(
         &self,
         prepared: Prepared,
@@ -305,22 +309,91 @@ impl Upstream {
             usage_asked,
             max_completion: _,
         } = prepared;
-        // What did not reach the upstream is not charged.
-        let unsent = |charge: Option<CallCharge>| {
-            if let Some(c) = charge {
-                c.settle(0, 0, false);
+        let sent_bytes = body.len();
+        let (request, secrets) = match self.request(body, stream, accept, policy).await {
+            Ok(built) => built,
+            Err(answer) => {
+                settle_unsent(charge);
+                return answer;
             }
         };
-        let sent_bytes = body.len();
+        let whole = match self.exchange(request, stream, cancel, &secrets).await {
+            Ok(whole) => whole,
+            Err(Unanswered::Stopped(answer)) => return answer,
+            Err(Unanswered::Failed(answer)) => {
+                settle_unsent(charge);
+                return answer;
+            }
+        };
+        // Counted as sent: it reached the upstream (its answer may still be refused).
+        if let Some(c) = &charge {
+            c.count_sent();
+        }
+        let call = Reached {
+            charge,
+            secrets,
+            sent_bytes,
+        };
+        match whole {
+            Whole::Body(status, bytes, truncated) if status.is_success() => {
+                if truncated {
+                    return Answer::plain(error_response(
+                        StatusCode::BAD_GATEWAY,
+                        &format!(
+                            "model response too large (limit {} bytes)",
+                            self.limits.max_response_bytes
+                        ),
+                    ));
+                }
+                call.whole(bytes, events.is_some()).await
+            }
+            Whole::Body(status, bytes, truncated) => call.refused(status, bytes, truncated),
+            Whole::Stream(response) => {
+                // The stream's event is sent when it ends (with its usage chunk's counts),
+                // its latency the head's.
+                let report = events.map(|e| (e.clone(), started.elapsed()));
+                let Reached {
+                    charge,
+                    secrets,
+                    sent_bytes,
+                } = call;
+                let tap = (charge.is_some() || report.is_some()).then(|| UsageTap {
+                    charge,
+                    report,
+                    sent_bytes,
+                    streamed: 0,
+                    usage: None,
+                });
+                Answer {
+                    response: self.relay(response, secrets, SseFilter::new(!usage_asked), tap),
+                    usage: None,
+                    streamed: true,
+                }
+            }
+        }
+    }
+
+    /// The request to send: the body, its headers and the key (resolved now), with the
+    /// broker's secrets taken after the key (a provider's new key is in the set). A key
+    /// that cannot be had or sent is the guest's `502`.
+    async fn request(
+        &self,
+        body: Vec<u8>,
+        stream: bool,
+        accept: Option<HeaderValue>,
+        policy: &BrokerPolicy,
+    ) -> Result<(reqwest::RequestBuilder, Secrets), Answer> {
+        let unavailable = || {
+            Answer::plain(error_response(
+                StatusCode::BAD_GATEWAY,
+                "model key unavailable",
+            ))
+        };
         let key = match self.key.resolve().await {
             Ok(k) => k.filter(|k| !k.expose_secret().is_empty()),
             Err(e) => {
                 tracing::warn!(error = %e, "model key unavailable");
-                unsent(charge);
-                return Answer::plain(error_response(
-                    StatusCode::BAD_GATEWAY,
-                    "model key unavailable",
-                ));
+                return Err(unavailable());
             }
         };
         let key_str = key.as_ref().map(|k| k.expose_secret());
@@ -345,167 +418,79 @@ impl Upstream {
         if let Some(k) = key_str {
             let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {k}")) else {
                 tracing::warn!("model key is not a valid header value");
-                unsent(charge);
-                return Answer::plain(error_response(
-                    StatusCode::BAD_GATEWAY,
-                    "model key unavailable",
-                ));
+                return Err(unavailable());
             };
             value.set_sensitive(true);
             request = request.header(AUTHORIZATION, value);
         }
+        Ok((request, secrets))
+    }
+
+    /// Sends the request and reads its answer within the call's deadline, unless the turn
+    /// is cancelled first. The charge stays held at its worst case until the answer
+    /// settles it: a call dropped by the guest, ended with its turn or past its deadline
+    /// keeps the worst case.
+    async fn exchange(
+        &self,
+        request: reqwest::RequestBuilder,
+        stream: bool,
+        cancel: CancellationToken,
+        secrets: &Secrets,
+    ) -> Result<Whole, Unanswered> {
         let timeout = self.limits.call_timeout;
-        // Held at its worst case until the answer settles it (`charge`): a call dropped by
-        // the guest, ended with its turn or past its deadline keeps the worst case.
-        let send = async {
-            let mut response = request.send().await.map_err(Upstream::failed)?;
-            if stream && response.status().is_success() {
-                return Ok(Whole::Stream(response));
-            }
-            let status = response.status();
-            // The one bounded reader: a whole answer past the cap is refused (its length
-            // header, or the chunk that passes it); an error's body is shown cut.
-            if status.is_success() {
-                let read = read_body(&mut response, self.limits.max_response_bytes).await;
-                match read {
-                    Ok(bytes) => Ok(Whole::Body(status, bytes, false)),
-                    Err(ReadError::TooLarge { .. }) => Ok(Whole::Body(status, Vec::new(), true)),
-                    Err(e) => Err(Failure::Read(e)),
-                }
-            } else {
-                let (bytes, cut) = read_prefix(&mut response, ERROR_READ)
-                    .await
-                    .map_err(Failure::Read)?;
-                Ok(Whole::Body(status, bytes, cut))
-            }
-        };
         let outcome = tokio::select! {
-            r = tokio::time::timeout(timeout, send) => r,
+            r = tokio::time::timeout(timeout, self.send(request, stream)) => r,
             _ = cancel.cancelled() => {
-                return Answer::plain(error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled"));
+                return Err(Unanswered::Stopped(Answer::plain(error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "turn cancelled",
+                ))));
             }
         };
-        let whole = match outcome {
+        match outcome {
             Err(_) => {
                 tracing::info!(timeout = ?timeout, "model call timed out");
-                return Answer::plain(error_response(
+                Err(Unanswered::Stopped(Answer::plain(error_response(
                     StatusCode::GATEWAY_TIMEOUT,
                     &format!("model call timed out after {timeout:?}"),
-                ));
+                ))))
             }
             Ok(Err(e)) => {
-                if matches!(&e, Failure::Send(e) if e.is_connect()) {
-                    unsent(charge);
-                }
-                let msg = match &e {
-                    Failure::Send(e) => {
-                        tracing::warn!(error = %secrets.redact(&e.to_string()), "model call failed");
-                        if e.is_connect() {
-                            "model upstream unreachable"
-                        } else if e.is_timeout() {
-                            "model upstream timed out"
-                        } else {
-                            "model upstream request failed"
-                        }
-                    }
-                    Failure::Read(e) => {
-                        tracing::warn!(error = %secrets.redact(&e.to_string()), "model answer not read");
-                        "model upstream request failed"
-                    }
-                };
-                return Answer::plain(error_response(StatusCode::BAD_GATEWAY, msg));
-            }
-            Ok(Ok(w)) => w,
-        };
-        // Counted as sent: it reached the upstream (its answer may still be refused).
-        if let Some(c) = &charge {
-            c.count_sent();
-        }
-        match whole {
-            Whole::Body(status, bytes, truncated) if status.is_success() => {
-                if truncated {
-                    return Answer::plain(error_response(
-                        StatusCode::BAD_GATEWAY,
-                        &format!(
-                            "model response too large (limit {} bytes)",
-                            self.limits.max_response_bytes
-                        ),
-                    ));
-                }
-                // Read once, for the budgets and for the call's event (not at all when
-                // neither is there), and redacted: both off the async threads.
-                let read_usage = charge.is_some() || events.is_some();
-                let answer_bytes = bytes.len();
-                let (wire, out) = bounded::off_thread(move || {
-                    let wire = read_usage.then(|| answer_usage(&bytes)).flatten();
-                    (wire, redact_whole(&secrets, bytes))
+                let unsent = matches!(&e, Failure::Send(e) if e.is_connect());
+                let answer =
+                    Answer::plain(error_response(StatusCode::BAD_GATEWAY, e.message(secrets)));
+                Err(if unsent {
+                    // What did not reach the upstream is not charged.
+                    Unanswered::Failed(answer)
+                } else {
+                    Unanswered::Stopped(answer)
                 })
-                .await;
-                if let Some(charge) = charge {
-                    settle_whole(charge, sent_bytes, answer_bytes, wire);
-                }
-                let usage = wire.map(|u| roundtable_sandbox_protocol::Usage {
-                    model_calls: 1,
-                    prompt_tokens: u.prompt_tokens,
-                    completion_tokens: u.completion_tokens,
-                    ..Default::default()
-                });
-                let response = hyper::Response::builder()
-                    .status(StatusCode::OK)
-                    .header(CONTENT_TYPE, "application/json")
-                    .body(super::http::full(out))
-                    .expect("a valid response");
-                Answer {
-                    response,
-                    usage,
-                    streamed: false,
-                }
             }
-            Whole::Body(status, bytes, truncated) => {
-                // The upstream refused it: the prompt's estimate.
-                if let Some(charge) = charge {
-                    charge.settle(estimate_tokens(sent_bytes), 0, true);
-                }
-                // Redacted before it is cut: a secret straddling the read's end (its start
-                // held back by the redactor) is dropped, never shown in part.
-                let mut redactor = Redactor::new(secrets);
-                let mut clean = redactor.push(&bytes);
-                drop(bytes);
-                if truncated {
-                    redactor.abandon();
-                } else {
-                    clean.extend(redactor.finish());
-                }
-                let text = String::from_utf8_lossy(&clean);
-                let snippet: String = text.trim().chars().take(ERROR_SNIPPET).collect();
-                tracing::info!(status = status.as_u16(), "model upstream refused the call");
-                let msg = if snippet.is_empty() {
-                    format!("model upstream returned HTTP {}", status.as_u16())
-                } else {
-                    format!(
-                        "model upstream returned HTTP {}: {snippet}",
-                        status.as_u16()
-                    )
-                };
-                Answer::plain(error_response(StatusCode::BAD_GATEWAY, &msg))
+            Ok(Ok(w)) => Ok(w),
+        }
+    }
+
+    /// Sends the request and reads its answer through the one bounded reader: a whole
+    /// answer past the cap is refused (its length header, or the chunk that passes it); an
+    /// error's body is read cut; a successful stream is returned unread.
+    async fn send(&self, request: reqwest::RequestBuilder, stream: bool) -> Result<Whole, Failure> {
+        let mut response = request.send().await.map_err(Upstream::failed)?;
+        if stream && response.status().is_success() {
+            return Ok(Whole::Stream(response));
+        }
+        let status = response.status();
+        if status.is_success() {
+            let read = read_body(&mut response, self.limits.max_response_bytes).await;
+            match read {
+                Ok(bytes) => Ok(Whole::Body(status, bytes, false)),
+                Err(ReadError::TooLarge { .. }) => Ok(Whole::Body(status, Vec::new(), true)),
+                Err(e) => Err(Failure::Read(e)),
             }
-            Whole::Stream(response) => {
-                // The stream's event is sent when it ends (with its usage chunk's counts),
-                // its latency the head's.
-                let report = events.map(|e| (e.clone(), started.elapsed()));
-                let tap = (charge.is_some() || report.is_some()).then(|| UsageTap {
-                    charge,
-                    report,
-                    sent_bytes,
-                    streamed: 0,
-                    usage: None,
-                });
-                Answer {
-                    response: self.relay(response, secrets, SseFilter::new(!usage_asked), tap),
-                    usage: None,
-                    streamed: true,
-                }
-            }
+        } else {
+            let (bytes, cut) = read_prefix(&mut response, ERROR_READ)
+                .await
+                .map_err(Failure::Read)?;
+            Ok(Whole::Body(status, bytes, cut))
         }
     }
 
@@ -842,6 +827,121 @@ enum Failure {
 impl Upstream {
     fn failed(e: reqwest::Error) -> Failure {
         Failure::Send(e)
+    }
+}
+
+impl Failure {
+    /// Logs the failure (redacted) and gives the guest's message for it.
+    fn message(&self, secrets: &Secrets) -> &'static str {
+        match self {
+            Failure::Send(e) => {
+                tracing::warn!(error = %secrets.redact(&e.to_string()), "model call failed");
+                if e.is_connect() {
+                    "model upstream unreachable"
+                } else if e.is_timeout() {
+                    "model upstream timed out"
+                } else {
+                    "model upstream request failed"
+                }
+            }
+            Failure::Read(e) => {
+                tracing::warn!(error = %secrets.redact(&e.to_string()), "model answer not read");
+                "model upstream request failed"
+            }
+        }
+    }
+}
+
+/// A model call that brought no answer to map: the guest's error response, and whether
+/// the call's charge stays held at its worst case (`Stopped`: cancelled, past its deadline
+/// or failed after it may have reached the upstream) or is settled at nothing (`Failed`:
+/// the upstream could not be reached).
+enum Unanswered {
+    Stopped(Answer),
+    Failed(Answer),
+}
+
+/// Settles the charge of a call that did not reach the upstream: it is not charged.
+fn settle_unsent(charge: Option<CallCharge>) {
+    if let Some(c) = charge {
+        c.settle(0, 0, false);
+    }
+}
+
+/// A model call whose request reached the upstream: what its answer settles and is
+/// redacted with.
+struct Reached {
+    charge: Option<CallCharge>,
+    secrets: Secrets,
+    sent_bytes: usize,
+}
+
+impl Reached {
+    /// A whole answer within the cap: its `usage` read (for the budgets and the call's
+    /// event, `report`; not at all when neither is there) and the answer redacted, both
+    /// off the async threads; the charge settled.
+    async fn whole(self, bytes: Vec<u8>, report: bool) -> Answer {
+        let Reached {
+            charge,
+            secrets,
+            sent_bytes,
+        } = self;
+        let read_usage = charge.is_some() || report;
+        let answer_bytes = bytes.len();
+        let (wire, out) = bounded::off_thread(move || {
+            let wire = read_usage.then(|| answer_usage(&bytes)).flatten();
+            (wire, redact_whole(&secrets, bytes))
+        })
+        .await;
+        if let Some(charge) = charge {
+            settle_whole(charge, sent_bytes, answer_bytes, wire);
+        }
+        let usage = wire.map(|u| roundtable_sandbox_protocol::Usage {
+            model_calls: 1,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            ..Default::default()
+        });
+        let response = hyper::Response::builder()
+            .status(StatusCode::OK)
+            .header(CONTENT_TYPE, "application/json")
+            .body(super::http::full(out))
+            .expect("a valid response");
+        Answer {
+            response,
+            usage,
+            streamed: false,
+        }
+    }
+
+    /// The upstream refused the call: charged the prompt's estimate, and its error body
+    /// shown to the guest redacted, then cut. Redacted before it is cut: a secret
+    /// straddling the read's end (its start held back by the redactor) is dropped, never
+    /// shown in part.
+    fn refused(self, status: StatusCode, bytes: Vec<u8>, truncated: bool) -> Answer {
+        if let Some(charge) = self.charge {
+            charge.settle(estimate_tokens(self.sent_bytes), 0, true);
+        }
+        let mut redactor = Redactor::new(self.secrets);
+        let mut clean = redactor.push(&bytes);
+        drop(bytes);
+        if truncated {
+            redactor.abandon();
+        } else {
+            clean.extend(redactor.finish());
+        }
+        let text = String::from_utf8_lossy(&clean);
+        let snippet: String = text.trim().chars().take(ERROR_SNIPPET).collect();
+        tracing::info!(status = status.as_u16(), "model upstream refused the call");
+        let msg = if snippet.is_empty() {
+            format!("model upstream returned HTTP {}", status.as_u16())
+        } else {
+            format!(
+                "model upstream returned HTTP {}: {snippet}",
+                status.as_u16()
+            )
+        };
+        Answer::plain(error_response(StatusCode::BAD_GATEWAY, &msg))
     }
 }
 

@@ -113,26 +113,10 @@ pub(crate) async fn serve(
         .peer_uid_check
         .then_some(broker.policy.worker_uid);
     let max_connections = broker.policy.limits.max_connections;
-    let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
-    let ctx_channel = ctx.channel.clone();
-    let turn = Arc::new(Turn {
-        broker,
-        ctx,
-        stop: stop.clone(),
-        model_calls: AtomicU32::new(0),
-        tool_calls: AtomicU32::new(0),
-        compactions: AtomicU32::new(0),
-        compaction_refusals: AtomicU32::new(0),
-        in_flight,
-        compacting: Arc::new(Semaphore::new(1)),
-        warnings: super::warn::Warnings::new(&ctx_channel),
-        egress: Default::default(),
-    });
+    let turn = Arc::new(Turn::new(broker, ctx, stop.clone()));
     let mut connections = JoinSet::new();
     let mut closed = false;
-    // The connection-limit warn line, rate-limited: one per window, the rest counted.
-    let mut limit_logged: Option<std::time::Instant> = None;
-    let mut limit_suppressed = 0u64;
+    let mut limit_log = LimitLog::default();
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => break,
@@ -153,74 +137,124 @@ pub(crate) async fn serve(
                 StatusCode::SERVICE_UNAVAILABLE,
                 Refusal::Connections,
             );
-            if limit_logged.is_none_or(|t| t.elapsed() >= super::warn::WARN_WINDOW) {
-                tracing::warn!(
-                    limit = max_connections,
-                    suppressed = limit_suppressed,
-                    "broker connection limit reached"
-                );
-                limit_logged = Some(std::time::Instant::now());
-                limit_suppressed = 0;
-            } else {
-                limit_suppressed += 1;
-            }
-            // Told why, then closed: a few hundred bytes into a fresh socket's buffer (a
-            // peer that reads nothing does not hold the task past the deadline).
-            let refusal = too_many_connections(max_connections);
-            tokio::spawn(async move {
-                let mut stream = stream;
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    tokio::io::AsyncWriteExt::write_all(&mut stream, &refusal),
-                )
-                .await;
-            });
+            limit_log.reached(max_connections);
+            refuse_connection(stream, max_connections);
             continue;
         }
-        let turn = turn.clone();
-        connections.spawn(async move {
-            let service_turn = turn.clone();
-            let service = hyper::service::service_fn(move |req| {
-                let turn = service_turn.clone();
-                async move {
-                    let mut response = handle(&turn, req).await;
-                    // Every refusal of the broker's own, reported once, here.
-                    if let Some(Refused(limit)) = response.extensions_mut().remove::<Refused>() {
-                        refused(&turn.ctx, response.status(), limit);
-                    }
-                    Ok::<_, Infallible>(response)
-                }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .max_buf_size(MAX_HEAD_BYTES)
-                // max_buf_size alone is a soft bound (a read may overshoot it); the
-                // parsed head is checked exactly, with a 431.
-                .max_header_size(MAX_HEAD_BYTES)
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                r = conn => {
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "broker connection ended");
-                        // hyper's own answers (to a head it cannot parse, or past the cap).
-                        if let Some((status, limit)) = answered_by_hyper(&e) {
-                            refused(&turn.ctx, status, limit);
-                        }
-                    }
-                }
-                // The turn ended: in-flight calls (upstream requests, MCP calls) are dropped.
-                _ = turn.stop.cancelled() => {}
-            }
-        });
+        connections.spawn(connection(turn.clone(), stream));
     }
     connections.shutdown().await;
-    if limit_suppressed > 0 {
-        tracing::warn!(
-            limit = max_connections,
-            suppressed = limit_suppressed,
-            "broker connection limit reached (lines suppressed in this turn)"
-        );
+    limit_log.finish(max_connections);
+}
+
+impl Turn {
+    /// A turn's shared state, its counts at zero.
+    fn new(broker: Arc<Broker>, ctx: TurnContext, stop: CancellationToken) -> Self {
+        let in_flight = Arc::new(Semaphore::new(broker.policy.limits.max_calls_in_flight));
+        let warnings = super::warn::Warnings::new(&ctx.channel);
+        Self {
+            broker,
+            ctx,
+            stop,
+            model_calls: AtomicU32::new(0),
+            tool_calls: AtomicU32::new(0),
+            compactions: AtomicU32::new(0),
+            compaction_refusals: AtomicU32::new(0),
+            in_flight,
+            compacting: Arc::new(Semaphore::new(1)),
+            warnings,
+            egress: Default::default(),
+        }
+    }
+}
+
+/// The connection-limit warn line, rate-limited: one per window, the rest counted.
+#[derive(Default)]
+struct LimitLog {
+    logged: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl LimitLog {
+    /// One more connection past the limit.
+    fn reached(&mut self, limit: usize) {
+        if self
+            .logged
+            .is_none_or(|t| t.elapsed() >= super::warn::WARN_WINDOW)
+        {
+            tracing::warn!(
+                limit,
+                suppressed = self.suppressed,
+                "broker connection limit reached"
+            );
+            self.logged = Some(std::time::Instant::now());
+            self.suppressed = 0;
+        } else {
+            self.suppressed += 1;
+        }
+    }
+
+    /// The turn's end: the lines suppressed since the last one, told.
+    fn finish(&self, limit: usize) {
+        if self.suppressed > 0 {
+            tracing::warn!(
+                limit,
+                suppressed = self.suppressed,
+                "broker connection limit reached (lines suppressed in this turn)"
+            );
+        }
+    }
+}
+
+/// A connection past the limit: told why, then closed: a few hundred bytes into a fresh
+/// socket's buffer (a peer that reads nothing does not hold the task past the deadline).
+fn refuse_connection(stream: Box<dyn GuestStream>, limit: usize) {
+    let refusal = too_many_connections(limit);
+    tokio::spawn(async move {
+        let mut stream = stream;
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::io::AsyncWriteExt::write_all(&mut stream, &refusal),
+        )
+        .await;
+    });
+}
+
+/// Serves one connection's requests until it ends or the turn does (its calls in flight,
+/// upstream requests and MCP calls, are then dropped).
+async fn connection(turn: Arc<Turn>, stream: Box<dyn GuestStream>) {
+    let service_turn = turn.clone();
+    let service = hyper::service::service_fn(move |req| {
+        let turn = service_turn.clone();
+        async move {
+            let mut response = handle(&turn, req).await;
+            // Every refusal of the broker's own, reported once, here.
+            if let Some(Refused(limit)) = response.extensions_mut().remove::<Refused>() {
+                refused(&turn.ctx, response.status(), limit);
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES)
+        // max_buf_size alone is a soft bound (a read may overshoot it); the
+        // parsed head is checked exactly, with a 431.
+        .max_header_size(MAX_HEAD_BYTES)
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::select! {
+        r = conn => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "broker connection ended");
+                // hyper's own answers (to a head it cannot parse, or past the cap).
+                if let Some((status, limit)) = answered_by_hyper(&e) {
+                    refused(&turn.ctx, status, limit);
+                }
+            }
+        }
+        // The turn ended: in-flight calls (upstream requests, MCP calls) are dropped.
+        _ = turn.stop.cancelled() => {}
     }
 }
 
@@ -297,8 +331,10 @@ fn route(path: &str) -> Option<Route<'_>> {
     None
 }
 
+/// Answers one request: egress and compaction by their own handlers; a model or tool
+/// call routed, its target resolved, its size and the turn's caps checked
+/// ([`admit`]), its body read ([`read_body`]), then served ([`call`]).
 async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
-    let limits = turn.broker.policy.limits;
     let path = req.uri().path().to_owned();
     if let Some(rest) = path.strip_prefix(paths::EGRESS_PREFIX) {
         // Any method; its own caps, the calls-in-flight permit: see `egress::handle`.
@@ -319,53 +355,86 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
         );
     }
     // Resolve the target before reading the body: unknown names are refused at once.
-    match route {
-        Route::Chat => {}
-        Route::Tool(name) => {
-            if !turn.broker.tools.contains(name) {
-                return error_response(
-                    StatusCode::NOT_FOUND,
-                    &format!("unknown tool: {}", shown(name)),
-                );
-            }
-        }
-        Route::Mcp(server, tool) => {
-            if !turn.broker.mcp.allowed(server, tool) {
-                return error_response(
-                    StatusCode::NOT_FOUND,
-                    &format!("unknown MCP tool: {}/{}", shown(server), shown(tool)),
-                );
-            }
-        }
+    if let Some(unknown) = unknown_target(turn, route) {
+        return unknown;
     }
-    let too_large = || {
-        error_response(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            &format!(
-                "request body too large (limit {} bytes)",
-                limits.max_request_bytes
-            ),
-        )
+    let permit = match admit(turn, route, &req) {
+        Ok(permit) => permit,
+        Err(refused) => return *refused,
     };
+    let accept = req
+        .headers()
+        .get(ACCEPT)
+        .filter(|v| v.len() <= 256)
+        .cloned();
+    let body = match read_body(turn, req).await {
+        Ok(body) => body,
+        Err(refused) => return refused,
+    };
+    holding(call(turn, route, body, accept).await, permit)
+}
+
+/// An answer that ends a request before its call (a refusal).
+type Halt = Box<Response>;
+
+/// The `404` for a tool or MCP tool the turn does not have.
+fn unknown_target(turn: &Turn, route: Route<'_>) -> Option<Response> {
+    match route {
+        Route::Chat => None,
+        Route::Tool(name) => (!turn.broker.tools.contains(name)).then(|| {
+            error_response(
+                StatusCode::NOT_FOUND,
+                &format!("unknown tool: {}", shown(name)),
+            )
+        }),
+        Route::Mcp(server, tool) => (!turn.broker.mcp.allowed(server, tool)).then(|| {
+            error_response(
+                StatusCode::NOT_FOUND,
+                &format!("unknown MCP tool: {}/{}", shown(server), shown(tool)),
+            )
+        }),
+    }
+}
+
+/// The `413` for a body past `max_request_bytes`.
+fn too_large(turn: &Turn) -> Response {
+    error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!(
+            "request body too large (limit {} bytes)",
+            turn.broker.policy.limits.max_request_bytes
+        ),
+    )
+}
+
+/// Admits one call under the turn's caps: its announced size, a place among the calls in
+/// flight (held until the answer is sent), then the call counted (model or tool) before
+/// any work is done for it.
+fn admit(
+    turn: &Turn,
+    route: Route<'_>,
+    req: &Request<Incoming>,
+) -> Result<tokio::sync::OwnedSemaphorePermit, Halt> {
+    let limits = turn.broker.policy.limits;
     let declared = req
         .headers()
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limits.max_request_bytes as u64) {
-        return too_large();
+        return Err(Box::new(too_large(turn)));
     }
     // A place among the calls in flight, held until the answer is sent; a refusal here
     // does not use up the turn's call budget.
     let Ok(permit) = turn.in_flight.clone().try_acquire_owned() else {
-        return refuse(
+        return Err(Box::new(refuse(
             StatusCode::TOO_MANY_REQUESTS,
             Refusal::CallsInFlight,
             &format!(
                 "too many calls in flight in this turn (limit {})",
                 limits.max_calls_in_flight
             ),
-        );
+        )));
     };
     // Count the call before any work is done for it.
     let (counter, max, what, limit) = match route {
@@ -383,104 +452,129 @@ async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
         ),
     };
     if counter.fetch_add(1, Ordering::SeqCst) >= max {
-        return refuse(
+        return Err(Box::new(refuse(
             StatusCode::TOO_MANY_REQUESTS,
             limit,
             &format!("too many {what} calls in this turn (limit {max})"),
-        );
+        )));
     }
-    let accept = req
-        .headers()
-        .get(ACCEPT)
-        .filter(|v| v.len() <= 256)
-        .cloned();
+    Ok(permit)
+}
+
+/// Reads the body within `max_request_bytes` and the call deadline.
+async fn read_body(turn: &Turn, req: Request<Incoming>) -> Result<Bytes, Response> {
+    let limits = turn.broker.policy.limits;
     let body = Limited::new(req.into_body(), limits.max_request_bytes).collect();
-    let body = match tokio::time::timeout(limits.call_timeout, body).await {
-        Err(_) => {
-            return error_response(
-                StatusCode::REQUEST_TIMEOUT,
-                "request body not received in time",
-            )
-        }
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(),
-        Ok(Err(_)) => return error_response(StatusCode::BAD_REQUEST, "request body unreadable"),
-        Ok(Ok(b)) => b.to_bytes(),
-    };
-    holding(call(turn, route, body, accept).await, permit)
+    match tokio::time::timeout(limits.call_timeout, body).await {
+        Err(_) => Err(error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            "request body not received in time",
+        )),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(turn)),
+        Ok(Err(_)) => Err(error_response(
+            StatusCode::BAD_REQUEST,
+            "request body unreadable",
+        )),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+    }
 }
 
 /// Serves one admitted call whose body has been read.
 async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderValue>) -> Response {
-    let policy = &turn.broker.policy;
-    if let Route::Chat = route {
-        let prepared = match super::model::prepare(&body, &policy.model, &policy.model_request) {
-            Ok(p) => p,
-            Err(msg) => return refuse(StatusCode::BAD_REQUEST, Refusal::ModelField, &msg),
-        };
-        // The guest's bytes are not held while the upstream answers.
-        drop(body);
-        // Every token budget must have room, this turn's tokens so far and the calls in
-        // flight included; the call's worst case is then held until its answer settles it
-        // (the guest reports the 429; the turn's failure is typed by the host).
-        let charge = match &turn.ctx.account {
-            None => None,
-            Some(account) => {
-                let prompt = crate::budgets::estimate_tokens(prepared.body.len());
-                match account.hold(prompt, prepared.max_completion) {
-                    Ok(charge) => Some(charge),
-                    Err(refusal) => {
-                        tracing::info!(
-                            budget = refusal.budget.key(),
-                            "model call refused by a budget"
-                        );
-                        crate::events::emit(
-                            &turn.ctx.events,
-                            EventKind::BudgetRefused {
-                                budget: refusal.budget,
-                                mid_turn: true,
-                            },
-                        );
-                        return refuse(
-                            StatusCode::TOO_MANY_REQUESTS,
-                            Refusal::Budget(refusal.budget),
-                            &refusal.to_string(),
-                        );
-                    }
-                }
-            }
-        };
-        crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
-        tracing::debug!("model call");
-        let started = std::time::Instant::now();
-        let super::model::Answer {
-            mut response,
-            usage,
-            streamed,
-        } = turn
-            .broker
-            .upstream
-            .chat(
-                prepared,
-                accept,
-                turn.stop.clone(),
-                policy,
-                charge,
-                turn.ctx.events.as_ref(),
-            )
-            .await;
-        // Forwarded: whatever the upstream answered is the model call's outcome. A
-        // stream's event is sent by the stream when it ends (with its usage chunk's).
-        response.extensions_mut().remove::<Refused>();
-        if let (Some(events), false) = (&turn.ctx.events, streamed) {
-            events.broker(BrokerEvent::ModelCall {
-                operation: crate::events::ModelOperation::Chat,
-                status: response.status().as_u16(),
-                latency: started.elapsed(),
-                usage,
-            });
-        }
-        return response;
+    match route {
+        Route::Chat => model_call(turn, body, accept).await,
+        Route::Tool(_) | Route::Mcp(..) => tool_route_call(turn, route, body).await,
     }
+}
+
+/// A model call: the body checked and rewritten ([`super::model::prepare`]), the budgets'
+/// worst case held ([`hold`]), then forwarded; its event sent (a stream's, by the stream
+/// when it ends).
+async fn model_call(turn: &Turn, body: Bytes, accept: Option<HeaderValue>) -> Response {
+    let policy = &turn.broker.policy;
+    let prepared = match super::model::prepare(&body, &policy.model, &policy.model_request) {
+        Ok(p) => p,
+        Err(msg) => return refuse(StatusCode::BAD_REQUEST, Refusal::ModelField, &msg),
+    };
+    // The guest's bytes are not held while the upstream answers.
+    drop(body);
+    let charge = match hold(turn, &prepared) {
+        Ok(charge) => charge,
+        Err(refusal) => {
+            return refuse(
+                StatusCode::TOO_MANY_REQUESTS,
+                Refusal::Budget(refusal.budget),
+                &refusal.to_string(),
+            )
+        }
+    };
+    crate::events::emit(&turn.ctx.events, EventKind::Phase(TurnPhase::ModelCall));
+    tracing::debug!("model call");
+    let started = std::time::Instant::now();
+    let super::model::Answer {
+        mut response,
+        usage,
+        streamed,
+    } = turn
+        .broker
+        .upstream
+        .chat(
+            prepared,
+            accept,
+            turn.stop.clone(),
+            policy,
+            charge,
+            turn.ctx.events.as_ref(),
+        )
+        .await;
+    // Forwarded: whatever the upstream answered is the model call's outcome. A
+    // stream's event is sent by the stream when it ends (with its usage chunk's).
+    response.extensions_mut().remove::<Refused>();
+    if let (Some(events), false) = (&turn.ctx.events, streamed) {
+        events.broker(BrokerEvent::ModelCall {
+            operation: crate::events::ModelOperation::Chat,
+            status: response.status().as_u16(),
+            latency: started.elapsed(),
+            usage,
+        });
+    }
+    response
+}
+
+/// Every token budget must have room, this turn's tokens so far and the calls in flight
+/// included; the call's worst case is then held until its answer settles it (the guest
+/// reports the 429; the turn's failure is typed by the host). A refusal is logged and is
+/// the turn's `BudgetRefused` event.
+fn hold(
+    turn: &Turn,
+    prepared: &super::model::Prepared,
+) -> Result<Option<crate::budgets::CallCharge>, crate::budgets::BudgetRefusal> {
+    let Some(account) = &turn.ctx.account else {
+        return Ok(None);
+    };
+    let prompt = crate::budgets::estimate_tokens(prepared.body.len());
+    match account.hold(prompt, prepared.max_completion) {
+        Ok(charge) => Ok(Some(charge)),
+        Err(refusal) => {
+            tracing::info!(
+                budget = refusal.budget.key(),
+                "model call refused by a budget"
+            );
+            crate::events::emit(
+                &turn.ctx.events,
+                EventKind::BudgetRefused {
+                    budget: refusal.budget,
+                    mid_turn: true,
+                },
+            );
+            Err(refusal)
+        }
+    }
+}
+
+/// A host or MCP tool call: its arguments checked (their size in JSON values, then a JSON
+/// object), the call made ([`tool_call`]), its event sent and the host's count of it.
+async fn tool_route_call(turn: &Turn, route: Route<'_>, body: Bytes) -> Response {
     if super::bounded::values_over(&body, MAX_VALUES) {
         return refuse(
             StatusCode::BAD_REQUEST,
@@ -504,7 +598,7 @@ async fn call(turn: &Turn, route: Route<'_>, body: Bytes, accept: Option<HeaderV
     let (name, mcp) = match route {
         Route::Mcp(server, tool) => (format!("{server}/{tool}"), true),
         Route::Tool(name) => (name.to_owned(), false),
-        Route::Chat => unreachable!("answered above"),
+        Route::Chat => unreachable!("a model call"),
     };
     let response = tool_call(turn, route, object).await;
     // A refused call is reported as its refusal (by the service), a call made as a call.

@@ -1242,17 +1242,7 @@ impl Shipper {
                              speaker_egress_bytes_per_day, channel_egress_bytes_per_day
                       FROM roundtable_budgets.namespaces WHERE ns = $1";
         if self.check_only {
-            let row = self.timed(client.query_opt(select, &[ns])).await?;
-            return match row {
-                None => Ok(()),
-                Some(row) => {
-                    let d = a.differences(&Agreed::from_row(&row));
-                    match d.is_empty() {
-                        true => Ok(()),
-                        false => Err(differ(ns, &d, false)),
-                    }
-                }
-            };
+            return self.check_agreed(client, select).await;
         }
         self.timed(client.batch_execute("BEGIN")).await?;
         let result = async {
@@ -1281,46 +1271,7 @@ impl Shipper {
             let row = self.timed(client.query_one(select, &[ns])).await?;
             let d = a.differences(&Agreed::from_row(&row));
             if !d.is_empty() {
-                // Replaced only when no other process of the namespace is connected.
-                let alone: bool = self
-                    .timed(client.query_one(
-                        "SELECT pg_try_advisory_lock($1, hashtext($2))",
-                        &[&LOCK_LIVE, ns],
-                    ))
-                    .await?
-                    .get(0);
-                if !alone {
-                    return Err(differ(ns, &d, true));
-                }
-                self.timed(client.execute(
-                    "UPDATE roundtable_budgets.namespaces SET speaker_tokens_per_day = $2,
-                         channel_tokens_per_day = $3, bot_tokens_per_day = $4,
-                         speaker_turns_per_minute = $5, time_zone = $6,
-                         speaker_egress_bytes_per_day = $7, channel_egress_bytes_per_day = $8,
-                         settings_at = now()
-                     WHERE ns = $1",
-                    &[
-                        ns,
-                        &a.speaker_tokens_per_day,
-                        &a.channel_tokens_per_day,
-                        &a.bot_tokens_per_day,
-                        &a.speaker_turns_per_minute,
-                        &a.time_zone,
-                        &a.speaker_egress_bytes_per_day,
-                        &a.channel_egress_bytes_per_day,
-                    ],
-                ))
-                .await?;
-                self.timed(client.execute(
-                    "SELECT pg_advisory_unlock($1, hashtext($2))",
-                    &[&LOCK_LIVE, ns],
-                ))
-                .await?;
-                tracing::warn!(
-                    namespace = %ns,
-                    changes = %d.join("; "),
-                    "budgets: no other process of the namespace is connected: its settings are now this process's"
-                );
+                self.replace(client, &d).await?;
             }
             self.timed(client.execute(
                 "SELECT pg_advisory_lock_shared($1, hashtext($2))",
@@ -1334,6 +1285,74 @@ impl Shipper {
             let _ = client.batch_execute("ROLLBACK").await;
         }
         result
+    }
+
+    /// Without changing anything (`doctor`): a namespace's settings, when it has them,
+    /// must be this process's.
+    async fn check_agreed(
+        &self,
+        client: &tokio_postgres::Client,
+        select: &str,
+    ) -> Result<(), String> {
+        let ns = &self.ns;
+        let row = self.timed(client.query_opt(select, &[ns])).await?;
+        match row {
+            None => Ok(()),
+            Some(row) => {
+                let d = self.agreed.differences(&Agreed::from_row(&row));
+                match d.is_empty() {
+                    true => Ok(()),
+                    false => Err(differ(ns, &d, false)),
+                }
+            }
+        }
+    }
+
+    /// The namespace's settings differ (`d`) from this process's: replaced only when no
+    /// other process of the namespace is connected.
+    async fn replace(&self, client: &tokio_postgres::Client, d: &[String]) -> Result<(), String> {
+        let a = &self.agreed;
+        let ns = &self.ns;
+        let alone: bool = self
+            .timed(client.query_one(
+                "SELECT pg_try_advisory_lock($1, hashtext($2))",
+                &[&LOCK_LIVE, ns],
+            ))
+            .await?
+            .get(0);
+        if !alone {
+            return Err(differ(ns, d, true));
+        }
+        self.timed(client.execute(
+            "UPDATE roundtable_budgets.namespaces SET speaker_tokens_per_day = $2,
+                 channel_tokens_per_day = $3, bot_tokens_per_day = $4,
+                 speaker_turns_per_minute = $5, time_zone = $6,
+                 speaker_egress_bytes_per_day = $7, channel_egress_bytes_per_day = $8,
+                 settings_at = now()
+             WHERE ns = $1",
+            &[
+                ns,
+                &a.speaker_tokens_per_day,
+                &a.channel_tokens_per_day,
+                &a.bot_tokens_per_day,
+                &a.speaker_turns_per_minute,
+                &a.time_zone,
+                &a.speaker_egress_bytes_per_day,
+                &a.channel_egress_bytes_per_day,
+            ],
+        ))
+        .await?;
+        self.timed(client.execute(
+            "SELECT pg_advisory_unlock($1, hashtext($2))",
+            &[&LOCK_LIVE, ns],
+        ))
+        .await?;
+        tracing::warn!(
+            namespace = %ns,
+            changes = %d.join("; "),
+            "budgets: no other process of the namespace is connected: its settings are now this process's"
+        );
+        Ok(())
     }
 
     async fn load_tokens(&mut self, day: &str) -> Result<Vec<(CounterKey, i64)>, String> {

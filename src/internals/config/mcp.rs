@@ -340,75 +340,88 @@ fn valid_mcp_tool_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
-/// Pure checks of one server's configuration.
+/// Pure checks of one server's configuration, in order: its name and tool allow-list, its
+/// scope, its confinement, its transport; the first refused is the error.
 pub(crate) fn validate(config: &McpServer, allow_http: bool) -> Result<(), PolicyError> {
-    let err = |reason: String| PolicyError::InvalidMcpServer {
-        server: config.name.clone(),
-        reason,
-    };
+    check_tools(config)
+        .and_then(|()| check_scope(config))
+        .and_then(|()| check_confinement(config))
+        .and_then(|()| check_transport(&config.transport, allow_http))
+        .map_err(|reason| PolicyError::InvalidMcpServer {
+            server: config.name.clone(),
+            reason,
+        })
+}
+
+/// The server's name, its message size and its tool allow-list (not empty, each name
+/// valid and listed once).
+fn check_tools(config: &McpServer) -> Result<(), String> {
     if !valid_tool_name(&config.name) {
-        return Err(err(
-            "invalid server name: use 1 to 64 of a-z, 0-9, _ and -".into()
-        ));
+        return Err("invalid server name: use 1 to 64 of a-z, 0-9, _ and -".into());
     }
     if config.tools.is_empty() {
-        return Err(err("the tool allow-list is empty".into()));
+        return Err("the tool allow-list is empty".into());
     }
     if !(16..=16_384).contains(&config.max_message_kb) {
-        return Err(err(format!(
+        return Err(format!(
             "max_message_kb must be 16 to 16384, got {}",
             config.max_message_kb
-        )));
+        ));
     }
     let mut seen = BTreeSet::new();
     for tool in &config.tools {
         if !valid_mcp_tool_name(tool) {
-            return Err(err(format!(
+            return Err(format!(
                 "invalid tool name {tool:?} in the allow-list: use 1 to 64 of A-Z, a-z, 0-9, _ and -"
-            )));
+            ));
         }
         if !seen.insert(tool) {
-            return Err(err(format!("tool {tool} is allow-listed twice")));
+            return Err(format!("tool {tool} is allow-listed twice"));
         }
     }
+    Ok(())
+}
+
+/// The scope: `max_sessions` only for a channel scope, in range; `{channel}` only where
+/// it may stand (args and env values, the url and header values) and never in a shared
+/// server's.
+fn check_scope(config: &McpServer) -> Result<(), String> {
     let has = |s: &String| s.contains(CHANNEL_PLACEHOLDER);
     let scope = config.scope();
     match (scope, config.max_sessions) {
         (McpScope::Shared, Some(_)) => {
-            return Err(err(
-                "max_sessions applies only to scope = \"channel\"".into()
-            ))
+            return Err("max_sessions applies only to scope = \"channel\"".into())
         }
         (_, Some(n)) if !(1..=MAX_SESSIONS).contains(&n) => {
-            return Err(err(format!(
-                "max_sessions must be 1 to {MAX_SESSIONS}, got {n}"
-            )))
+            return Err(format!("max_sessions must be 1 to {MAX_SESSIONS}, got {n}"))
         }
         _ => {}
     }
     let uses_channel = match &config.transport {
         McpTransport::Stdio { command, args, env } => {
             if has(command) || env.keys().any(has) {
-                return Err(err(
-                    "{channel} can be used only in args and env values".into()
-                ));
+                return Err("{channel} can be used only in args and env values".into());
             }
             args.iter().any(has) || env.values().any(has)
         }
         McpTransport::Http { url, headers } => {
             if headers.keys().any(has) {
-                return Err(err(
-                    "{channel} can be used only in the url and header values".into(),
-                ));
+                return Err("{channel} can be used only in the url and header values".into());
             }
             has(url) || headers.values().any(has)
         }
     };
     if uses_channel && scope == McpScope::Shared {
-        return Err(err(
+        return Err(
             "{channel} is used but scope is \"shared\" (one session for every channel)".into(),
-        ));
+        );
     }
+    Ok(())
+}
+
+/// The confinement: confine, image, network and limits only for a stdio server; a
+/// contained one with a valid image, a host one with none of them; the limits in range.
+fn check_confinement(config: &McpServer) -> Result<(), String> {
     let stdio = matches!(config.transport, McpTransport::Stdio { .. });
     if !stdio
         && (config.confine != McpConfine::Container
@@ -416,84 +429,87 @@ pub(crate) fn validate(config: &McpServer, allow_http: bool) -> Result<(), Polic
             || config.network
             || config.limits != McpLimits::default())
     {
-        return Err(err(
-            "confine, image, network and limits apply only to stdio servers".into(),
+        return Err("confine, image, network and limits apply only to stdio servers".into());
+    }
+    if !stdio {
+        return Ok(());
+    }
+    match (config.confine, &config.image) {
+        (McpConfine::Container, None) => {
+            return Err(
+                "a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = \"host\" to run it unconfined on the host".into(),
+            )
+        }
+        (McpConfine::Container, Some(image))
+            if image.is_empty() || image.chars().any(|c| c.is_whitespace() || c.is_control()) =>
+        {
+            return Err(format!("invalid image {image:?}"))
+        }
+        (McpConfine::Host, Some(_)) => {
+            return Err(
+                "image is set but confine = \"host\" runs the server on the host".into(),
+            )
+        }
+        (McpConfine::Host, _) if config.network || config.limits != McpLimits::default() => {
+            return Err("network and limits apply only to confine = \"container\"".into())
+        }
+        _ => {}
+    }
+    let l = &config.limits;
+    let in_range = (16..=65_536).contains(&l.memory_mb)
+        && l.cpus > 0.0
+        && l.cpus <= 64.0
+        && (8..=4096).contains(&l.pids)
+        && (1..=4096).contains(&l.tmpfs_mb)
+        && (1..=1_048_576).contains(&l.data_mb)
+        && (16..=10_000_000).contains(&l.data_files);
+    if !in_range {
+        return Err(format!(
+            "limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): {l:?}"
         ));
     }
-    if stdio {
-        match (config.confine, &config.image) {
-            (McpConfine::Container, None) => {
-                return Err(err(
-                    "a stdio server runs in its own container: set image (scripts/build-mcp-image.sh builds roundtable-sandbox-mcp:latest), or confine = \"host\" to run it unconfined on the host".into(),
-                ))
-            }
-            (McpConfine::Container, Some(image))
-                if image.is_empty() || image.chars().any(|c| c.is_whitespace() || c.is_control()) =>
-            {
-                return Err(err(format!("invalid image {image:?}")))
-            }
-            (McpConfine::Host, Some(_)) => {
-                return Err(err(
-                    "image is set but confine = \"host\" runs the server on the host".into(),
-                ))
-            }
-            (McpConfine::Host, _) if config.network || config.limits != McpLimits::default() => {
-                return Err(err(
-                    "network and limits apply only to confine = \"container\"".into(),
-                ))
-            }
-            _ => {}
-        }
-        let l = &config.limits;
-        let in_range = (16..=65_536).contains(&l.memory_mb)
-            && l.cpus > 0.0
-            && l.cpus <= 64.0
-            && (8..=4096).contains(&l.pids)
-            && (1..=4096).contains(&l.tmpfs_mb)
-            && (1..=1_048_576).contains(&l.data_mb)
-            && (16..=10_000_000).contains(&l.data_files);
-        if !in_range {
-            return Err(err(format!(
-                "limits out of range (memory_mb 16 to 65536, cpus above 0 to 64, pids 8 to 4096, tmpfs_mb 1 to 4096, data_mb 1 to 1048576, data_files 16 to 10000000): {l:?}"
-            )));
-        }
-    }
-    match &config.transport {
+    Ok(())
+}
+
+/// The transport: a stdio server's command and environment names; an HTTP server's url
+/// (https, or http to loopback with `allow_http`) and header names and values.
+fn check_transport(transport: &McpTransport, allow_http: bool) -> Result<(), String> {
+    match transport {
         McpTransport::Stdio { command, env, .. } => {
             if command.trim().is_empty() {
-                return Err(err("the command is empty".into()));
+                return Err("the command is empty".into());
             }
             if env
                 .keys()
                 .any(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
             {
-                return Err(err("invalid environment variable name".into()));
+                return Err("invalid environment variable name".into());
             }
         }
         McpTransport::Http { url, headers } => {
             let parsed = reqwest::Url::parse(&url.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
-                .map_err(|_| err(format!("invalid url: {url}")))?;
+                .map_err(|_| format!("invalid url: {url}"))?;
             match parsed.scheme() {
                 "https" => {}
                 "http" if allow_http && super::model::loopback(&parsed) => {}
                 "http" if allow_http => {
-                    return Err(err(format!(
+                    return Err(format!(
                         "url uses http to a host that is not loopback (allow_http covers only 127.0.0.0/8, ::1 and localhost): {url}"
-                    )))
+                    ))
                 }
                 "http" => {
-                    return Err(err(format!(
+                    return Err(format!(
                         "url must use https (set allow_http only for offline tests): {url}"
-                    )))
+                    ))
                 }
-                _ => return Err(err(format!("invalid url: {url}"))),
+                _ => return Err(format!("invalid url: {url}")),
             }
             for (name, value) in headers {
                 if HeaderName::try_from(name.as_str()).is_err()
                     || HeaderValue::try_from(value.replace(CHANNEL_PLACEHOLDER, PROBE_SEGMENT))
                         .is_err()
                 {
-                    return Err(err(format!("invalid header {name}")));
+                    return Err(format!("invalid header {name}"));
                 }
             }
         }

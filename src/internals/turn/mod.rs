@@ -229,6 +229,34 @@ impl Run<'_> {
         self.phase(TurnPhase::Preparing);
         let mut warm = false;
         let result = self.answer(&mut resources, &mut warm).await;
+        let (reply, budget) = self.outcome(result);
+        let failure = match (
+            reply.failure,
+            self.stopped_for.as_ref().and_then(|r| r.get()),
+        ) {
+            (Some(TurnFailure::Stopped), Some(reason)) => Some(*reason),
+            (failure, _) => failure,
+        };
+        // The answer is made: a guest still running after its reply's frame gets no broker
+        // call from here on (every call in flight ends), before the caller is answered.
+        self.cancel.cancel();
+        self.events.emit(EventKind::Ended { failure, warm });
+        self.phase(TurnPhase::Replied);
+        on_reply(&reply);
+
+        // Teardown: every step runs; the turn's reply stands, cleanup errors are logged.
+        self.phase(TurnPhase::TearingDown);
+        self.tear_down(resources, &reply, budget, started).await;
+        self.phase(TurnPhase::Done);
+        reply
+    }
+
+    /// The turn's outcome from its answer: the guest's reply or the failure, with the
+    /// host's count of what it used, and the budget that refused it (if one did).
+    fn outcome(
+        &self,
+        result: Result<Reply, TurnError>,
+    ) -> (TurnOutcome, Option<crate::budgets::BudgetRefusal>) {
         let mut budget = None;
         let mut reply = match result {
             Ok(reply) => TurnOutcome::from_guest(reply),
@@ -246,22 +274,18 @@ impl Run<'_> {
         if reply.failure.is_some() && self.account.refusal().is_some() {
             reply.failure = Some(TurnFailure::BudgetExceeded);
         }
-        let failure = match (
-            reply.failure,
-            self.stopped_for.as_ref().and_then(|r| r.get()),
-        ) {
-            (Some(TurnFailure::Stopped), Some(reason)) => Some(*reason),
-            (failure, _) => failure,
-        };
-        // The answer is made: a guest still running after its reply's frame gets no broker
-        // call from here on (every call in flight ends), before the caller is answered.
-        self.cancel.cancel();
-        self.events.emit(EventKind::Ended { failure, warm });
-        self.phase(TurnPhase::Replied);
-        on_reply(&reply);
+        (reply, budget)
+    }
 
-        // Teardown: every step runs; the turn's reply stands, cleanup errors are logged.
-        self.phase(TurnPhase::TearingDown);
+    /// After the reply: the resources torn down, the workspace's use measured for the
+    /// audit trail, the turn logged and its facts sent.
+    async fn tear_down(
+        &self,
+        mut resources: Option<TurnResources>,
+        reply: &TurnOutcome,
+        budget: Option<crate::budgets::BudgetRefusal>,
+        started: Instant,
+    ) {
         // The workspace's use after the turn, for the audit trail, once the container is
         // gone (a guest may go on writing after its reply until it is killed), off the
         // async threads.
@@ -318,8 +342,6 @@ impl Run<'_> {
                     }),
                 record: self.events.record(self.admitted, self.slot_wait),
             })));
-        self.phase(TurnPhase::Done);
-        reply
     }
 
     /// Everything up to the reply: the checks, the broker, the container, the judgement.
@@ -340,16 +362,7 @@ impl Run<'_> {
         if tokio::time::Instant::now() >= deadline_at {
             return Err(TurnError::Timeout(timeout));
         }
-        // The budgets, before any workspace, broker or container.
-        if let Some(book) = sandbox.budgets() {
-            book.admit(request.limits_id(), request.channel.segment())
-                .inspect_err(|r| {
-                    self.events.emit(EventKind::BudgetRefused {
-                        budget: r.budget,
-                        mid_turn: false,
-                    })
-                })?;
-        }
+        self.admit_budgets()?;
         let deadline = tokio::time::sleep_until(deadline_at);
         tokio::pin!(deadline);
         let measured = tokio::select! {
@@ -364,47 +377,16 @@ impl Run<'_> {
         }
         let resources = slot.as_mut().expect("prepared above");
         self.phase(TurnPhase::BrokerListening);
-
-        let (tools, mcp) = sandbox.broker().turn_tools();
-        let turn = Turn {
-            text: request.text.clone(),
-            speaker: request.speaker.clone(),
-            model: config.model.clone(),
-            prompt: config.prompt.clone(),
-            time_zone: config.time_zone.clone(),
-            reset: request.reset,
-            tools,
-            mcp,
-            egress: sandbox.broker().egress_specs(),
-            max_steps: config.max_steps,
-            session_budget: config.session_budget,
-        };
-        let stdin = serde_json::to_vec(&turn).expect("a turn always serialises");
+        let stdin = self.guest_input();
 
         self.phase(TurnPhase::ContainerRunning);
         if warm {
             *warm_run = true;
             self.events.emit(EventKind::Warm(WarmEvent::Adopted));
         }
-        let (container, spec) = (resources.spec().name.clone(), resources.spec().clone());
+        let spec = resources.spec().clone();
         let watched = measured.as_ref().map(|(ws, _)| ws.clone());
-        let over_quota = async {
-            match measured {
-                Some((workspace, guarded)) => {
-                    crate::quota::watch(crate::quota::Watch {
-                        workspace,
-                        quota: config.limits.workspace_quota(),
-                        floor: config.limits.disk_floor(),
-                        guarded,
-                        driver: sandbox.driver().clone(),
-                        container: container.clone(),
-                    })
-                    .await
-                }
-                // The backend keeps the workspace and enforces its quota.
-                None => std::future::pending().await,
-            }
-        };
+        let over_quota = self.over_quota(measured, spec.name.clone());
         tokio::pin!(over_quota);
         // The engine mounts the workspace by path: it must still name the directory this
         // turn made and holds (a prepared container's was checked before its start, and at
@@ -432,10 +414,82 @@ impl Run<'_> {
                 run.await
             }
         };
+        self.verdict(outcome, why, &spec, watched).await
+    }
+
+    /// The budgets, before any workspace, broker or container: a refusal is the turn's
+    /// `BudgetRefused` event and its error.
+    fn admit_budgets(&self) -> Result<(), TurnError> {
+        if let Some(book) = self.sandbox.budgets() {
+            let request = self.request;
+            book.admit(request.limits_id(), request.channel.segment())
+                .inspect_err(|r| {
+                    self.events.emit(EventKind::BudgetRefused {
+                        budget: r.budget,
+                        mid_turn: false,
+                    })
+                })?;
+        }
+        Ok(())
+    }
+
+    /// The guest's input: the turn as the guest reads it on its stdin.
+    fn guest_input(&self) -> Vec<u8> {
+        let (sandbox, request) = (self.sandbox, self.request);
+        let config = sandbox.config();
+        let (tools, mcp) = sandbox.broker().turn_tools();
+        let turn = Turn {
+            text: request.text.clone(),
+            speaker: request.speaker.clone(),
+            model: config.model.clone(),
+            prompt: config.prompt.clone(),
+            time_zone: config.time_zone.clone(),
+            reset: request.reset,
+            tools,
+            mcp,
+            egress: sandbox.broker().egress_specs(),
+            max_steps: config.max_steps,
+            session_budget: config.session_budget,
+        };
+        serde_json::to_vec(&turn).expect("a turn always serialises")
+    }
+
+    /// The host's watch of the workspace's quota while the guest runs: its error when the
+    /// workspace passes it; never, when the backend keeps the workspace and enforces it.
+    async fn over_quota(&self, measured: Measured, container: String) -> crate::quota::QuotaError {
+        let config = self.sandbox.config();
+        match measured {
+            Some((workspace, guarded)) => {
+                crate::quota::watch(crate::quota::Watch {
+                    workspace,
+                    quota: config.limits.workspace_quota(),
+                    floor: config.limits.disk_floor(),
+                    guarded,
+                    driver: self.sandbox.driver().clone(),
+                    container,
+                })
+                .await
+            }
+            // The backend keeps the workspace and enforces its quota.
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The turn's result from the guest's run: the reason it was ended (quota, deadline,
+    /// stop) first, else the run judged; a guest that did not answer may have ended
+    /// before the watcher's next measure saw it pass the quota: measured once more (off
+    /// the reply's path: a reply is judged ok before this), the quota's error comes first.
+    async fn verdict(
+        &self,
+        outcome: Result<crate::driver::RunOutcome, DriverError>,
+        why: Option<TurnError>,
+        spec: &crate::driver::ContainerSpec,
+        watched: Option<Arc<crate::quota::Workspace>>,
+    ) -> Result<Reply, TurnError> {
         if let Ok(run) = &outcome {
             if !run.stderr_tail.is_empty() {
                 tracing::debug!(
-                    container = %container,
+                    container = %spec.name,
                     stderr = %String::from_utf8_lossy(&run.stderr_tail),
                     "guest stderr"
                 );
@@ -443,13 +497,10 @@ impl Run<'_> {
         }
         match (outcome, why) {
             (Ok(run), None) => {
-                let judged = judge::judge_run(run, &spec, sandbox.driver().as_ref()).await;
+                let judged = judge::judge_run(run, spec, self.sandbox.driver().as_ref()).await;
                 match (judged, watched) {
-                    // A guest that did not answer may have ended before the watcher's next
-                    // measure saw it pass the quota: measured once more (off the reply's
-                    // path: a reply is judged ok before this), the quota's error comes first.
                     (Err(e), Some(ws)) if !matches!(e, TurnError::Quota(_)) => {
-                        let quota = config.limits.workspace_quota();
+                        let quota = self.sandbox.config().limits.workspace_quota();
                         let over = tokio::task::spawn_blocking(move || {
                             crate::quota::measure(&ws, &quota, None)
                                 .ok()

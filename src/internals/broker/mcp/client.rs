@@ -619,7 +619,7 @@ impl HttpLink {
         if let Some(why) = &shared.pending().ended {
             return Err(why.clone());
         }
-        let mut response = self
+        let response = self
             .post(body)
             .send()
             .await
@@ -641,30 +641,57 @@ impl HttpLink {
         if let Some(session) = response.headers().get(SESSION_ID).cloned() {
             self.session().insert(SESSION_ID, session);
         }
-        let expect_id = move |got: u64| (got == id).then_some(expect);
         let event_stream = response
             .headers()
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+        if event_stream {
+            self.read_stream(shared, response, id, expect).await
+        } else {
+            Self::read_json(shared, response, id, expect).await
+        }
+    }
+
+    /// The answer in a JSON body.
+    async fn read_json(
+        shared: &Shared,
+        mut response: reqwest::Response,
+        id: u64,
+        expect: Expect,
+    ) -> Result<Payload, ClientError> {
+        let expect_id = move |got: u64| (got == id).then_some(expect);
         let http_err = |e: ReadError| {
             ClientError::Http(format!("MCP server {} sent a message {e}", shared.server))
         };
-        if !event_stream {
-            let bytes = read_body(&mut response, shared.caps.bytes)
-                .await
-                .map_err(http_err)?;
-            return match wire::read(bytes, shared.caps, expect_id)
-                .await
-                .map_err(http_err)?
-            {
-                Incoming::Answer { outcome, .. } => outcome.map_err(ClientError::Answer),
-                _ => Err(ClientError::Http(format!(
-                    "MCP server {} did not answer the request",
-                    shared.server
-                ))),
-            };
+        let bytes = read_body(&mut response, shared.caps.bytes)
+            .await
+            .map_err(http_err)?;
+        match wire::read(bytes, shared.caps, expect_id)
+            .await
+            .map_err(http_err)?
+        {
+            Incoming::Answer { outcome, .. } => outcome.map_err(ClientError::Answer),
+            _ => Err(ClientError::Http(format!(
+                "MCP server {} did not answer the request",
+                shared.server
+            ))),
         }
+    }
+
+    /// The answer in an event stream, read up to it (other messages in it counted as
+    /// unsolicited and dropped; a server's own request answered with a courtesy).
+    async fn read_stream(
+        &self,
+        shared: &Arc<Shared>,
+        mut response: reqwest::Response,
+        id: u64,
+        expect: Expect,
+    ) -> Result<Payload, ClientError> {
+        let expect_id = move |got: u64| (got == id).then_some(expect);
+        let http_err = |e: ReadError| {
+            ClientError::Http(format!("MCP server {} sent a message {e}", shared.server))
+        };
         let mut events = SseEvents::new(shared.caps.bytes);
         let mut total = 0usize;
         let cap = shared.caps.bytes.saturating_mul(SSE_MESSAGES);
