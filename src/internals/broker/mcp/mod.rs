@@ -368,7 +368,9 @@ impl McpPool {
             .is_some_and(|s| s.scope == McpScope::Shared && s.fair.busy() > 0)
     }
 
-    /// Calls an allow-listed tool in the caller's session.
+    /// Calls an allow-listed tool in the caller's session: the tool and its arguments
+    /// checked, the call's place in a shared session's queue, the call in its session
+    /// within `call_timeout` (or until the turn stops), its answer.
     pub(crate) async fn call(
         &self,
         server: &str,
@@ -378,43 +380,14 @@ impl McpPool {
         stop: &CancellationToken,
         broker: &super::Broker,
     ) -> Response {
-        let Some((srv, pin)) = self
-            .servers
-            .get(server)
-            .and_then(|s| s.pins.get(tool).map(|p| (s, p)))
-        else {
-            return error_response(
-                StatusCode::NOT_FOUND,
-                &format!("unknown MCP tool: {server}/{tool}"),
-            );
-        };
-        let value = serde_json::Value::Object(args);
-        if let Err(msg) = check_args(&pin.validator, &value) {
-            return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg);
-        }
-        let serde_json::Value::Object(args) = value else {
-            unreachable!("built from an object")
+        let (srv, args) = match self.checked(server, tool, args) {
+            Ok(found) => found,
+            Err(refused) => return *refused,
         };
         let segment = ctx.channel.segment().to_owned();
-        let mut meta = serde_json::Map::new();
-        meta.insert(META_CHANNEL.into(), segment.clone().into());
-        meta.insert(
-            META_SPEAKER.into(),
-            serde_json::json!({"id": ctx.speaker.id, "name": ctx.speaker.name}),
-        );
-        // A shared session: the call waits for its turn (fair across channels, [`fair`])
-        // before its timeout starts; the turn's end takes it out of the queue.
-        let permit = match srv.scope {
-            McpScope::Shared => {
-                srv.fair.used_by(stop);
-                tokio::select! {
-                    permit = srv.fair.acquire(&segment) => Some(permit),
-                    _ = stop.cancelled() => {
-                        return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
-                    }
-                }
-            }
-            McpScope::Channel => None,
+        let meta = call_meta(ctx, &segment);
+        let Some(permit) = queued(srv, &segment, stop).await else {
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
         };
         let key = match srv.scope {
             McpScope::Shared => String::new(),
@@ -430,59 +403,7 @@ impl McpPool {
             armed: true,
             permit,
         };
-        let work = async {
-            // Held for the whole call: a session in use is never stopped to make room.
-            let session = self.session(srv, &key).await?;
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
-            let quota = srv.config.limits.data_quota();
-            let confined = self.engine.as_ref().filter(|_| srv.config.in_container());
-            let data_dir = confined.map(|(e, _)| e.data_dir(name_of(srv), &session.segment));
-            if let (Some((engine, _)), Some(dir)) = (confined, &data_dir) {
-                if let Err(msg) = engine.check(name_of(srv), dir, &quota) {
-                    end_session(&session).await;
-                    return Err(CallError::Quota(msg));
-                }
-            }
-            let (client, stopped) = self.ready(srv, &session).await?;
-            // Dropping this future (deadline, turn stop) sends notifications/cancelled. The
-            // session's data watcher (a container's) ends the call once it stops the session.
-            let called = async {
-                let call = client.call_tool(tool, args, meta);
-                match stopped {
-                    Some(stopped) => tokio::select! {
-                        r = call => Ok(r),
-                        msg = stopped => Err(msg),
-                    },
-                    None => Ok(call.await),
-                }
-            };
-            let called = called.await;
-            // The watcher removes the container once it has kept its error: a call that saw
-            // the session close first is refused with that error all the same.
-            let called = match (called, self.tripped(&session).await) {
-                (Ok(Err(_)), Some(msg)) => Err(msg),
-                (called, _) => called,
-            };
-            match called {
-                Err(msg) => {
-                    end_session(&session).await;
-                    Err(CallError::Quota(msg))
-                }
-                Ok(Ok(result)) => Ok(result),
-                Ok(Err(ClientError::Answer(AnswerError::Rpc(e)))) => {
-                    Err(CallError::Tool(e.message))
-                }
-                Ok(Err(ClientError::Answer(e))) => {
-                    tracing::warn!(server, error = %e, "MCP call failed");
-                    Err(CallError::Failed(format!("MCP server {server}: {e}")))
-                }
-                Ok(Err(ClientError::Http(msg))) => {
-                    tracing::warn!(server, error = %msg, "MCP call failed");
-                    Err(CallError::Failed(msg))
-                }
-                Ok(Err(e)) => Err(CallError::Failed(self.ended(&session, server, e).await)),
-            }
-        };
+        let work = self.in_session(srv, &key, &slot, tool, args, meta);
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, work) => r,
             _ = stop.cancelled() => {
@@ -490,38 +411,115 @@ impl McpPool {
                 return error_response(StatusCode::SERVICE_UNAVAILABLE, "turn cancelled");
             }
         };
-        match outcome {
-            Err(_) => {
-                if srv.scope == McpScope::Shared {
-                    tracing::warn!(
-                        server,
-                        waiting = srv.fair.waiting(),
-                        "a call to a shared MCP session timed out; the calls waiting run on a restarted session"
-                    );
-                }
-                guard.end_now().await;
-                failure(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    &format!("tool call timed out after {timeout:?}; the MCP session was stopped"),
-                )
+        let Ok(result) = outcome else {
+            if srv.scope == McpScope::Shared {
+                tracing::warn!(
+                    server,
+                    waiting = srv.fair.waiting(),
+                    "a call to a shared MCP session timed out; the calls waiting run on a restarted session"
+                );
             }
-            Ok(r) => {
-                guard.armed = false;
-                match r {
-                    Err(CallError::Failed(msg)) => failure(StatusCode::BAD_GATEWAY, &msg),
-                    Err(CallError::Quota(msg)) => {
-                        refuse(StatusCode::INSUFFICIENT_STORAGE, Refusal::McpQuota, &msg)
-                    }
-                    Err(CallError::Busy(msg)) => {
-                        refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
-                    }
-                    Err(CallError::Tool(msg)) => {
-                        tool_result(Err(format!("MCP error: {msg}")), broker)
-                    }
-                    Ok(result) if result.is_error => tool_result(Err(result.text), broker),
-                    Ok(result) => tool_result(Ok(result.text), broker),
-                }
+            guard.end_now().await;
+            return failure(
+                StatusCode::GATEWAY_TIMEOUT,
+                &format!("tool call timed out after {timeout:?}; the MCP session was stopped"),
+            );
+        };
+        guard.armed = false;
+        answer(result, broker)
+    }
+
+    /// The server and the allow-listed tool, its arguments checked against its schema.
+    fn checked(
+        &self,
+        server: &str,
+        tool: &str,
+        args: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<(&Server, serde_json::Map<String, serde_json::Value>), Box<Response>> {
+        let Some((srv, pin)) = self
+            .servers
+            .get(server)
+            .and_then(|s| s.pins.get(tool).map(|p| (s, p)))
+        else {
+            return Err(Box::new(error_response(
+                StatusCode::NOT_FOUND,
+                &format!("unknown MCP tool: {server}/{tool}"),
+            )));
+        };
+        let value = serde_json::Value::Object(args);
+        if let Err(msg) = check_args(&pin.validator, &value) {
+            return Err(Box::new(refuse(
+                StatusCode::BAD_REQUEST,
+                Refusal::ToolArguments,
+                &msg,
+            )));
+        }
+        let serde_json::Value::Object(args) = value else {
+            unreachable!("built from an object")
+        };
+        Ok((srv, args))
+    }
+
+    /// The call in its session (made or resumed as needed): the data quota checked first,
+    /// the session's stop (its watcher's error) raced with the call.
+    async fn in_session(
+        &self,
+        srv: &Server,
+        key: &str,
+        slot: &std::sync::Mutex<Option<Arc<Session>>>,
+        tool: &str,
+        args: serde_json::Map<String, serde_json::Value>,
+        meta: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<wire::CallResult, CallError> {
+        let server = name_of(srv);
+        // Held for the whole call: a session in use is never stopped to make room.
+        let session = self.session(srv, key).await?;
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(session.clone());
+        let quota = srv.config.limits.data_quota();
+        let confined = self.engine.as_ref().filter(|_| srv.config.in_container());
+        if let Some((engine, _)) = confined {
+            let dir = engine.data_dir(server, &session.segment);
+            if let Err(msg) = engine.check(server, &dir, &quota) {
+                end_session(&session).await;
+                return Err(CallError::Quota(msg));
             }
+        }
+        let (client, stopped) = self.ready(srv, &session).await?;
+        // Dropping this future (deadline, turn stop) sends notifications/cancelled. The
+        // session's data watcher (a container's) ends the call once it stops the session.
+        let called = async {
+            let call = client.call_tool(tool, args, meta);
+            match stopped {
+                Some(stopped) => tokio::select! {
+                    r = call => Ok(r),
+                    msg = stopped => Err(msg),
+                },
+                None => Ok(call.await),
+            }
+        };
+        let called = called.await;
+        // The watcher removes the container once it has kept its error: a call that saw
+        // the session close first is refused with that error all the same.
+        let called = match (called, self.tripped(&session).await) {
+            (Ok(Err(_)), Some(msg)) => Err(msg),
+            (called, _) => called,
+        };
+        match called {
+            Err(msg) => {
+                end_session(&session).await;
+                Err(CallError::Quota(msg))
+            }
+            Ok(Ok(result)) => Ok(result),
+            Ok(Err(ClientError::Answer(AnswerError::Rpc(e)))) => Err(CallError::Tool(e.message)),
+            Ok(Err(ClientError::Answer(e))) => {
+                tracing::warn!(server, error = %e, "MCP call failed");
+                Err(CallError::Failed(format!("MCP server {server}: {e}")))
+            }
+            Ok(Err(ClientError::Http(msg))) => {
+                tracing::warn!(server, error = %msg, "MCP call failed");
+                Err(CallError::Failed(msg))
+            }
+            Ok(Err(e)) => Err(CallError::Failed(self.ended(&session, server, e).await)),
         }
     }
 
@@ -771,6 +769,53 @@ async fn end_session(session: &Session) {
             tracing::info!("stopping an MCP session whose call did not finish");
             close(live).await;
         }
+    }
+}
+
+/// The `_meta` a call carries: the channel's segment and the speaker.
+fn call_meta(ctx: &TurnContext, segment: &str) -> serde_json::Map<String, serde_json::Value> {
+    let mut meta = serde_json::Map::new();
+    meta.insert(META_CHANNEL.into(), segment.into());
+    meta.insert(
+        META_SPEAKER.into(),
+        serde_json::json!({"id": ctx.speaker.id, "name": ctx.speaker.name}),
+    );
+    meta
+}
+
+/// A shared session's call waits for its turn (fair across channels, [`fair`]) before its
+/// timeout starts; `None`: the turn stopped while it waited (it left the queue). A
+/// channel's session has no queue: `Some(None)`.
+async fn queued(
+    srv: &Server,
+    segment: &str,
+    stop: &CancellationToken,
+) -> Option<Option<fair::Permit>> {
+    match srv.scope {
+        McpScope::Shared => {
+            srv.fair.used_by(stop);
+            tokio::select! {
+                permit = srv.fair.acquire(segment) => Some(Some(permit)),
+                _ = stop.cancelled() => None,
+            }
+        }
+        McpScope::Channel => Some(None),
+    }
+}
+
+/// The response to a call that finished within its deadline.
+fn answer(result: Result<wire::CallResult, CallError>, broker: &super::Broker) -> Response {
+    match result {
+        Err(CallError::Failed(msg)) => failure(StatusCode::BAD_GATEWAY, &msg),
+        Err(CallError::Quota(msg)) => {
+            refuse(StatusCode::INSUFFICIENT_STORAGE, Refusal::McpQuota, &msg)
+        }
+        Err(CallError::Busy(msg)) => {
+            refuse(StatusCode::SERVICE_UNAVAILABLE, Refusal::McpSessions, &msg)
+        }
+        Err(CallError::Tool(msg)) => tool_result(Err(format!("MCP error: {msg}")), broker),
+        Ok(result) if result.is_error => tool_result(Err(result.text), broker),
+        Ok(result) => tool_result(Ok(result.text), broker),
     }
 }
 
