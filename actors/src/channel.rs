@@ -13,6 +13,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::control::TurnControl;
 use crate::error::AbortReason;
 use crate::internal::{
     ChannelIdle, ChannelLink, ChannelRestartedNotice, ChannelShutdown, Enqueue, QueryStatus,
@@ -20,7 +21,7 @@ use crate::internal::{
 };
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
-use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnControl, TurnJob};
+use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnJob};
 use crate::{ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop};
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, decides each

@@ -89,6 +89,7 @@
 #![warn(missing_docs)]
 
 mod channel;
+mod control;
 mod error;
 mod internal;
 mod messages;

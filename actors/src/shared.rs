@@ -8,7 +8,7 @@ use std::time::Duration;
 use roundtable_sandbox::Sandbox;
 use tokio::sync::Semaphore;
 
-use crate::turn::PhaseRoutes;
+use crate::control::PhaseRoutes;
 use crate::SupervisorOptions;
 
 /// What every actor of one supervisor shares.

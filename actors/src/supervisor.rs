@@ -10,13 +10,13 @@ use roundtable_sandbox::{Sandbox, TurnOutcome};
 use tokio::sync::watch;
 
 use crate::channel::ChannelActor;
+use crate::control::PhaseRoutes;
 use crate::internal::{
     ChannelIdle, ChannelRestartedNotice, Enqueue, QueryStatus, Retire, ShutdownChannel,
     SupervisorLink,
 };
 use crate::reset::ResetGeneration;
 use crate::shared::Shared;
-use crate::turn::PhaseRoutes;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Shutdown, ShutdownReport,
     StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,

@@ -1,149 +1,24 @@
 //! The [`TurnActor`]: one turn, from admission to the end of its teardown.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use actix::prelude::*;
-use roundtable_sandbox::events::{Event, EventKind, Observer, TurnRecord};
+use roundtable_sandbox::events::{EventKind, TurnRecord};
 use roundtable_sandbox::AdmittedTurn;
 use roundtable_sandbox::TurnError;
 use roundtable_sandbox::{ChannelId, PreparedTurn, Reply, TurnFailure, TurnOutcome, TurnPhase};
 use tokio::sync::oneshot;
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::error::AbortReason;
+use crate::control::{Stage, TurnControl};
 use crate::internal::{ChannelLink, TurnDone, TurnReplied};
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
-use crate::{ChannelState, SandboxActorError};
+use crate::SandboxActorError;
 
 /// Where a caller's answer goes.
 pub(crate) type Responder = oneshot::Sender<Result<TurnOutcome, SandboxActorError>>;
-
-/// The handle a channel keeps on its active turn: stop it, say why, see its phase.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct TurnControl(Arc<ControlInner>);
-
-#[derive(Debug, Default)]
-struct ControlInner {
-    stop: CancellationToken,
-    abort: OnceLock<AbortReason>,
-    /// The abort's kind, for the core's `Ended` event (the kind its caller gets).
-    stopped_for: Arc<OnceLock<TurnFailure>>,
-    /// Where the turn is: the core's phase itself, kept as it is reported.
-    phase: Mutex<Stage>,
-    replied: AtomicBool,
-}
-
-/// A turn's stage as its channel reports it.
-#[derive(Debug, Clone, Copy, Default)]
-enum Stage {
-    /// Admitted, not yet waiting or running.
-    #[default]
-    Admitted,
-    /// Waiting for a container slot.
-    WaitingForSlot,
-    /// In the core, at this phase.
-    Running(TurnPhase),
-}
-
-impl TurnControl {
-    /// Stops the turn; returns whether it was still active (admitted, not yet answered,
-    /// not already stopped).
-    pub(crate) fn stop(&self) -> bool {
-        let was_active = !self.0.stop.is_cancelled() && !self.replied();
-        self.0.stop.cancel();
-        was_active
-    }
-
-    /// Stops the turn for a reason of the layer; its caller gets that reason's error.
-    pub(crate) fn abort(&self, reason: AbortReason) {
-        let _ = self.0.abort.set(reason);
-        let _ = self.0.stopped_for.set(reason.into_error().failure());
-        self.0.stop.cancel();
-    }
-
-    /// The token that stops the turn.
-    pub(crate) fn stop_token(&self) -> CancellationToken {
-        self.0.stop.clone()
-    }
-
-    pub(crate) fn replied(&self) -> bool {
-        self.0.replied.load(Ordering::SeqCst)
-    }
-
-    fn set_stage(&self, stage: Stage) {
-        *self
-            .0
-            .phase
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = stage;
-    }
-
-    /// The channel's state as this turn makes it.
-    pub(crate) fn state(&self) -> ChannelState {
-        if self.0.stop.is_cancelled() && !self.replied() {
-            return ChannelState::Stopping;
-        }
-        let stage = *self
-            .0
-            .phase
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match stage {
-            Stage::Admitted => ChannelState::Running(TurnPhase::Preparing),
-            Stage::WaitingForSlot => ChannelState::WaitingForSlot,
-            Stage::Running(phase) => ChannelState::Running(phase),
-        }
-    }
-}
-
-/// Each running turn's channel state, kept from the `Phase` events of the runtime's one
-/// observer: the supervisor installs [`PhaseRoutes::observer`] on the core's config (the
-/// bot's observer, if any, still gets every event first), a turn's actor registers its
-/// control under the turn's number while the core runs it.
-#[derive(Clone, Default)]
-pub(crate) struct PhaseRoutes(Arc<Mutex<HashMap<u64, TurnControl>>>);
-
-impl PhaseRoutes {
-    /// The observer that feeds the routes, after `bot`'s.
-    pub(crate) fn observer(&self, bot: Option<Observer>) -> Observer {
-        let routes = self.clone();
-        Arc::new(move |event: &Event| {
-            if let Some(bot) = &bot {
-                bot(event);
-            }
-            if let (EventKind::Phase(phase), Some(turn)) = (&event.kind, event.turn) {
-                if let Some(control) = routes.table().get(&turn) {
-                    control.set_stage(Stage::Running(*phase));
-                }
-            }
-        })
-    }
-
-    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<u64, TurnControl>> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Routes turn `turn`'s phases to `control` until the guard is dropped.
-    fn route(&self, turn: u64, control: TurnControl) -> RouteGuard {
-        self.table().insert(turn, control);
-        RouteGuard(self.clone(), turn)
-    }
-}
-
-struct RouteGuard(PhaseRoutes, u64);
-
-impl Drop for RouteGuard {
-    fn drop(&mut self) {
-        self.0.table().remove(&self.1);
-    }
-}
 
 /// A message's events of this layer (queued, waiting for a slot, the ends it answers
 /// itself), sent to the runtime's observer as its channel's.
@@ -267,7 +142,7 @@ impl Actor for TurnActor {
             channel: self.channel.clone(),
         };
         let mut turn = job.turn;
-        turn.stop_reason(self.control.0.stopped_for.clone());
+        turn.stop_reason(self.control.stopped_for());
         let work = run_job(
             job.shared,
             turn,
@@ -288,7 +163,7 @@ impl Actor for TurnActor {
                     } else {
                         SandboxActorError::TurnLost
                     };
-                    act.control.0.replied.store(true, Ordering::SeqCst);
+                    act.control.mark_replied();
                     if let Some(tx) = take(&responder) {
                         // The core never answered: the layer's answer is the turn's end.
                         progress.ended(error.failure());
@@ -315,7 +190,7 @@ impl Drop for TurnActor {
     fn drop(&mut self) {
         // Dropped before its task finished (the arbiter is going away): cancel the turn,
         // whose teardown goes on in its task, and free the channel.
-        self.control.0.stop.cancel();
+        self.control.stop_token().cancel();
         self.report_done();
     }
 }
@@ -341,7 +216,7 @@ impl Delivery {
     /// Delivers the outcome of a turn that never reached the core, and reports its end;
     /// the failure it reported.
     fn end(&self, outcome: &TurnOutcome, progress: &ProgressSink) -> Option<TurnFailure> {
-        let failure = match self.control.0.abort.get() {
+        let failure = match self.control.abort_reason() {
             Some(reason) if !outcome.reply.ok => Some(reason.into_error().failure()),
             _ => outcome.failure,
         };
@@ -354,11 +229,11 @@ impl Delivery {
 
     fn deliver(&self, outcome: &TurnOutcome) {
         let reply = &outcome.reply;
-        self.control.0.replied.store(true, Ordering::SeqCst);
+        self.control.mark_replied();
         if reply.ok && self.resets.consume(self.stamp) {
             tracing::debug!("pending reset consumed");
         }
-        let answer = match self.control.0.abort.get() {
+        let answer = match self.control.abort_reason() {
             Some(reason) if !reply.ok => Err(reason.into_error()),
             _ => Ok(outcome.clone()),
         };

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use roundtable_sandbox::Config;
 
-use crate::doctor::{creatable_check, fail, pass, Check};
+use crate::check::{creatable_check, fail, pass, Check};
 
 /// `explain`'s line for the audit trail.
 pub(crate) fn explain(config: &Config) {

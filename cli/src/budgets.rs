@@ -5,7 +5,7 @@ use std::path::Path;
 
 use roundtable_sandbox::Config;
 
-use crate::doctor::{creatable_check, fail, pass, Check};
+use crate::check::{creatable_check, fail, pass, Check};
 
 /// `explain`'s lines for the budgets: the limits set and where their counters are kept;
 /// the shared store, with a warning when it fails open.

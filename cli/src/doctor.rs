@@ -1,59 +1,14 @@
 //! `doctor`: what a runtime needs, one line per check with a fix hint, section by section
 //! (each section's checks are in its module); exits 1 on a failure.
 
-use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use roundtable_sandbox::settings::Settings;
 use roundtable_sandbox::{Config, ConfigError};
 
+use crate::check::{fail, Check};
 use crate::{audit, budgets, egress, host, mcp, metrics};
-
-/// One doctor line: passed, failed (with a fix), or passed with a warning and its fix.
-pub(crate) struct Check {
-    pub(crate) ok: bool,
-    pub(crate) name: &'static str,
-    pub(crate) detail: String,
-    pub(crate) hint: Option<String>,
-}
-
-pub(crate) fn pass(name: &'static str, detail: impl Into<String>) -> Check {
-    Check {
-        ok: true,
-        name,
-        detail: detail.into(),
-        hint: None,
-    }
-}
-
-/// A check that passes with a warning: something the operator chose that weakens a
-/// control (shown, not counted as a failure).
-pub(crate) fn warn(
-    name: &'static str,
-    detail: impl Into<String>,
-    hint: impl Into<String>,
-) -> Check {
-    Check {
-        ok: true,
-        name,
-        detail: detail.into(),
-        hint: Some(hint.into()),
-    }
-}
-
-pub(crate) fn fail(
-    name: &'static str,
-    detail: impl Into<String>,
-    hint: impl Into<String>,
-) -> Check {
-    Check {
-        ok: false,
-        name,
-        detail: detail.into(),
-        hint: Some(hint.into()),
-    }
-}
 
 /// Runs every section's checks, in order, and prints them with the count of failures.
 pub(crate) async fn doctor(
@@ -123,28 +78,5 @@ fn report(checks: &[Check]) -> ExitCode {
     } else {
         println!("{failed} of {} checks failed", checks.len());
         ExitCode::from(1)
-    }
-}
-
-/// A file the runtime creates at startup: its directory must let this user create it.
-pub(crate) fn creatable_check(name: &'static str, file: &Path) -> Check {
-    let dir = file.parent().unwrap_or(Path::new("/"));
-    match nix::unistd::access(
-        dir,
-        nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
-    ) {
-        Ok(()) => pass(
-            name,
-            format!("{} will be created at startup", file.display()),
-        ),
-        Err(e) => fail(
-            name,
-            format!(
-                "{} cannot be created in {}: {e}",
-                file.display(),
-                dir.display()
-            ),
-            "create the directory for the service user, outside run_root and workspace_root",
-        ),
     }
 }

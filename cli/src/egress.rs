@@ -27,27 +27,27 @@ pub(crate) fn explain(config: &Config) {
 
 /// `doctor`'s lines: a route in audit mode fails (its rules refuse nothing); a route that
 /// reaches private addresses or IP literals, or posts anywhere, passes with a warning.
-pub(crate) fn doctor(config: &Config) -> Vec<crate::doctor::Check> {
+pub(crate) fn doctor(config: &Config) -> Vec<crate::check::Check> {
     let mut out = Vec::new();
     for r in &config.egress {
         let mut lines = warnings(r).into_iter();
         if r.mode == EgressMode::Audit {
             let line = lines.next().unwrap_or_default();
-            out.push(crate::doctor::fail(
+            out.push(crate::check::fail(
                 "egress",
                 line,
                 "set mode = \"enforce\" once the audit entries show what the route needs",
             ));
         }
         for line in lines {
-            out.push(crate::doctor::warn(
+            out.push(crate::check::warn(
                 "egress",
                 line,
                 "keep it only if the route needs it (a private deployment, the tests)",
             ));
         }
         if r.mode != EgressMode::Audit && warnings(r).is_empty() {
-            out.push(crate::doctor::pass(
+            out.push(crate::check::pass(
                 "egress",
                 format!("route {} enforced", r.name),
             ));

@@ -8,7 +8,7 @@ use std::path::Path;
 use roundtable_sandbox::operator::{self, is_private_dir, Floor, MAX_SOCKET_PATH};
 use roundtable_sandbox::{Config, ConfigError, ContainerDriver, DockerDriver};
 
-use crate::doctor::{fail, pass, Check};
+use crate::check::{fail, pass, Check};
 use crate::show;
 
 /// `explain`'s lines for the host: the image and runtime, the container, its limits and

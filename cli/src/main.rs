@@ -14,6 +14,7 @@
 mod audit;
 mod broker;
 mod budgets;
+mod check;
 mod doctor;
 mod egress;
 mod host;

@@ -3,7 +3,7 @@
 
 use roundtable_sandbox::{Config, McpScope, McpTransport};
 
-use crate::doctor::{fail, pass, Check};
+use crate::check::{fail, pass, Check};
 use crate::host::Engine;
 use crate::{host_of, show};
 

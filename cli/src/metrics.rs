@@ -2,7 +2,7 @@
 
 use roundtable_sandbox_metrics::MetricsArgs;
 
-use crate::doctor::{fail, pass, Check};
+use crate::check::{fail, pass, Check};
 
 /// `explain`'s line for the metrics endpoint.
 pub(crate) fn explain(metrics: &MetricsArgs) {

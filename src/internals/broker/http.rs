@@ -43,7 +43,7 @@ pub(super) struct Turn {
     /// The compactor's warn lines, rate-limited.
     pub(super) warnings: super::warn::Warnings,
     /// What the turn has used of each egress route.
-    pub(super) egress: super::egress::TurnEgress,
+    pub(super) egress: super::egress::used::TurnEgress,
 }
 
 /// A body of bytes.

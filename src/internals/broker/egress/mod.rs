@@ -24,10 +24,11 @@
 
 mod net;
 pub(crate) mod rules;
+pub(super) mod used;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -89,24 +90,6 @@ struct Compiled {
     credential: Option<SecretString>,
     tls: Arc<rustls::ClientConfig>,
     private: Vec<Cidr>,
-}
-
-/// What a turn has used of each route.
-#[derive(Default)]
-pub(crate) struct TurnEgress(Mutex<HashMap<String, Used>>);
-
-#[derive(Default, Clone, Copy)]
-struct Used {
-    requests: u32,
-    bytes_in: u64,
-    bytes_out: u64,
-}
-
-impl TurnEgress {
-    fn with<T>(&self, route: &str, f: impl FnOnce(&mut Used) -> T) -> T {
-        let mut used = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        f(used.entry(route.to_owned()).or_default())
-    }
 }
 
 impl Egress {
