@@ -356,7 +356,7 @@ mod tests {
     fn parts_not_run_are_not_measured_and_not_written() {
         let mut r = empty();
         r.targets = targets(&r);
-        assert_eq!(r.targets.len(), 15);
+        assert_eq!(r.targets.len(), 16);
         assert!(r
             .targets
             .iter()
