@@ -236,9 +236,9 @@ async fn run(o: &Options) -> Result<Results> {
     }
     let machine = Machine::read(&docker).await;
     println!("machine: {machine}");
-    let mut results = Results {
+    let mut results = Results::new(
         machine,
-        options: RunOptions {
+        RunOptions {
             iterations: o.iterations,
             warmup: o.warmup,
             rounds: o.rounds,
@@ -246,21 +246,7 @@ async fn run(o: &Options) -> Result<Results> {
             channels: o.channels,
             image: o.image.clone(),
         },
-        memory: Default::default(),
-        turn: None,
-        warm_memory: None,
-        gvisor: None,
-        concurrency: None,
-        throughput: None,
-        soak: None,
-        ablation: None,
-        broker: None,
-        accounting: None,
-        observed: None,
-        store: None,
-        egress: None,
-        targets: Vec::new(),
-    };
+    );
     let model = Model::start().await?;
     let roots = lifecycle::Roots::new()?;
     let sandbox = lifecycle::sandbox(&o.image, &roots, &model.url()).await?;

@@ -46,6 +46,30 @@ pub struct Results {
     pub targets: Vec<Target>,
 }
 
+impl Results {
+    /// A run on `machine` with `options`, no part measured yet.
+    pub fn new(machine: Machine, options: RunOptions) -> Self {
+        Self {
+            machine,
+            options,
+            memory: Memory::default(),
+            turn: None,
+            warm_memory: None,
+            gvisor: None,
+            concurrency: None,
+            throughput: None,
+            soak: None,
+            ablation: None,
+            broker: None,
+            accounting: None,
+            observed: None,
+            store: None,
+            egress: None,
+            targets: Vec::new(),
+        }
+    }
+}
+
 /// The options the figures were taken with.
 #[derive(Debug, Serialize)]
 pub struct RunOptions {
@@ -315,8 +339,8 @@ mod tests {
     use super::*;
 
     fn empty() -> Results {
-        Results {
-            machine: Machine {
+        Results::new(
+            Machine {
                 cpu: "cpu".into(),
                 cpus: 2,
                 virtualisation: "virtual machine",
@@ -326,7 +350,7 @@ mod tests {
                 storage_driver: "overlay2".into(),
                 cgroup: "2".into(),
             },
-            options: RunOptions {
+            RunOptions {
                 iterations: 1,
                 warmup: 0,
                 rounds: 1,
@@ -334,21 +358,7 @@ mod tests {
                 channels: 1,
                 image: "i".into(),
             },
-            memory: Memory::default(),
-            turn: None,
-            warm_memory: None,
-            gvisor: None,
-            concurrency: None,
-            throughput: None,
-            soak: None,
-            ablation: None,
-            broker: None,
-            accounting: None,
-            observed: None,
-            store: None,
-            egress: None,
-            targets: Vec::new(),
-        }
+        )
     }
 
     /// A part not run leaves its targets unmeasured and its key out of the JSON.
