@@ -49,13 +49,12 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use irc_limits::LimitsKeyer;
 use roundtable_sandbox::display;
-use roundtable_sandbox::settings::{Settings, SETTINGS_NOTE};
+use roundtable_sandbox::settings::SETTINGS_NOTE;
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
     TurnFailure,
 };
-use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
-use roundtable_sandbox_metrics::MetricsArgs;
+use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -87,12 +86,7 @@ struct Cli {
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
-    settings: Settings,
-    #[command(flatten)]
-    metrics: MetricsArgs,
-    /// Print a completion script for SHELL and exit
-    #[arg(long, value_name = "SHELL", value_enum)]
-    completions: Option<clap_complete::Shell>,
+    bot: BotArgs,
 }
 
 /// How the bot paces and bounds what it posts.
@@ -144,24 +138,7 @@ const READ_CAP: usize = 8192;
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
-    // Before any secret is read: no other process of this user may read this one's memory
-    // or environment (the key is read from OPENAI_API_KEY or a file).
-    if let Err(e) = roundtable_sandbox::make_process_private() {
-        eprintln!("error: make the process private (not dumpable): {e}");
-        return std::process::ExitCode::FAILURE;
-    }
-    // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
-    let cli = Cli::parse();
-    if let Some(shell) = cli.completions {
-        return print_completions::<Cli>(shell);
-    }
-    match run(cli).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            roundtable_sandbox_examples::print_error("irc-bot", &e);
-            std::process::ExitCode::from(2)
-        }
-    }
+    roundtable_sandbox_examples::bot_main("irc-bot", |cli: &Cli| cli.bot.completions, run).await
 }
 
 /// A parsed IRC line: prefix nick and host, command, params (the trailing one included).
@@ -515,8 +492,9 @@ async fn run(cli: Cli) -> Result<()> {
         join,
         limits_key_file,
         output,
-        settings,
-        metrics,
+        bot: BotArgs {
+            settings, metrics, ..
+        },
         ..
     } = cli;
     let join: Vec<String> = join.iter().map(|c| c.to_lowercase()).collect();

@@ -19,7 +19,7 @@
 //! `limits_key`, which the budgets alone read: the model, the turn, the audit trail, the
 //! logs and the metrics see the nick, never the host nor the key.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{IpAddr, Ipv6Addr};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -234,33 +234,14 @@ pub fn load_or_create(
 /// Makes the secret file; whether this call made it (false: another process did first).
 fn create(path: &Path) -> Result<bool, LimitsKeyError> {
     let secret = random_secret(Path::new("/dev/urandom"))?;
-    let dir = path.parent().unwrap_or(Path::new("/"));
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        path.file_name().unwrap_or_default().to_string_lossy(),
-        std::process::id()
-    ));
-    let _ = std::fs::remove_file(&tmp);
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(&secret)?;
-            f.sync_all()
-        });
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(path, "create")(e));
-    }
+    let tmp = roundtable_sandbox_examples::write_private_temp(path, &secret)
+        .map_err(io(path, "create"))?;
     // Linked, not renamed: an existing key (another bot's, made meanwhile) is never replaced.
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
     match linked {
         Ok(()) => {
-            std::fs::File::open(dir)
-                .and_then(|d| d.sync_all())
+            roundtable_sandbox_examples::sync_parent(path)
                 .map_err(io(path, "sync its directory"))?;
             Ok(true)
         }

@@ -29,7 +29,7 @@ use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
     SupervisorOptions, TurnPhase,
 };
-use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
+use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use roundtable_sandbox_metrics::MetricsArgs;
 use tokio::io::AsyncBufReadExt;
 
@@ -41,34 +41,17 @@ use tokio::io::AsyncBufReadExt;
 #[command(name = "terminal-bot", version, after_help = SETTINGS_NOTE)]
 struct Cli {
     #[command(flatten)]
-    settings: Settings,
-    #[command(flatten)]
-    metrics: MetricsArgs,
-    /// Print a completion script for SHELL and exit
-    #[arg(long, value_name = "SHELL", value_enum)]
-    completions: Option<clap_complete::Shell>,
+    bot: BotArgs,
 }
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
-    // Before any secret is read: no other process of this user may read this one's memory
-    // or environment (the key is read from OPENAI_API_KEY or a file).
-    if let Err(e) = roundtable_sandbox::make_process_private() {
-        eprintln!("error: make the process private (not dumpable): {e}");
-        return std::process::ExitCode::FAILURE;
-    }
-    // Usage errors print clap's message and exit 2; `--help` and `--version` exit 0.
-    let cli = Cli::parse();
-    if let Some(shell) = cli.completions {
-        return print_completions::<Cli>(shell);
-    }
-    match run(cli.settings, cli.metrics).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            roundtable_sandbox_examples::print_error("terminal-bot", &e);
-            std::process::ExitCode::from(2)
-        }
-    }
+    roundtable_sandbox_examples::bot_main(
+        "terminal-bot",
+        |cli: &Cli| cli.bot.completions,
+        |cli: Cli| run(cli.bot.settings, cli.bot.metrics),
+    )
+    .await
 }
 
 /// One line of input.
@@ -351,7 +334,7 @@ mod tests {
     fn the_command_line_is_well_formed() {
         Cli::command().debug_assert();
         let cli = Cli::try_parse_from(["terminal-bot", "--offline", "--run-root", "/r"]).unwrap();
-        assert!(cli.settings.offline);
+        assert!(cli.bot.settings.offline);
         let e = Cli::try_parse_from(["terminal-bot", "--ofline"]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::UnknownArgument);
         assert!(
@@ -364,15 +347,15 @@ mod tests {
     #[test]
     fn metrics_are_served_on_loopback_unless_allowed() {
         let cli = Cli::try_parse_from(["terminal-bot"]).unwrap();
-        assert_eq!(cli.metrics.address().unwrap(), None);
+        assert_eq!(cli.bot.metrics.address().unwrap(), None);
         let cli = Cli::try_parse_from(["terminal-bot", "--metrics"]).unwrap();
         assert_eq!(
-            cli.metrics.address().unwrap(),
+            cli.bot.metrics.address().unwrap(),
             Some("127.0.0.1:9464".parse().unwrap())
         );
         let cli = Cli::try_parse_from(["terminal-bot", "--metrics", "0.0.0.0:9464"]).unwrap();
         assert_eq!(
-            cli.metrics.address().unwrap_err().to_string(),
+            cli.bot.metrics.address().unwrap_err().to_string(),
             "metrics address 0.0.0.0:9464 is not a loopback address (give --metrics-allow-remote to serve metrics beyond this host)"
         );
         let cli = Cli::try_parse_from([
@@ -382,7 +365,7 @@ mod tests {
             "--metrics-allow-remote",
         ])
         .unwrap();
-        assert!(cli.metrics.address().unwrap().is_some());
+        assert!(cli.bot.metrics.address().unwrap().is_some());
         let e = Cli::try_parse_from(["terminal-bot", "--metrics-allow-remote"]).unwrap_err();
         assert_eq!(e.kind(), clap::error::ErrorKind::MissingRequiredArgument);
         let e = Cli::try_parse_from(["terminal-bot", "--metrics", "localhost"]).unwrap_err();

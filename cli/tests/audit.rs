@@ -2,20 +2,12 @@
 //! crash; a guest's speaker id escaped for the terminal); `explain` says where the audit
 //! goes; `doctor` checks that the service user can append to it.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
 
 fn cli(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
-        .args(args)
-        .env_remove("DOCKER_HOST")
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::outcome(common::command().args(args))
 }
 
 fn tmp() -> tempfile::TempDir {

@@ -3,8 +3,6 @@
 //! and warns about `allow_private`, and `egress check` gives a route's verdict and rule
 //! without sending anything (the routes name hosts of `.invalid`, which never resolve).
 
-use std::process::Command;
-
 mod common;
 
 fn config() -> (tempfile::TempDir, std::path::PathBuf) {
@@ -25,18 +23,12 @@ fn config() -> (tempfile::TempDir, std::path::PathBuf) {
 }
 
 fn cli(args: &[&str], config: &std::path::Path) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"))
-        .args(args)
-        .arg("--config")
-        .arg(config)
-        .env("RTG_API_TOKEN", "tok-never-shown-31")
-        .env_remove("DOCKER_HOST")
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+    common::outcome(
+        common::command()
+            .args(args)
+            .arg("--config")
+            .arg(config)
+            .env("RTG_API_TOKEN", "tok-never-shown-31"),
     )
 }
 

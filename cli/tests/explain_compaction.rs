@@ -1,8 +1,6 @@
 //! `explain` shows the compaction settings, never a key. Needs no Docker: `explain` reads
 //! the config file and prints.
 
-use std::process::Command;
-
 mod common;
 
 fn explain(config: &str, env: &[(&str, &str)]) -> (i32, String, String) {
@@ -14,7 +12,7 @@ fn explain(config: &str, env: &[(&str, &str)]) -> (i32, String, String) {
             dir.display()
         )
     });
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_roundtable-sandbox"));
+    let mut cmd = common::command();
     cmd.arg("explain")
         .arg("--config")
         .arg(&path)
@@ -23,12 +21,7 @@ fn explain(config: &str, env: &[(&str, &str)]) -> (i32, String, String) {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    common::outcome(&mut cmd)
 }
 
 const SECTION: &str =

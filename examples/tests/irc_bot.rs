@@ -162,6 +162,15 @@ fn start_server_with(d: &Path, port: u16, listen: &str, options: &str) -> Proc {
 /// The bot's stderr lines, each with the moment the test read it.
 type Said = std::sync::Arc<std::sync::Mutex<Vec<(Instant, String)>>>;
 
+/// The lines said so far, without their times.
+fn lines_of(said: &Said) -> Vec<String> {
+    said.lock()
+        .unwrap()
+        .iter()
+        .map(|(_, l)| l.clone())
+        .collect()
+}
+
 /// Starts the bot joined to `channels`; returns it once it has registered, with its stderr
 /// lines as they come.
 fn start_bot(d: &Path, port: u16, channels: &str) -> (Proc, Said, std::thread::JoinHandle<()>) {
@@ -311,12 +320,7 @@ fn stop_bot(mut bot: Proc, said: &Said, echo: std::thread::JoinHandle<()>, d: &P
         std::thread::sleep(Duration::from_millis(50));
     };
     echo.join().unwrap();
-    let said: Vec<String> = said
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(_, l)| l.clone())
-        .collect();
+    let said = lines_of(said);
     assert!(status.success(), "the bot exited with {status}: {said:?}");
     assert!(
         said.iter().any(|l| l.starts_with("irc-bot: shut down")),
@@ -571,12 +575,7 @@ fn a_nick_change_gets_no_fresh_limits_and_the_host_reaches_no_guest() {
         assert!(!holds(bytes, CLOAK), "{} holds the host", path.display());
     }
     // The bot's own lines.
-    let said: Vec<String> = said
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(_, l)| l.clone())
-        .collect();
+    let said = lines_of(&said);
     assert!(
         !said
             .iter()

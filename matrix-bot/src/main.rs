@@ -55,13 +55,11 @@ use matrix_sdk::{Client, SessionMeta, SessionTokens};
 use outbox::{Bounds, Outbox, Outgoing, Pacer};
 use render::Kind;
 use roundtable_sandbox::display;
-use roundtable_sandbox::settings::Settings;
 use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
     SupervisorOptions, TurnFailure, TurnPhase,
 };
-use roundtable_sandbox_examples::{print_completions, serve_metrics, RollDice};
-use roundtable_sandbox_metrics::MetricsArgs;
+use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use secrets::{SessionFile, StoredSession};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};
@@ -106,12 +104,7 @@ struct Cli {
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
-    settings: Settings,
-    #[command(flatten)]
-    metrics: MetricsArgs,
-    /// Print a completion script for SHELL and exit
-    #[arg(long, value_name = "SHELL", value_enum)]
-    completions: Option<clap_complete::Shell>,
+    bot: BotArgs,
 }
 
 const AFTER_HELP: &str = "The password or access token is read from a file (--password-file, \
@@ -170,23 +163,7 @@ encrypted room on to an AI model in plain. Invite it to a room without encryptio
 
 #[actix::main]
 async fn main() -> std::process::ExitCode {
-    // Before any secret is read: no other process of this user may read this one's memory
-    // or environment (the model key, the Matrix password or token).
-    if let Err(e) = roundtable_sandbox::make_process_private() {
-        eprintln!("error: make the process private (not dumpable): {e}");
-        return std::process::ExitCode::FAILURE;
-    }
-    let cli = Cli::parse();
-    if let Some(shell) = cli.completions {
-        return print_completions::<Cli>(shell);
-    }
-    match run(cli).await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            roundtable_sandbox_examples::print_error(PROGRAM, &e);
-            std::process::ExitCode::from(2)
-        }
-    }
+    roundtable_sandbox_examples::bot_main(PROGRAM, |cli: &Cli| cli.bot.completions, run).await
 }
 
 /// A guest-made or server-made string, safe for the operator's terminal.
@@ -526,8 +503,9 @@ async fn run(cli: Cli) -> Result<()> {
         stop_power_level,
         reset_power_level,
         output,
-        settings,
-        metrics,
+        bot: BotArgs {
+            settings, metrics, ..
+        },
         ..
     } = cli;
     // Messages stamped before this moment are never answered (see `incoming`).

@@ -11,7 +11,7 @@
 //! A password or token file may be the service user's or root's (a credential an operator
 //! installed), never readable by group or others.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -270,35 +270,18 @@ impl SessionFile {
     /// Writes `session` whole: a temporary file (0600) synced and renamed into place.
     pub fn save(&self, session: &StoredSession) -> Result<(), SecretError> {
         let path = &self.path;
-        let dir = path.parent().unwrap_or(Path::new("/"));
-        let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            path.file_name().unwrap_or_default().to_string_lossy(),
-            std::process::id()
-        ));
-        let _ = std::fs::remove_file(&tmp);
         let text = serde_json::to_string_pretty(session).expect("a session serializes");
-        let written = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
-            .open(&tmp)
-            .and_then(|mut f| {
-                f.write_all(text.as_bytes())?;
-                f.sync_all()
-            });
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io(SESSION, path, "write")(e));
-        }
+        let tmp = roundtable_sandbox_examples::write_private_temp(path, text.as_bytes())
+            .map_err(io(SESSION, path, "write"))?;
         if let Err(e) = std::fs::rename(&tmp, path) {
             let _ = std::fs::remove_file(&tmp);
             return Err(io(SESSION, path, "replace")(e));
         }
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(SESSION, path, "sync its directory"))
+        roundtable_sandbox_examples::sync_parent(path).map_err(io(
+            SESSION,
+            path,
+            "sync its directory",
+        ))
     }
 }
 

@@ -428,6 +428,11 @@ pub trait StartedContainer: Send + std::fmt::Debug {
     ) -> BoxFuture<'static, Result<RunOutcome, DriverError>>;
 }
 
+/// What a default method of [`ContainerDriver`] answers for what the backend cannot do.
+fn unsupported<'a, T: Send + 'a>(op: &'static str) -> BoxFuture<'a, Result<T, DriverError>> {
+    Box::pin(std::future::ready(Err(DriverError::Unsupported { op })))
+}
+
 /// Runs turns in containers. Implementations must be cancellation-safe: when `cancel`
 /// fires, the container is killed and `run` returns [`DriverError::Cancelled`] promptly.
 pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
@@ -459,7 +464,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         cancel: CancellationToken,
     ) -> BoxFuture<'a, Result<Box<dyn StartedContainer>, DriverError>> {
         let _ = (spec, cancel);
-        Box::pin(async { Err(DriverError::Unsupported { op: "start" }) })
+        unsupported("start")
     }
 
     /// Removes the named container (killing it); absent is not an error.
@@ -474,11 +479,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// cannot tell ([`DriverError::Unsupported`]): the turn logs it and its judgement stands.
     fn oom_killed<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<bool, DriverError>> {
         let _ = name;
-        Box::pin(async {
-            Err(DriverError::Unsupported {
-                op: "tell an oom kill",
-            })
-        })
+        unsupported("tell an oom kill")
     }
 
     /// Removes the leftover containers of this runtime: labelled with `scope.instance`,
@@ -500,11 +501,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         name: &'a str,
     ) -> BoxFuture<'a, Result<ContainerProcesses, DriverError>> {
         let _ = name;
-        Box::pin(async {
-            Err(DriverError::Unsupported {
-                op: "list processes",
-            })
-        })
+        unsupported("list processes")
     }
 
     /// How the files the named container's processes hold open with no name left are
@@ -547,11 +544,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         spec: &'a SessionSpec,
     ) -> BoxFuture<'a, Result<SessionIo, DriverError>> {
         let _ = spec;
-        Box::pin(async {
-            Err(DriverError::Unsupported {
-                op: "start a session",
-            })
-        })
+        unsupported("start a session")
     }
 
     /// Freezes every process of the named container (nothing of it runs until
@@ -559,14 +552,14 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
     /// the caller then stops the container instead.
     fn pause<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         let _ = name;
-        Box::pin(async { Err(DriverError::Unsupported { op: "pause" }) })
+        unsupported("pause")
     }
 
     /// Thaws a container [`ContainerDriver::pause`] froze. The default refuses
     /// ([`DriverError::Unsupported`]).
     fn resume<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), DriverError>> {
         let _ = name;
-        Box::pin(async { Err(DriverError::Unsupported { op: "resume" }) })
+        unsupported("resume")
     }
 
     /// Every container (running or not) carrying all of `labels` (`key` or `key=value`),
@@ -576,11 +569,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         labels: &'a [String],
     ) -> BoxFuture<'a, Result<Vec<LabelledContainer>, DriverError>> {
         let _ = labels;
-        Box::pin(async {
-            Err(DriverError::Unsupported {
-                op: "list containers by label",
-            })
-        })
+        unsupported("list containers by label")
     }
 
     /// The regular file at `path` in `image` (at most `max` bytes; a link, a directory or a
@@ -592,11 +581,7 @@ pub trait ContainerDriver: Send + Sync + std::fmt::Debug {
         max: u64,
     ) -> BoxFuture<'a, Result<Vec<u8>, DriverError>> {
         let _ = (image, path, max);
-        Box::pin(async {
-            Err(DriverError::Unsupported {
-                op: "read a file of an image",
-            })
-        })
+        unsupported("read a file of an image")
     }
 
     /// The host directory where the engine stores images and container layers, whose
@@ -728,7 +713,7 @@ mod tests {
         assert!(Minimal.processes("c").await.is_err());
         assert!(Minimal.oom_killed("c").await.is_err());
         // What MCP sessions need: refused, so no session runs on a backend without it.
-        let unsupported = |e: DriverError| matches!(e, DriverError::Unsupported { .. });
+        let is_unsupported = |e: DriverError| matches!(e, DriverError::Unsupported { .. });
         let spec = SessionSpec {
             name: "s".into(),
             image: "i".into(),
@@ -748,11 +733,15 @@ mod tests {
             runtime: None,
             measured: "/data".into(),
         };
-        assert!(unsupported(Minimal.start_session(&spec).await.unwrap_err()));
-        assert!(unsupported(Minimal.pause("c").await.unwrap_err()));
-        assert!(unsupported(Minimal.resume("c").await.unwrap_err()));
-        assert!(unsupported(Minimal.list_labelled(&[]).await.unwrap_err()));
-        assert!(unsupported(
+        assert!(is_unsupported(
+            Minimal.start_session(&spec).await.unwrap_err()
+        ));
+        assert!(is_unsupported(Minimal.pause("c").await.unwrap_err()));
+        assert!(is_unsupported(Minimal.resume("c").await.unwrap_err()));
+        assert!(is_unsupported(
+            Minimal.list_labelled(&[]).await.unwrap_err()
+        ));
+        assert!(is_unsupported(
             Minimal.image_file("i", "/f", 1).await.unwrap_err()
         ));
     }

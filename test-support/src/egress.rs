@@ -24,7 +24,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
-use hyper_util::rt::TokioIo;
 
 /// The names the test's certificate holds (the DNS table maps them to 127/8).
 pub const NAMES: &[&str] = &[
@@ -173,13 +172,10 @@ impl Upstream {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
                     };
-                    let service = hyper::service::service_fn(move |req| {
-                        let record = record.clone();
-                        async move { Ok::<_, Infallible>(answer(req, peer, addr, record).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(tls), service)
-                        .await;
+                    crate::http::serve_connection(tls, move |req| {
+                        answer(req, peer, addr, record.clone())
+                    })
+                    .await;
                 });
             }
         });
@@ -219,12 +215,7 @@ async fn answer(
         .iter()
         .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap_or("?").to_owned()))
         .collect();
-    let body = req
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let body = crate::http::body(req).await;
     let seen = Seen {
         peer,
         local,

@@ -7,6 +7,7 @@
 //! - [`mcp_stub`]: the stub MCP server of `tests/support/mcp_stub.py` as a configuration;
 //! - [`docker_proxy`]: a unix-socket proxy in front of the Docker daemon (chaos tests);
 //! - [`egress`]: a test CA, an HTTPS upstream and a DNS server on loopback (egress tests);
+//! - [`http`]: the loopback HTTP/1.1 accept loop and body read the servers here share;
 //! - [`captured_logs`]: a `tracing` writer that keeps what it is given;
 //! - [`hostile`]: the hostile image (`scripts/build-hostile-image.sh`) and its findings;
 //! - [`warm_switch`]: the runtime with its turns through prepared containers when
@@ -23,6 +24,7 @@ pub mod captured_logs;
 pub mod docker_proxy;
 pub mod egress;
 pub mod hostile;
+pub mod http;
 pub mod mcp_process;
 pub mod mcp_stub;
 pub mod model;

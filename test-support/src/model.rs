@@ -25,7 +25,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
-use hyper_util::rt::TokioIo;
 use tokio::sync::{mpsc, Notify};
 
 /// One scripted answer.
@@ -199,23 +198,9 @@ impl ScriptedModel {
             in_flight: Mutex::new((0, 0)),
         });
         let accept_shared = shared.clone();
-        let task = tokio::spawn(async move {
-            let mut connections = tokio::task::JoinSet::new();
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let shared = accept_shared.clone();
-                connections.spawn(async move {
-                    let service = hyper::service::service_fn(move |req| {
-                        let shared = shared.clone();
-                        async move { Ok::<_, Infallible>(answer(&shared, req).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+        let task = crate::http::serve(listener, move |req| {
+            let shared = accept_shared.clone();
+            async move { answer(&shared, req).await }
         });
         Self { addr, shared, task }
     }
@@ -304,12 +289,7 @@ async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
         .find(|(n, _)| n == "authorization")
         .map(|(_, v)| v.clone())
         .unwrap_or_default();
-    let body = req
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes().to_vec())
-        .unwrap_or_default();
+    let body = crate::http::body(req).await.to_vec();
     shared.requests.lock().unwrap().push(Recorded {
         method,
         path,

@@ -88,6 +88,19 @@ async fn get(turn: &BrokerTurn, path: &str) -> Answer {
     request(turn.socket(), "GET", path, &[], "").await
 }
 
+/// `DELETE https://egress.test/echo` (a method no route of these tests allows, but in
+/// audit mode).
+async fn delete_echo(turn: &BrokerTurn, web: &Web) -> Answer {
+    request(
+        turn.socket(),
+        "DELETE",
+        &web.url("egress.test", "/echo"),
+        &[],
+        "",
+    )
+    .await
+}
+
 /// A refusal's rule (its body and its header agree).
 fn denied_by(a: &Answer) -> String {
     assert_eq!(a.status, 403, "{}", a.text());
@@ -232,14 +245,7 @@ async fn egress_refusals_name_their_rule() {
         .turn(vec![web.web_route(), web.api_route("RTS_EGRESS_TOKEN_C")])
         .await;
     // Control: the route's methods (GET and HEAD by default).
-    let a = request(
-        turn.socket(),
-        "DELETE",
-        &web.url("egress.test", "/echo"),
-        &[],
-        "",
-    )
-    .await;
+    let a = delete_echo(&turn, &web).await;
     assert_eq!(denied_by(&a), "method");
     // Controls that hold in every mode: userinfo, dot segments, encoded slashes.
     let a = get(
@@ -438,14 +444,7 @@ async fn egress_per_turn_caps_and_audit_mode() {
     let mut audit = web.web_route();
     audit.mode = EgressMode::Audit;
     let (turn, seen) = web.turn(vec![audit]).await;
-    let a = request(
-        turn.socket(),
-        "DELETE",
-        &web.url("egress.test", "/echo"),
-        &[],
-        "",
-    )
-    .await;
+    let a = delete_echo(&turn, &web).await;
     assert_eq!(a.status, 200, "{}", a.text());
     let events = egress_events(&seen);
     assert_eq!(events[0].decision, EgressDecision::AuditDenied);

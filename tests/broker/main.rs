@@ -104,6 +104,86 @@ fn stdio(command: &str, args: &[&str]) -> McpTransport {
     }
 }
 
+/// An MCP server run by python3 alone, inline, in the MCP image: `prelude` defines
+/// `call(arguments)`, whose value the one tool `tool` (its input properties `properties`,
+/// those in `required` required) answers as JSON text.
+fn inline_server(
+    name: &str,
+    tool: &str,
+    properties: serde_json::Value,
+    required: &[&str],
+    prelude: &str,
+) -> McpServer {
+    let tools = serde_json::json!([{
+        "name": tool,
+        "description": "inline test tool",
+        "inputSchema": {"type": "object", "properties": properties, "required": required},
+    }]);
+    let script = format!(
+        r#"
+import json, sys
+NAME, TOOLS = {name:?}, json.loads({tools:?})
+{prelude}
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m: continue
+    if m["method"] == "initialize":
+        r = {{"protocolVersion": m["params"]["protocolVersion"], "capabilities": {{"tools": {{}}}},
+             "serverInfo": {{"name": NAME, "version": "1"}}}}
+    elif m["method"] == "tools/list":
+        r = {{"tools": TOOLS}}
+    elif m["method"] == "tools/call":
+        got = call(m["params"].get("arguments", {{}}))
+        r = {{"content": [{{"type": "text", "text": json.dumps(got)}}]}}
+    else:
+        r = {{}}
+    sys.stdout.write(json.dumps({{"jsonrpc": "2.0", "id": m["id"], "result": r}}) + "\n")
+    sys.stdout.flush()
+"#,
+        tools = tools.to_string(),
+    );
+    let mut config = McpServer::new(name, stdio("python3", &["-c", &script]), &[tool]);
+    config.image = Some(roundtable_sandbox_test_support::mcp_process::mcp_image());
+    config
+}
+
+/// `docker ARGS`, which must succeed: its output, trimmed.
+fn docker(args: &[&str]) -> String {
+    let out = std::process::Command::new("docker")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "docker {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// The MCP engine's containers (running or not), by its instance label.
+fn containers(engine: &roundtable_sandbox::internals::broker::McpEngine) -> Vec<String> {
+    docker(&[
+        "ps",
+        "-a",
+        "--format",
+        "{{.Names}}",
+        "--filter",
+        &format!("label=roundtable-sandbox={}", engine.instance),
+    ])
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+/// Waits (20 s at most) until something listens on loopback `port`; `what` names it.
+async fn wait_listening(port: u16, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(std::time::Instant::now() < deadline, "{what} did not start");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// `mcp-server-time` behind `sh`, which writes the server's pid to `pid_file` first.
 fn time_server(pid_file: &Path, tools: &[&str]) -> McpServer {
     let transport = stdio(

@@ -78,27 +78,6 @@ async fn shut_down(broker: Arc<Broker>, engine: &McpEngine) {
     wait_containers(engine, 0).await;
 }
 
-/// This instance's containers (running or not), by the engine's label.
-fn containers(engine: &McpEngine) -> Vec<String> {
-    let out = std::process::Command::new("docker")
-        .args([
-            "ps",
-            "-a",
-            "--format",
-            "{{.Names}}",
-            "--filter",
-            &format!("label=roundtable-sandbox={}", engine.instance),
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(str::to_owned)
-        .collect()
-}
-
 /// Waits until the instance has exactly `n` containers; panics after 30 s.
 async fn wait_containers(engine: &McpEngine, n: usize) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -113,15 +92,6 @@ async fn wait_containers(engine: &McpEngine, n: usize) -> Vec<String> {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-fn docker(args: &[&str]) -> String {
-    let out = std::process::Command::new("docker")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "docker {args:?}: {out:?}");
-    String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
 /// The files under `dir`, relative, sorted.
@@ -255,8 +225,8 @@ async fn mcp_sqlite_attack_reproduced_on_a_host_child() {
 
 /// An MCP server (python3 alone, inline) whose one tool reports what its process sees.
 fn facts_server() -> McpServer {
-    const SCRIPT: &str = r#"
-import json, os, sys
+    const PRELUDE: &str = r#"
+import os
 def facts():
     st = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
     ifs = [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]]
@@ -277,25 +247,10 @@ def facts():
             "memory_max": read("/sys/fs/cgroup/memory.max") if os.path.exists("/sys/fs/cgroup/memory.max") else read("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
             "pids_max": read("/sys/fs/cgroup/pids.max") if os.path.exists("/sys/fs/cgroup/pids.max") else read("/sys/fs/cgroup/pids/pids.max"),
             "mounts": [l.split()[4] for l in open("/proc/self/mountinfo")]}
-for line in sys.stdin:
-    m = json.loads(line)
-    if "id" not in m: continue
-    if m["method"] == "initialize":
-        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
-             "serverInfo": {"name": "facts", "version": "1"}}
-    elif m["method"] == "tools/list":
-        r = {"tools": [{"name": "facts", "description": "what the process sees",
-                        "inputSchema": {"type": "object", "properties": {}}}]}
-    elif m["method"] == "tools/call":
-        r = {"content": [{"type": "text", "text": json.dumps(facts())}]}
-    else:
-        r = {}
-    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
-    sys.stdout.flush()
+def call(arguments):
+    return facts()
 "#;
-    let mut config = McpServer::new("facts", stdio("python3", &["-c", SCRIPT]), &["facts"]);
-    config.image = Some(mcp_image());
-    config
+    inline_server("facts", "facts", json!({}), &[], PRELUDE)
 }
 
 /// What the MCP session's own process sees: the service uid:gid and no other group (no

@@ -156,17 +156,7 @@ impl HostileHttp {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the hostile HTTP server did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_listening(port, "the hostile HTTP server").await;
         Self {
             child,
             url: format!("http://127.0.0.1:{port}/mcp"),

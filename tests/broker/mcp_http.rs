@@ -26,17 +26,7 @@ impl HttpMcp {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the HTTP MCP server did not start"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_listening(port, "the HTTP MCP server").await;
         Self {
             child,
             url: format!("http://127.0.0.1:{port}/mcp"),

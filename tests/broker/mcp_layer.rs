@@ -17,8 +17,8 @@ use roundtable_sandbox_test_support::mcp_process::{mcp_image, sqlite_container};
 /// 8 MiB file opened, deleted and sent over a socketpair with `SCM_RIGHTS`, the socket
 /// kept), `ping`.
 fn prober() -> McpServer {
-    const SCRIPT: &str = r#"
-import ctypes, json, os, socket, sys
+    const PRELUDE: &str = r#"
+import ctypes, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
 libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
@@ -52,27 +52,11 @@ def probe(trick):
         os.close(fd)
         return {"errno": e}
     return {"pong": True}
-for line in sys.stdin:
-    m = json.loads(line)
-    if "id" not in m: continue
-    if m["method"] == "initialize":
-        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
-             "serverInfo": {"name": "prober", "version": "1"}}
-    elif m["method"] == "tools/list":
-        r = {"tools": [{"name": "probe", "description": "the review's tricks",
-                        "inputSchema": {"type": "object",
-                                        "properties": {"trick": {"type": "string"}},
-                                        "required": ["trick"]}}]}
-    elif m["method"] == "tools/call":
-        got = probe(m["params"]["arguments"]["trick"])
-        r = {"content": [{"type": "text", "text": json.dumps(got)}]}
-    else:
-        r = {}
-    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
-    sys.stdout.flush()
+def call(arguments):
+    return probe(arguments["trick"])
 "#;
-    let mut config = McpServer::new("prober", stdio("python3", &["-c", SCRIPT]), &["probe"]);
-    config.image = Some(mcp_image());
+    let properties = json!({"trick": {"type": "string"}});
+    let mut config = inline_server("prober", "probe", properties, &["trick"], PRELUDE);
     config.limits.data_mb = 16;
     config
 }
@@ -150,15 +134,6 @@ fn guest_program(dir: &Path) -> PathBuf {
     ]);
     docker(&["rm", &id]);
     path
-}
-
-fn docker(args: &[&str]) -> String {
-    let out = std::process::Command::new("docker")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "docker {args:?}: {out:?}");
-    String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
 /// What the module doc says of DNS with `network = true`, against the real glibc of the
@@ -253,16 +228,9 @@ print(json.dumps(out))
 
 /// The engine's state of the instance's one container.
 fn state(engine: &McpEngine) -> String {
-    let name = docker(&[
-        "ps",
-        "-a",
-        "--format",
-        "{{.Names}}",
-        "--filter",
-        &format!("label=roundtable-sandbox={}", engine.instance),
-    ]);
-    assert!(!name.is_empty() && !name.contains('\n'), "{name:?}");
-    docker(&["inspect", "-f", "{{.State.Status}}", &name])
+    let names = containers(engine);
+    assert_eq!(names.len(), 1, "{names:?}");
+    docker(&["inspect", "-f", "{{.State.Status}}", &names[0]])
 }
 
 /// Waits until that container's state is `want`; panics after 30 s.

@@ -17,7 +17,6 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::Frame;
-use hyper_util::rt::TokioIo;
 use roundtable_sandbox::events::{EventKind, TurnEvents};
 use roundtable_sandbox::internals::audit::AuditTrail;
 use roundtable_sandbox::internals::broker::Broker;
@@ -43,6 +42,23 @@ fn sse_event(text: &str) -> String {
     )
 }
 
+/// Budgets far from reached (the accounting runs, nothing is refused) kept in `state_file`.
+pub fn unreached_budgets(state_file: PathBuf) -> roundtable_sandbox::BudgetSettings {
+    roundtable_sandbox::BudgetSettings {
+        state_file: Some(state_file),
+        speaker_tokens_per_day: Some(1_000_000_000_000),
+        channel_tokens_per_day: Some(1_000_000_000_000),
+        bot_tokens_per_day: Some(1_000_000_000_000),
+        speaker_turns_per_minute: None,
+        ..Default::default()
+    }
+}
+
+/// The budgets' book of [`unreached_budgets`] in `state_file` (UTC days).
+pub fn unreached_book(state_file: PathBuf) -> Result<Arc<BudgetBook>> {
+    BudgetBook::open(&unreached_budgets(state_file), "UTC")?.context("a state file is named")
+}
+
 /// The scripted model: every request gets the same answer.
 pub struct Model {
     pub addr: SocketAddr,
@@ -58,12 +74,7 @@ impl Drop for Model {
 type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 
 async fn answer(req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<Body> {
-    let body = req
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    let body = roundtable_sandbox_test_support::http::body(req).await;
     let stream = contains(&body, b"\"stream\":true");
     if !stream {
         return hyper::Response::builder()
@@ -93,22 +104,7 @@ impl Model {
     pub async fn start() -> Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let _ = stream.set_nodelay(true);
-                tokio::spawn(async move {
-                    let service = hyper::service::service_fn(|req| async move {
-                        Ok::<_, Infallible>(answer(req).await)
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
-        });
+        let task = roundtable_sandbox_test_support::http::serve(listener, answer);
         Ok(Self { addr, task })
     }
 

@@ -137,22 +137,28 @@ pub async fn sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sand
     Sandbox::new(c).await.context("start the runtime")
 }
 
-/// The runtime with prepared containers on (`[warm]`), on its own roots.
-pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
-    let c = bench_config(
+/// The configuration of a runtime with prepared containers on (`[warm]`, 64 at most), on
+/// the warm roots, its instance named `{instance}-{pid}`.
+fn warm_config(image: &str, roots: &Roots, model_url: &str, instance: &str) -> Config {
+    bench_config(
         &roots.warm_run_root,
         &roots.warm_workspace_root,
         image,
         model_url,
     )
     .command(command())
-    .instance(format!("bench-warm-{}", std::process::id()))
+    .instance(format!("{instance}-{}", std::process::id()))
     .warm(roundtable_sandbox::WarmSettings {
         enabled: true,
         max: 64,
         ttl_secs: None,
     })
-    .build();
+    .build()
+}
+
+/// The runtime with prepared containers on (`[warm]`), on its own roots.
+pub async fn warm_sandbox(image: &str, roots: &Roots, model_url: &str) -> Result<Sandbox> {
+    let c = warm_config(image, roots, model_url, "bench-warm");
     Sandbox::new(c).await.context("start the warm runtime")
 }
 
@@ -239,20 +245,7 @@ pub async fn budget_store_sandbox(
     store_url_file: Option<&Path>,
     namespace: &str,
 ) -> Result<Sandbox> {
-    let mut c = bench_config(
-        &roots.warm_run_root,
-        &roots.warm_workspace_root,
-        image,
-        model_url,
-    )
-    .command(command())
-    .instance(format!("bench-store-{namespace}-{}", std::process::id()))
-    .warm(roundtable_sandbox::WarmSettings {
-        enabled: true,
-        max: 64,
-        ttl_secs: None,
-    })
-    .build();
+    let mut c = warm_config(image, roots, model_url, &format!("bench-store-{namespace}"));
     c.budgets = roundtable_sandbox::BudgetSettings {
         state_file: Some(state_file.to_owned()),
         speaker_tokens_per_day: Some(1_000_000_000),

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use roundtable_sandbox::Sandbox;
 use serde::Serialize;
 
@@ -163,18 +163,7 @@ pub async fn run(o: &Options, model: &Model, with_metrics: bool) -> Result<Accou
     on.shutdown().await;
     drop((off, on));
 
-    let book = roundtable_sandbox::internals::budgets::BudgetBook::open(
-        &roundtable_sandbox::BudgetSettings {
-            state_file: Some(state_dir.path().join("broker.sqlite")),
-            speaker_tokens_per_day: Some(1_000_000_000_000),
-            channel_tokens_per_day: Some(1_000_000_000_000),
-            bot_tokens_per_day: Some(1_000_000_000_000),
-            speaker_turns_per_minute: None,
-            ..Default::default()
-        },
-        "UTC",
-    )?
-    .context("a state file is named")?;
+    let book = harness::unreached_book(state_dir.path().join("broker.sqlite"))?;
     let mut b_off = BrokerUnderTest::start(&model.url()).await?;
     // The *on* broker's turns audited too, as the warm turns' runtime's are: each "turn"'s
     // model calls gathered, its line written when the round stops it.

@@ -25,17 +25,9 @@ pub fn run(o: &Options, on: bool, eight: bool) -> Result<()> {
             .tempdir_in(lifecycle::bench_dir())?;
         let metrics = on.then(|| Arc::new(roundtable_sandbox_metrics::Metrics::new()));
         let book = match on {
-            true => roundtable_sandbox::internals::budgets::BudgetBook::open(
-                &roundtable_sandbox::BudgetSettings {
-                    state_file: Some(state_dir.path().join("broker.sqlite")),
-                    speaker_tokens_per_day: Some(1_000_000_000_000),
-                    channel_tokens_per_day: Some(1_000_000_000_000),
-                    bot_tokens_per_day: Some(1_000_000_000_000),
-                    speaker_turns_per_minute: None,
-                    ..Default::default()
-                },
-                "UTC",
-            )?,
+            true => Some(harness::unreached_book(
+                state_dir.path().join("broker.sqlite"),
+            )?),
             false => None,
         };
         let audit = match on {

@@ -44,9 +44,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use http_body_util::{BodyExt, StreamBody};
+use http_body_util::StreamBody;
 use hyper::body::Frame;
-use hyper_util::rt::TokioIo;
 use roundtable_sandbox::internals::broker::Broker;
 use roundtable_sandbox::internals::broker::{BrokerPolicy, TurnContext};
 use roundtable_sandbox::internals::testing::{broker_policy, FnTool};
@@ -226,68 +225,50 @@ type UpBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
 async fn upstream() -> Result<(String, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    |req: hyper::Request<hyper::body::Incoming>| async move {
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|b| b.to_bytes())
-                            .unwrap_or_default();
-                        let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
-                        let streamed = has(b"\"stream\":true");
-                        let summary = has(b"You compact the conversation");
-                        let ping = has(PING.as_bytes());
-                        drop(body);
-                        if summary || ping {
-                            let content = if summary {
-                                "x".repeat(4_000_000)
-                            } else {
-                                "pong".into()
-                            };
-                            let answer = json!({
-                                "choices": [{"message": {"role": "assistant", "content": content}}],
-                                "usage": {"prompt_tokens": 1, "completion_tokens": 1}
-                            });
-                            return Ok(hyper::Response::builder()
-                                .header("content-type", "application/json")
-                                .body(UpBody::new(http_body_util::Full::new(Bytes::from(
-                                    answer.to_string(),
-                                ))))
-                                .expect("a response"));
-                        }
-                        if !streamed {
-                            std::future::pending::<()>().await;
-                        }
-                        let event = Bytes::from(format!(
-                            "data: {}\n\n",
-                            json!({"choices": [{"delta": {"content": "x".repeat(1000)}}]})
-                        ));
-                        let frames = futures_util::stream::unfold(event, |event| async move {
-                            tokio::time::sleep(Duration::from_millis(1)).await;
-                            Some((Ok::<_, Infallible>(Frame::data(event.clone())), event))
-                        });
-                        Ok::<_, Infallible>(
-                            hyper::Response::builder()
-                                .header("content-type", "text/event-stream")
-                                .body(UpBody::new(StreamBody::new(frames)))
-                                .expect("a response"),
-                        )
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    let task = roundtable_sandbox_test_support::http::serve(listener, answer_hostile);
     Ok((format!("http://{addr}/v1"), task))
+}
+
+/// The hostile upstream's answer (see [`upstream`]).
+async fn answer_hostile(req: hyper::Request<hyper::body::Incoming>) -> hyper::Response<UpBody> {
+    let body = roundtable_sandbox_test_support::http::body(req).await;
+    let has = |needle: &[u8]| body.windows(needle.len()).any(|w| w == needle);
+    let streamed = has(b"\"stream\":true");
+    let summary = has(b"You compact the conversation");
+    let ping = has(PING.as_bytes());
+    drop(body);
+    if summary || ping {
+        let content = if summary {
+            "x".repeat(4_000_000)
+        } else {
+            "pong".into()
+        };
+        let answer = json!({
+            "choices": [{"message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1}
+        });
+        return hyper::Response::builder()
+            .header("content-type", "application/json")
+            .body(UpBody::new(http_body_util::Full::new(Bytes::from(
+                answer.to_string(),
+            ))))
+            .expect("a response");
+    }
+    if !streamed {
+        std::future::pending::<()>().await;
+    }
+    let event = Bytes::from(format!(
+        "data: {}\n\n",
+        json!({"choices": [{"delta": {"content": "x".repeat(1000)}}]})
+    ));
+    let frames = futures_util::stream::unfold(event, |event| async move {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        Some((Ok::<_, Infallible>(Frame::data(event.clone())), event))
+    });
+    hyper::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(UpBody::new(StreamBody::new(frames)))
+        .expect("a response")
 }
 
 /// The other channel's message.

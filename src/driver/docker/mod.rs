@@ -45,8 +45,8 @@ use bollard::models::{
     MountBindOptionsPropagationEnum, MountType, ResourcesUlimits,
 };
 use bollard::query_parameters::{
-    AttachContainerOptions, CreateContainerOptionsBuilder, KillContainerOptionsBuilder,
-    ListContainersOptionsBuilder, RemoveContainerOptionsBuilder, WaitContainerOptions,
+    CreateContainerOptionsBuilder, KillContainerOptionsBuilder, ListContainersOptionsBuilder,
+    RemoveContainerOptionsBuilder, WaitContainerOptions,
 };
 use bollard::{ClientVersion, Docker};
 use futures_util::StreamExt;

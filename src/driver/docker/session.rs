@@ -4,7 +4,9 @@
 //! ([`ContainerDriver::image_file`]: a container created from it, never started, its
 //! archive read, removed).
 
-use bollard::query_parameters::DownloadFromContainerOptionsBuilder;
+use bollard::query_parameters::{
+    AttachContainerOptionsBuilder, DownloadFromContainerOptionsBuilder,
+};
 
 use super::*;
 use crate::driver::{SessionIo, SessionOutput, SessionSpec};
@@ -145,14 +147,13 @@ impl DockerDriver {
         docker: &Docker,
         name: &str,
     ) -> Result<bollard::container::AttachContainerResults, DriverError> {
-        let attach = AttachContainerOptions {
-            stdin: true,
-            stdout: true,
-            stderr: true,
-            stream: true,
-            logs: false,
-            detach_keys: None,
-        };
+        let attach = AttachContainerOptionsBuilder::new()
+            .stdin(true)
+            .stdout(true)
+            .stderr(true)
+            .stream(true)
+            .logs(false)
+            .build();
         let io = self
             .call("attach", name, docker.attach_container(name, Some(attach)))
             .await?;

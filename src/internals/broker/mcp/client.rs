@@ -661,9 +661,7 @@ impl HttpLink {
         expect: Expect,
     ) -> Result<Payload, ClientError> {
         let expect_id = move |got: u64| (got == id).then_some(expect);
-        let http_err = |e: ReadError| {
-            ClientError::Http(format!("MCP server {} sent a message {e}", shared.server))
-        };
+        let http_err = sent_badly(&shared.server);
         let bytes = read_body(&mut response, shared.caps.bytes)
             .await
             .map_err(http_err)?;
@@ -689,9 +687,7 @@ impl HttpLink {
         expect: Expect,
     ) -> Result<Payload, ClientError> {
         let expect_id = move |got: u64| (got == id).then_some(expect);
-        let http_err = |e: ReadError| {
-            ClientError::Http(format!("MCP server {} sent a message {e}", shared.server))
-        };
+        let http_err = sent_badly(&shared.server);
         let mut events = SseEvents::new(shared.caps.bytes);
         let mut total = 0usize;
         let cap = shared.caps.bytes.saturating_mul(SSE_MESSAGES);
@@ -740,4 +736,9 @@ impl HttpLink {
             }
         }
     }
+}
+
+/// A message of MCP server `server` that could not be read, as the call's error.
+fn sent_badly(server: &str) -> impl Fn(ReadError) -> ClientError + Copy + '_ {
+    move |e| ClientError::Http(format!("MCP server {server} sent a message {e}"))
 }
