@@ -414,3 +414,50 @@ async fn host_process_killed_mid_turn_then_restarted() {
     assert_no_leftovers(&restarted).await;
     let _ = LABEL_RUNTIME;
 }
+
+/// A crash between the creation of the container an image's file is read from (the MCP
+/// sessions' wrapper) and its removal leaves it created, never started, and labelled with
+/// its time: a sweep removes one that is old enough, whatever its instance, and leaves a
+/// read that may still be in progress.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sweep_removes_an_image_read_container_a_crash_left() {
+    use roundtable_sandbox::driver::{LABEL_READ, READ_ORPHANED_AFTER};
+    let env = Env::new();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let create = |made: u64| {
+        let name = format!("rts-read-{:016x}", uuid::Uuid::new_v4().as_u128() as u64);
+        let out = std::process::Command::new("docker")
+            .args(["create", "--name", &name, "--network", "none", "--label"])
+            .arg(format!("{LABEL_READ}={made}"))
+            .args(["--entrypoint", "/nonexistent", &image()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        name
+    };
+    let exists = |name: &str| {
+        std::process::Command::new("docker")
+            .args(["inspect", name])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    };
+    let orphan = create(now - READ_ORPHANED_AFTER.as_secs() - 60);
+    let in_progress = create(now);
+    let sandbox = Sandbox::new(env.config()).await.unwrap();
+    let report = sandbox.sweep().await;
+    assert!(report.errors.is_empty(), "{:?}", report.errors);
+    let (orphan_left, in_progress_left) = (exists(&orphan), exists(&in_progress));
+    let _ = std::process::Command::new("docker")
+        .args(["rm", "-f", &orphan, &in_progress])
+        .output();
+    assert!(!orphan_left, "the crash's leftover {orphan} was kept");
+    assert!(
+        in_progress_left,
+        "a read in progress ({in_progress}) was removed"
+    );
+}

@@ -44,6 +44,14 @@ pub const LABEL_CHANNEL: &str = "roundtable-sandbox.channel";
 pub const LABEL_MCP: &str = "roundtable-sandbox.mcp";
 /// Label with the turn id.
 pub const LABEL_TURN: &str = "roundtable-sandbox.turn";
+/// Label on a container made only to read a file of an image
+/// ([`ContainerDriver::image_file`]); its value is when it was made (Unix seconds). Such a
+/// container is never started and is removed as soon as the file is read; one a crash left
+/// behind is removed by the next [`ContainerDriver::sweep`] of any instance once it is
+/// [`READ_ORPHANED_AFTER`] old (a read takes seconds).
+pub const LABEL_READ: &str = "roundtable-sandbox.read";
+/// How old a never-started [`LABEL_READ`] container must be before a sweep removes it.
+pub const READ_ORPHANED_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
 /// Set to `1` to keep containers after their turn (debugging only).
 pub const KEEP_CONTAINERS_ENV: &str = "ROUNDTABLE_SANDBOX_KEEP_CONTAINERS";
 

@@ -192,10 +192,62 @@ impl DockerDriver {
                 }
             }
         }
+        removed.extend(self.sweep_reads(docker, READ_ORPHANED_AFTER).await);
         match first_error {
             Some(e) if removed.is_empty() => Err(e),
             _ => Ok(removed),
         }
+    }
+
+    /// Removes the never-started containers an image's file was read from
+    /// ([`LABEL_READ`]) that are at least `after` old, whatever their instance: a crash
+    /// between their creation and their removal left them. A failure is logged (the next
+    /// sweep tries again); returns the names removed.
+    pub(super) async fn sweep_reads(&self, docker: &Docker, after: Duration) -> Vec<String> {
+        let filters: HashMap<&str, Vec<String>> = HashMap::from([
+            ("label", vec![LABEL_READ.to_owned()]),
+            ("status", vec!["created".to_owned()]),
+        ]);
+        let list = ListContainersOptionsBuilder::new()
+            .all(true)
+            .filters(&filters)
+            .build();
+        let found = match self
+            .call("list", LABEL_READ, docker.list_containers(Some(list)))
+            .await
+        {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "sweep: list the image-read containers");
+                return Vec::new();
+            }
+        };
+        let now = super::session::unix_now();
+        let mut removed = Vec::new();
+        for c in found {
+            let Some(id) = c.id else { continue };
+            let made = c
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_READ))
+                .and_then(|v| v.parse::<u64>().ok());
+            // A value that is not a time is no read of ours in progress: removed too.
+            if made.is_some_and(|made| now.saturating_sub(made) < after.as_secs()) {
+                continue;
+            }
+            let name = c
+                .names
+                .and_then(|n| n.into_iter().next())
+                .map(|n| n.trim_start_matches('/').to_owned())
+                .unwrap_or_else(|| id.clone());
+            match self.remove_inner(&id).await {
+                Ok(()) => removed.push(name),
+                Err(e) => {
+                    tracing::warn!(container = %name, error = %e, "sweep: an image-read container")
+                }
+            }
+        }
+        removed
     }
 
     /// Whether the engine's event log holds an `oom` event of container `name` in the last

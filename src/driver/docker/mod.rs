@@ -58,7 +58,7 @@ use tokio_util::sync::CancellationToken;
 use crate::driver::{
     BoxFuture, ContainerDriver, ContainerProcesses, ContainerSpec, DriverError, HeldFiles,
     OutputCollector, RunOutcome, StartedContainer, SweepScope, Unmeasurable, KEEP_CONTAINERS_ENV,
-    LABEL_RUNTIME,
+    LABEL_READ, LABEL_RUNTIME, READ_ORPHANED_AFTER,
 };
 
 /// How long [`DockerDriver::oom_killed`] asks about a container that ended by SIGKILL or

@@ -65,17 +65,8 @@ impl DockerDriver {
     ) -> Result<Vec<u8>, DriverError> {
         let docker = self.engine().await?;
         let name = format!("rtb-read-{:016x}", uuid::Uuid::new_v4().as_u128() as u64);
-        let body = ContainerCreateBody {
-            image: Some(image.to_owned()),
-            entrypoint: Some(vec!["/nonexistent".into()]),
-            network_disabled: Some(true),
-            host_config: Some(HostConfig {
-                network_mode: Some("none".into()),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
-        self.create(docker, &name, body, None).await?;
+        self.create(docker, &name, read_body(image, unix_now()), None)
+            .await?;
         let read = self.read_archive(docker, &name, path, max).await;
         if let Err(e) = self.remove_inner(&name).await {
             tracing::warn!(container = %name, error = %e, "remove the container an image file was read from");
@@ -160,5 +151,44 @@ impl DockerDriver {
         self.call("start", name, docker.start_container(name, None))
             .await?;
         Ok(io)
+    }
+}
+
+/// The container an image's file is read from: never started (its entrypoint does not
+/// exist), no network, labelled [`LABEL_READ`] with `made` (Unix seconds) for the sweep.
+fn read_body(image: &str, made: u64) -> ContainerCreateBody {
+    ContainerCreateBody {
+        image: Some(image.to_owned()),
+        entrypoint: Some(vec!["/nonexistent".into()]),
+        network_disabled: Some(true),
+        labels: Some(HashMap::from([(LABEL_READ.to_owned(), made.to_string())])),
+        host_config: Some(HostConfig {
+            network_mode: Some("none".into()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Seconds since the Unix epoch (0 before it).
+pub(super) fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The read container carries its label and time, so a crash's leftover is swept.
+    #[test]
+    fn a_read_container_is_labelled_with_its_time() {
+        let body = read_body("img", 1234);
+        assert_eq!(
+            body.labels.unwrap().get(LABEL_READ).map(String::as_str),
+            Some("1234")
+        );
+        assert_eq!(body.entrypoint.unwrap(), vec!["/nonexistent".to_owned()]);
     }
 }
