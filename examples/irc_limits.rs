@@ -11,7 +11,7 @@
 //! counts by its /64 (one subscriber's network: a client holding a /64 could otherwise take
 //! a fresh address per connection); an IPv4-mapped one as its IPv4 address.
 //!
-//! **How.** `HMAC-SHA256(secret, "roundtable-sandbox irc host v1\0" + host)` (RFC 2104 over
+//! **How.** `HMAC-SHA256(secret, "roundtable-sandbox irc host v1\0" + host)` (RFC 2104: the `hmac` crate over
 //! `sha2`), written `irc-host:<64 hex>`. The secret (32 random bytes) is kept in a file only
 //! the service user can read (created 0600 at the first start, refused when anyone else can
 //! read or own it), so a key survives restarts and cannot be recomputed from a host by
@@ -24,7 +24,8 @@ use std::net::{IpAddr, Ipv6Addr};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 /// The secret's length, in bytes.
 pub const SECRET_LEN: usize = 32;
@@ -76,24 +77,11 @@ pub enum LimitsKeyError {
     },
 }
 
-/// HMAC-SHA256 (RFC 2104): a key longer than the block is hashed first.
+/// HMAC-SHA256 (RFC 2104, the `hmac` crate).
 pub fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
-    const BLOCK: usize = 64;
-    let mut padded = [0u8; BLOCK];
-    if key.len() > BLOCK {
-        padded[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        padded[..key.len()].copy_from_slice(key);
-    }
-    let inner = Sha256::new()
-        .chain_update(padded.map(|b| b ^ 0x36))
-        .chain_update(message)
-        .finalize();
-    Sha256::new()
-        .chain_update(padded.map(|b| b ^ 0x5c))
-        .chain_update(inner)
-        .finalize()
-        .into()
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes a key of any length");
+    mac.update(message);
+    mac.finalize().into_bytes().into()
 }
 
 /// The host as it is keyed: ASCII lowercase; an IPv6 address as its /64, an IPv4-mapped one
