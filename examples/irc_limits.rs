@@ -12,12 +12,12 @@
 //! a fresh address per connection); an IPv4-mapped one as its IPv4 address.
 //!
 //! **How.** `HMAC-SHA256(secret, "roundtable-sandbox irc host v1\0" + host)` (the `hmac`
-//! crate over `sha2`), written `irc-host:<64 hex>`. The secret (32 random bytes) is kept in a file only
-//! the service user can read (created 0600 at the first start, refused when anyone else can
-//! read or own it), so a key survives restarts and cannot be recomputed from a host by
-//! whoever reads the budgets' state file. The key goes to the core as the message's
-//! `limits_key`, which the budgets alone read: the model, the turn, the audit trail, the
-//! logs and the metrics see the nick, never the host nor the key.
+//! crate over `sha2`), written `irc-host:<64 hex>`. The secret (32 random bytes) is kept in
+//! a file only the service user can read (created 0600 at the first start, refused when
+//! anyone else can read or own it), so a key survives restarts and cannot be recomputed
+//! from a host by whoever reads the budgets' state file. The key goes to the core as the
+//! message's `limits_key`, which the budgets alone read: the model, the turn, the audit
+//! trail, the logs and the metrics see the nick, never the host nor the key.
 
 use std::io::Read;
 use std::net::{IpAddr, Ipv6Addr};
