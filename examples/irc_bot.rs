@@ -22,7 +22,7 @@
 //! flood rules (RFC 1459's 2 s per message past a burst; ngIRCd throttles a client past 3
 //! commands or 256 bytes a second and disconnects one whose unread input passes 2 KiB).
 //! Channels are served in turn, one line each; each channel's outbox holds at most
-//! `--channel-outbox` lines and each guest (sender) gets at most `--guest-lines` lines per
+//! `--channel-outbox` lines (and one notice past them) and each guest (sender) gets at most `--guest-lines` lines per
 //! `--guest-window-secs`: past either, lines are dropped and the channel is told once
 //! (`* nick: output truncated, N line(s) dropped (…)`). When the server closes the link the
 //! bot reconnects with backoff (1 s doubling to `--reconnect-max-secs`) and rejoins; the
@@ -104,7 +104,7 @@ struct OutputOptions {
     #[arg(long, value_name = "BYTES", default_value_t = 320,
           value_parser = clap::value_parser!(u64).range(64..=1_000_000))]
     send_bytes_per_sec: u64,
-    /// Most lines waiting in one channel's outbox; past it a reply is cut, with a notice
+    /// Most lines waiting in one channel's outbox; past it a reply is cut, with a notice (the one line past it when it is full)
     #[arg(long, value_name = "LINES", default_value_t = 16,
           value_parser = clap::value_parser!(u64).range(2..=1000))]
     channel_outbox: u64,
@@ -386,11 +386,14 @@ impl Outbox {
         });
         let total = lines.len();
         let by_budget = (budget_lines - budget.used) as usize;
-        let room = cap - channel.lines.len();
+        let room = cap.saturating_sub(channel.lines.len());
         let mut take = total.min(by_budget).min(room);
         let mut notice = None;
-        if take < total && !budget.noticed && room > 0 {
-            if take == room {
+        // A drop is told once per guest per window, within the cap when there is room (the
+        // notice takes the last place), else in the one place past it: a channel filled
+        // exactly to its cap is told too, and a channel holds at most `cap + 1` lines.
+        if take < total && !budget.noticed && channel.lines.len() <= cap {
+            if take == room && take > 0 {
                 take -= 1;
             }
             let why = if by_budget < total.min(room) {
@@ -1043,8 +1046,19 @@ mod tests {
             o.channels[0].lines.back().unwrap().text,
             "* ann: output truncated, 7 line(s) dropped (this channel's outbox is full)"
         );
+        // Full to its cap: the next guest's drop is told in the one line past it, and no
+        // later one (a channel holds at most its cap and one notice).
         let p = o.post("#a", guest("bob"), lines(10, "a"), now);
-        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 10, false, 4));
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 10, true, 5));
+        let p = o.post("#a", guest("cy"), lines(1, "a"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 1, false, 5));
+        // Filled exactly to its cap by whole replies, then a drop: told (it was untold).
+        let p = o.post("#b", guest("dee"), lines(2, "b"), now);
+        assert_eq!((p.queued, p.noticed), (2, false));
+        let p = o.post("#b", guest("dee"), lines(2, "b"), now);
+        assert_eq!((p.queued, p.noticed, p.depth), (2, false, 4));
+        let p = o.post("#b", guest("dee"), lines(2, "b"), now);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 2, true, 5));
         // Lines for a channel the bot did not join are dropped.
         assert_eq!(o.post("#zz", guest("ann"), lines(2, "z"), now).dropped, 2);
         for _ in 0..CONTROL_CAP + 5 {

@@ -126,7 +126,7 @@ struct OutputOptions {
     #[arg(long, value_name = "MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(10..=600_000))]
     send_interval_ms: u64,
-    /// Most events waiting in one room's outbox; past it a reply is cut, with a notice
+    /// Most events waiting in one room's outbox; past it a reply is cut, with a notice (the one event past it when it is full)
     #[arg(long, value_name = "EVENTS", default_value_t = 8,
           value_parser = clap::value_parser!(u64).range(2..=1000))]
     room_outbox: u64,

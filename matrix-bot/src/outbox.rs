@@ -94,7 +94,7 @@ pub struct Posted {
 /// The bounds of an [`Outbox`].
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
-    /// Most events waiting in one room.
+    /// Most events waiting in one room (and one notice of a drop past them).
     pub room_cap: usize,
     /// Most events for one guest per window.
     pub guest_events: u64,
@@ -160,8 +160,11 @@ impl Outbox {
         let room_left = room_cap.saturating_sub(queue.len());
         let mut take = total.min(by_budget).min(room_left);
         let mut told = None;
-        if take < total && !budget.noticed && room_left > 0 {
-            if take == room_left {
+        // A drop is told once per guest per window, within the cap when there is room (the
+        // notice takes the last place), else in the one place past it: a room filled exactly
+        // to its cap is told too, and a room holds at most `room_cap + 1` events.
+        if take < total && !budget.noticed && queue.len() <= room_cap {
+            if take == room_left && take > 0 {
                 take -= 1;
             }
             let why = if by_budget < total.min(room_left) {
@@ -318,15 +321,45 @@ mod tests {
         let now = Instant::now();
         let p = o.post("!a", "@ann:x", events(10, "a"), now, &notice);
         assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (3, 7, true, 4));
+        // A room full to its cap: the next guest's drop is told in the one place past it,
+        // and no later one (the room holds at most its cap and one notice).
         let p = o.post("!a", "@bob:x", events(3, "a"), now, &notice);
-        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 3, false, 4));
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 3, true, 5));
+        let p = o.post("!a", "@cy:x", events(1, "a"), now, &notice);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 1, false, 5));
+        let sent = drain(&mut o);
         assert_eq!(
-            drain(&mut o).last().unwrap(),
-            "dropped 7 (this room's outbox is full)"
+            sent[3..],
+            [
+                "dropped 7 (this room's outbox is full)",
+                "dropped 3 (this room's outbox is full)"
+            ]
         );
         o.post("!a", "@ann:x", events(2, "a"), now, &notice);
         assert_eq!(o.forget_room("!a"), 2);
         assert!(!o.has_ready());
+    }
+
+    /// The flood of the Matrix bot's end-to-end test, under a slow machine: replies of two
+    /// events fill the room exactly to its cap before anything is sent; the guest's next
+    /// reply is dropped and told (it was dropped untold before: no place left for the
+    /// notice, and none ever came).
+    #[test]
+    fn a_room_filled_exactly_to_its_cap_still_tells_the_drop() {
+        let mut o = Outbox::new(bounds(8, 100));
+        let now = Instant::now();
+        for _ in 0..4 {
+            let p = o.post("!a", "@flood:x", events(2, "a"), now, &notice);
+            assert_eq!((p.queued, p.dropped, p.noticed), (2, 0, false));
+        }
+        let p = o.post("!a", "@flood:x", events(2, "a"), now, &notice);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 2, true, 9));
+        let p = o.post("!a", "@flood:x", events(2, "a"), now, &notice);
+        assert_eq!((p.queued, p.dropped, p.noticed, p.depth), (0, 2, false, 9));
+        assert_eq!(
+            drain(&mut o).last().unwrap(),
+            "dropped 2 (this room's outbox is full)"
+        );
     }
 
     #[test]

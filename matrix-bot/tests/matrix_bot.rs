@@ -617,9 +617,10 @@ fn a_flood_delays_no_other_room_and_a_rate_limited_bot_delivers_every_reply() {
         .map(|i| hs.say(&flooder, &flood_room, &format!("bot: run: seq {i} 6000")))
         .collect();
     // The flood's outbox is full (8 events: 32 s of sending at the server's pace), however
-    // slow the machine: its first drop is logged.
+    // slow the machine: its first drop is logged, with the notice (within the cap when the
+    // last reply found one place, else in the one place past it: `outbox 8` or `9`).
     bot.wait_for(
-        "event(s) for @flooder:localhost (notice posted); outbox 8",
+        "event(s) for @flooder:localhost (notice posted); outbox ",
         0,
     );
     let skip = bot.len();
@@ -680,7 +681,8 @@ fn a_flood_delays_no_other_room_and_a_rate_limited_bot_delivers_every_reply() {
         .iter()
         .filter_map(|l| l.split("; outbox ").nth(1)?.trim().parse().ok())
         .collect();
-    assert!(depths.iter().all(|&n| n <= 8), "{depths:?}");
+    // The cap, and one notice past it.
+    assert!(depths.iter().all(|&n| n <= 9), "{depths:?}");
     // A long answer is cut into several events, each a reply to its question.
     assert!(
         flood.iter().any(|q| flood_events
