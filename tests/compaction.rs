@@ -580,6 +580,38 @@ fn compactions_past_the_turns_cap_are_refused() {
     });
 }
 
+/// A turn's compaction refusals past its first `FREE_REFUSALS` are each answered after
+/// `REFUSAL_PAUSE` (the bench's hostile compaction attack: retries at once made another
+/// channel ×4.4 slower unpaced). A lower bound of the sleeps: load only makes it longer.
+#[test]
+fn compaction_refusals_past_the_first_few_are_paced() {
+    use roundtable_sandbox::internals::broker::{FREE_REFUSALS, REFUSAL_PAUSE};
+    with_logs(|_| async move {
+        let model = ScriptedModel::start(vec![Step::text("ONE")]).await;
+        let mut p = policy(&model, None);
+        p.limits.max_compactions = 1;
+        let broker = start_broker(p).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-paced", Speaker::default()).await;
+        let body = serde_json::to_value(compact_request(9)).unwrap();
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let paced = 20;
+        let started = std::time::Instant::now();
+        for _ in 0..FREE_REFUSALS + paced {
+            let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+            assert_eq!(a.status, 429, "{}", a.text());
+        }
+        let took = started.elapsed();
+        assert!(
+            took >= REFUSAL_PAUSE * paced,
+            "{} refusals took {took:?}: the last {paced} were not paced",
+            FREE_REFUSALS + paced
+        );
+        assert_eq!(model.requests().len(), 1);
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
 /// Malformed, oversized or unchecked requests are refused (the guest then builds the
 /// plain summary) and logged at warn with the channel's hash, no guest text.
 #[test]

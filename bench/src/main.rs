@@ -135,9 +135,10 @@ struct HostileOptions {
     seconds: u64,
     /// Which attack: `chat` (model and tool calls, slow clients, endless streams),
     /// `compaction` (compactions answered with 4 MB), `egress` (many large egress answers
-    /// at once) or `mcp` (hostile MCP answers over
+    /// at once, the route's per-turn caps out of the way), `egress-defaults` (the same, the
+    /// caps at their defaults) or `mcp` (hostile MCP answers over
     /// stdio and streamable HTTP: the review of issue 43)
-    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction", "mcp", "egress"])]
+    #[arg(long, value_name = "KIND", default_value = "chat", value_parser = ["chat", "compaction", "mcp", "egress", "egress-defaults"])]
     attack: String,
     /// Where the JSON result goes
     #[arg(long, value_name = "PATH", default_value = "target/bench/hostile.json")]
@@ -218,6 +219,7 @@ fn hostile_main(o: &HostileOptions) -> Result<()> {
     let attack = match o.attack.as_str() {
         "compaction" => hostile::Attack::Compaction,
         "egress" => hostile::Attack::Egress,
+        "egress-defaults" => hostile::Attack::EgressDefaults,
         "mcp" => hostile::Attack::Mcp,
         _ => hostile::Attack::Chat,
     };

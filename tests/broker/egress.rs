@@ -456,6 +456,41 @@ async fn egress_per_turn_caps_and_audit_mode() {
     );
 }
 
+/// A guest retrying refused egress requests at once (the bench's hostile egress attack:
+/// with the default caps, ~4,000 refusals a second made another channel ×5 slower) is
+/// paced: past the turn's first `FREE_REFUSALS` refusals (`403` by a rule, `429`) each is
+/// answered after `REFUSAL_PAUSE`, and an allowed request still goes at once. (A lower
+/// bound of the sleeps: a loaded machine only makes it longer.)
+#[tokio::test]
+async fn egress_refusals_past_the_first_few_are_paced() {
+    use roundtable_sandbox::internals::broker::{FREE_REFUSALS, REFUSAL_PAUSE};
+    let web = Web::start().await;
+    let mut route = web.web_route();
+    route.limits.max_requests_per_turn = 1;
+    let (turn, _) = web.turn(vec![route]).await;
+    assert_eq!(
+        get(&turn, &web.url("egress.test", "/echo")).await.status,
+        200
+    );
+    let paced = 20;
+    let started = std::time::Instant::now();
+    for i in 0..FREE_REFUSALS + paced {
+        // Denied by a rule and refused at the cap, in turn: both kinds count.
+        let a = if i % 2 == 0 {
+            delete_echo(&turn, &web).await
+        } else {
+            get(&turn, &web.url("egress.test", "/echo")).await
+        };
+        assert_eq!(a.status, if i % 2 == 0 { 403 } else { 429 }, "{}", a.text());
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= REFUSAL_PAUSE * paced,
+        "{} refusals took {took:?}: the last {paced} were not paced",
+        FREE_REFUSALS + paced
+    );
+}
+
 /// A turn of `speaker_id` in `channel` on `broker` whose account is on `book`.
 async fn turn_on(
     broker: &Arc<roundtable_sandbox::internals::broker::Broker>,

@@ -79,12 +79,17 @@ pub enum Attack {
     Compaction,
     /// Hostile MCP answers.
     Mcp,
-    /// Many large egress answers at once (issue 45).
+    /// Many large egress answers at once (issue 45), the route's per-turn caps out of the
+    /// way.
     Egress,
+    /// The same flood through a route with its default per-turn caps (32 requests, 16 MiB
+    /// in): what an operator who sets none gets.
+    EgressDefaults,
 }
 
-/// The child's egress route (`--attack egress`): `ROUNDTABLE_BENCH_EGRESS` = the CA's PEM
-/// file, a space, the DNS server's address.
+/// The child's egress route (`--attack egress`, `egress-defaults`): `ROUNDTABLE_BENCH_EGRESS`
+/// = the CA's PEM file, a space, the DNS server's address, and ` defaults` to keep the
+/// route's per-turn caps.
 const EGRESS_ENV: &str = "ROUNDTABLE_BENCH_EGRESS";
 
 /// The child's MCP servers (`--attack mcp`): `ROUNDTABLE_BENCH_MCP` = the stub's dir, a
@@ -171,7 +176,15 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             .ok()
             .and_then(|v| v.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
         {
-            policy.egress = vec![super::egress::route(Path::new(&ca))];
+            let (dns, defaults) = match dns.split_once(' ') {
+                Some((dns, "defaults")) => (dns.to_owned(), true),
+                _ => (dns, false),
+            };
+            let mut route = super::egress::route(Path::new(&ca));
+            if defaults {
+                route.limits = roundtable_sandbox::EgressRoute::hosts("web", &["*"]).limits;
+            }
+            policy.egress = vec![route];
             policy.egress_nameserver = Some(dns.parse().context("the DNS address")?);
         }
         // The other channel's turn has calls to spare for its 10 calls a second (a broker
@@ -546,14 +559,19 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
     let mut command = Command::new(std::env::current_exe()?);
     // `--attack egress`: the site and its DNS live here, in the parent (not counted).
     let web = match attack {
-        Attack::Egress => {
+        Attack::Egress | Attack::EgressDefaults => {
             use roundtable_sandbox_test_support::egress::{Dns, TestCa, Upstream, REACHABLE};
             let ca = TestCa::new();
             let up = Upstream::start(&ca, REACHABLE, 0).await;
             let dns = Dns::start(&[("egress.test", &[REACHABLE])]).await;
+            let caps = if attack == Attack::EgressDefaults {
+                " defaults"
+            } else {
+                ""
+            };
             command.env(
                 EGRESS_ENV,
-                format!("{} {}", ca.pem_file.display(), dns.addr),
+                format!("{} {}{caps}", ca.pem_file.display(), dns.addr),
             );
             Some((ca, up, dns))
         }

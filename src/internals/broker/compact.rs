@@ -130,26 +130,14 @@ fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
     Ok(request)
 }
 
-/// The `429` refusals of a turn's compactions answered at once; each later one is answered
-/// after [`REFUSAL_PAUSE`]. The guest's agent loop asks again only after a compaction
-/// failed, so a flood of retries is an attacker's: paused, each of its (at most
-/// `max_connections`) connections costs the host at most 40 refusals a second, not thousands.
-pub(crate) const FREE_REFUSALS: u32 = 16;
-/// How long a refused compaction past [`FREE_REFUSALS`] waits for its answer, holding
-/// nothing of the turn's but its connection (its permits are released first).
-pub(crate) const REFUSAL_PAUSE: std::time::Duration = std::time::Duration::from_millis(25);
-
 /// Answers one compaction request ([`handle_now`]); a turn's `429` past its first
-/// [`FREE_REFUSALS`] is answered after [`REFUSAL_PAUSE`].
+/// [`super::http::FREE_REFUSALS`] is answered after [`super::http::REFUSAL_PAUSE`] (the
+/// guest's agent loop asks again only after a compaction failed, so a flood of retries is
+/// an attacker's).
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let response = handle_now(turn, req).await;
-    if response.status() == StatusCode::TOO_MANY_REQUESTS
-        && turn.compaction_refusals.fetch_add(1, Ordering::SeqCst) >= FREE_REFUSALS
-    {
-        tokio::select! {
-            _ = tokio::time::sleep(REFUSAL_PAUSE) => {}
-            _ = turn.stop.cancelled() => {}
-        }
+    if response.status() == StatusCode::TOO_MANY_REQUESTS {
+        super::http::pace_refusal(turn, &turn.compaction_refusals).await;
     }
     response
 }

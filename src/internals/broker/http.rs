@@ -33,9 +33,11 @@ pub(super) struct Turn {
     pub(super) tool_calls: AtomicU32,
     /// Compactions asked for (`max_compactions`).
     pub(super) compactions: AtomicU32,
-    /// Compactions this turn refused `429` (past [`super::compact::FREE_REFUSALS`], each
-    /// answered after [`super::compact::REFUSAL_PAUSE`]).
+    /// Compactions this turn refused `429` (past [`FREE_REFUSALS`], each answered after
+    /// [`REFUSAL_PAUSE`]).
     pub(super) compaction_refusals: AtomicU32,
+    /// Egress requests this turn refused (`403` by a rule, `429`), paced the same way.
+    pub(super) egress_refusals: AtomicU32,
     /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
     /// One permit: the compaction being served.
@@ -44,6 +46,27 @@ pub(super) struct Turn {
     pub(super) warnings: super::warn::Warnings,
     /// What the turn has used of each egress route.
     pub(super) egress: super::egress::used::TurnEgress,
+}
+
+/// The refusals of one kind a turn is answered at once; each later one is answered after
+/// [`REFUSAL_PAUSE`]. An agent asks again only after its request failed, so a flood of
+/// retries is an attacker's: paused, each of its (at most `max_connections`) connections
+/// costs the host at most 40 refusals a second, not thousands (the bench's hostile
+/// compaction and egress attacks).
+pub const FREE_REFUSALS: u32 = 16;
+/// How long a refusal past [`FREE_REFUSALS`] waits for its answer, holding nothing of the
+/// turn's but its connection (its permits are released first).
+pub const REFUSAL_PAUSE: std::time::Duration = std::time::Duration::from_millis(25);
+
+/// Counts one refusal in `refusals`; past the turn's first [`FREE_REFUSALS`] of its kind,
+/// waits [`REFUSAL_PAUSE`] (or until the turn stops) before it is answered.
+pub(super) async fn pace_refusal(turn: &Turn, refusals: &AtomicU32) {
+    if refusals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= FREE_REFUSALS {
+        tokio::select! {
+            _ = tokio::time::sleep(REFUSAL_PAUSE) => {}
+            _ = turn.stop.cancelled() => {}
+        }
+    }
 }
 
 /// A body of bytes.

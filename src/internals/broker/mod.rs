@@ -56,6 +56,7 @@ pub(crate) mod bounded;
 mod compact;
 pub(crate) mod egress;
 mod http;
+pub use http::{FREE_REFUSALS, REFUSAL_PAUSE};
 mod mcp;
 mod model;
 pub use mcp::container::DATA_MOUNT as MCP_DATA_MOUNT;

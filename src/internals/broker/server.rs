@@ -160,6 +160,7 @@ impl Turn {
             tool_calls: AtomicU32::new(0),
             compactions: AtomicU32::new(0),
             compaction_refusals: AtomicU32::new(0),
+            egress_refusals: AtomicU32::new(0),
             in_flight,
             compacting: Arc::new(Semaphore::new(1)),
             warnings,

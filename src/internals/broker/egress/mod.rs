@@ -178,6 +178,10 @@ pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) 
     let mut call = Call::new(route, req.method().as_str(), started);
     let answer = serve(turn, route, req, target, &mut call).await;
     call.latency = started.elapsed();
+    // A refusal (by a rule, or `429`: a cap, the budgets, the upstream's own) is paced past
+    // the turn's first few: a guest retrying at once costs the host little.
+    let refused = call.event.decision == EgressDecision::Denied
+        || answer.status() == StatusCode::TOO_MANY_REQUESTS;
     match call.charge.take() {
         Some(charge) => charge.settle(call.bytes_out, call.bytes_in),
         None => {
@@ -188,6 +192,9 @@ pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) 
     }
     if let Some(events) = &turn.ctx.events {
         events.broker(BrokerEvent::Egress(Box::new(call.event())));
+    }
+    if refused {
+        super::http::pace_refusal(turn, &turn.egress_refusals).await;
     }
     answer
 }
