@@ -393,6 +393,37 @@ async fn connections_past_the_cap_are_refused_with_503() {
     }
 }
 
+/// A guest that reconnects at once past the cap (the bench's hostile egress attack: some
+/// 22,000 refused connections a second made another channel ×5 slower) is paced: past the
+/// turn's first `FREE_REFUSALS` refused connections, each 503 is written after
+/// `REFUSAL_PAUSE`. (A lower bound of the sleeps: load only makes it longer.)
+#[tokio::test]
+async fn refused_connections_past_the_first_few_are_paced() {
+    use roundtable_sandbox::internals::broker::{FREE_REFUSALS, REFUSAL_PAUSE};
+    let broker = start_broker(policy("http://127.0.0.1:9/v1")).await;
+    let turn = start_turn(&broker).await;
+    let mut idle = Vec::new();
+    for _ in 0..16 {
+        idle.push(connect_sending(turn.socket(), b"POST /v1/chat/completions HTTP/1.1\r\n").await);
+    }
+    let paced = 20;
+    let started = Instant::now();
+    for _ in 0..FREE_REFUSALS + paced {
+        let mut s = tokio::net::UnixStream::connect(turn.socket())
+            .await
+            .unwrap();
+        let answer = read_all(&mut s, Duration::from_secs(30)).await;
+        assert!(answer.starts_with("HTTP/1.1 503 "), "{answer:?}");
+    }
+    let took = started.elapsed();
+    assert!(
+        took >= REFUSAL_PAUSE * paced,
+        "{} refused connections took {took:?}: the last {paced} were not paced",
+        FREE_REFUSALS + paced
+    );
+    drop(idle);
+}
+
 /// A host tool that says what it was given.
 fn echo() -> FnTool {
     FnTool::new("echo", "echo", |args, _| async move {

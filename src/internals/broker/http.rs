@@ -38,6 +38,8 @@ pub(super) struct Turn {
     pub(super) compaction_refusals: AtomicU32,
     /// Egress requests this turn refused (`403` by a rule, `429`), paced the same way.
     pub(super) egress_refusals: AtomicU32,
+    /// Connections this turn refused past `max_connections` (`503`), paced the same way.
+    pub(super) connection_refusals: AtomicU32,
     /// One permit per call being served (compactions included).
     pub(super) in_flight: Arc<Semaphore>,
     /// One permit: the compaction being served.

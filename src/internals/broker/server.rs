@@ -138,7 +138,7 @@ pub(crate) async fn serve(
                 Refusal::Connections,
             );
             limit_log.reached(max_connections);
-            refuse_connection(stream, max_connections);
+            refuse_connection(&turn, stream, max_connections);
             continue;
         }
         connections.spawn(connection(turn.clone(), stream));
@@ -161,6 +161,7 @@ impl Turn {
             compactions: AtomicU32::new(0),
             compaction_refusals: AtomicU32::new(0),
             egress_refusals: AtomicU32::new(0),
+            connection_refusals: AtomicU32::new(0),
             in_flight,
             compacting: Arc::new(Semaphore::new(1)),
             warnings,
@@ -209,10 +210,14 @@ impl LimitLog {
 
 /// A connection past the limit: told why, then closed: a few hundred bytes into a fresh
 /// socket's buffer (a peer that reads nothing does not hold the task past the deadline).
-fn refuse_connection(stream: Box<dyn GuestStream>, limit: usize) {
+fn refuse_connection(turn: &Arc<Turn>, stream: Box<dyn GuestStream>, limit: usize) {
     let refusal = too_many_connections(limit);
+    let turn = turn.clone();
     tokio::spawn(async move {
         let mut stream = stream;
+        // Paced past the turn's first few, as its requests' refusals are: a guest that
+        // reconnects at once costs the host little.
+        super::http::pace_refusal(&turn, &turn.connection_refusals).await;
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
             tokio::io::AsyncWriteExt::write_all(&mut stream, &refusal),
