@@ -206,7 +206,7 @@ fn write_json(path: &str, value: &impl Serialize) -> Result<()> {
     Ok(())
 }
 
-/// `roundtable-bench hostile [--seconds N] [--attack chat|compaction|mcp] [--json PATH]`:
+/// `roundtable-bench hostile [--seconds N] [--attack chat|compaction|mcp|egress|egress-defaults] [--json PATH]`:
 /// the host's peak RSS under a hostile turn against idle (see [`hostile`]); no Docker
 /// needed.
 fn hostile_main(o: &HostileOptions) -> Result<()> {
