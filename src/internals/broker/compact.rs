@@ -137,7 +137,7 @@ fn parse_request(body: &[u8]) -> Result<CompactRequest, Refusal> {
 pub(super) async fn handle(turn: &Turn, req: Request<Incoming>) -> Response {
     let response = handle_now(turn, req).await;
     if response.status() == StatusCode::TOO_MANY_REQUESTS {
-        super::http::pace_refusal(turn, &turn.compaction_refusals).await;
+        super::http::pace_refusal(&turn.stop, &turn.compaction_refusals).await;
     }
     response
 }

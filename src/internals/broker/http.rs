@@ -60,13 +60,21 @@ pub const FREE_REFUSALS: u32 = 16;
 /// turn's but its connection (its permits are released first).
 pub const REFUSAL_PAUSE: std::time::Duration = std::time::Duration::from_millis(25);
 
-/// Counts one refusal in `refusals`; past the turn's first [`FREE_REFUSALS`] of its kind,
-/// waits [`REFUSAL_PAUSE`] (or until the turn stops) before it is answered.
-pub(super) async fn pace_refusal(turn: &Turn, refusals: &AtomicU32) {
-    if refusals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= FREE_REFUSALS {
-        tokio::select! {
-            _ = tokio::time::sleep(REFUSAL_PAUSE) => {}
-            _ = turn.stop.cancelled() => {}
+/// Counts one refusal in `refusals` now; the wait before it is answered: past the turn's
+/// first [`FREE_REFUSALS`] of its kind, [`REFUSAL_PAUSE`] (or until the turn stops). The
+/// wait borrows nothing of the turn's (a refused connection's task holds only its token).
+pub(super) fn pace_refusal(
+    stop: &CancellationToken,
+    refusals: &AtomicU32,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let paced = refusals.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= FREE_REFUSALS;
+    let stop = stop.clone();
+    async move {
+        if paced {
+            tokio::select! {
+                _ = tokio::time::sleep(REFUSAL_PAUSE) => {}
+                _ = stop.cancelled() => {}
+            }
         }
     }
 }

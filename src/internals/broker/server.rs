@@ -210,14 +210,14 @@ impl LimitLog {
 
 /// A connection past the limit: told why, then closed: a few hundred bytes into a fresh
 /// socket's buffer (a peer that reads nothing does not hold the task past the deadline).
-fn refuse_connection(turn: &Arc<Turn>, stream: Box<dyn GuestStream>, limit: usize) {
+fn refuse_connection(turn: &Turn, stream: Box<dyn GuestStream>, limit: usize) {
     let refusal = too_many_connections(limit);
-    let turn = turn.clone();
+    // Paced past the turn's first few, as its requests' refusals are: a guest that
+    // reconnects at once costs the host little.
+    let pace = super::http::pace_refusal(&turn.stop, &turn.connection_refusals);
     tokio::spawn(async move {
         let mut stream = stream;
-        // Paced past the turn's first few, as its requests' refusals are: a guest that
-        // reconnects at once costs the host little.
-        super::http::pace_refusal(&turn, &turn.connection_refusals).await;
+        pace.await;
         let _ = tokio::time::timeout(
             Duration::from_secs(1),
             tokio::io::AsyncWriteExt::write_all(&mut stream, &refusal),

@@ -203,6 +203,21 @@ struct Agreed {
 }
 
 impl Agreed {
+    /// `ns` and these settings as the parameters `$1`..`$8` of the namespace's row (the
+    /// order of its `INSERT` and its `UPDATE`).
+    fn params<'a>(&'a self, ns: &'a String) -> [&'a (dyn tokio_postgres::types::ToSql + Sync); 8] {
+        [
+            ns,
+            &self.speaker_tokens_per_day,
+            &self.channel_tokens_per_day,
+            &self.bot_tokens_per_day,
+            &self.speaker_turns_per_minute,
+            &self.time_zone,
+            &self.speaker_egress_bytes_per_day,
+            &self.channel_egress_bytes_per_day,
+        ]
+    }
+
     fn of(settings: &BudgetSettings, time_zone: &str) -> Self {
         let i = |n: Option<u64>| n.map(|n| i64::try_from(n).unwrap_or(i64::MAX));
         Self {
@@ -1256,16 +1271,7 @@ impl Shipper {
                      channel_tokens_per_day, bot_tokens_per_day, speaker_turns_per_minute,
                      time_zone, speaker_egress_bytes_per_day, channel_egress_bytes_per_day)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING",
-                &[
-                    ns,
-                    &a.speaker_tokens_per_day,
-                    &a.channel_tokens_per_day,
-                    &a.bot_tokens_per_day,
-                    &a.speaker_turns_per_minute,
-                    &a.time_zone,
-                    &a.speaker_egress_bytes_per_day,
-                    &a.channel_egress_bytes_per_day,
-                ],
+                &a.params(ns),
             ))
             .await?;
             let row = self.timed(client.query_one(select, &[ns])).await?;
@@ -1330,16 +1336,7 @@ impl Shipper {
                  speaker_egress_bytes_per_day = $7, channel_egress_bytes_per_day = $8,
                  settings_at = now()
              WHERE ns = $1",
-            &[
-                ns,
-                &a.speaker_tokens_per_day,
-                &a.channel_tokens_per_day,
-                &a.bot_tokens_per_day,
-                &a.speaker_turns_per_minute,
-                &a.time_zone,
-                &a.speaker_egress_bytes_per_day,
-                &a.channel_egress_bytes_per_day,
-            ],
+            &a.params(ns),
         ))
         .await?;
         self.timed(client.execute(

@@ -194,7 +194,7 @@ pub(super) async fn handle(turn: &Turn, req: Request<IncomingBody>, rest: &str) 
         events.broker(BrokerEvent::Egress(Box::new(call.event())));
     }
     if refused {
-        super::http::pace_refusal(turn, &turn.egress_refusals).await;
+        super::http::pace_refusal(&turn.stop, &turn.egress_refusals).await;
     }
     answer
 }
