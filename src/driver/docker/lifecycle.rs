@@ -155,11 +155,7 @@ impl DockerDriver {
         let mut first_error = None;
         for c in found {
             let Some(id) = c.id else { continue };
-            let name = c
-                .names
-                .and_then(|n| n.into_iter().next())
-                .map(|n| n.trim_start_matches('/').to_owned())
-                .unwrap_or_else(|| id.clone());
+            let name = first_name(c.names).unwrap_or_else(|| id.clone());
             // An MCP session's container is the broker's: its pool sweeps it at startup.
             if c.labels
                 .as_ref()
@@ -222,7 +218,7 @@ impl DockerDriver {
                 return Vec::new();
             }
         };
-        let now = super::session::unix_now();
+        let now = since_epoch().as_secs();
         let mut removed = Vec::new();
         for c in found {
             let Some(id) = c.id else { continue };
@@ -235,11 +231,7 @@ impl DockerDriver {
             if made.is_some_and(|made| now.saturating_sub(made) < after.as_secs()) {
                 continue;
             }
-            let name = c
-                .names
-                .and_then(|n| n.into_iter().next())
-                .map(|n| n.trim_start_matches('/').to_owned())
-                .unwrap_or_else(|| id.clone());
+            let name = first_name(c.names).unwrap_or_else(|| id.clone());
             match self.remove_inner(&id).await {
                 Ok(()) => removed.push(name),
                 Err(e) => {
@@ -255,9 +247,7 @@ impl DockerDriver {
     /// "no".
     async fn oom_event_logged(&self, docker: &Docker, name: &str) -> bool {
         use bollard::query_parameters::EventsOptionsBuilder;
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
+        let now = since_epoch();
         // Up to now, to the nanosecond: the engine answers from its log at once (an `until`
         // in the future held the stream open until then, up to a second).
         let until = format!("{}.{:09}", now.as_secs(), now.subsec_nanos());
@@ -310,11 +300,7 @@ impl DockerDriver {
         Ok(found
             .into_iter()
             .filter_map(|c| {
-                let name = c
-                    .names
-                    .and_then(|n| n.into_iter().next())
-                    .map(|n| n.trim_start_matches('/').to_owned())
-                    .or(c.id)?;
+                let name = first_name(c.names).or(c.id)?;
                 let mounts = c
                     .mounts
                     .unwrap_or_default()
@@ -325,4 +311,18 @@ impl DockerDriver {
             })
             .collect())
     }
+}
+
+/// A container's first name as the engine lists it (without its leading `/`).
+fn first_name(names: Option<Vec<String>>) -> Option<String> {
+    names
+        .and_then(|n| n.into_iter().next())
+        .map(|n| n.trim_start_matches('/').to_owned())
+}
+
+/// The time since the Unix epoch (zero before it).
+pub(super) fn since_epoch() -> Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
 }

@@ -65,8 +65,13 @@ impl DockerDriver {
     ) -> Result<Vec<u8>, DriverError> {
         let docker = self.engine().await?;
         let name = format!("rtb-read-{:016x}", uuid::Uuid::new_v4().as_u128() as u64);
-        self.create(docker, &name, read_body(image, unix_now()), None)
-            .await?;
+        self.create(
+            docker,
+            &name,
+            read_body(image, super::lifecycle::since_epoch().as_secs()),
+            None,
+        )
+        .await?;
         let read = self.read_archive(docker, &name, path, max).await;
         if let Err(e) = self.remove_inner(&name).await {
             tracing::warn!(container = %name, error = %e, "remove the container an image file was read from");
@@ -168,13 +173,6 @@ fn read_body(image: &str, made: u64) -> ContainerCreateBody {
         }),
         ..Default::default()
     }
-}
-
-/// Seconds since the Unix epoch (0 before it).
-pub(super) fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]
