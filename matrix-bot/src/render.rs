@@ -251,7 +251,11 @@ pub fn contents(kind: Kind, text: &str) -> Vec<Value> {
     parts.iter().map(|p| content(kind, p)).collect()
 }
 
-/// One event's content: `body` the escaped text, its HTML when it fits.
+/// One event's content: `body` the escaped text, its HTML when it fits, and an empty
+/// `m.mentions`: the text (the model's) mentions nobody. With `m.mentions` present, the
+/// homeserver's push rules no longer look for names, user ids or `@room` in the body
+/// (intentional mentions, spec 1.7), so a model that writes a member's name or `@room`
+/// pings nobody; an answer's own mention of its asker is added by the bot.
 fn content(kind: Kind, escaped_text: &str) -> Value {
     let html = sanitize(&markdown_html(escaped_text));
     let with_html = json!({
@@ -259,11 +263,12 @@ fn content(kind: Kind, escaped_text: &str) -> Value {
         "body": escaped_text,
         "format": "org.matrix.custom.html",
         "formatted_body": html,
+        "m.mentions": {},
     });
     if with_html.to_string().len() <= CONTENT_BYTES {
         return with_html;
     }
-    json!({ "msgtype": kind.msgtype(), "body": escaped_text })
+    json!({ "msgtype": kind.msgtype(), "body": escaped_text, "m.mentions": {} })
 }
 
 #[cfg(test)]
@@ -371,6 +376,24 @@ mod tests {
         }
         assert_eq!(c["msgtype"], "m.text");
         assert_eq!(contents(Kind::Notice, "x")[0]["msgtype"], "m.notice");
+    }
+
+    /// Every event the bot makes says whom it mentions (nobody until an answer adds its
+    /// asker), with or without its HTML: the homeserver then looks for no name or `@room` in
+    /// the model's text.
+    #[test]
+    fn every_part_mentions_nobody_by_itself() {
+        let big = "<".repeat(CONTENT_BYTES / 2);
+        for text in ["@room, alice: hi", big.as_str()] {
+            for kind in [Kind::Reply, Kind::Notice] {
+                for c in contents(kind, text) {
+                    assert_eq!(c["m.mentions"], json!({}), "{kind:?}");
+                }
+            }
+        }
+        assert!(contents(Kind::Reply, &big)[0]
+            .get("formatted_body")
+            .is_none());
     }
 
     #[test]

@@ -340,9 +340,32 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
 
     // A reply carrying HTML, Markdown links, an image and control characters (OSC 52 to the
     // clipboard, BEL, a bidi override, CR LF, C1 CSI), as Bob receives it.
-    let hostile = r"bot: run: printf '<b>bold</b> <script>alert(1)</script> [click](javascript:alert(1)) [docs](https://evil.example/x) ![img](https://evil.example/i.png) <a href=https://evil.example/y>y</a>\n\033]52;c;aGk=\007 \342\200\256evil\r\nnext\302\233\n\n```js\nalert(2)\n```\n\n| a | b |\n|:-:|--:|\n| c | d |\n'";
+    let hostile = r"bot: run: printf 'bob, @bob:localhost, @room: <b>bold</b> <script>alert(1)</script> [click](javascript:alert(1)) [docs](https://evil.example/x) ![img](https://evil.example/i.png) <a href=https://evil.example/y>y</a>\n\033]52;c;aGk=\007 \342\200\256evil\r\nnext\302\233\n\n```js\nalert(2)\n```\n\n| a | b |\n|:-:|--:|\n| c | d |\n'";
     let q = hs.say(&alice, &room_a, hostile);
     let seen = answer_to(&hs, &bob, &room_a, &q);
+    // The model named Bob (his display name and his user id) and the room: nobody but the
+    // asker is pinged (the bot's events carry `m.mentions`, so the body's names are not
+    // looked for). Alice, whom the answer mentions, is.
+    let highlighted = |user: &User| -> Vec<Value> {
+        hs.call(
+            "GET",
+            "/_matrix/client/v3/notifications?only=highlight&limit=100",
+            Some(&user.token),
+            None,
+        )["notifications"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| n["event"]["event_id"] == seen["event_id"])
+            .collect()
+    };
+    assert!(seen["content"]["body"]
+        .as_str()
+        .unwrap()
+        .contains("bob, @bob:localhost, @room"));
+    assert_eq!(highlighted(&bob), Vec::<Value>::new());
+    assert_eq!(highlighted(&alice).len(), 1);
     let c = &seen["content"];
     let (plain, html) = (
         c["body"].as_str().unwrap(),
