@@ -301,6 +301,15 @@ async fn answer(
             let kb: usize = param("kb").and_then(|k| k.parse().ok()).unwrap_or(1);
             text(200, "y".repeat(kb * 1024))
         }
+        p if p.ends_with("/headers") => {
+            // `kb` headers of 1 KiB each (`x-pad-<n>`), a short body.
+            let kb: usize = param("kb").and_then(|k| k.parse().ok()).unwrap_or(1);
+            let mut answer = hyper::Response::builder();
+            for n in 0..kb {
+                answer = answer.header(format!("x-pad-{n}"), "p".repeat(1000));
+            }
+            answer.body(Body::new(Full::new(Bytes::from("padded")))).unwrap()
+        }
         p if p.ends_with("/html") => hyper::Response::builder()
             .header("content-type", "text/html")
             .body(Body::new(Full::new(Bytes::from(

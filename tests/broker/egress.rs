@@ -456,6 +456,87 @@ async fn egress_per_turn_caps_and_audit_mode() {
     );
 }
 
+/// Headers carry data as bodies do. The guest's forwarded headers count against the turn's
+/// bytes out (a guest once sent 8 KiB of `accept` per request uncounted: with the default
+/// caps, a second 256 KiB a turn to a host of its choosing); the guest's other headers are
+/// dropped and not counted. An answer's head counts against the bytes in, and a head past
+/// 64 KiB fails the exchange (hyper's default let about 400 KiB through).
+#[tokio::test]
+async fn egress_headers_count_against_the_turns_bytes_and_an_answers_head_is_capped() {
+    let web = Web::start().await;
+    let mut route = web.web_route();
+    route.limits.max_bytes_out_per_turn = 16 * 1024;
+    let (turn, seen) = web.turn(vec![route]).await;
+    let padded = "a".repeat(7 * 1024);
+    // The headers the upstream got (the echo's pairs), by name.
+    let got = |a: &Answer, name: &str| -> Option<usize> {
+        a.json()["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p[0] == name)
+            .map(|p| p[1].as_str().unwrap().len())
+    };
+    let send = |name: &'static str| {
+        let (turn, url, padded) = (&turn, web.url("egress.test", "/echo"), padded.clone());
+        async move { request(turn.socket(), "GET", &url, &[(name, &padded)], "").await }
+    };
+    // A header the route does not forward goes nowhere and costs nothing.
+    for _ in 0..4 {
+        let a = send("x-unforwarded").await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(got(&a, "x-unforwarded"), None);
+    }
+    // `accept` is sent: two fit in 16 KiB, the third is refused.
+    for _ in 0..2 {
+        let a = send("accept").await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(got(&a, "accept"), Some(padded.len()));
+    }
+    let a = send("accept").await;
+    assert_eq!(a.status, 429, "{}", a.text());
+    assert_eq!(
+        a.error(),
+        "route web has sent its bytes for this turn (limit 16384)"
+    );
+    let sent: Vec<u64> = egress_events(&seen).iter().map(|e| e.bytes_out).collect();
+    assert!(sent[..4].iter().all(|&b| b < 100), "{sent:?}");
+    assert!(sent[4..6].iter().all(|&b| b > 7 * 1024), "{sent:?}");
+
+    // Heads in: 8 KiB a request against 20 KiB; the fourth request finds them spent.
+    let mut route = web.web_route();
+    route.limits.max_bytes_in_per_turn = 20 * 1024;
+    let (turn, seen) = web.turn(vec![route]).await;
+    for _ in 0..3 {
+        let a = get(&turn, &web.url("egress.test", "/headers?kb=8")).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        assert_eq!(a.headers["x-pad-7"].len(), 1000);
+    }
+    let a = get(&turn, &web.url("egress.test", "/headers?kb=8")).await;
+    assert_eq!(a.status, 429, "{}", a.text());
+    assert_eq!(
+        a.error(),
+        "route web has read its bytes for this turn (limit 20480)"
+    );
+    let read: Vec<u64> = egress_events(&seen).iter().map(|e| e.bytes_in).collect();
+    assert!(read[..3].iter().all(|&b| b > 8 * 1000), "{read:?}");
+    // A head past 64 KiB: the exchange fails, the broker's own 502.
+    let (turn, _) = web.turn(vec![web.web_route()]).await;
+    let a = get(&turn, &web.url("egress.test", "/headers?kb=80")).await;
+    assert_eq!(
+        (a.status, a.error()),
+        (
+            502,
+            "the upstream's answer has a head larger than 65536 bytes".to_owned()
+        )
+    );
+    assert_eq!(a.headers[BROKER_HEADER], "1");
+    assert!(a.headers.get("x-pad-0").is_none());
+    // One just under it passes.
+    let a = get(&turn, &web.url("egress.test", "/headers?kb=60")).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+}
+
 /// A guest retrying refused egress requests at once (the bench's hostile egress attack:
 /// with the default caps, ~4,000 refusals a second made another channel ×5 slower) is
 /// paced: past the turn's first `FREE_REFUSALS` refusals (`403` by a rule, `429`) each is
@@ -523,7 +604,8 @@ async fn egress_daily_budgets_refuse_past_their_bytes_hold_requests_in_flight_an
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let settings = BudgetSettings {
         speaker_egress_bytes_per_day: Some(4096),
-        channel_egress_bytes_per_day: Some(64 * 1024),
+        // (Room for the dropped request's worst case: 8 KiB of body and 64 KiB of head.)
+        channel_egress_bytes_per_day: Some(256 * 1024),
         state_file: Some(dir.path().join("state.sqlite")),
         ..Default::default()
     };

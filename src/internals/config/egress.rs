@@ -165,10 +165,12 @@ pub struct EgressLimits {
     pub timeout_ms: u64,
     /// Requests per turn (`429` past it).
     pub max_requests_per_turn: u32,
-    /// Response bytes per turn (`429` once spent).
+    /// Response bytes per turn, heads and bodies (`429` once spent). (An answer's head is
+    /// at most 64 KiB: past it the exchange fails with `502`.)
     pub max_bytes_in_per_turn: u64,
-    /// Request bytes per turn (bodies and paths; `429` once spent): what a route lets a
-    /// guest carry out of its workspace.
+    /// Request bytes per turn (paths, queries, bodies and the guest's headers that are
+    /// sent upstream; `429` once spent): what a route lets a guest carry out of its
+    /// workspace.
     pub max_bytes_out_per_turn: u64,
 }
 

@@ -309,7 +309,9 @@ async fn serve(
         Ok(b) => b,
         Err(response) => return *response,
     };
-    let out = (target.len() + query.as_deref().map_or(0, str::len) + body.len()) as u64;
+    let header_bytes = forwarded_bytes(cfg, &guest_headers);
+    let out =
+        (target.len() + query.as_deref().map_or(0, str::len) + body.len()) as u64 + header_bytes;
     if let Err(response) = count(turn, cfg, out) {
         return *response;
     }
@@ -333,10 +335,26 @@ async fn serve(
         route,
         method,
         headers: guest_headers,
+        header_bytes,
         body,
     };
     let answer = ctx.run(allowed.target, call).await;
     holding(answer, permit)
+}
+
+/// Whether the guest's header `name` is sent upstream: a safe one or one the route names.
+fn forwarded(cfg: &EgressRoute, name: &str) -> bool {
+    SAFE_HEADERS.contains(&name) || cfg.headers.keys().any(|h| h.eq_ignore_ascii_case(name))
+}
+
+/// The bytes of the guest's headers that are sent upstream (name, value, `: ` and CR LF
+/// each): they carry data out as a body does, so they count against the bytes out.
+fn forwarded_bytes(cfg: &EgressRoute, headers: &[(String, String)]) -> u64 {
+    headers
+        .iter()
+        .filter(|(name, _)| forwarded(cfg, name))
+        .map(|(name, value)| (name.len() + value.len() + 4) as u64)
+        .sum()
 }
 
 /// The guest's headers as (lower-case name, value) pairs; `None` past `cap` bytes.
@@ -385,7 +403,8 @@ fn worst_case(cfg: &EgressRoute, out: u64) -> u64 {
         Redirects::None => 1,
         Redirects::SameRoute => MAX_HOPS as u64 + 1,
     };
-    hops.saturating_mul(out.saturating_add(cfg.limits.max_response_bytes as u64))
+    let answer = (cfg.limits.max_response_bytes + net::MAX_HEAD_BYTES) as u64;
+    hops.saturating_mul(out.saturating_add(answer))
 }
 
 /// Counts a request of the turn on the route (`out` bytes sent): `429` past its requests
@@ -430,6 +449,8 @@ struct Exchange<'a> {
     route: &'a Compiled,
     method: hyper::Method,
     headers: Vec<(String, String)>,
+    /// The bytes of `headers` sent upstream (each hop sends them again).
+    header_bytes: u64,
     body: Bytes,
 }
 
@@ -444,7 +465,8 @@ impl Exchange<'_> {
                 // Each hop is a new request of the route: its caps too.
                 let out = (target.path.len()
                     + target.query.as_deref().map_or(0, str::len)
-                    + self.body.len()) as u64;
+                    + self.body.len()) as u64
+                    + self.header_bytes;
                 if let Err(response) = count(self.turn, cfg, out) {
                     return *response;
                 }
@@ -543,7 +565,9 @@ impl Exchange<'_> {
         let incoming = net::exchange(out, self.route.tls.clone(), connect, cap)
             .await
             .map_err(|f| Box::new(failed(cfg, f)))?;
-        let read = incoming.body.len() as u64;
+        // The head counts as the body does: what the guest gets of it (its size capped by
+        // net::MAX_HEAD_BYTES).
+        let read = (incoming.body.len() + net::head_bytes(&incoming.headers)) as u64;
         call.bytes_in += read;
         self.turn.egress.with(&cfg.name, |u| u.bytes_in += read);
         Ok(incoming)
@@ -608,9 +632,7 @@ impl Exchange<'_> {
         let cfg = &self.route.config;
         let mut out = HeaderMap::new();
         for (name, value) in &self.headers {
-            let allowed = SAFE_HEADERS.contains(&name.as_str())
-                || cfg.headers.keys().any(|h| h.eq_ignore_ascii_case(name));
-            if !allowed {
+            if !forwarded(cfg, name) {
                 continue;
             }
             if let (Ok(n), Ok(v)) = (
@@ -714,6 +736,13 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
                 "the upstream's answer could not be read".to_owned(),
             )
         }
+        net::Failure::HeadTooLarge => (
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "the upstream's answer has a head larger than {} bytes",
+                net::MAX_HEAD_BYTES
+            ),
+        ),
         net::Failure::TooLarge(cap) => (
             StatusCode::BAD_GATEWAY,
             format!("the upstream's answer is larger than {cap} bytes"),

@@ -151,6 +151,19 @@ pub(crate) fn tls_config(
     Ok(Arc::new(config))
 }
 
+/// The most an answer's head (status line and headers) may take, bytes: past it the
+/// exchange fails (`502`). (hyper's own default is about 400 KiB, which the turn's bytes in
+/// would count only after it was read.)
+pub(crate) const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// The bytes of `headers` as sent (name, value, `: ` and CR LF each).
+pub(crate) fn head_bytes(headers: &HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum()
+}
+
 /// A request ready to send to the address checked.
 pub(crate) struct Outgoing {
     pub(crate) addr: SocketAddr,
@@ -178,6 +191,8 @@ pub(crate) enum Failure {
     Exchange(String),
     /// The body passed the cap.
     TooLarge(usize),
+    /// The head passed [`MAX_HEAD_BYTES`].
+    HeadTooLarge,
 }
 
 /// Connects to `out.addr` (within `connect`), speaks TLS to `out.host` and HTTP/1.1, and
@@ -204,7 +219,9 @@ pub(crate) async fn exchange(
         .await
         .map_err(|_| Failure::Connect(format!("no connection within {connect:?}")))?
         .map_err(Failure::Connect)?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(MAX_HEAD_BYTES)
+        .handshake(TokioIo::new(stream))
         .await
         .map_err(|e| Failure::Exchange(format!("HTTP handshake: {e}")))?;
     let driver = tokio::spawn(async move {
@@ -221,6 +238,12 @@ pub(crate) async fn exchange(
         .await
         .map_err(|e| Failure::Exchange(format!("the upstream did not answer: {e}")))?;
     let (head, mut body) = response.into_parts();
+    // hyper stops reading a head at about `max_buf_size` and one read more: the exact
+    // bound is checked here, on what it parsed.
+    if head_bytes(&head.headers) > MAX_HEAD_BYTES {
+        driver.abort();
+        return Err(Failure::HeadTooLarge);
+    }
     let mut bytes = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| Failure::Exchange(format!("read the answer: {e}")))?;
