@@ -237,6 +237,44 @@ async fn egress_credential_placements() {
     }
 }
 
+/// `credential_as = "path_segment"`: the upstream's own `{credential}` carries the key; one
+/// the guest writes in its part of the path (plain or percent-encoded) stays as written, so
+/// a guest cannot put the key where an upstream would show or keep it (a name, a title, a
+/// page that prints its path).
+#[tokio::test]
+async fn egress_path_segment_credential_goes_only_where_the_upstream_puts_it() {
+    let web = Web::start().await;
+    let token = "egress-key-Pp9Ss8";
+    std::env::set_var("RTS_EGRESS_TOKEN_P", token);
+    let mut route = web.api_route("RTS_EGRESS_TOKEN_P");
+    route.upstream = Some(format!(
+        "https://api.egress.test:{}/v1/bot{{credential}}",
+        web.port()
+    ));
+    route.credential_as = CredentialPlacement::PathSegment;
+    let (turn, _) = web.turn(vec![route]).await;
+    let before = web.up.seen().len();
+    for path in [
+        "/v1/egress/api/credential",
+        "/v1/egress/api/names/{credential}/credential",
+        "/v1/egress/api/names/%7Bcredential%7D/credential",
+        "/v1/egress/api/names/%7bcredential%7d/credential",
+    ] {
+        let a = get(&turn, path).await;
+        assert_eq!(a.status, 200, "{path}: {}", a.text());
+        assert!(!a.text().contains(token), "echoed: {}", a.text());
+    }
+    let uris: Vec<String> = web.up.seen()[before..]
+        .iter()
+        .map(|s| s.uri.clone())
+        .collect();
+    assert_eq!(uris[0], format!("/v1/bot{token}/credential"));
+    for uri in &uris[1..] {
+        assert!(uri.starts_with(&format!("/v1/bot{token}/names/")), "{uri}");
+        assert_eq!(uri.matches(token).count(), 1, "{uri}");
+    }
+}
+
 #[tokio::test]
 async fn egress_refusals_name_their_rule() {
     let web = Web::start().await;

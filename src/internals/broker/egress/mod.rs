@@ -90,6 +90,9 @@ struct Compiled {
     credential: Option<SecretString>,
     tls: Arc<rustls::ClientConfig>,
     private: Vec<Cidr>,
+    /// The upstream's path as it starts every request's (URL-encoded, no `/` at the end;
+    /// empty for a route of host patterns).
+    base_path: String,
 }
 
 impl Egress {
@@ -116,6 +119,12 @@ impl Egress {
                 route.name.clone(),
                 Compiled {
                     private: route.private_ranges(),
+                    base_path: route
+                        .upstream
+                        .as_deref()
+                        .and_then(|u| reqwest::Url::parse(u).ok())
+                        .map(|u| u.path().trim_end_matches('/').to_owned())
+                        .unwrap_or_default(),
                     config: route.clone(),
                     credential,
                     tls,
@@ -601,10 +610,17 @@ impl Exchange<'_> {
 
     fn path_and_query(&self, target: &rules::Target) -> String {
         let path = match (&self.route.credential, &self.route.config.credential_as) {
-            (Some(c), CredentialPlacement::PathSegment) => target
-                .path
-                .replace("%7Bcredential%7D", "{credential}")
-                .replace("{credential}", &url_encode(c.expose_secret())),
+            (Some(c), CredentialPlacement::PathSegment) => {
+                // Only the upstream's own `{credential}` (its base, which starts the path) is
+                // replaced: one the guest writes in its part of the path stays as written,
+                // or a guest would put the key wherever an upstream shows or keeps a path.
+                let base = self.route.base_path.as_str();
+                let rest = target.path.strip_prefix(base).unwrap_or(&target.path);
+                let base = base
+                    .replace("%7Bcredential%7D", "{credential}")
+                    .replace("{credential}", &url_encode(c.expose_secret()));
+                format!("{base}{rest}")
+            }
             _ => target.path.clone(),
         };
         let mut query = target.query.clone().unwrap_or_default();
