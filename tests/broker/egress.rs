@@ -193,8 +193,12 @@ async fn egress_get_and_post_carry_the_credential_the_guest_never_sees() {
 
 #[tokio::test]
 async fn egress_credential_placements() {
+    use base64::Engine;
     let web = Web::start().await;
-    let token = "egress-key-Qq2Ww3";
+    // A key with characters a query encodes: the upstream sees it encoded.
+    let token = "egress/key+Qq2=Ww3";
+    let encoded = "egress%2Fkey%2BQq2%3DWw3";
+    let basic = base64::engine::general_purpose::STANDARD.encode(token);
     std::env::set_var("RTS_EGRESS_TOKEN_B", token);
     for (placement, want) in [
         (
@@ -208,9 +212,12 @@ async fn egress_credential_placements() {
             CredentialPlacement::Query {
                 name: "apikey".into(),
             },
-            format!("query=apikey={token}"),
+            format!("query=apikey={encoded}"),
         ),
-        (CredentialPlacement::Basic, "authorization=Basic ".into()),
+        (
+            CredentialPlacement::Basic,
+            format!("authorization=Basic {basic}"),
+        ),
     ] {
         let mut route = web.api_route("RTS_EGRESS_TOKEN_B");
         route.credential_as = placement;
@@ -233,7 +240,12 @@ async fn egress_credential_placements() {
             .collect::<Vec<_>>()
             .join("\n");
         assert!(line.contains(&want), "{want} not in {line}");
-        assert!(!a.text().contains(token), "echoed: {}", a.text());
+        // The upstream echoed what it got: the guest sees no form of the key.
+        let echoed = a.text();
+        for form in [token, encoded, "egress%2fkey%2bQq2%3dWw3", &basic] {
+            assert!(!echoed.contains(form), "{form} echoed: {echoed}");
+        }
+        assert!(echoed.contains("[redacted]"), "{echoed}");
     }
 }
 

@@ -162,12 +162,22 @@ impl Egress {
             .collect()
     }
 
-    /// The routes' credentials, redacted from whatever the guest is sent.
+    /// The routes' credentials, redacted from whatever the guest is sent: each as it is and
+    /// in every form the broker sends it in (percent-encoded in a query or path, with
+    /// upper- or lower-case hex; Base64 in Basic auth), so an upstream that echoes the
+    /// request it got (a header dump, an error page) shows the guest none of them.
     pub(crate) fn secrets(&self) -> impl Iterator<Item = String> + '_ {
+        use base64::Engine;
         self.routes
             .values()
             .filter_map(|r| r.credential.as_ref())
-            .map(|c| c.expose_secret().to_owned())
+            .flat_map(|c| {
+                let raw = c.expose_secret();
+                let encoded = url_encode(raw);
+                let lower = lower_hex_escapes(&encoded);
+                let basic = base64::engine::general_purpose::STANDARD.encode(raw);
+                [raw.to_owned(), encoded, lower, basic]
+            })
     }
 }
 
@@ -768,6 +778,24 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
 }
 
 /// `text` percent-encoded for a path segment or a query value.
+/// `encoded` (of [`url_encode`]) with each `%XX` escape's hex in lower case.
+fn lower_hex_escapes(encoded: &str) -> String {
+    let mut out = String::with_capacity(encoded.len());
+    let mut hex = 0;
+    for ch in encoded.chars() {
+        if ch == '%' {
+            hex = 2;
+            out.push(ch);
+        } else if hex > 0 {
+            hex -= 1;
+            out.push(ch.to_ascii_lowercase());
+        } else {
+            out.push(ch);
+        }
+    }
+    out
+}
+
 fn url_encode(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for b in text.bytes() {
