@@ -319,6 +319,14 @@ async fn egress_refusals_name_their_rule() {
         denied_by(&get(&turn, &web.url("egress.test", "/a%2Fecho")).await),
         "encoded_slash"
     );
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("egress.test", "/x//echo")).await),
+        "empty_segment"
+    );
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("egress.test", "/echo;x")).await),
+        "path_parameter"
+    );
     assert!(
         web.up.seen().is_empty(),
         "a refused request reached the upstream"
@@ -328,8 +336,24 @@ async fn egress_refusals_name_their_rule() {
             .iter()
             .filter(|e| e.decision == EgressDecision::Denied)
             .count(),
-        5
+        7
     );
+    // A deny rule sees the path the upstream reads: an escaped letter is the letter.
+    let mut route = web.web_route();
+    route.deny = vec![roundtable_sandbox::DenyRule {
+        paths: vec!["/secret/**".into()],
+        ..Default::default()
+    }];
+    let (turn, _) = web.turn(vec![route]).await;
+    assert_eq!(
+        denied_by(&get(&turn, &web.url("egress.test", "/%73ecret/echo")).await),
+        "deny[0]"
+    );
+    assert!(web.up.seen().is_empty());
+    // And what is sent is what was matched.
+    let a = get(&turn, &web.url("egress.test", "/op%65n/%65cho")).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(web.up.seen()[0].uri, "/open/echo");
     // No route, no egress.
     assert_eq!(
         get(&turn, "/v1/egress/nope/https/egress.test/echo")

@@ -65,7 +65,8 @@ pub struct EgressRoute {
     /// Hosts given as IP literals (in any form) are refused unless this is set.
     #[serde(default)]
     pub allow_ip_literals: bool,
-    /// `..` segments and encoded slashes in the path are refused unless this is set.
+    /// `..` segments, encoded slashes, empty segments (`//`) and `;` in the path are
+    /// refused unless this is set.
     #[serde(default)]
     pub allow_unusual_paths: bool,
     /// A PEM file of CA certificates this route trusts beside the usual web roots (a

@@ -192,6 +192,9 @@ fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, 
             (host, port, path)
         }
     };
+    // What is matched is what is sent: `/%61dmin` is `/admin` to the upstream, so to the
+    // route's globs and deny rules too.
+    let path = unreserved_decoded(&path);
     if !route.allow_ip_literals && ip_literal(&host) {
         return Err(refused(
             "ip_literal",
@@ -266,7 +269,44 @@ pub(crate) fn ip_literal(host: &str) -> bool {
     parts.last().is_some_and(|last| number(last))
 }
 
-/// Refuses `..` segments (raw or encoded) and encoded slashes or backslashes.
+/// `path` with each percent-escape of an unreserved character (a letter, a digit, `-`,
+/// `.`, `_`, `~`) decoded, as RFC 3986 makes them equivalent: a server reads `/%61dmin` as
+/// `/admin`, which a deny rule of `/admin/**` must see. Other escapes stay, in upper case.
+fn unreserved_decoded(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escape = (bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && bytes[i + 1].is_ascii_hexdigit()
+            && bytes[i + 2].is_ascii_hexdigit())
+        .then(|| u8::from_str_radix(&path[i + 1..i + 3], 16).ok())
+        .flatten();
+        match escape {
+            Some(b) if b.is_ascii_alphanumeric() || b"-._~".contains(&b) => {
+                out.push(b as char);
+                i += 3;
+            }
+            Some(_) => {
+                out.push('%');
+                out.push_str(&path[i + 1..i + 3].to_ascii_uppercase());
+                i += 3;
+            }
+            None => {
+                let ch = path[i..].chars().next().unwrap_or_default();
+                out.push(ch);
+                i += ch.len_utf8().max(1);
+            }
+        }
+    }
+    out
+}
+
+/// Refuses `..` segments (raw or encoded), encoded slashes or backslashes, empty segments
+/// (`//`, which servers that merge slashes read as one) and `;` (a path parameter, which
+/// some servers strip before routing): each lets a path pass a glob as one thing and reach
+/// the upstream as another.
 fn unusual_path(path: &str) -> Result<(), Refused> {
     let lower = path.to_ascii_lowercase();
     if lower.contains("%2f") || lower.contains("%5c") || path.contains('\\') {
@@ -280,6 +320,18 @@ fn unusual_path(path: &str) -> Result<(), Refused> {
         return Err(refused(
             "dot_segment",
             "a . or .. segment in the path is not allowed",
+        ));
+    }
+    if path.contains("//") {
+        return Err(refused(
+            "empty_segment",
+            "an empty segment (//) in the path is not allowed",
+        ));
+    }
+    if lower.contains(';') || lower.contains("%3b") {
+        return Err(refused(
+            "path_parameter",
+            "a ; (a path parameter) in the path is not allowed",
         ));
     }
     Ok(())
@@ -494,6 +546,49 @@ mod tests {
         let mut lax = web();
         lax.allow_unusual_paths = true;
         assert_eq!(rule_of(&lax, "GET", "https/example.com/a%2Fb"), None);
+    }
+
+    /// A path is matched as the upstream reads it: an escaped letter is the letter, and
+    /// the shapes servers read as another path (`//`, `;`) are refused.
+    #[test]
+    fn a_deny_rule_sees_the_path_the_upstream_reads() {
+        let mut r = EgressRoute::hosts("site", &["*"]);
+        r.deny = vec![DenyRule {
+            paths: vec!["/admin/**".into()],
+            ..Default::default()
+        }];
+        for path in ["/admin/x", "/%61dmin/x", "/%61%64%6D%69%6e/x", "/adm%69n/x"] {
+            assert_eq!(
+                rule_of(&r, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some("deny[0]"),
+                "{path}"
+            );
+        }
+        for (path, rule) in [
+            ("//admin/x", "empty_segment"),
+            ("/a//b", "empty_segment"),
+            ("/admin;x/y", "path_parameter"),
+            ("/admin%3bx/y", "path_parameter"),
+        ] {
+            assert_eq!(
+                rule_of(&r, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some(rule),
+                "{path}"
+            );
+        }
+        // What is sent: unreserved escapes decoded, the others kept (upper case).
+        let t = check(
+            &r,
+            "GET",
+            "https/example.com/%7euser/a%20b%c3%a9/",
+            None,
+            &[],
+        )
+        .unwrap()
+        .target;
+        assert_eq!(t.path, "/~user/a%20b%C3%A9/");
+        assert_eq!(unreserved_decoded("/%4"), "/%4");
+        assert_eq!(unreserved_decoded("/%+1x/é%"), "/%+1x/é%");
     }
 
     #[test]
