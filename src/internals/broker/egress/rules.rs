@@ -368,10 +368,11 @@ fn route_rules(
         ));
     }
     if let Some(allowed) = &route.query {
+        // `;` separates parameters too for some servers: `q=x;admin=1` is two of them.
         for pair in target
             .query
             .iter()
-            .flat_map(|q| q.split('&'))
+            .flat_map(|q| q.split(['&', ';']))
             .filter(|p| !p.is_empty())
         {
             let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -589,6 +590,22 @@ mod tests {
         assert_eq!(t.path, "/~user/a%20b%C3%A9/");
         assert_eq!(unreserved_decoded("/%4"), "/%4");
         assert_eq!(unreserved_decoded("/%+1x/é%"), "/%+1x/é%");
+    }
+
+    #[test]
+    fn a_query_allow_list_checks_every_parameter_however_separated() {
+        let mut r = EgressRoute::hosts("search", &["*"]);
+        r.query = Some([("q".to_owned(), "*".to_owned())].into());
+        let verdict = |q: &str| {
+            check(&r, "GET", "https/example.com/s", Some(q), &[])
+                .err()
+                .map(|r| r.rule)
+        };
+        assert_eq!(verdict("q=rust"), None);
+        assert_eq!(verdict("q=a&q=b"), None);
+        assert_eq!(verdict("q=x&admin=1").as_deref(), Some("query"));
+        assert_eq!(verdict("q=x;admin=1").as_deref(), Some("query"));
+        assert_eq!(verdict("%71=x").as_deref(), Some("query"));
     }
 
     #[test]
