@@ -457,6 +457,7 @@ async fn the_guest_reaches_the_web_only_through_the_brokers_routes() {
     std::env::set_var("RTS_E2E_EGRESS_TOKEN", token);
 
     let mut route = EgressRoute::hosts("web", &["egress.test"]);
+    route.ports = vec![port];
     route.allow_private = vec!["127.0.0.2/32".into()];
     route.ca_file = Some(ca.pem_file.clone());
     route.credential = Some(KeyRef {

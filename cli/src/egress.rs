@@ -92,7 +92,17 @@ pub(crate) fn warnings(r: &EgressRoute) -> Vec<String> {
 fn describe(r: &EgressRoute) -> String {
     let target = match &r.upstream {
         Some(u) => format!("upstream {u} (the guest gives a path)"),
-        None => format!("hosts {} (the guest gives a URL)", r.hosts.join(", ")),
+        None => {
+            let ports: Vec<String> = match r.ports.is_empty() {
+                true => vec!["443".into()],
+                false => r.ports.iter().map(u16::to_string).collect(),
+            };
+            format!(
+                "hosts {} on port {} (the guest gives a URL)",
+                r.hosts.join(", "),
+                ports.join(", ")
+            )
+        }
     };
     let paths = if r.paths.is_empty() {
         "any path".to_owned()

@@ -15,7 +15,7 @@ fn config() -> (tempfile::TempDir, std::path::PathBuf) {
              [[egress.deny]]\npaths = [\"/wiki/Special:*\"]\n\
              [[egress]]\nname = \"api\"\nupstream = \"https://api.invalid/v2\"\nmethods = [\"GET\", \"POST\"]\n\
              credential = {{ env = \"RTG_API_TOKEN\" }}\ncredential_as = {{ header = {{ name = \"x-api-key\" }} }}\n\
-             [[egress]]\nname = \"lab\"\nhosts = [\"lab.invalid\"]\nmode = \"audit\"\nallow_private = [\"10.9.0.0/16\"]\n",
+             [[egress]]\nname = \"lab\"\nhosts = [\"lab.invalid\"]\nports = [443, 8443]\nmode = \"audit\"\nallow_private = [\"10.9.0.0/16\"]\n",
             dir.join("run").display(),
             dir.join("ws").display()
         )
@@ -52,6 +52,11 @@ fn egress_check_answers_allow_or_deny_with_the_rule() {
             "deny rule deny[0]: a deny rule of this route matches\n",
         ),
         (&["GET", "https://evil.invalid/wiki/x"], 1, "deny rule host: "),
+        (
+            &["GET", "https://en.wikipedia.invalid:8443/wiki/Rust"],
+            1,
+            "deny rule port: port 8443 is not allowed (allowed: 443)\n",
+        ),
         (&["GET", "https://en.wikipedia.invalid/w/index.php"], 1, "deny rule path: "),
         (&["GET", "https://0x7f000001/wiki/x"], 1, "deny rule ip_literal: "),
         (&["GET", "https://a@en.wikipedia.invalid/wiki/x"], 1, "deny rule userinfo: "),
@@ -100,9 +105,9 @@ fn explain_lists_the_routes_and_doctor_flags_audit_mode_and_private_ranges() {
     assert_eq!(
         routes,
         [
-            "egress        wiki: hosts *.wikipedia.invalid (the guest gives a URL); GET, HEAD; paths /wiki/**; 1 deny rules; enforced; no credential; redirects not followed; per request 64 KiB out, 1024 KiB in, 20000 ms; per turn 32 requests, 8192 KiB in, 256 KiB out",
+            "egress        wiki: hosts *.wikipedia.invalid on port 443 (the guest gives a URL); GET, HEAD; paths /wiki/**; 1 deny rules; enforced; no credential; redirects not followed; per request 64 KiB out, 1024 KiB in, 20000 ms; per turn 32 requests, 8192 KiB in, 256 KiB out",
             "egress        api: upstream https://api.invalid/v2 (the guest gives a path); GET, POST; any path; enforced; credential from $RTG_API_TOKEN in header x-api-key (the guest never sees it); redirects not followed; per request 64 KiB out, 1024 KiB in, 20000 ms; per turn 32 requests, 8192 KiB in, 256 KiB out",
-            "egress        lab: hosts lab.invalid (the guest gives a URL); GET, HEAD; any path; AUDIT mode; no credential; redirects not followed; per request 64 KiB out, 1024 KiB in, 20000 ms; per turn 32 requests, 8192 KiB in, 256 KiB out",
+            "egress        lab: hosts lab.invalid on port 443, 8443 (the guest gives a URL); GET, HEAD; any path; AUDIT mode; no credential; redirects not followed; per request 64 KiB out, 1024 KiB in, 20000 ms; per turn 32 requests, 8192 KiB in, 256 KiB out",
         ],
         "{out}"
     );

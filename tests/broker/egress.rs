@@ -49,6 +49,7 @@ impl Web {
     /// A route of host patterns (`*`) that may reach 127.0.0.2 and trusts the test CA.
     fn web_route(&self) -> EgressRoute {
         let mut r = EgressRoute::hosts("web", &["*"]);
+        r.ports = vec![self.port()];
         r.allow_private = vec!["127.0.0.2/32".into()];
         r.ca_file = Some(self.ca.pem_file.clone());
         r
@@ -327,6 +328,12 @@ async fn egress_refusals_name_their_rule() {
         denied_by(&get(&turn, &web.url("egress.test", "/echo;x")).await),
         "path_parameter"
     );
+    // A route of host patterns: its ports alone (443 unless it names others; this one
+    // names the test site's).
+    assert_eq!(
+        denied_by(&get(&turn, "/v1/egress/web/https/egress.test:8443/echo").await),
+        "port"
+    );
     assert!(
         web.up.seen().is_empty(),
         "a refused request reached the upstream"
@@ -336,7 +343,7 @@ async fn egress_refusals_name_their_rule() {
             .iter()
             .filter(|e| e.decision == EgressDecision::Denied)
             .count(),
-        7
+        8
     );
     // A deny rule sees the path the upstream reads: an escaped letter is the letter.
     let mut route = web.web_route();

@@ -45,10 +45,11 @@ pub struct EgressPart {
     pub a_a_p50_ms_ci95: Option<[f64; 2]>,
 }
 
-/// A route of any host (`*`) that may reach the site's loopback address and trusts the
-/// bench's CA; its per-turn caps out of the way of a measurement.
-pub fn route(ca_pem: &Path) -> EgressRoute {
+/// A route of any host (`*`) that may reach the site's loopback address (on `port`) and
+/// trusts the bench's CA; its per-turn caps out of the way of a measurement.
+pub fn route(ca_pem: &Path, port: u16) -> EgressRoute {
     let mut r = EgressRoute::hosts("web", &["*"]);
+    r.ports = vec![port];
     r.allow_private = vec![format!("{REACHABLE}/32")];
     r.ca_file = Some(ca_pem.to_owned());
     r.limits.max_requests_per_turn = 10_000;
@@ -82,7 +83,7 @@ pub async fn run(o: &Options) -> Result<EgressPart> {
     let up = Upstream::start(&ca, REACHABLE, 0).await;
     let dns = Dns::start(&[("egress.test", &[REACHABLE])]).await;
     let policy = BrokerPolicy {
-        egress: vec![route(&ca.pem_file)],
+        egress: vec![route(&ca.pem_file, up.addr.port())],
         egress_nameserver: Some(dns.addr),
         ..broker_policy("http://127.0.0.1:9/v1", "sk-bench-egress-never-leaves")
     };

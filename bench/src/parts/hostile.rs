@@ -172,15 +172,15 @@ pub fn host(socket: &str, model_url: &str) -> Result<()> {
             policy.allow_http = true;
             policy.limits.max_tool_calls = 10_000;
         }
-        if let Some((ca, dns)) = std::env::var(EGRESS_ENV)
-            .ok()
-            .and_then(|v| v.split_once(' ').map(|(a, b)| (a.to_owned(), b.to_owned())))
-        {
-            let (dns, defaults) = match dns.split_once(' ') {
-                Some((dns, "defaults")) => (dns.to_owned(), true),
-                _ => (dns, false),
+        // `<CA file> <DNS address> <site port> [defaults]`.
+        if let Ok(egress) = std::env::var(EGRESS_ENV) {
+            let words: Vec<&str> = egress.split(' ').collect();
+            let [ca, dns, port, rest @ ..] = words.as_slice() else {
+                anyhow::bail!("{EGRESS_ENV}: {egress:?} is not <CA> <DNS> <port> [defaults]");
             };
-            let mut route = super::egress::route(Path::new(&ca));
+            let defaults = rest == ["defaults"];
+            let port = port.parse().context("the site's port")?;
+            let mut route = super::egress::route(Path::new(ca), port);
             if defaults {
                 route.limits = roundtable_sandbox::EgressRoute::hosts("web", &["*"]).limits;
             }
@@ -571,7 +571,12 @@ pub async fn run(seconds: u64, attack: Attack) -> Result<Hostile> {
             };
             command.env(
                 EGRESS_ENV,
-                format!("{} {}{caps}", ca.pem_file.display(), dns.addr),
+                format!(
+                    "{} {} {}{caps}",
+                    ca.pem_file.display(),
+                    dns.addr,
+                    up.addr.port()
+                ),
             );
             Some((ca, up, dns))
         }

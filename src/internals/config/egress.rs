@@ -29,6 +29,10 @@ pub struct EgressRoute {
     /// the whole URL.
     #[serde(default)]
     pub hosts: Vec<String>,
+    /// The ports a guest may name on a route of host patterns (default: 443 alone; a fixed
+    /// upstream names its own).
+    #[serde(default)]
+    pub ports: Vec<u16>,
     /// The methods allowed (default `GET` and `HEAD`).
     #[serde(default = "default_methods")]
     pub methods: Vec<String>,
@@ -226,6 +230,7 @@ impl EgressRoute {
             description: String::new(),
             upstream,
             hosts,
+            ports: Vec::new(),
             methods: default_methods(),
             paths: Vec::new(),
             query: None,
@@ -317,8 +322,19 @@ fn validate_one(route: &EgressRoute) -> Result<(), PolicyError> {
         (Some(_), false) | (None, true) => {
             return Err(bad(route, "set one of upstream or hosts"));
         }
-        (Some(upstream), true) => check_upstream(route, upstream)?,
+        (Some(upstream), true) => {
+            check_upstream(route, upstream)?;
+            if !route.ports.is_empty() {
+                return Err(bad(
+                    route,
+                    "ports is for routes of host patterns (an upstream names its port)",
+                ));
+            }
+        }
         (None, false) => {
+            if route.ports.contains(&0) {
+                return Err(bad(route, "port 0 is not a port"));
+            }
             for pattern in &route.hosts {
                 if !valid_host_pattern(pattern) {
                     return Err(bad(
@@ -506,6 +522,15 @@ mod tests {
             refusal(EgressRoute::hosts("web", &["exa mple.com"])),
             "egress route web: invalid host pattern \"exa mple.com\": use a name, *.domain or *"
         );
+        let mut r = EgressRoute::upstream("api", "https://api.example.com:8443");
+        r.ports = vec![8443];
+        assert_eq!(
+            refusal(r),
+            "egress route api: ports is for routes of host patterns (an upstream names its port)"
+        );
+        let mut r = EgressRoute::hosts("web", &["*"]);
+        r.ports = vec![443, 0];
+        assert_eq!(refusal(r), "egress route web: port 0 is not a port");
         let mut r = EgressRoute::hosts("web", &["*"]);
         r.methods = vec!["TRACE".into()];
         assert_eq!(

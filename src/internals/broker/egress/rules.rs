@@ -351,6 +351,21 @@ fn route_rules(
             format!("{} is not one of this route's hosts", target.host),
         ));
     }
+    let ports: &[u16] = match route.ports.is_empty() {
+        true => &[443],
+        false => &route.ports,
+    };
+    if route.upstream.is_none() && !ports.contains(&target.port) {
+        let allowed: Vec<String> = ports.iter().map(u16::to_string).collect();
+        return Err(refused(
+            "port",
+            format!(
+                "port {} is not allowed (allowed: {})",
+                target.port,
+                allowed.join(", ")
+            ),
+        ));
+    }
     if !route.methods.iter().any(|m| m == method) {
         return Err(refused(
             "method",
@@ -632,6 +647,26 @@ mod tests {
         assert_eq!(
             rule_of(&r, "GET", "https/en.wikipedia.org/wiki/SecretPage").as_deref(),
             Some("deny[0]")
+        );
+        // Port 443 alone unless the route names others.
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org:8443/wiki/Rust").as_deref(),
+            Some("port")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org:443/wiki/Rust"),
+            None
+        );
+        r.ports = vec![443, 8443];
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org:8443/wiki/Rust"),
+            None
+        );
+        assert_eq!(
+            check(&r, "GET", "https/en.wikipedia.org:22/wiki/Rust", None, &[])
+                .unwrap_err()
+                .reason,
+            "port 22 is not allowed (allowed: 443, 8443)"
         );
         // Audit mode: sent, with the rule that would have refused it.
         r.mode = EgressMode::Audit;
