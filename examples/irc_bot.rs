@@ -8,7 +8,8 @@
 //! In a joined channel, a message addressed to the bot (`sandbox: write me a haiku`) becomes
 //! a [`GuestMessage`] for the channel `irc:#general` from the speaker `nick`; the reply is
 //! posted back to the channel, every line addressed to that nick (`nick: …`). `!reset`
-//! starts the channel's next turn with a fresh session; `!stop` stops its running turn. The
+//! starts the channel's next turn with a fresh session; `!stop` stops its running turn (for
+//! the channel's operators: see `irc_ops`; `--stop-by anyone` for every member). The
 //! bot's own lines start with `* ` (`* nick: reset: …`), which no reply line can: a nick
 //! never starts with `*`.
 //!
@@ -39,6 +40,7 @@
 #![forbid(unsafe_code)]
 
 mod irc_limits;
+mod irc_ops;
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -48,6 +50,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use clap::Parser;
 use irc_limits::LimitsKeyer;
+use irc_ops::Ops;
 use roundtable_sandbox::display;
 use roundtable_sandbox::settings::SETTINGS_NOTE;
 use roundtable_sandbox_actors::{
@@ -83,10 +86,23 @@ struct Cli {
     /// (STATE_FILE.irc-limits-key); without a state file, a secret of this run only
     #[arg(long, value_name = "FILE")]
     limits_key_file: Option<PathBuf>,
+    /// Who may `!stop` a channel's running turn: its operators (`@`, as the server says),
+    /// or anyone in it
+    #[arg(long, value_enum, default_value_t = StopBy::Ops)]
+    stop_by: StopBy,
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
     bot: BotArgs,
+}
+
+/// Who may stop a channel's running turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StopBy {
+    /// The channel's operators (`@`, or the server's owner and admin modes).
+    Ops,
+    /// Anyone in the channel.
+    Anyone,
 }
 
 /// How the bot paces and bounds what it posts.
@@ -494,6 +510,7 @@ async fn run(cli: Cli) -> Result<()> {
         nick,
         join,
         limits_key_file,
+        stop_by,
         output,
         bot: BotArgs {
             settings, metrics, ..
@@ -546,6 +563,8 @@ async fn run(cli: Cli) -> Result<()> {
                     sandbox: &sandbox,
                     replies_tx: &replies_tx,
                     pacer: Pacer::new(&output, Instant::now()),
+                    ops: Ops::default(),
+                    stop_by,
                 };
                 session
                     .run(stream, &mut outbox, &mut replies, &mut stop, &mut backoff)
@@ -615,6 +634,9 @@ struct Session<'a> {
     sandbox: &'a actix::Addr<SandboxSupervisor>,
     replies_tx: &'a mpsc::Sender<Reply>,
     pacer: Pacer,
+    /// The channels' operators on this connection.
+    ops: Ops,
+    stop_by: StopBy,
 }
 
 impl Session<'_> {
@@ -736,6 +758,7 @@ impl Session<'_> {
             "JOIN" if msg.nick.as_deref() == Some(nick) => {
                 if let Some(c) = msg.params.first().and_then(|c| outbox.channel(c)) {
                     c.joined = true;
+                    self.ops.joined(&c.name);
                 }
             }
             "KICK" if msg.params.get(1).map(String::as_str) == Some(nick) => {
@@ -743,6 +766,30 @@ impl Session<'_> {
                     c.joined = false;
                     let name = c.name.clone();
                     outbox.control(format!("JOIN {name}"));
+                }
+            }
+            // Who is an operator: the names list at a join, then what changes it.
+            "353" if msg.params.len() >= 4 => self.ops.names(&msg.params[2], &msg.params[3]),
+            "MODE" if msg.params.len() >= 2 => {
+                self.ops
+                    .mode(&msg.params[0], &msg.params[1], &msg.params[2..]);
+            }
+            "NICK" => {
+                if let (Some(old), Some(new)) = (msg.nick.as_deref(), msg.params.first()) {
+                    self.ops.nick(old, new);
+                }
+            }
+            "PART" => {
+                if let (Some(who), Some(channel)) = (msg.nick.as_deref(), msg.params.first()) {
+                    self.ops.left(Some(channel), who);
+                }
+            }
+            "KICK" if msg.params.len() >= 2 => {
+                self.ops.left(Some(&msg.params[0]), &msg.params[1]);
+            }
+            "QUIT" => {
+                if let Some(who) = msg.nick.as_deref() {
+                    self.ops.left(None, who);
                 }
             }
             "PRIVMSG" if msg.params.len() == 2 => {
@@ -764,6 +811,13 @@ impl Session<'_> {
                 if text == "!reset" {
                     let _ = self.sandbox.send(StartFresh { channel }).await;
                     let line = own_line(&from, "reset: the next turn starts a fresh session");
+                    outbox.post(&target, to, vec![line], now);
+                } else if text == "!stop"
+                    && self.stop_by == StopBy::Ops
+                    && !self.ops.is_op(&target, &from)
+                {
+                    let line =
+                        own_line(&from, "stop: only the channel's operators may stop a turn");
                     outbox.post(&target, to, vec![line], now);
                 } else if text == "!stop" {
                     let active = self.sandbox.send(Stop { channel }).await.unwrap_or(false);

@@ -126,12 +126,8 @@ fn expect(out: &Path, skip: usize, needle: &str) -> (usize, String) {
 /// ngIRCd on loopback, as Debian ships it (its own flood rules: a client's commands are
 /// throttled past 3 per second or 256 bytes per second, and a client whose unread input
 /// passes its 2 KiB read buffer is disconnected).
-fn start_server(d: &Path, port: u16) -> Proc {
-    start_server_with(d, port, "127.0.0.1", "")
-}
-
-/// [`start_server`] listening on `listen` (a comma-separated list of addresses), with more
-/// lines for its `[Options]`.
+/// ngIRCd listening on `listen` (a comma-separated list of addresses), with more lines for
+/// its `[Options]` (and the sections after).
 fn start_server_with(d: &Path, port: u16, listen: &str, options: &str) -> Proc {
     let conf = d.join("ngircd.conf");
     std::fs::write(
@@ -340,13 +336,26 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     let dir = scratch("rti-");
     let d = dir.path();
     let port = free_port();
-    let _server = start_server(d, port);
-    let (bot, said, echo) = start_bot_with(d, port, "#test", &["--metrics", "127.0.0.1:0"]);
+    // A server operator may set a channel's modes (to make tester a channel operator).
+    let _server = start_server_with(
+        d,
+        port,
+        "127.0.0.1",
+        "OperCanUseMode = yes\n[Operator]\nName = op\nPassword = op-pass\n",
+    );
+    // (Room for this test's lines in one minute: the output budget has a test of its own.)
+    let (bot, said, echo) = start_bot_with(
+        d,
+        port,
+        "#test",
+        &["--metrics", "127.0.0.1:0", "--guest-lines", "40"],
+    );
     let metrics = metrics_addr(&said);
     let Client {
         _proc: _client,
         mut chan,
         out: chan_out,
+        server: mut to_server,
         ..
     } = start_client(d, port, "tester", "#test");
 
@@ -378,6 +387,38 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     let (at, reply) = expect(&chan_out, at, "<sandbox> tester: ");
     assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
 
+    // `!stop`: the channel's operators alone (by default). The bot joined first: it is the
+    // only one, and tester is refused.
+    say_seen(&mut chan, &chan_out, at, "!stop");
+    let (at, reply) = expect(&chan_out, at, "<sandbox> * tester: stop");
+    assert!(
+        reply.ends_with("stop: only the channel's operators may stop a turn"),
+        "{reply}"
+    );
+    // Made a channel operator (by a server operator's MODE), tester stops a running turn.
+    to_server.say("/OPER op op-pass");
+    to_server.say("/MODE #test +o tester");
+    let (at, _) = expect(&chan_out, at, "+o tester");
+    say_seen(
+        &mut chan,
+        &chan_out,
+        at,
+        "sandbox: run: touch stop-me; sleep 60",
+    );
+    wait_until("the long turn to start", || {
+        files_under(&d.join("ws"))
+            .iter()
+            .any(|(p, _)| p.ends_with("stop-me"))
+    });
+    say_seen(&mut chan, &chan_out, at, "!stop");
+    let (_, reply) = expect(&chan_out, at, "<sandbox> * tester: stop");
+    assert!(
+        reply.ends_with("stop: the running turn was stopped"),
+        "{reply}"
+    );
+    let (at, reply) = expect(&chan_out, at, "<sandbox> tester: error: ");
+    assert!(reply.contains("stop"), "{reply}");
+
     // The reply carries controls the guest printed: IRC formatting (C0), a CTCP ACTION, a
     // carriage return and line feed before a forged IRC command, a C1 CSI. They are shown,
     // never obeyed; the forged command is the text of a reply line, after the nick.
@@ -400,14 +441,14 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         "{log:?}"
     );
 
-    // `--metrics`: the bot's endpoint counts the four turns it served (the reset is no turn),
-    // with no channel or nick in any label.
+    // `--metrics`: the bot's endpoint counts the five turns it served, four answered and one
+    // stopped (the reset is no turn), with no channel or nick in any label.
     let body = std::cell::RefCell::new(String::new());
     wait_until_or(
-        "the metrics to count four turns",
+        "the metrics to count five turns",
         || {
             *body.borrow_mut() = scrape(&metrics);
-            metric_sum(&body.borrow(), "roundtable_turns_total{") == 4.0
+            metric_sum(&body.borrow(), "roundtable_turns_total{") == 5.0
         },
         || body.borrow().clone(),
     );
