@@ -870,11 +870,14 @@ fn relation(asked: &Message) -> Value {
     }
 }
 
-/// The contents of an answer to `asked`: each part a reply mentioning the asker.
+/// The contents of an answer to `asked`: each part a reply, the first mentioning the asker
+/// (one ping an answer, however many parts it takes).
 fn addressed(mut contents: Vec<Value>, asked: &Message) -> Vec<Value> {
-    for c in &mut contents {
+    for (i, c) in contents.iter_mut().enumerate() {
         c["m.relates_to"] = relation(asked);
-        c["m.mentions"] = json!({ "user_ids": [asked.sender] });
+        if i == 0 {
+            c["m.mentions"] = json!({ "user_ids": [asked.sender] });
+        }
     }
     contents
 }
@@ -1412,6 +1415,15 @@ mod tests {
             json!({"m.in_reply_to": {"event_id": "$q"}})
         );
         assert_eq!(c[0]["m.mentions"], json!({"user_ids": ["@ann:x"]}));
+        // A long answer pings its asker once: the later parts mention nobody.
+        let long: String = (0..3000).map(|i| format!("line {i} of many\n")).collect();
+        let c = addressed(render::contents(Kind::Reply, &long), &asked);
+        assert!(c.len() > 1);
+        assert_eq!(c[0]["m.mentions"], json!({"user_ids": ["@ann:x"]}));
+        for part in &c[1..] {
+            assert_eq!(part["m.mentions"], json!({}));
+            assert_eq!(part["m.relates_to"], c[0]["m.relates_to"]);
+        }
         let threaded = Message {
             thread: Some("$root".into()),
             ..asked
