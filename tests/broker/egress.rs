@@ -452,6 +452,17 @@ async fn egress_addresses_outside_the_routes_ranges_are_refused_and_redirects_ch
     assert_eq!(a.status, 200, "{}", a.text());
     let a = get(&turn, &web.url("egress.test", "/echo")).await;
     assert_eq!(a.status, 429, "{}", a.text());
+    // A fixed upstream's redirect is followed under its base alone: `/v10/…` is not under
+    // `/v1` (a prefix of its text, not of its path), `/v1/…` is.
+    std::env::set_var("RTS_EGRESS_TOKEN_R", "t-r-7654321");
+    let mut api = web.api_route("RTS_EGRESS_TOKEN_R");
+    api.redirects = Redirects::SameRoute;
+    let (turn, _) = web.turn(vec![api]).await;
+    let a = get(&turn, "/v1/egress/api/redirect?to=%2Fv10%2Fecho").await;
+    assert_eq!(denied_by(&a), "redirect");
+    let a = get(&turn, "/v1/egress/api/redirect?to=%2Fv1%2Fecho").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!(a.json()["uri"], "/v1/echo");
 }
 
 #[tokio::test]

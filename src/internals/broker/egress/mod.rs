@@ -123,7 +123,7 @@ impl Egress {
                         .upstream
                         .as_deref()
                         .and_then(|u| reqwest::Url::parse(u).ok())
-                        .map(|u| u.path().trim_end_matches('/').to_owned())
+                        .map(|u| rules::unreserved_decoded(u.path().trim_end_matches('/')))
                         .unwrap_or_default(),
                     config: route.clone(),
                     credential,
@@ -541,17 +541,21 @@ impl Exchange<'_> {
         let raw = match &cfg.upstream {
             Some(upstream) => {
                 let up = reqwest::Url::parse(upstream).ok()?;
-                let base_path = up.path().trim_end_matches('/');
+                let path = rules::unreserved_decoded(next.path());
+                let under = path
+                    .strip_prefix(self.route.base_path.as_str())
+                    .filter(|rest| rest.is_empty() || rest.starts_with('/'));
                 let same = next.host_str() == up.host_str()
-                    && next.port_or_known_default() == up.port_or_known_default()
-                    && next.path().starts_with(base_path);
-                if !same {
-                    return Some(Err(rules::Refused {
-                        rule: "redirect".into(),
-                        reason: "a redirect out of the route's upstream is not followed".into(),
-                    }));
+                    && next.port_or_known_default() == up.port_or_known_default();
+                match under {
+                    Some(rest) if same => rest.to_owned(),
+                    _ => {
+                        return Some(Err(rules::Refused {
+                            rule: "redirect".into(),
+                            reason: "a redirect out of the route's upstream is not followed".into(),
+                        }))
+                    }
                 }
-                next.path()[base_path.len()..].to_owned()
             }
             None => format!("{}/{}{}", next.scheme(), next.authority(), next.path()),
         };

@@ -167,7 +167,7 @@ fn parse(route: &EgressRoute, raw: &str, query: Option<&str>) -> Result<Target, 
                 .map_err(|_| refused("upstream", "the route's upstream is invalid"))?;
             let host = url.host_str().unwrap_or_default().to_ascii_lowercase();
             let port = url.port().unwrap_or(443);
-            let base = url.path().trim_end_matches('/');
+            let base = unreserved_decoded(url.path().trim_end_matches('/'));
             (
                 host,
                 port,
@@ -272,7 +272,7 @@ pub(crate) fn ip_literal(host: &str) -> bool {
 /// `path` with each percent-escape of an unreserved character (a letter, a digit, `-`,
 /// `.`, `_`, `~`) decoded, as RFC 3986 makes them equivalent: a server reads `/%61dmin` as
 /// `/admin`, which a deny rule of `/admin/**` must see. Other escapes stay, in upper case.
-fn unreserved_decoded(path: &str) -> String {
+pub(crate) fn unreserved_decoded(path: &str) -> String {
     let bytes = path.as_bytes();
     let mut out = String::with_capacity(path.len());
     let mut i = 0;
@@ -436,7 +436,7 @@ fn relative_path<'a>(route: &EgressRoute, path: &'a str) -> &'a str {
         .upstream
         .as_deref()
         .and_then(|u| reqwest::Url::parse(u).ok())
-        .map(|u| u.path().trim_end_matches('/').to_owned())
+        .map(|u| unreserved_decoded(u.path().trim_end_matches('/')))
         .unwrap_or_default();
     match path.strip_prefix(base.as_str()) {
         Some(rest) if rest.starts_with('/') => rest,
