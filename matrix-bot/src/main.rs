@@ -101,6 +101,11 @@ struct Cli {
     /// The least power level that may use !reset (0: every member)
     #[arg(long, value_name = "LEVEL", default_value_t = 0)]
     reset_power_level: i64,
+    /// The most rooms the bot is in: past it, invites are refused (each room is a sandbox
+    /// channel with its workspace on disk)
+    #[arg(long, value_name = "ROOMS", default_value_t = 100,
+          value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    max_rooms: u64,
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
@@ -478,6 +483,11 @@ struct Bot {
     invites: InviteRule,
     stop_level: i64,
     reset_level: i64,
+    /// `--max-rooms`: past it, invites are refused.
+    max_rooms: usize,
+    /// Rooms joined on an invite that no sync has shown joined yet (they count toward
+    /// `max_rooms`: a burst of invites in one sync cannot pass it).
+    joining: HashSet<OwnedRoomId>,
     shared: Shared,
     answers: mpsc::Sender<Answer>,
     /// Rooms the bot is in (as of the last sync it read).
@@ -502,6 +512,7 @@ async fn run(cli: Cli) -> Result<()> {
         prefix,
         stop_power_level,
         reset_power_level,
+        max_rooms,
         output,
         bot: BotArgs {
             settings, metrics, ..
@@ -593,6 +604,8 @@ async fn run(cli: Cli) -> Result<()> {
         invites,
         stop_level: stop_power_level,
         reset_level: reset_power_level,
+        max_rooms: max_rooms as usize,
+        joining: HashSet::new(),
         shared,
         answers: answers_tx,
         joined: HashSet::new(),
@@ -945,6 +958,7 @@ impl Bot {
         }
         for (room_id, joined) in &batch.rooms.joined {
             self.invites_seen.remove(room_id);
+            self.joining.remove(room_id);
             let newly = self.joined.insert(room_id.clone()) && !first;
             let timeline: Vec<Value> = joined
                 .timeline
@@ -985,7 +999,8 @@ impl Bot {
         }
     }
 
-    /// An invite: taken when the inviter is on the allow-list, refused otherwise.
+    /// An invite: taken when the inviter is on the allow-list and the bot is in fewer than
+    /// `--max-rooms` rooms, refused otherwise.
     async fn invited(&mut self, room_id: &OwnedRoomId, state: &[Value]) {
         if !self.invites_seen.insert(room_id.clone()) {
             return;
@@ -994,8 +1009,14 @@ impl Bot {
         let inviter = incoming::inviter(state, self.own.as_str());
         let allowed = inviter.as_deref().is_some_and(|i| self.invites.allows(i));
         let by = shown(inviter.as_deref().unwrap_or("an unknown inviter"));
-        if !allowed {
-            eprintln!("{PROGRAM}: {room}: refused an invite from {by} (not on --invite-from)");
+        let rooms = self.joined.union(&self.joining).count();
+        let refused = match (allowed, rooms >= self.max_rooms) {
+            (false, _) => Some("not on --invite-from".to_owned()),
+            (true, true) => Some(format!("already in {rooms} room(s): --max-rooms")),
+            (true, false) => None,
+        };
+        if let Some(why) = refused {
+            eprintln!("{PROGRAM}: {room}: refused an invite from {by} ({why})");
             if let Some(r) = self.client.get_room(room_id) {
                 if let Err(e) = r.leave().await {
                     eprintln!(
@@ -1011,6 +1032,7 @@ impl Bot {
             match self.client.join_room_by_id(room_id).await {
                 Ok(_) => {
                     eprintln!("{PROGRAM}: {room}: joined (invited by {by})");
+                    self.joining.insert(room_id.clone());
                     return;
                 }
                 Err(e) => {
@@ -1033,6 +1055,7 @@ impl Bot {
     /// does not rejoin.
     async fn left(&mut self, room_id: &OwnedRoomId, events: &[Value]) {
         let was_in = self.joined.remove(room_id);
+        self.joining.remove(room_id);
         self.invites_seen.remove(room_id);
         let own = self.own.as_str();
         let room = shown(room_id.as_str());
@@ -1367,6 +1390,7 @@ mod tests {
         .unwrap();
         assert_eq!(cli.invite_from, ["a.example", "@c:b.example"]);
         assert_eq!((cli.stop_power_level, cli.reset_power_level), (50, 0));
+        assert_eq!(cli.max_rooms, 100);
         // No flag takes a password or a token.
         let help = Cli::command().render_long_help().to_string();
         assert!(!help.contains("--password ") && !help.contains("--access-token "));

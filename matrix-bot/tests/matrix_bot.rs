@@ -819,6 +819,8 @@ fn limits_key_on_the_user_id_not_the_display_name() {
             token,
             "--guest-messages",
             "4",
+            "--max-rooms",
+            "1",
         ],
     );
     let device = login["device_id"].as_str().unwrap();
@@ -883,6 +885,20 @@ fn limits_key_on_the_user_id_not_the_display_name() {
     assert!(
         !body.contains("localhost") && !body.contains(&room) && !body.contains("Dave"),
         "{body}"
+    );
+    // `--max-rooms 1`: in Dave's room already, the bot refuses Erin's invite (an allowed
+    // inviter: its own server), and is not in her room.
+    let second = hs.create_room(&erin, &[BOT], false);
+    bot.wait_for(
+        &format!(
+            "{second}: refused an invite from @erin:localhost (already in 1 room(s): --max-rooms)"
+        ),
+        0,
+    );
+    wait_until_or(
+        "the invite to be declined",
+        || hs.membership(&erin, &second, BOT) == "leave",
+        String::new,
     );
     bot.stop(d);
 
