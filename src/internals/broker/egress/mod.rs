@@ -90,8 +90,9 @@ struct Compiled {
     credential: Option<SecretString>,
     tls: Arc<rustls::ClientConfig>,
     private: Vec<Cidr>,
-    /// The upstream's path as it starts every request's (URL-encoded, no `/` at the end;
-    /// empty for a route of host patterns).
+    /// The upstream's path as it starts every request's (escapes of unreserved characters
+    /// decoded, as in every target's path; no `/` at the end; empty for a route of host
+    /// patterns).
     base_path: String,
 }
 
@@ -174,7 +175,7 @@ impl Egress {
             .flat_map(|c| {
                 let raw = c.expose_secret();
                 let encoded = url_encode(raw);
-                let lower = lower_hex_escapes(&encoded);
+                let lower = percent_encoded(raw, true);
                 let basic = base64::engine::general_purpose::STANDARD.encode(raw);
                 [raw.to_owned(), encoded, lower, basic]
             })
@@ -782,29 +783,19 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
 }
 
 /// `text` percent-encoded for a path segment or a query value.
-/// `encoded` (of [`url_encode`]) with each `%XX` escape's hex in lower case.
-fn lower_hex_escapes(encoded: &str) -> String {
-    let mut out = String::with_capacity(encoded.len());
-    let mut hex = 0;
-    for ch in encoded.chars() {
-        if ch == '%' {
-            hex = 2;
-            out.push(ch);
-        } else if hex > 0 {
-            hex -= 1;
-            out.push(ch.to_ascii_lowercase());
-        } else {
-            out.push(ch);
-        }
-    }
-    out
+fn url_encode(text: &str) -> String {
+    percent_encoded(text, false)
 }
 
-fn url_encode(text: &str) -> String {
+/// `text` percent-encoded, each escape's hex in upper case (what the broker sends) or in
+/// lower case (what an upstream may echo).
+fn percent_encoded(text: &str, lower_hex: bool) -> String {
     let mut out = String::with_capacity(text.len());
     for b in text.bytes() {
         if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
             out.push(b as char);
+        } else if lower_hex {
+            out.push_str(&format!("%{b:02x}"));
         } else {
             out.push_str(&format!("%{b:02X}"));
         }
