@@ -812,16 +812,11 @@ impl Session<'_> {
                     let _ = self.sandbox.send(StartFresh { channel }).await;
                     let line = own_line(&from, "reset: the next turn starts a fresh session");
                     outbox.post(&target, to, vec![line], now);
-                } else if text == "!stop"
-                    && self.stop_by == StopBy::Ops
-                    && !self.ops.is_op(&target, &from)
-                {
-                    let line =
-                        own_line(&from, "stop: only the channel's operators may stop a turn");
-                    outbox.post(&target, to, vec![line], now);
                 } else if text == "!stop" {
-                    let active = self.sandbox.send(Stop { channel }).await.unwrap_or(false);
-                    let what = if active {
+                    let may = self.stop_by == StopBy::Anyone || self.ops.is_op(&target, &from);
+                    let what = if !may {
+                        "only the channel's operators may stop a turn"
+                    } else if self.sandbox.send(Stop { channel }).await.unwrap_or(false) {
                         "the running turn was stopped"
                     } else {
                         "nothing was running"

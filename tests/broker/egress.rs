@@ -308,32 +308,21 @@ async fn egress_refusals_name_their_rule() {
     )
     .await;
     assert_eq!(denied_by(&a), "userinfo");
-    assert_eq!(
-        denied_by(&get(&turn, &web.url("egress.test", "/a/../echo")).await),
-        "dot_segment"
-    );
-    assert_eq!(
-        denied_by(&get(&turn, "/v1/egress/api/x/%2e%2e/admin").await),
-        "dot_segment"
-    );
-    assert_eq!(
-        denied_by(&get(&turn, &web.url("egress.test", "/a%2Fecho")).await),
-        "encoded_slash"
-    );
-    assert_eq!(
-        denied_by(&get(&turn, &web.url("egress.test", "/x//echo")).await),
-        "empty_segment"
-    );
-    assert_eq!(
-        denied_by(&get(&turn, &web.url("egress.test", "/echo;x")).await),
-        "path_parameter"
-    );
-    // A route of host patterns: its ports alone (443 unless it names others; this one
-    // names the test site's).
-    assert_eq!(
-        denied_by(&get(&turn, "/v1/egress/web/https/egress.test:8443/echo").await),
-        "port"
-    );
+    // Each path and the rule that refuses it. A route of host patterns reaches its ports
+    // alone (443 unless it names others; this one names the test site's).
+    for (path, rule) in [
+        (web.url("egress.test", "/a/../echo"), "dot_segment"),
+        ("/v1/egress/api/x/%2e%2e/admin".to_owned(), "dot_segment"),
+        (web.url("egress.test", "/a%2Fecho"), "encoded_slash"),
+        (web.url("egress.test", "/x//echo"), "empty_segment"),
+        (web.url("egress.test", "/echo;x"), "path_parameter"),
+        (
+            "/v1/egress/web/https/egress.test:8443/echo".to_owned(),
+            "port",
+        ),
+    ] {
+        assert_eq!(denied_by(&get(&turn, &path).await), rule, "{path}");
+    }
     assert!(
         web.up.seen().is_empty(),
         "a refused request reached the upstream"

@@ -330,8 +330,7 @@ async fn serve(
         Err(response) => return *response,
     };
     let header_bytes = forwarded_bytes(cfg, &guest_headers);
-    let out =
-        (target.len() + query.as_deref().map_or(0, str::len) + body.len()) as u64 + header_bytes;
+    let out = sent_bytes(target, query.as_deref(), &body, header_bytes);
     if let Err(response) = count(turn, cfg, out) {
         return *response;
     }
@@ -375,6 +374,12 @@ fn forwarded_bytes(cfg: &EgressRoute, headers: &[(String, String)]) -> u64 {
         .filter(|(name, _)| forwarded(cfg, name))
         .map(|(name, value)| (name.len() + value.len() + 4) as u64)
         .sum()
+}
+
+/// What one request (or one redirect hop) sends out: its path, query, body and the guest's
+/// forwarded headers, bytes.
+fn sent_bytes(path: &str, query: Option<&str>, body: &[u8], header_bytes: u64) -> u64 {
+    (path.len() + query.map_or(0, str::len) + body.len()) as u64 + header_bytes
 }
 
 /// The guest's headers as (lower-case name, value) pairs; `None` past `cap` bytes.
@@ -483,10 +488,12 @@ impl Exchange<'_> {
         for hop in 0..=MAX_HOPS {
             if hop > 0 {
                 // Each hop is a new request of the route: its caps too.
-                let out = (target.path.len()
-                    + target.query.as_deref().map_or(0, str::len)
-                    + self.body.len()) as u64
-                    + self.header_bytes;
+                let out = sent_bytes(
+                    &target.path,
+                    target.query.as_deref(),
+                    &self.body,
+                    self.header_bytes,
+                );
                 if let Err(response) = count(self.turn, cfg, out) {
                     return *response;
                 }
