@@ -248,6 +248,23 @@ async fn egress_credential_placements() {
         }
         assert!(echoed.contains("[redacted]"), "{echoed}");
     }
+    // The guest's own copies of the credential's parameter go (an upstream reading the
+    // first of two would take the guest's); its other parameters stay as written.
+    let mut route = web.api_route("RTS_EGRESS_TOKEN_B");
+    route.credential_as = CredentialPlacement::Query {
+        name: "apikey".into(),
+    };
+    std::env::set_var("RTS_EGRESS_TOKEN_B", token);
+    let (turn, _) = web.turn(vec![route]).await;
+    let before = web.up.seen().len();
+    let a = get(
+        &turn,
+        "/v1/egress/api/credential?APIKEY=mine&q=1;%61pikey=mine2&r=2",
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let uri = web.up.seen()[before].uri.clone();
+    assert_eq!(uri, format!("/v1/credential?q=1;r=2&apikey={encoded}"));
 }
 
 /// `credential_as = "path_segment"`: the upstream's own `{credential}` carries the key; one

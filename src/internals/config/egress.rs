@@ -387,6 +387,12 @@ fn validate_one(route: &EgressRoute) -> Result<(), PolicyError> {
         {
             return Err(bad(route, format!("header {name:?} cannot be allowed")));
         }
+        if BROKER_SET_HEADERS.contains(&lower.as_str()) {
+            return Err(bad(
+                route,
+                format!("header {name:?} cannot be allowed (the broker sets it)"),
+            ));
+        }
     }
     for cidr in &route.allow_private {
         if Cidr::parse(cidr).is_none() {
@@ -429,6 +435,22 @@ fn check_upstream(route: &EgressRoute, upstream: &str) -> Result<(), PolicyError
     }
     Ok(())
 }
+
+/// Headers the broker sets or frames the request with itself: a guest's would desync the
+/// request an upstream reads (`transfer-encoding` beside the broker's own length) or undo
+/// what the broker asks for (`accept-encoding: identity`, its `user-agent`).
+const BROKER_SET_HEADERS: &[&str] = &[
+    "accept-encoding",
+    "connection",
+    "content-length",
+    "expect",
+    "keep-alive",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "user-agent",
+];
 
 fn check_credential(route: &EgressRoute) -> Result<(), PolicyError> {
     match (&route.credential, &route.credential_as) {
@@ -549,6 +571,21 @@ mod tests {
             refusal(r),
             "egress route web: header \"Authorization\" cannot be allowed"
         );
+        for header in [
+            "Transfer-Encoding",
+            "content-length",
+            "TE",
+            "Accept-Encoding",
+        ] {
+            let mut r = EgressRoute::hosts("web", &["*"]);
+            r.headers.insert(header.into(), "*".into());
+            assert_eq!(
+                refusal(r),
+                format!(
+                    "egress route web: header \"{header}\" cannot be allowed (the broker sets it)"
+                )
+            );
+        }
         let mut r = EgressRoute::hosts("web", &["*"]);
         r.credential_as = CredentialPlacement::Basic;
         assert_eq!(

@@ -649,6 +649,9 @@ impl Exchange<'_> {
         if let (Some(c), CredentialPlacement::Query { name }) =
             (&self.route.credential, &self.route.config.credential_as)
         {
+            // The guest's own parameter of that name goes, as its `Authorization` does: an
+            // upstream that reads the first of two would otherwise take the guest's.
+            query = without_parameter(&query, name);
             if !query.is_empty() {
                 query.push('&');
             }
@@ -789,6 +792,48 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
     super::http::failure(status, &msg)
 }
 
+/// `query` less every parameter named `name` however it is written (escaped, in another
+/// case, separated by `&` or `;`); the rest as it was.
+fn without_parameter(query: &str, name: &str) -> String {
+    let kept: String = query
+        .split_inclusive(['&', ';'])
+        .filter(|piece| {
+            let pair = piece.trim_end_matches(['&', ';']);
+            let raw = pair.split_once('=').map_or(pair, |(n, _)| n);
+            !percent_decoded(raw).eq_ignore_ascii_case(name.as_bytes())
+        })
+        .collect();
+    kept.trim_end_matches(['&', ';']).to_owned()
+}
+
+/// Every escape of `text` decoded (and `+` read as a space, as a query's is).
+fn percent_decoded(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// `text` percent-encoded for a path segment or a query value.
 fn url_encode(text: &str) -> String {
     percent_encoded(text, false)
@@ -808,4 +853,27 @@ fn percent_encoded(text: &str, lower_hex: bool) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_parameter;
+
+    #[test]
+    fn the_guests_own_copies_of_the_credentials_parameter_go() {
+        let cases = [
+            ("", ""),
+            ("q=1", "q=1"),
+            ("api_key=mine", ""),
+            ("q=1&api_key=mine&r=2", "q=1&r=2"),
+            ("q=1;API_KEY=mine;r=2", "q=1;r=2"),
+            ("%61pi%5Fkey=mine&q=1", "q=1"),
+            ("q=1&api_key", "q=1"),
+            ("api_keys=1&x_api_key=2", "api_keys=1&x_api_key=2"),
+            ("%+f=1", "%+f=1"),
+        ];
+        for (query, kept) in cases {
+            assert_eq!(without_parameter(query, "api_key"), kept, "{query}");
+        }
+    }
 }
