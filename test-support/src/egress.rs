@@ -6,7 +6,7 @@
 //!   for the one a route may reach), recording each request (its peer address, method,
 //!   path, headers and body) and answering by path: `/echo` (the request as JSON),
 //!   `/credential` (the `authorization` header, the `x-api-key` header and the query echoed
-//!   as text), `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
+//!   as text; `/zipped-credential` the same gzipped), `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
 //!   answers), `/endless` (a body that never ends), `/bomb` (a gzip bomb: 128 KiB that
 //!   inflate to 128 MiB, `content-encoding: gzip`), `/big?kb=N`, `/html`;
 //! - [`Dns`]: a DNS server on 127.0.0.1 (UDP) answering `A` queries from a table, each name
@@ -266,6 +266,22 @@ async fn answer(
                 header("x-api-key")
             ),
         ),
+        p if p.ends_with("/zipped-credential") => {
+            // `/credential`'s echo, gzipped although the broker asked for identity.
+            let mut enc =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            let echo = format!(
+                "authorization={} x-api-key={} query={query}",
+                header("authorization"),
+                header("x-api-key")
+            );
+            enc.write_all(echo.as_bytes()).unwrap();
+            hyper::Response::builder()
+                .header("content-encoding", "gzip")
+                .header("content-type", "text/plain")
+                .body(Body::new(Full::new(Bytes::from(enc.finish().unwrap()))))
+                .unwrap()
+        }
         p if p.ends_with("/cookie") => hyper::Response::builder()
             .header("set-cookie", "session=guest-tracker; Path=/")
             .header("x-kept", "yes")

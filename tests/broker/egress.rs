@@ -265,6 +265,16 @@ async fn egress_credential_placements() {
     assert_eq!(a.status, 200, "{}", a.text());
     let uri = web.up.seen()[before].uri.clone();
     assert_eq!(uri, format!("/v1/credential?q=1;r=2&apikey={encoded}"));
+    // An answer in a coding the broker did not ask for could hide an echoed credential
+    // from the redaction: on a route with one it is refused.
+    let a = get(&turn, "/v1/egress/api/zipped-credential").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert!(
+        a.text()
+            .contains("the upstream answered in gzip although the broker asked for identity"),
+        "{}",
+        a.text()
+    );
 }
 
 /// `credential_as = "path_segment"`: the upstream's own `{credential}` carries the key; one

@@ -727,6 +727,29 @@ impl Exchange<'_> {
     /// stripped ones, secrets redacted from headers and body.
     fn answer(&self, incoming: net::Incoming) -> Response {
         let cfg = &self.route.config;
+        // The redaction reads the body as it came: in a coding the broker did not ask for
+        // (it asks for identity), a route's credential echoed by the upstream would pass
+        // unseen. A route without one has nothing of the operator's to echo: its answer is
+        // the guest's as sent (nothing is inflated on the host).
+        let coding = incoming
+            .headers
+            .get_all(hyper::header::CONTENT_ENCODING)
+            .iter()
+            .map(|v| {
+                String::from_utf8_lossy(v.as_bytes())
+                    .trim()
+                    .to_ascii_lowercase()
+            })
+            .find(|c| !c.is_empty() && c != "identity");
+        if let (Some(coding), Some(_)) = (coding, &self.route.credential) {
+            tracing::info!(route = %cfg.name, "egress answer in a coding refused on a route with a credential");
+            return super::http::failure(
+                StatusCode::BAD_GATEWAY,
+                &format!(
+                    "the upstream answered in {coding:.32} although the broker asked for identity; a route with a credential takes no coded answer (its echo could not be redacted)"
+                ),
+            );
+        }
         let secrets = self.turn.broker.secrets();
         let mut response = hyper::Response::builder().status(incoming.status);
         for (name, value) in &incoming.headers {
