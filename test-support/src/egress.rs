@@ -6,7 +6,8 @@
 //!   for the one a route may reach), recording each request (its peer address, method,
 //!   path, headers and body) and answering by path: `/echo` (the request as JSON),
 //!   `/credential` (the `authorization` header, the `x-api-key` header and the query echoed
-//!   as text; `/zipped-credential` the same gzipped), `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
+//!   as text; `/escaped-credential` the same as JSON with `/` escaped, `/zipped-credential`
+//!   gzipped), `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
 //!   answers), `/endless` (a body that never ends), `/bomb` (a gzip bomb: 128 KiB that
 //!   inflate to 128 MiB, `content-encoding: gzip`), `/big?kb=N`, `/html`;
 //! - [`Dns`]: a DNS server on 127.0.0.1 (UDP) answering `A` queries from a table, each name
@@ -266,6 +267,19 @@ async fn answer(
                 header("x-api-key")
             ),
         ),
+        p if p.ends_with("/escaped-credential") => {
+            // `/credential`'s echo as JSON with each `/` escaped, as PHP's encoder writes it.
+            let json = serde_json::json!({
+                "authorization": header("authorization"),
+                "x-api-key": header("x-api-key"),
+                "query": query,
+            });
+            let body = json.to_string().replace('/', "\\/");
+            hyper::Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::new(Full::new(Bytes::from(body))))
+                .unwrap()
+        }
         p if p.ends_with("/zipped-credential") => {
             // `/credential`'s echo, gzipped although the broker asked for identity.
             let mut enc =

@@ -241,12 +241,23 @@ async fn egress_credential_placements() {
             .collect::<Vec<_>>()
             .join("\n");
         assert!(line.contains(&want), "{want} not in {line}");
-        // The upstream echoed what it got: the guest sees no form of the key.
-        let echoed = a.text();
-        for form in [token, encoded, "egress%2fkey%2bQq2%3dWw3", &basic] {
-            assert!(!echoed.contains(form), "{form} echoed: {echoed}");
+        // The upstream echoed what it got, as text and as JSON with `/` escaped (PHP's
+        // encoder): the guest sees no form of the key.
+        let escaped = get(&turn, "/v1/egress/api/escaped-credential").await;
+        assert_eq!(escaped.status, 200, "{}", escaped.text());
+        for echoed in [a.text(), escaped.text()] {
+            for form in [
+                token,
+                encoded,
+                "egress%2fkey%2bQq2%3dWw3",
+                &basic,
+                "egress\\/key",
+                &basic.replace('/', "\\/"),
+            ] {
+                assert!(!echoed.contains(form), "{form} echoed: {echoed}");
+            }
+            assert!(echoed.contains("[redacted]"), "{echoed}");
         }
-        assert!(echoed.contains("[redacted]"), "{echoed}");
     }
     // The guest's own copies of the credential's parameter go (an upstream reading the
     // first of two would take the guest's); its other parameters stay as written.

@@ -165,8 +165,10 @@ impl Egress {
 
     /// The routes' credentials, redacted from whatever the guest is sent: each as it is and
     /// in every form the broker sends it in (percent-encoded in a query or path, with
-    /// upper- or lower-case hex; Base64 in Basic auth), so an upstream that echoes the
-    /// request it got (a header dump, an error page) shows the guest none of them.
+    /// upper- or lower-case hex; Base64 in Basic auth), and each of those with its `/`
+    /// written `\/` as a JSON encoder may (PHP's does), so an upstream that echoes the
+    /// request it got (a header dump, an error page, a JSON debug answer) shows the guest
+    /// none of them.
     pub(crate) fn secrets(&self) -> impl Iterator<Item = String> + '_ {
         use base64::Engine;
         self.routes
@@ -177,7 +179,14 @@ impl Egress {
                 let encoded = url_encode(raw);
                 let lower = percent_encoded(raw, true);
                 let basic = base64::engine::general_purpose::STANDARD.encode(raw);
-                [raw.to_owned(), encoded, lower, basic]
+                let mut forms = vec![raw.to_owned(), encoded, lower, basic];
+                let escaped: Vec<String> = forms
+                    .iter()
+                    .filter(|f| f.contains('/'))
+                    .map(|f| f.replace('/', "\\/"))
+                    .collect();
+                forms.extend(escaped);
+                forms
             })
     }
 }
