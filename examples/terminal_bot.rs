@@ -68,6 +68,60 @@ enum Line {
     Blank,
 }
 
+/// The longest line read (a guest's message is far shorter): a longer one is skipped, to
+/// its end, with a note on stderr, and the lines after it are read as before.
+const LINE_CAP: usize = 64 * 1024;
+
+/// Stdin's lines, bounded: at most [`LINE_CAP`] bytes are held, and bytes that are not
+/// UTF-8 are read as U+FFFD (a pipe from a chat bridge can carry both; neither stops the
+/// bot). Cancel safe: a partial line stays in `buf` for the next call.
+struct Lines<R> {
+    reader: tokio::io::BufReader<R>,
+    buf: Vec<u8>,
+    skipping: bool,
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> Lines<R> {
+    fn new(read: R) -> Self {
+        Self {
+            reader: tokio::io::BufReader::new(read),
+            buf: Vec::new(),
+            skipping: false,
+        }
+    }
+
+    async fn next_line(&mut self) -> std::io::Result<Option<String>> {
+        use tokio::io::AsyncReadExt;
+        loop {
+            let room = (LINE_CAP - self.buf.len().min(LINE_CAP)) as u64;
+            let read = (&mut self.reader)
+                .take(room.max(1))
+                .read_until(b'\n', &mut self.buf)
+                .await?;
+            let ended = self.buf.last() == Some(&b'\n');
+            if read == 0 && self.buf.is_empty() {
+                return Ok(None);
+            }
+            if !ended && read != 0 {
+                if self.buf.len() >= LINE_CAP {
+                    if !self.skipping {
+                        eprintln!("terminal-bot: a line longer than {LINE_CAP} bytes was skipped");
+                    }
+                    self.buf.clear();
+                    self.skipping = true;
+                }
+                continue;
+            }
+            let line = String::from_utf8_lossy(&self.buf).into_owned();
+            self.buf.clear();
+            if std::mem::take(&mut self.skipping) {
+                continue;
+            }
+            return Ok(Some(line.trim_end_matches(['\n', '\r']).to_owned()));
+        }
+    }
+}
+
 fn parse(line: &str) -> Result<Line, String> {
     let line = line.trim();
     if line.is_empty() {
@@ -203,13 +257,13 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
     );
 
     let mut pending = Vec::new();
-    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    let mut lines = Lines::new(tokio::io::stdin());
     let stop = roundtable_sandbox_examples::stop_signal();
     tokio::pin!(stop);
     let mut signalled = false;
     loop {
         let line = tokio::select! {
-            line = lines.next_line() => match line? {
+            line = lines.next_line() => match line.context("read stdin")? {
                 Some(line) => line,
                 None => break,
             },
@@ -329,6 +383,31 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[actix_rt::test]
+    async fn stdin_lines_are_bounded_and_any_bytes_are_read() {
+        let mut input = b"#a ann: caf\xe9\r\n".to_vec();
+        input.extend(vec![b'x'; LINE_CAP * 2 + 7]);
+        input.extend(b"\n#a ann: after\n\n#b bob: last");
+        let mut lines = Lines::new(&input[..]);
+        let mut got = Vec::new();
+        while let Some(line) = lines.next_line().await.unwrap() {
+            got.push(line);
+        }
+        assert_eq!(
+            got,
+            ["#a ann: caf\u{fffd}", "#a ann: after", "", "#b bob: last"]
+        );
+        // A line of exactly the cap is read whole.
+        let mut input = vec![b'y'; LINE_CAP - 1];
+        input.push(b'\n');
+        let mut lines = Lines::new(&input[..]);
+        assert_eq!(
+            lines.next_line().await.unwrap().unwrap().len(),
+            LINE_CAP - 1
+        );
+        assert_eq!(lines.next_line().await.unwrap(), None);
+    }
 
     #[test]
     fn the_command_line_is_well_formed() {

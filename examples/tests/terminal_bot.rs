@@ -64,6 +64,12 @@ impl Bot {
         stdin.flush().unwrap();
     }
 
+    fn send_bytes(&mut self, bytes: &[u8]) {
+        let stdin = self.stdin.as_mut().unwrap();
+        stdin.write_all(bytes).unwrap();
+        stdin.flush().unwrap();
+    }
+
     /// Asks for `/status` until the channel's line shows one of `states` (a turn's
     /// progress is polled, never assumed after a fixed sleep: a busy machine starts the bot
     /// and the container late). Status lines are not kept for [`Bot::expect`].
@@ -112,6 +118,12 @@ impl Bot {
 #[test]
 fn replies_for_two_channels_then_a_reset_shows_a_fresh_session() {
     let mut bot = Bot::start();
+    // Bytes that are not UTF-8 and a line past the cap (a pipe from a bridge can carry
+    // both) stop nothing: the bot reads on (before, the first ended it).
+    bot.send_bytes(b"\xff\xfe not a message\n");
+    let mut long = vec![b'#'; 200 * 1024];
+    long.push(b'\n');
+    bot.send_bytes(&long);
     bot.send("#a ann: hello from a");
     bot.send("#b bob: hello from b");
     let a = bot.expect("[#a] ");
