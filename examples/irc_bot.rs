@@ -8,8 +8,9 @@
 //! In a joined channel, a message addressed to the bot (`sandbox: write me a haiku`) becomes
 //! a [`GuestMessage`] for the channel `irc:#general` from the speaker `nick`; the reply is
 //! posted back to the channel, every line addressed to that nick (`nick: …`). `!reset`
-//! starts the channel's next turn with a fresh session; `!stop` stops its running turn (for
-//! the channel's operators: see `irc_ops`; `--stop-by anyone` for every member). The
+//! starts the channel's next turn with a fresh session (anyone's; `--reset-by ops` for the
+//! channel's operators alone); `!stop` stops its running turn (for the channel's
+//! operators: see `irc_ops`; `--stop-by anyone` for every member). The
 //! bot's own lines start with `* ` (`* nick: reset: …`), which no reply line can: a nick
 //! never starts with `*`.
 //!
@@ -88,17 +89,21 @@ struct Cli {
     limits_key_file: Option<PathBuf>,
     /// Who may `!stop` a channel's running turn: its operators (`@`, as the server says),
     /// or anyone in it
-    #[arg(long, value_enum, default_value_t = StopBy::Ops)]
-    stop_by: StopBy,
+    #[arg(long, value_enum, default_value_t = Who::Ops)]
+    stop_by: Who,
+    /// Who may `!reset` a channel's session (the workspace's files stay): anyone in it, or
+    /// its operators
+    #[arg(long, value_enum, default_value_t = Who::Anyone)]
+    reset_by: Who,
     #[command(flatten)]
     output: OutputOptions,
     #[command(flatten)]
     bot: BotArgs,
 }
 
-/// Who may stop a channel's running turn.
+/// Who may use a command (`!stop`, `!reset`) in a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum StopBy {
+enum Who {
     /// The channel's operators (`@`, or the server's owner and admin modes).
     Ops,
     /// Anyone in the channel.
@@ -511,6 +516,7 @@ async fn run(cli: Cli) -> Result<()> {
         join,
         limits_key_file,
         stop_by,
+        reset_by,
         output,
         bot: BotArgs {
             settings, metrics, ..
@@ -565,6 +571,7 @@ async fn run(cli: Cli) -> Result<()> {
                     pacer: Pacer::new(&output, Instant::now()),
                     ops: Ops::default(),
                     stop_by,
+                    reset_by,
                 };
                 session
                     .run(stream, &mut outbox, &mut replies, &mut stop, &mut backoff)
@@ -636,7 +643,8 @@ struct Session<'a> {
     pacer: Pacer,
     /// The channels' operators on this connection.
     ops: Ops,
-    stop_by: StopBy,
+    stop_by: Who,
+    reset_by: Who,
 }
 
 impl Session<'_> {
@@ -808,12 +816,18 @@ impl Session<'_> {
                 };
                 let channel = format!("irc:{target}");
                 let now = Instant::now();
+                let may = |who: Who| who == Who::Anyone || self.ops.is_op(&target, &from);
                 if text == "!reset" {
-                    let _ = self.sandbox.send(StartFresh { channel }).await;
-                    let line = own_line(&from, "reset: the next turn starts a fresh session");
+                    let what = if !may(self.reset_by) {
+                        "only the channel's operators may reset its session"
+                    } else {
+                        let _ = self.sandbox.send(StartFresh { channel }).await;
+                        "the next turn starts a fresh session"
+                    };
+                    let line = own_line(&from, &format!("reset: {what}"));
                     outbox.post(&target, to, vec![line], now);
                 } else if text == "!stop" {
-                    let may = self.stop_by == StopBy::Anyone || self.ops.is_op(&target, &from);
+                    let may = may(self.stop_by);
                     let what = if !may {
                         "only the channel's operators may stop a turn"
                     } else if self.sandbox.send(Stop { channel }).await.unwrap_or(false) {

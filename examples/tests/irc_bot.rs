@@ -348,7 +348,14 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
         d,
         port,
         "#test",
-        &["--metrics", "127.0.0.1:0", "--guest-lines", "40"],
+        &[
+            "--metrics",
+            "127.0.0.1:0",
+            "--guest-lines",
+            "40",
+            "--reset-by",
+            "ops",
+        ],
     );
     let metrics = metrics_addr(&said);
     let Client {
@@ -375,30 +382,36 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     let (at, reply) = expect(&chan_out, at, "<sandbox> tester: ");
     assert!(reply.contains("holds 1 earlier message(s)"), "{reply}");
 
-    // The bot's own lines start with `* `, a reply's lines with the nick they answer: no
-    // line of a reply can pass for one of the bot's.
+    // `!stop` (by default) and `!reset` (with `--reset-by ops`): the channel's operators
+    // alone. The bot joined first: it is the only one, and tester is refused. The bot's
+    // own lines start with `* `, a reply's lines with the nick they answer: no line of a
+    // reply can pass for one of the bot's.
     say_seen(&mut chan, &chan_out, at, "!reset");
     let (at, reply) = expect(&chan_out, at, "<sandbox> * tester: reset");
     assert!(
-        reply.ends_with("the next turn starts a fresh session"),
+        reply.ends_with("reset: only the channel's operators may reset its session"),
         "{reply}"
     );
-    say_seen(&mut chan, &chan_out, at, "sandbox: after the reset");
-    let (at, reply) = expect(&chan_out, at, "<sandbox> tester: ");
-    assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
-
-    // `!stop`: the channel's operators alone (by default). The bot joined first: it is the
-    // only one, and tester is refused.
     say_seen(&mut chan, &chan_out, at, "!stop");
     let (at, reply) = expect(&chan_out, at, "<sandbox> * tester: stop");
     assert!(
         reply.ends_with("stop: only the channel's operators may stop a turn"),
         "{reply}"
     );
-    // Made a channel operator (by a server operator's MODE), tester stops a running turn.
+    // Made a channel operator (by a server operator's MODE), tester resets the session
+    // and stops a running turn.
     to_server.say("/OPER op op-pass");
     to_server.say("/MODE #test +o tester");
     let (at, _) = expect(&chan_out, at, "+o tester");
+    say_seen(&mut chan, &chan_out, at, "!reset");
+    let (at, reply) = expect(&chan_out, at, "<sandbox> * tester: reset");
+    assert!(
+        reply.ends_with("reset: the next turn starts a fresh session"),
+        "{reply}"
+    );
+    say_seen(&mut chan, &chan_out, at, "sandbox: after the reset");
+    let (at, reply) = expect(&chan_out, at, "<sandbox> tester: ");
+    assert!(reply.contains("holds 0 earlier message(s)"), "{reply}");
     say_seen(
         &mut chan,
         &chan_out,
