@@ -266,7 +266,7 @@ async fn egress_credential_placements() {
         name: "apikey".into(),
     };
     std::env::set_var("RTS_EGRESS_TOKEN_B", token);
-    let (turn, _) = web.turn(vec![route]).await;
+    let (turn, seen) = web.turn(vec![route]).await;
     let before = web.up.seen().len();
     let a = get(
         &turn,
@@ -286,6 +286,9 @@ async fn egress_credential_placements() {
         "{}",
         a.text()
     );
+    // What the guest got is what the audit says.
+    let events = egress_events(&seen);
+    assert_eq!(events.last().map(|e| e.status), Some(502), "{events:?}");
 }
 
 /// `credential_as = "path_segment"`: the upstream's own `{credential}` carries the key; one

@@ -532,7 +532,13 @@ impl Exchange<'_> {
                     continue;
                 }
                 Some(Err(r)) => return call.deny(&cfg.name, &r.rule, &r.reason),
-                None => return self.answer(incoming),
+                None => match self.refused_coding(&incoming) {
+                    Some(refused) => {
+                        call.event.status = refused.status().as_u16();
+                        return refused;
+                    }
+                    None => return self.answer(incoming),
+                },
             }
         }
         call.deny(
@@ -732,14 +738,14 @@ impl Exchange<'_> {
         Some((name, HeaderValue::from_str(&value).ok()?))
     }
 
-    /// The guest's answer: the upstream's status, its headers less the hop-by-hop and the
-    /// stripped ones, secrets redacted from headers and body.
-    fn answer(&self, incoming: net::Incoming) -> Response {
+    /// The refusal of an answer in a coding, on a route with a credential. The redaction
+    /// reads the body as it came: in a coding the broker did not ask for (it asks for
+    /// identity), the credential echoed by the upstream would pass unseen. A route without
+    /// one has nothing of the operator's to echo: its answer is the guest's as sent
+    /// (nothing is inflated on the host).
+    fn refused_coding(&self, incoming: &net::Incoming) -> Option<Response> {
         let cfg = &self.route.config;
-        // The redaction reads the body as it came: in a coding the broker did not ask for
-        // (it asks for identity), a route's credential echoed by the upstream would pass
-        // unseen. A route without one has nothing of the operator's to echo: its answer is
-        // the guest's as sent (nothing is inflated on the host).
+        self.route.credential.as_ref()?;
         let coding = incoming
             .headers
             .get_all(hyper::header::CONTENT_ENCODING)
@@ -749,16 +755,20 @@ impl Exchange<'_> {
                     .trim()
                     .to_ascii_lowercase()
             })
-            .find(|c| !c.is_empty() && c != "identity");
-        if let (Some(coding), Some(_)) = (coding, &self.route.credential) {
-            tracing::info!(route = %cfg.name, "egress answer in a coding refused on a route with a credential");
-            return super::http::failure(
-                StatusCode::BAD_GATEWAY,
-                &format!(
-                    "the upstream answered in {coding:.32} although the broker asked for identity; a route with a credential takes no coded answer (its echo could not be redacted)"
-                ),
-            );
-        }
+            .find(|c| !c.is_empty() && c != "identity")?;
+        tracing::info!(route = %cfg.name, "egress answer in a coding refused on a route with a credential");
+        Some(super::http::failure(
+            StatusCode::BAD_GATEWAY,
+            &format!(
+                "the upstream answered in {coding:.32} although the broker asked for identity; a route with a credential takes no coded answer (its echo could not be redacted)"
+            ),
+        ))
+    }
+
+    /// The guest's answer: the upstream's status, its headers less the hop-by-hop and the
+    /// stripped ones, secrets redacted from headers and body.
+    fn answer(&self, incoming: net::Incoming) -> Response {
+        let cfg = &self.route.config;
         let secrets = self.turn.broker.secrets();
         let mut response = hyper::Response::builder().status(incoming.status);
         for (name, value) in &incoming.headers {
