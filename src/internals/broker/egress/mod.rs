@@ -532,13 +532,13 @@ impl Exchange<'_> {
                     continue;
                 }
                 Some(Err(r)) => return call.deny(&cfg.name, &r.rule, &r.reason),
-                None => match self.refused_coding(&incoming) {
-                    Some(refused) => {
-                        call.event.status = refused.status().as_u16();
-                        return refused;
-                    }
-                    None => return self.answer(incoming),
-                },
+                // (The audit keeps the upstream's status, as its field says; the refusal
+                // is logged.)
+                None => {
+                    return self
+                        .refused_coding(&incoming)
+                        .unwrap_or_else(|| self.answer(incoming))
+                }
             }
         }
         call.deny(
