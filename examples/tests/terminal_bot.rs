@@ -19,7 +19,7 @@ struct Bot {
     stdin: Option<ChildStdin>,
     lines: mpsc::Receiver<String>,
     seen: Vec<String>,
-    _dir: tempfile::TempDir,
+    _dir: common::Scratch,
 }
 
 impl Bot {

@@ -46,14 +46,62 @@ pub fn instance_of(dir: &Path) -> String {
 
 /// A private scratch dir under `/tmp` (removed when dropped); panics when run as root (the
 /// bots refuse root: the tests run as the service user, through scripts/test.sh).
-pub fn scratch(prefix: &str) -> tempfile::TempDir {
+pub fn scratch(prefix: &str) -> Scratch {
     assert_ne!(
         nix::unistd::getuid().as_raw(),
         0,
         "run through scripts/test.sh"
     );
-    tempfile::Builder::new()
-        .prefix(prefix)
-        .tempdir_in("/tmp")
-        .unwrap()
+    Scratch(
+        tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in("/tmp")
+            .unwrap(),
+    )
+}
+
+/// A test's scratch dir. A test that fails kills its bot (SIGKILL), which leaves the
+/// containers its runtime had made (a prepared one waits for its stdin): dropped while its
+/// thread unwinds, the dir removes them, by the instance label [`instance_of`] gives its
+/// runtime, as the core's test environment does. A passing test's own checks of what is
+/// left stay the test of the bots' teardown.
+pub struct Scratch(tempfile::TempDir);
+
+impl Scratch {
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let label = format!("label=roundtable-sandbox={}", instance_of(self.0.path()));
+        let Ok(out) = std::process::Command::new("docker")
+            .args(["ps", "-aq", "--filter", &label])
+            .output()
+        else {
+            return;
+        };
+        let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        let removed = std::process::Command::new("docker")
+            .args(["rm", "-f"])
+            .args(&ids)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        eprintln!(
+            "scratch dir dropped in a panic: {} container(s) of {label} left by the test {}",
+            ids.len(),
+            if removed { "removed" } else { "NOT removed" }
+        );
+    }
 }
