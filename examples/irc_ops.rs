@@ -28,9 +28,13 @@ impl Ops {
         self.0.insert(channel.to_ascii_lowercase(), HashSet::new());
     }
 
-    /// A names list (`353`) of `channel`: `@alice bob +carol`.
+    /// A names list (`353`) of `channel`: `@alice bob +carol`. Of a joined channel only: a
+    /// server's list of any other (`NAMES #x` of a channel the bot is not in) would grow
+    /// the map for nothing.
     pub fn names(&mut self, channel: &str, names: &str) {
-        let ops = self.0.entry(channel.to_ascii_lowercase()).or_default();
+        let Some(ops) = self.0.get_mut(&channel.to_ascii_lowercase()) else {
+            return;
+        };
         for name in names.split(' ').filter(|n| !n.is_empty()) {
             let nick = name.trim_start_matches(ALL_PREFIXES);
             let prefix = &name[..name.len() - nick.len()];
@@ -122,6 +126,10 @@ mod tests {
             assert!(!ops.is_op("#chan", not), "{not}");
         }
         assert!(!ops.is_op("#other", "alice"));
+        // The list of a channel the bot has not joined is not kept.
+        ops.names("#other", "@alice");
+        assert!(!ops.is_op("#other", "alice"));
+        assert_eq!(ops.0.len(), 1);
         // Modes: the key (k) and the limit (l, when set) take a parameter; o, q and a give
         // operator status; v does not.
         ops.mode(
