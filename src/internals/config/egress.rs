@@ -46,7 +46,9 @@ pub struct EgressRoute {
     /// Headers the guest may send beyond the safe ones (`accept`, `accept-language`,
     /// `content-type`, `if-none-match`, `if-modified-since`, `range`), each value matching
     /// its glob; any other header of the guest's is dropped (`authorization`, `cookie` and
-    /// `proxy-*` always).
+    /// `proxy-*` always). A header the broker sets or frames the request with
+    /// (`content-length`, `transfer-encoding`, `accept-encoding`, `user-agent`, …) cannot be
+    /// named.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
     /// Rules that refuse what they match, whatever else allows it.
