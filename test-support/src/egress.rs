@@ -7,7 +7,8 @@
 //!   path, headers and body) and answering by path: `/echo` (the request as JSON),
 //!   `/credential` (the `authorization` header, the `x-api-key` header and the query echoed
 //!   as text; `/escaped-credential` the same as JSON with `/` escaped, `/zipped-credential`
-//!   gzipped), `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
+//!   gzipped), `/self-redirect` (a 302 to `/credential` beside it, by its absolute path),
+//!   `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
 //!   answers), `/endless` (a body that never ends), `/bomb` (a gzip bomb: 128 KiB that
 //!   inflate to 128 MiB, `content-encoding: gzip`), `/big?kb=N`, `/html`;
 //! - [`Dns`]: a DNS server on 127.0.0.1 (UDP) answering `A` queries from a table, each name
@@ -303,6 +304,15 @@ async fn answer(
             .header("x-roundtable-egress-denied", "method")
             .header("x-roundtable-broker", "1")
             .body(Body::new(Full::new(Bytes::from("cookie set"))))
+            .unwrap(),
+        p if p.ends_with("/self-redirect") => hyper::Response::builder()
+            // To `/credential` beside it, by the absolute path this request came on.
+            .status(302)
+            .header(
+                "location",
+                format!("{}/credential", p.trim_end_matches("/self-redirect")),
+            )
+            .body(Body::new(Full::new(Bytes::new())))
             .unwrap(),
         p if p.ends_with("/redirect") => hyper::Response::builder()
             .status(302)

@@ -328,6 +328,32 @@ async fn egress_path_segment_credential_goes_only_where_the_upstream_puts_it() {
         assert!(uri.starts_with(&format!("/v1/bot{token}/names/")), "{uri}");
         assert_eq!(uri.matches(token).count(), 1, "{uri}");
     }
+    // A redirect by the upstream's own absolute path (the key in it) is under the base:
+    // followed, with the key once, and redacted from what the guest reads.
+    let mut route = web.api_route("RTS_EGRESS_TOKEN_P");
+    route.upstream = Some(format!(
+        "https://api.egress.test:{}/v1/bot{{credential}}",
+        web.port()
+    ));
+    route.credential_as = CredentialPlacement::PathSegment;
+    route.redirects = Redirects::SameRoute;
+    std::env::set_var("RTS_EGRESS_TOKEN_P", token);
+    let (turn, _) = web.turn(vec![route]).await;
+    let before = web.up.seen().len();
+    let a = get(&turn, "/v1/egress/api/self-redirect").await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert!(!a.text().contains(token), "echoed: {}", a.text());
+    let uris: Vec<String> = web.up.seen()[before..]
+        .iter()
+        .map(|s| s.uri.clone())
+        .collect();
+    assert_eq!(
+        uris,
+        [
+            format!("/v1/bot{token}/self-redirect"),
+            format!("/v1/bot{token}/credential")
+        ]
+    );
 }
 
 #[tokio::test]

@@ -565,8 +565,13 @@ impl Exchange<'_> {
             Some(upstream) => {
                 let up = reqwest::Url::parse(upstream).ok()?;
                 let path = rules::unreserved_decoded(next.path());
+                // Under the base as the guest's paths are written, or as it was sent, with a
+                // `path_segment` credential in it (an upstream's absolute `Location` names
+                // its own path).
+                let filled = self.filled_base().map(|f| rules::unreserved_decoded(&f));
                 let under = path
                     .strip_prefix(self.route.base_path.as_str())
+                    .or_else(|| path.strip_prefix(filled.as_deref()?))
                     .filter(|rest| rest.is_empty() || rest.starts_with('/'));
                 let same = next.host_str() == up.host_str()
                     && next.port_or_known_default() == up.port_or_known_default();
@@ -645,20 +650,31 @@ impl Exchange<'_> {
         Ok(SocketAddr::new(addresses[0], target.port))
     }
 
+    /// The upstream's base path with a `path_segment` credential in it, as it is sent;
+    /// `None` for any other placement.
+    fn filled_base(&self) -> Option<String> {
+        match (&self.route.credential, &self.route.config.credential_as) {
+            (Some(c), CredentialPlacement::PathSegment) => Some(
+                self.route
+                    .base_path
+                    .replace("%7Bcredential%7D", "{credential}")
+                    .replace("{credential}", &url_encode(c.expose_secret())),
+            ),
+            _ => None,
+        }
+    }
+
     fn path_and_query(&self, target: &rules::Target) -> String {
-        let path = match (&self.route.credential, &self.route.config.credential_as) {
-            (Some(c), CredentialPlacement::PathSegment) => {
+        let path = match self.filled_base() {
+            Some(filled) => {
                 // Only the upstream's own `{credential}` (its base, which starts the path) is
                 // replaced: one the guest writes in its part of the path stays as written,
                 // or a guest would put the key wherever an upstream shows or keeps a path.
                 let base = self.route.base_path.as_str();
                 let rest = target.path.strip_prefix(base).unwrap_or(&target.path);
-                let base = base
-                    .replace("%7Bcredential%7D", "{credential}")
-                    .replace("{credential}", &url_encode(c.expose_secret()));
-                format!("{base}{rest}")
+                format!("{filled}{rest}")
             }
-            _ => target.path.clone(),
+            None => target.path.clone(),
         };
         let mut query = target.query.clone().unwrap_or_default();
         if let (Some(c), CredentialPlacement::Query { name }) =
