@@ -265,6 +265,7 @@ async fn egress_credential_placements() {
     route.credential_as = CredentialPlacement::Query {
         name: "apikey".into(),
     };
+    route.methods = vec!["GET".into(), "HEAD".into()];
     std::env::set_var("RTS_EGRESS_TOKEN_B", token);
     let (turn, seen) = web.turn(vec![route]).await;
     let before = web.up.seen().len();
@@ -286,9 +287,24 @@ async fn egress_credential_placements() {
         "{}",
         a.text()
     );
+    // A `HEAD` of it has no body to hide anything in: passed.
+    let head = request(
+        turn.socket(),
+        "HEAD",
+        "/v1/egress/api/zipped-credential",
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(head.status, 200, "{}", head.text());
+    assert_eq!(head.headers["content-encoding"], "gzip");
     // The audit keeps the upstream's status (its field's meaning); the key is in no event.
     let events = egress_events(&seen);
-    assert_eq!(events.last().map(|e| e.status), Some(200), "{events:?}");
+    assert_eq!(
+        events.iter().rev().nth(1).map(|e| e.status),
+        Some(200),
+        "{events:?}"
+    );
     assert!(!format!("{events:?}").contains(token));
 }
 

@@ -762,6 +762,10 @@ impl Exchange<'_> {
     fn refused_coding(&self, incoming: &net::Incoming) -> Option<Response> {
         let cfg = &self.route.config;
         self.route.credential.as_ref()?;
+        // (An empty body, a `HEAD`'s or a `304`'s, hides nothing.)
+        if incoming.body.is_empty() {
+            return None;
+        }
         let coding = incoming
             .headers
             .get_all(hyper::header::CONTENT_ENCODING)
