@@ -316,14 +316,18 @@ async fn egress_credential_placements() {
 async fn egress_path_segment_credential_goes_only_where_the_upstream_puts_it() {
     let web = Web::start().await;
     let token = "egress-key-Pp9Ss8";
+    // The route: an upstream whose base holds `{credential}`.
+    let segment_route = || {
+        let mut route = web.api_route("RTS_EGRESS_TOKEN_P");
+        route.upstream = Some(format!(
+            "https://api.egress.test:{}/v1/bot{{credential}}",
+            web.port()
+        ));
+        route.credential_as = CredentialPlacement::PathSegment;
+        route
+    };
     std::env::set_var("RTS_EGRESS_TOKEN_P", token);
-    let mut route = web.api_route("RTS_EGRESS_TOKEN_P");
-    route.upstream = Some(format!(
-        "https://api.egress.test:{}/v1/bot{{credential}}",
-        web.port()
-    ));
-    route.credential_as = CredentialPlacement::PathSegment;
-    let (turn, _) = web.turn(vec![route]).await;
+    let (turn, _) = web.turn(vec![segment_route()]).await;
     let before = web.up.seen().len();
     for path in [
         "/v1/egress/api/credential",
@@ -346,12 +350,7 @@ async fn egress_path_segment_credential_goes_only_where_the_upstream_puts_it() {
     }
     // A redirect by the upstream's own absolute path (the key in it) is under the base:
     // followed, with the key once, and redacted from what the guest reads.
-    let mut route = web.api_route("RTS_EGRESS_TOKEN_P");
-    route.upstream = Some(format!(
-        "https://api.egress.test:{}/v1/bot{{credential}}",
-        web.port()
-    ));
-    route.credential_as = CredentialPlacement::PathSegment;
+    let mut route = segment_route();
     route.redirects = Redirects::SameRoute;
     std::env::set_var("RTS_EGRESS_TOKEN_P", token);
     let (turn, _) = web.turn(vec![route]).await;

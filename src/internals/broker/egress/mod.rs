@@ -568,7 +568,7 @@ impl Exchange<'_> {
                 // Under the base as the guest's paths are written, or as it was sent, with a
                 // `path_segment` credential in it (an upstream's absolute `Location` names
                 // its own path).
-                let filled = self.filled_base().map(|f| rules::unreserved_decoded(&f));
+                let filled = self.filled_base();
                 let under = path
                     .strip_prefix(self.route.base_path.as_str())
                     .or_else(|| path.strip_prefix(filled.as_deref()?))
@@ -870,30 +870,7 @@ fn without_parameter(query: &str, name: &str) -> String {
 
 /// Every escape of `text` decoded (and `+` read as a space, as a query's is).
 fn percent_decoded(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
-            .and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b'+', _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    out
+    percent_encoding::percent_decode_str(&text.replace('+', " ")).collect()
 }
 
 /// `text` percent-encoded for a path segment or a query value.
