@@ -400,14 +400,19 @@ fn prometheus_scrapes_the_bot_and_each_counter_matches_what_happened() {
         "{admission}"
     );
 
-    // Every turn has ended: wait for Prometheus to have scraped the last one.
-    let total = 16.0;
+    // Every turn has ended: wait for Prometheus to have scraped the last one, and the last
+    // admitted turn's duration (its `Facts`, sent after its teardown, a while after its
+    // `Ended`: a scrape between the two saw 16 turns and 14 durations in CI).
+    let (total, admitted) = (16.0, 15.0);
     let deadline = Instant::now() + PATIENCE;
-    while prometheus.value("sum(roundtable_turns_total)") != Some(total) {
+    while prometheus.value("sum(roundtable_turns_total)") != Some(total)
+        || prometheus.value("sum(roundtable_turn_duration_seconds_count)") != Some(admitted)
+    {
         assert!(
             Instant::now() < deadline,
-            "prometheus never saw {total} turns: {:?}",
-            prometheus.value("sum(roundtable_turns_total)")
+            "prometheus never saw {total} turns and {admitted} durations: {:?}, {:?}",
+            prometheus.value("sum(roundtable_turns_total)"),
+            prometheus.value("sum(roundtable_turn_duration_seconds_count)")
         );
         std::thread::sleep(Duration::from_millis(500));
     }
