@@ -266,6 +266,18 @@ fn the_database_down_at_startup_is_a_clear_error_without_the_url() {
     pg.create_db("bots");
     let tmp = tempfile::tempdir_in("/tmp").unwrap();
     let s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
+    // A user the server refuses: its words ("role \"…\" does not exist") without the user.
+    let stranger = settings(&pg, "bots", "alpha", &tmp.path().join("s"));
+    std::fs::write(
+        tmp.path().join("s/budgets-url"),
+        pg.url("bots").replace("postgres@", "stranger-7f3@"),
+    )
+    .unwrap();
+    let e = BudgetBook::open(&stranger, "UTC").unwrap_err().to_string();
+    assert!(
+        e.contains("role \"(the URL's user)\" does not exist") && !e.contains("stranger-7f3"),
+        "{e}"
+    );
     pg.stop();
     let e = BudgetBook::open(&s, "UTC").unwrap_err().to_string();
     assert!(
@@ -1038,4 +1050,196 @@ fn tls_as_sslmode_says() {
         "true"
     );
     drop(kept);
+}
+
+// ---- The store's own review (round 6): keys, a namespace row gone, a day rolled over ----
+
+/// A speaker key the database cannot hold (a NUL, which PostgreSQL's text refuses; longer
+/// than an index row) is stored as its hash: such a batch, refused at every round, wedged
+/// the queue (every speaker refused once the view went stale) and every later start.
+#[test]
+fn a_key_the_database_cannot_hold_wedges_nothing() {
+    let pg = Postgres::start();
+    pg.create_db("bots");
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
+    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
+    let long = "x".repeat(9000);
+    for id in ["a\0b", long.as_str()] {
+        a.admit(id, "c").unwrap();
+        a.charge(id, "c", 7);
+    }
+    a.charge("ann", "c", 5);
+    a.flush();
+    assert_eq!(db_tokens(&pg, "bots", "alpha", "speaker", "ann"), 5);
+    let hashed = pg.psql(
+        "bots",
+        "SELECT count(*) FROM roundtable_budgets.tokens WHERE scope = 'speaker' \
+         AND key LIKE 'sha256:%' AND tokens = 7",
+    );
+    assert_eq!(hashed, "2", "both keys stored as their hash");
+    // Fresh past the staleness, and a start reads the journal through.
+    std::thread::sleep(Duration::from_millis(2500));
+    a.admit("bob", "c").unwrap();
+    drop(a);
+    let again = BudgetBook::open(&s, "UTC").unwrap().unwrap();
+    assert_eq!(again.tokens(&speaker("ann")), 5);
+}
+
+/// The namespace's row deleted under a running process (or a database restored from before
+/// it was made): the batches written while it is gone are not acknowledged but kept, and
+/// arrive once the row is made again; the other process, whose cursor is now above the
+/// namespace's new version, sees them (it was blind: fresh and reading nothing).
+#[test]
+fn a_namespace_row_gone_loses_no_charge_and_blinds_no_process() {
+    let pg = Postgres::start();
+    pg.create_db("bots");
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
+    s.speaker_tokens_per_day = Some(1_000_000);
+    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
+    let b = BudgetBook::open(
+        &settings(&pg, "bots", "alpha", &tmp.path().join("b")).clone_limits(&s),
+        "UTC",
+    )
+    .unwrap()
+    .unwrap();
+    // Versions well above what the row starts again from.
+    for _ in 0..20 {
+        a.charge("ann", "c", 5);
+        a.flush();
+    }
+    wait_until("b sees 100", Duration::from_secs(5), || {
+        b.tokens(&speaker("ann")) == 100
+    });
+    pg.psql(
+        "bots",
+        "DELETE FROM roundtable_budgets.namespaces WHERE ns = 'alpha'",
+    );
+    a.charge("ann", "c", 50);
+    a.flush();
+    assert_eq!(
+        db_tokens(&pg, "bots", "alpha", "speaker", "ann"),
+        150,
+        "the charge made while the row was gone reached the database"
+    );
+    wait_until("b sees 150", Duration::from_secs(5), || {
+        b.tokens(&speaker("ann")) == 150
+    });
+    a.charge("ann", "c", 25);
+    a.flush();
+    wait_until("b sees 175", Duration::from_secs(5), || {
+        b.tokens(&speaker("ann")) == 175
+    });
+}
+
+/// `doctor`'s check writes nothing: with a namespace not made yet and a SQLite state file
+/// holding today's counters, the counters stay in the file (a check sent them into no
+/// namespace, and they were lost), and the bot's start moves them.
+#[test]
+fn a_check_writes_nothing_and_the_start_moves_the_counters() {
+    let pg = Postgres::start();
+    pg.create_db("bots");
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    // Another bot has made the schema.
+    let other = BudgetBook::open(
+        &settings(&pg, "bots", "other", &tmp.path().join("o")),
+        "UTC",
+    )
+    .unwrap()
+    .unwrap();
+    drop(other);
+    let dir = tmp.path().join("a");
+    let s = settings(&pg, "bots", "alpha", &dir);
+    let sqlite = BudgetSettings {
+        store: None,
+        namespace: None,
+        max_staleness_secs: None,
+        statement_timeout_ms: None,
+        ..s.clone()
+    };
+    let old = BudgetBook::open(&sqlite, "UTC").unwrap().unwrap();
+    old.charge("ann", "c", 900);
+    drop(old);
+    let check = roundtable_sandbox::internals::budgets::check_shared_store(&s, "UTC").unwrap();
+    assert_eq!(check.counters, 0, "nothing in the namespace yet");
+    assert_eq!(
+        pg.psql(
+            "bots",
+            "SELECT count(*) FROM roundtable_budgets.namespaces WHERE ns = 'alpha'"
+        ),
+        "0"
+    );
+    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
+    assert_eq!(a.tokens(&speaker("ann")), 900);
+    assert_eq!(db_tokens(&pg, "bots", "alpha", "speaker", "ann"), 900);
+}
+
+/// A process idle since before midnight: its first turn of the new day is not checked
+/// against zero while the others have spent the day's budget; it waits for the store's
+/// read of the day (refused until then), then counts what the others spent.
+#[test]
+fn an_idle_process_reads_the_new_day_before_it_admits() {
+    use roundtable_sandbox::internals::budgets::PostgresStore;
+    use std::sync::atomic::{AtomicI64, Ordering};
+    let pg = Postgres::start();
+    pg.create_db("bots");
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let day = |d: u32| {
+        chrono::NaiveDate::from_ymd_opt(2026, 12, d)
+            .unwrap()
+            .and_hms_opt(23, 59, 59)
+            .unwrap()
+            .and_utc()
+            .timestamp_millis()
+    };
+    let book = |name: &str, at: Arc<AtomicI64>| {
+        let mut s = settings(&pg, "bots", "alpha", &tmp.path().join(name));
+        s.speaker_tokens_per_day = Some(1000);
+        let store = PostgresStore::open(&s, "UTC").unwrap();
+        BudgetBook::with_store(
+            &s,
+            "UTC",
+            Box::new(store),
+            Arc::new(move || {
+                chrono::DateTime::from_timestamp_millis(at.load(Ordering::Relaxed)).unwrap()
+            }),
+        )
+        .unwrap()
+    };
+    let a_at = Arc::new(AtomicI64::new(day(7)));
+    let b_at = Arc::new(AtomicI64::new(day(7)));
+    let a = book("a", a_at.clone());
+    let b = book("b", b_at.clone());
+    b.admit("ann", "c").unwrap();
+    // A, in the new day, spends ann's budget; B stays idle until then.
+    // 1.5 s later, past midnight (within the view's staleness: the clocks stand still).
+    let next = day(7) + 1500;
+    a_at.store(next, Ordering::Relaxed);
+    wait_until("a reads the new day", Duration::from_secs(5), || {
+        a.admit("ann", "c").is_ok()
+    });
+    a.charge("ann", "c", 1000);
+    a.flush();
+    b_at.store(next, Ordering::Relaxed);
+    // The first admission of B's new day: refused, by the day not read or by the budget
+    // once it is; never admitted against zero.
+    let first = b.admit("ann", "c").unwrap_err();
+    assert!(
+        first.budget == Budget::Store || first.budget == Budget::SpeakerTokensPerDay,
+        "{first}"
+    );
+    if first.budget == Budget::Store {
+        assert_eq!(
+            first.message,
+            "a new day began and the budgets' shared database has not been read for it yet: \
+             new turns are refused until it is (the next commit interval)"
+        );
+    }
+    wait_until("b reads the new day", Duration::from_secs(5), || {
+        b.tokens(&speaker("ann")) == 1000
+    });
+    let r = b.admit("ann", "c").unwrap_err();
+    assert_eq!(r.budget, Budget::SpeakerTokensPerDay, "{r}");
+    b.admit("bob", "c").unwrap();
 }

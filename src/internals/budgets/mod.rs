@@ -410,6 +410,10 @@ struct ViewInner {
     synced_ms: AtomicI64,
     max_staleness_ms: i64,
     fail_open: bool,
+    /// Whether the store has read the book's day back since the book turned to it: a day
+    /// rolled over starts at zero in memory, and an idle process's first turns of the day
+    /// were checked against zero while the others had spent it.
+    day_read: AtomicBool,
     /// Whether the view was stale at the writer's last look (its transitions are told).
     stale: AtomicBool,
     /// When the last warning of a stale view was logged (Unix ms).
@@ -504,6 +508,17 @@ impl SharedView {
         self.inner.synced_ms.store(self.now_ms(), Ordering::Relaxed);
     }
 
+    /// The store reconciled just now and read `day`'s counters back: when that is still the
+    /// book's day, its turns may be admitted.
+    pub fn synced_day(&self, day: &str) {
+        let st = self.inner.state.lock().unwrap_or_else(|e| e.into_inner());
+        if st.day.to_string() == day {
+            self.inner.day_read.store(true, Ordering::Relaxed);
+        }
+        drop(st);
+        self.synced();
+    }
+
     /// How old the view is (ms).
     fn age_ms(&self) -> i64 {
         self.now_ms()
@@ -514,7 +529,17 @@ impl SharedView {
     fn check(&self) -> Result<(), BudgetRefusal> {
         let age = self.age_ms();
         if age <= self.inner.max_staleness_ms || self.inner.fail_open {
-            return Ok(());
+            if self.inner.fail_open || self.inner.day_read.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            return Err(BudgetRefusal {
+                budget: Budget::Store,
+                limit: (self.inner.max_staleness_ms / 1000) as u64,
+                message: "a new day began and the budgets' shared database has not been read \
+                          for it yet: new turns are refused until it is (the next commit \
+                          interval)"
+                    .into(),
+            });
         }
         Err(BudgetRefusal {
             budget: Budget::Store,
@@ -848,6 +873,23 @@ impl std::fmt::Debug for BudgetBook {
 
 const MINUTE_MS: i64 = 60_000;
 
+/// The longest speaker key the stores keep as it is (bytes).
+pub const MAX_STORED_KEY: usize = 256;
+
+/// The key a speaker's budgets count under, as the stores keep it: the id itself, or, for
+/// one longer than [`MAX_STORED_KEY`] or holding a NUL (which PostgreSQL's text refuses,
+/// and a primary key's index cannot hold past about 2.7 KB: either wedged the shared
+/// store's queue for every speaker), `sha256:` and the id's SHA-256 in hex. Applied once,
+/// where a turn's key is made ([`crate::turn::TurnRequest`]'s), and again by the shared
+/// store before it writes (a no-op on a key made here).
+pub fn stored_key(id: &str) -> std::borrow::Cow<'_, str> {
+    use sha2::Digest as _;
+    if id.len() <= MAX_STORED_KEY && !id.contains('\0') {
+        return std::borrow::Cow::Borrowed(id);
+    }
+    std::borrow::Cow::Owned(format!("sha256:{}", hex::encode(sha2::Sha256::digest(id))))
+}
+
 impl BudgetBook {
     /// Opens the state file of `settings` (see [`SqliteStore::open`]) and reads today's
     /// counters; `None` when no state file is named.
@@ -907,6 +949,7 @@ impl BudgetBook {
                 max_staleness_ms: i64::try_from(settings.effective_max_staleness().as_millis())
                     .unwrap_or(i64::MAX),
                 fail_open: settings.fail_open,
+                day_read: AtomicBool::new(true),
                 stale: AtomicBool::new(false),
                 warned_ms: AtomicI64::new(0),
                 events: std::sync::OnceLock::new(),
@@ -998,6 +1041,9 @@ impl BudgetBook {
             }
             st.day = day;
             st.tokens = Counters::new();
+            if let Some(view) = &self.shared {
+                view.inner.day_read.store(false, Ordering::Relaxed);
+            }
             self.generation.fetch_add(1, Ordering::Release);
             self.send(Write::NewDay(day.to_string()));
         }
@@ -1226,12 +1272,13 @@ impl BudgetBook {
     /// Admits a turn: every token budget has room and the speaker has not started
     /// `speaker_turns_per_minute` turns in the last minute; an admitted turn is counted.
     pub fn admit(&self, speaker: &str, channel: &str) -> Result<(), BudgetRefusal> {
+        let now = self.now();
+        let now_ms = now.timestamp_millis();
+        // The day rolled over first: a shared view's check knows whether it was read.
+        let mut st = self.state(now);
         if let Some(view) = &self.shared {
             view.check()?;
         }
-        let now = self.now();
-        let now_ms = now.timestamp_millis();
-        let mut st = self.state(now);
         self.token_check(&st, speaker, channel)?;
         let window = st.turns.entry(speaker.to_owned()).or_default();
         while window.front().is_some_and(|&t| t <= now_ms - MINUTE_MS) {
@@ -1362,8 +1409,9 @@ pub fn check_state_file(
 
 /// `doctor`'s check of a shared store (`[budgets] store`): connects as a start does (TLS,
 /// the schema's version, the namespace's settings against these: never set or replaced
-/// here), sends what the journal holds, and loads today's counters and the last minute's
-/// turns as a start does. What it found, for the check's line.
+/// here), and loads today's counters and the last minute's turns as a start does; it
+/// writes nothing (the journal's batches and a SQLite state file's counters wait for the
+/// bot's start). What it found, for the check's line.
 #[cfg(any(feature = "cli", feature = "testing"))]
 pub fn check_shared_store(
     settings: &BudgetSettings,

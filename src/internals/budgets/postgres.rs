@@ -90,10 +90,14 @@ const LOCK_MIGRATE: i64 = 0x5254_424d_0000_0001;
 /// locked until the commit: batches commit in version order), the deltas added with
 /// saturation (a row found negative counts as 0, as [`clamp_count`] reads it), the turns
 /// recorded; the counters' totals after it returned. A batch already recorded changes
-/// nothing and returns no row.
+/// nothing and returns no row. Without the namespace's row (deleted, or a database restored
+/// from before it was made) nothing is recorded and the one row `('', '', 0)` says so: the
+/// batch is not acknowledged (it was, and its charges lost, when the batch was recorded
+/// with no counter to add to).
 const WRITE: &str = "
 WITH fresh AS (
-    INSERT INTO roundtable_budgets.batches (ns, batch) VALUES ($1, $2)
+    INSERT INTO roundtable_budgets.batches (ns, batch)
+    SELECT $1, $2 WHERE EXISTS (SELECT 1 FROM roundtable_budgets.namespaces WHERE ns = $1)
     ON CONFLICT DO NOTHING RETURNING 1),
 v AS (
     UPDATE roundtable_budgets.namespaces SET version = version + 1
@@ -111,16 +115,22 @@ r AS (
     INSERT INTO roundtable_budgets.turns (ns, speaker, at_ms, origin, version)
     SELECT $1, u.speaker, u.at_ms, $9, v.version
     FROM unnest($7::text[], $8::bigint[]) AS u(speaker, at_ms), v)
-SELECT scope, key, tokens FROM t";
+SELECT scope, key, tokens FROM t
+UNION ALL
+SELECT '', '', 0 WHERE NOT EXISTS (SELECT 1 FROM roundtable_budgets.namespaces WHERE ns = $1)";
 
 /// The read back: the day's counters and the other processes' turns changed since the
-/// cursors (one statement: one snapshot).
+/// cursors, and the namespace's version (kind 2: one below a cursor is a database that went
+/// back, a restore or a failover to a replica behind, and the cursors start again) (one
+/// statement: one snapshot).
 const READ: &str = "
 SELECT 0 AS kind, scope, key, tokens, version FROM roundtable_budgets.tokens
     WHERE ns = $1 AND day = $2 AND version > $3
 UNION ALL
 SELECT 1, speaker, '', at_ms, version FROM roundtable_budgets.turns
-    WHERE ns = $1 AND version > $4 AND origin <> $5 AND at_ms > $6";
+    WHERE ns = $1 AND version > $4 AND origin <> $5 AND at_ms > $6
+UNION ALL
+SELECT 2, '', '', version, version FROM roundtable_budgets.namespaces WHERE ns = $1";
 
 /// Counters and a number each (deltas or totals).
 type Counts = Vec<(CounterKey, u64)>;
@@ -188,6 +198,20 @@ enum SslMode {
     Require,
     VerifyCa,
     VerifyFull,
+}
+
+impl SslMode {
+    /// As the URL names it.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Disable => "disable",
+            Self::Allow => "allow",
+            Self::Prefer => "prefer",
+            Self::Require => "require",
+            Self::VerifyCa => "verify-ca",
+            Self::VerifyFull => "verify-full",
+        }
+    }
 }
 
 /// The budgets' settings the processes of a namespace must agree on.
@@ -431,6 +455,12 @@ impl PostgresStore {
             Ok(Ok(())) => {}
             Ok(Err(reason)) => return Err(err(reason)),
             Err(_) => return Err(err("its thread ended".into())),
+        }
+        if check_only {
+            // `doctor` writes nothing: a crash's batches and a SQLite state file's counters
+            // wait for the bot's start (sent by a check, into a namespace not made yet,
+            // they were lost).
+            return Ok(store);
         }
         // A crash's batches (and, once, a SQLite state file's counters of today) first.
         store.import_sqlite_counters(tz)?;
@@ -730,8 +760,20 @@ fn parse_url(url: &str) -> Result<Target, String> {
     if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         return Err("its URL must start with postgres:// or postgresql://".into());
     }
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    // The query begins at the first `?` after the user and password, which end at the
+    // first `@` before any `/`, as libpq reads them (a `?` in a password is its own: split
+    // at the URL's first `?`, the password's tail was read as the query, shown in an error).
+    let after = url.find("://").map_or(0, |i| i + 3);
+    let user_end = url[after..]
+        .find(['@', '/'])
+        .filter(|&i| url.as_bytes()[after + i] == b'@')
+        .map_or(after, |i| after + i + 1);
+    let (base, query) = match url[user_end..].find('?') {
+        Some(i) => (&url[..user_end + i], &url[user_end + i + 1..]),
+        None => (url, ""),
+    };
     let mut ssl = SslMode::Prefer;
+    let mut ssl_given = false;
     let mut root = None;
     let mut rest = Vec::new();
     for pair in query.split('&').filter(|p| !p.is_empty()) {
@@ -739,6 +781,7 @@ fn parse_url(url: &str) -> Result<Target, String> {
         let value = percent_decode(v);
         match k {
             "sslmode" => {
+                ssl_given = true;
                 ssl = match value.as_str() {
                     "disable" => SslMode::Disable,
                     "allow" => SslMode::Allow,
@@ -762,6 +805,18 @@ fn parse_url(url: &str) -> Result<Target, String> {
             }
             _ => rest.push(pair),
         }
+    }
+    // `sslrootcert=system` (the public CAs) implies `verify-full` and refuses any weaker
+    // mode, as libpq 16 does: any holder of a public CA's certificate passes a chain check
+    // that does not check the host name.
+    if root.as_deref() == Some(Path::new("system")) {
+        if ssl_given && ssl != SslMode::VerifyFull {
+            return Err(format!(
+                "its URL's sslmode {} may not be used with sslrootcert=system (use verify-full)",
+                ssl.name()
+            ));
+        }
+        ssl = SslMode::VerifyFull;
     }
     let rebuilt = match rest.is_empty() {
         true => base.to_owned(),
@@ -1064,6 +1119,17 @@ impl Shipper {
         self.target.statement_timeout + Duration::from_secs(1)
     }
 
+    /// The server's words without the URL's user (`password authentication failed for
+    /// user "…"`): the errors name the URL's source, never what it holds.
+    fn hide_user(&self, message: String) -> String {
+        match self.target.config.get_user() {
+            Some(user) if !user.is_empty() => {
+                message.replace(&format!("\"{user}\""), "\"(the URL's user)\"")
+            }
+            _ => message,
+        }
+    }
+
     fn db_err(e: &tokio_postgres::Error) -> String {
         match e.as_db_error() {
             Some(db) => format!("{}: {}", db.severity(), db.message()),
@@ -1122,7 +1188,7 @@ impl Shipper {
                     client = Some(c);
                     break;
                 }
-                Ok(Err(e)) => last = format!("connect: {}", Self::db_err(&e)),
+                Ok(Err(e)) => last = format!("connect: {}", self.hide_user(Self::db_err(&e))),
                 Err(_) => last = "connect: no answer in time".into(),
             }
         }
@@ -1347,13 +1413,14 @@ impl Shipper {
         self.timed(c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"))
             .await?;
         let result = async {
+            // No row yet (a check before the namespace's first start): nothing counted.
             let version: i64 = self
-                .timed(c.query_one(
+                .timed(c.query_opt(
                     "SELECT version FROM roundtable_budgets.namespaces WHERE ns = $1",
                     &[&self.ns],
                 ))
                 .await?
-                .get(0);
+                .map_or(0, |r| r.get(0));
             let rows = self
                 .timed(c.query(
                     "SELECT scope, key, tokens FROM roundtable_budgets.tokens
@@ -1476,6 +1543,19 @@ impl Shipper {
         if housekeeping {
             self.last_housekeeping = Some(Instant::now());
         }
+        let gone = written
+            .iter()
+            .flatten()
+            .any(|r| r.get::<_, &str>(0).is_empty())
+            || !read.iter().any(|r| r.get::<_, i32>(0) == 2);
+        if gone {
+            // Made again by the reconnect's agreement; the batches wait in the journal.
+            return Err(format!(
+                "the namespace {:?} has no row in the database (deleted, or the database \
+                 restored from before it was made): nothing was written",
+                self.ns
+            ));
+        }
         self.apply(&sending, &written, &read, &day);
         Ok(())
     }
@@ -1503,13 +1583,23 @@ impl Shipper {
             .iter()
             .map(|b| Params {
                 tk_scope: b.tokens.iter().map(|t| t.0.clone()).collect(),
-                tk_key: b.tokens.iter().map(|t| t.1.clone()).collect(),
+                // A key the database cannot hold (too long, a NUL) as its hash: one such
+                // key wedged the queue (a batch refused at every round, then every start).
+                tk_key: b
+                    .tokens
+                    .iter()
+                    .map(|t| super::stored_key(&t.1).into_owned())
+                    .collect(),
                 tk_n: b
                     .tokens
                     .iter()
                     .map(|t| i64::try_from(t.2).unwrap_or(i64::MAX))
                     .collect(),
-                tu_speaker: b.turns.iter().map(|t| t.0.clone()).collect(),
+                tu_speaker: b
+                    .turns
+                    .iter()
+                    .map(|t| super::stored_key(&t.0).into_owned())
+                    .collect(),
                 tu_at: b.turns.iter().map(|t| t.1).collect(),
             })
             .collect();
@@ -1595,9 +1685,21 @@ impl Shipper {
         }
         let mut changed = Vec::new();
         let mut turns = Vec::new();
+        // The namespace's version below a cursor: the database went back (a restore, a
+        // failover to a replica behind). Every later write would hide under the cursors,
+        // the view fresh and blind: they start again, and the next round reads all.
+        let now = read
+            .iter()
+            .find(|r| r.get::<_, i32>(0) == 2)
+            .map_or(0, |r| r.get::<_, i64>(4));
+        let went_back = now < self.tokens_cursor.1 || now < self.turns_cursor;
         for r in read {
             let version: i64 = r.get(4);
-            if r.get::<_, i32>(0) == 0 {
+            let kind = r.get::<_, i32>(0);
+            if kind == 2 {
+                continue;
+            }
+            if kind == 0 {
                 self.tokens_cursor.1 = self.tokens_cursor.1.max(version);
                 if let Some(k) =
                     CounterKey::from_columns(r.get::<_, &str>(1), r.get::<_, String>(2))
@@ -1608,6 +1710,16 @@ impl Shipper {
                 self.turns_cursor = self.turns_cursor.max(version);
                 turns.push((r.get::<_, String>(1), r.get::<_, i64>(3)));
             }
+        }
+        if went_back {
+            tracing::warn!(
+                namespace = %self.ns,
+                version = now,
+                read_up_to = self.tokens_cursor.1.max(self.turns_cursor),
+                "budgets: the shared store's namespace is at an older version than this process read up to (the database restored, or a replica behind): its counters are read again whole"
+            );
+            self.tokens_cursor.1 = 0;
+            self.turns_cursor = 0;
         }
         for _ in 0..sending.len() {
             self.queue.pop_front();
@@ -1627,7 +1739,7 @@ impl Shipper {
                 view.acknowledged(d, deltas, &[]);
             }
             view.turns(&turns);
-            view.synced();
+            view.synced_day(day);
         }
         self.acked_out
             .lock()
@@ -1647,4 +1759,54 @@ fn differ(ns: &str, d: &[String], live: bool) -> String {
             ""
         }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The query begins after the password, as libpq reads it: a `?` in a password is the
+    /// password's (split at the URL's first `?`, its tail was read as the query, and shown
+    /// in the error).
+    #[test]
+    fn a_question_mark_in_the_password_is_the_passwords() {
+        let t = parse_url("postgres://u:a?b@h/db?sslmode=require").unwrap();
+        assert_eq!(t.ssl, SslMode::Require);
+        assert_eq!(t.config.get_password(), Some(&b"a?b"[..]));
+        assert_eq!(t.config.get_dbname(), Some("db"));
+        let e = match parse_url("postgres://u:pw?sslx@h/db?sslfoo=1") {
+            Err(e) => e,
+            Ok(_) => panic!("sslfoo accepted"),
+        };
+        assert_eq!(
+            e,
+            "its URL's sslfoo is not supported (sslmode and sslrootcert are)"
+        );
+        // Without a user, or with a `/` first, the first `?` begins the query.
+        let t = parse_url("postgres://h?sslmode=verify-full&sslrootcert=/x.pem").unwrap();
+        assert_eq!(t.ssl, SslMode::VerifyFull);
+        let t = parse_url("postgres://h/db?sslmode=disable&application_name=a@b").unwrap();
+        assert_eq!(t.ssl, SslMode::Disable);
+    }
+
+    /// `sslrootcert=system` implies `verify-full` and refuses a weaker mode, as libpq 16.
+    #[test]
+    fn sslrootcert_system_means_verify_full() {
+        let t = parse_url("postgres://u@h/db?sslrootcert=system").unwrap();
+        assert_eq!(t.ssl, SslMode::VerifyFull);
+        let t = parse_url("postgres://u@h/db?sslrootcert=system&sslmode=verify-full").unwrap();
+        assert_eq!(t.ssl, SslMode::VerifyFull);
+        for weak in ["disable", "allow", "prefer", "require", "verify-ca"] {
+            let e = match parse_url(&format!(
+                "postgres://u@h/db?sslmode={weak}&sslrootcert=system"
+            )) {
+                Err(e) => e,
+                Ok(_) => panic!("{weak} with system accepted"),
+            };
+            assert_eq!(
+                e,
+                format!("its URL's sslmode {weak} may not be used with sslrootcert=system (use verify-full)")
+            );
+        }
+    }
 }

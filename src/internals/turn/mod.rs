@@ -79,9 +79,9 @@ pub struct TurnRequest {
 
 impl TurnRequest {
     /// The key the per-speaker budgets count this turn under: [`Self::limits_key`], else the
-    /// speaker's id.
-    pub(crate) fn limits_id(&self) -> &str {
-        self.limits_key.as_deref().unwrap_or(&self.speaker.id)
+    /// speaker's id; one too long or holding a NUL as its hash ([`crate::budgets::stored_key`]).
+    pub(crate) fn limits_id(&self) -> std::borrow::Cow<'_, str> {
+        crate::budgets::stored_key(self.limits_key.as_deref().unwrap_or(&self.speaker.id))
     }
 }
 
@@ -186,7 +186,7 @@ pub(crate) async fn run(
         cancel: turn.request.stop.child_token(),
         // The host's count of what this turn uses, and its view of the budgets.
         account: Arc::new(crate::budgets::TurnAccount::new(
-            turn.request.limits_id(),
+            &turn.request.limits_id(),
             turn.request.channel.segment(),
             sandbox.budgets().cloned(),
         )),
@@ -422,7 +422,7 @@ impl Run<'_> {
     fn admit_budgets(&self) -> Result<(), TurnError> {
         if let Some(book) = self.sandbox.budgets() {
             let request = self.request;
-            book.admit(request.limits_id(), request.channel.segment())
+            book.admit(&request.limits_id(), request.channel.segment())
                 .inspect_err(|r| {
                     self.events.emit(EventKind::BudgetRefused {
                         budget: r.budget,
