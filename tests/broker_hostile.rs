@@ -452,6 +452,28 @@ async fn tool_arguments_that_would_inflate_are_refused_before_parsing() {
         a.error(),
         "tool arguments too complex (more than 65536 JSON values)"
     );
+    // 229 KB of `{"":0}` objects: 65,535 values counted one each (it passed), a ~21 MB
+    // tree (an object's map node is ~630 bytes): counted 9 each, refused.
+    let body = format!(r#"{{"a":[{}]}}"#, vec![r#"{"":0}"#; 32_766].join(","));
+    let a = post(turn.socket(), "/v1/tools/echo", &[], body)
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.status, a.error()),
+        (
+            400,
+            "tool arguments too complex (more than 65536 JSON values)".to_owned()
+        )
+    );
+    // Rows of a few members each pass (5,000 of them: ~55,000 counted).
+    let rows: Vec<_> = (0..5000).map(|i| json!({"id": i, "name": "x"})).collect();
+    let a = post_json(
+        turn.socket(),
+        "/v1/tools/echo",
+        &json!({"say": "rows", "rows": rows}),
+    )
+    .await;
+    assert_eq!(a.json()["content"], "rows");
     // Ordinary arguments, and one large string, pass.
     let a = post_json(
         turn.socket(),

@@ -217,3 +217,37 @@ async fn mcp_http_answers_past_the_caps_fail_their_call() {
     }
     broker.shutdown().await;
 }
+
+/// A listing's tools outside the allow-list are dropped unread (every listed tool's schema
+/// was built as a tree: a listing of 16 pages within the message caps held ~340 MB), and an
+/// allowed tool's schema is held to its own caps (64 KiB, 16,384 JSON values): a start past
+/// them fails with an error that names the cap.
+#[tokio::test]
+async fn mcp_tool_schemas_are_read_for_allowed_tools_only_and_capped() {
+    let dir = tempfile::tempdir().unwrap();
+    // `secret` (never allowed) with a schema that is no object: not read, so no failure.
+    std::fs::write(dir.path().join("schemas"), r#"{"secret": [1, 2, 3]}"#).unwrap();
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![stub_server(dir.path(), &["echo"])];
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    let a = post_json(turn.socket(), "/v1/mcp/stub/echo", &json!({"text": "hi"})).await;
+    assert_eq!(a.json(), json!({"ok": true, "content": "hi"}));
+    broker.shutdown().await;
+    // The allowed `echo` with a schema of 2,100 properties (more than 16,384 values, an object counting 9).
+    let props: serde_json::Map<String, serde_json::Value> = (0..2100)
+        .map(|i| (format!("p{i}"), json!({"type": "string"})))
+        .collect();
+    std::fs::write(
+        dir.path().join("schemas"),
+        json!({"echo": {"type": "object", "properties": props}}).to_string(),
+    )
+    .unwrap();
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![stub_server(dir.path(), &["echo"])];
+    let err = Broker::new(p).await.unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "MCP server stub could not be started: its answer is of more than 16384 JSON values"
+    );
+}

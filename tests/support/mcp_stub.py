@@ -3,7 +3,8 @@
 
 Directory $STUB_DIR: it writes its pid to `pid`, appends every method it receives to
 `log`, and reads the description of its `echo` tool from `description` at each
-tools/list (so a test can change it: a tool rug-pull).
+tools/list (so a test can change it: a tool rug-pull), and the input schemas the JSON object
+in `schemas` names (tool name -> schema, of any shape) in place of its own.
 
 With an argument TAG (a channel-scoped session passes `{channel}`), it also writes its pid
 to `pid-TAG`, and reads the description from `description-TAG` first (so a test can make
@@ -86,6 +87,21 @@ def tools():
     ]
 
 
+def listed():
+    """tools(), with the input schemas the file `schemas` in $STUB_DIR replaces (a JSON
+    object: tool name -> its inputSchema, of any shape)."""
+    out = tools()
+    try:
+        with open(os.path.join(DIR, "schemas")) as f:
+            schemas = json.load(f)
+    except FileNotFoundError:
+        return out
+    for tool in out:
+        if tool["name"] in schemas:
+            tool["inputSchema"] = schemas[tool["name"]]
+    return out
+
+
 def send(msg):
     with OUT:
         sys.stdout.write(json.dumps(msg) + "\n")
@@ -149,7 +165,7 @@ for line in sys.stdin:
             "serverInfo": {"name": "stub", "version": "1"},
         })
     elif method == "tools/list":
-        result(mid, {"tools": tools()})
+        result(mid, {"tools": listed()})
     elif method == "tools/call":
         name = msg["params"]["name"]
         args = msg["params"].get("arguments") or {}

@@ -25,9 +25,15 @@ pub(crate) struct Caps {
 }
 
 /// The most JSON values a message parsed into a tree may hold (tool arguments, compaction
-/// requests, an MCP server's tool schemas): parsed, each costs up to ~80 bytes, so a
-/// 1 MiB message of empty arrays would be ~16 MiB, and this many ~5 MiB at most.
+/// requests; an MCP message, of which no tree is built past its envelope), an object
+/// counting as [`OBJECT_WEIGHT`] values: parsed, a value costs ~32 bytes and an object of
+/// one member more, a map node of ~630 bytes, so this many are ~5 MiB at most (counted one
+/// each, 32,767 `{"":0}` objects, 229 KB of a guest's tool arguments, were a ~21 MB tree:
+/// four calls in flight past the host's 64 MiB).
 pub(crate) const MAX_VALUES: usize = 65_536;
+
+/// What an object counts as in [`values_over`]: itself, and its map node's cost.
+pub(crate) const OBJECT_WEIGHT: usize = 9;
 
 impl Caps {
     /// `bytes` and [`MAX_VALUES`].
@@ -272,8 +278,8 @@ impl SseEvents {
     }
 }
 
-/// An upper bound of the JSON values in `raw`: one per `[`, `{` and `,` outside strings,
-/// plus one. Stops counting past `limit`.
+/// An upper bound of the JSON values in `raw`: one per `[` and `,` outside strings and
+/// [`OBJECT_WEIGHT`] per `{`, plus one. Stops counting past `limit`.
 pub(crate) fn values_over(raw: &[u8], limit: usize) -> bool {
     let mut n = 1usize;
     let mut in_string = false;
@@ -291,7 +297,7 @@ pub(crate) fn values_over(raw: &[u8], limit: usize) -> bool {
             match b {
                 b'"' => in_string = true,
                 b'[' | b'{' | b',' => {
-                    n += 1;
+                    n += if b == b'{' { OBJECT_WEIGHT } else { 1 };
                     if n > limit {
                         return true;
                     }
@@ -388,10 +394,14 @@ mod tests {
 
     #[test]
     fn values_are_counted_before_the_parse() {
-        let many = format!("[{}]", vec!["{}"; 100].join(","));
-        // 1 + `[` + 100 `{` + 99 `,`: about twice the values, never fewer.
+        let many = format!("[{}]", vec!["[]"; 100].join(","));
+        // 1 + `[` + 100 `[` + 99 `,`: about twice the values, never fewer.
         assert!(values_over(many.as_bytes(), 200));
         assert!(!values_over(many.as_bytes(), 201));
+        // An object counts as 9 (its map node): 1 + `[` + 100 × 9 + 99 `,`.
+        let objects = format!("[{}]", vec![r#"{"":0}"#; 100].join(","));
+        assert!(values_over(objects.as_bytes(), 1000));
+        assert!(!values_over(objects.as_bytes(), 1001));
         // Brackets and commas inside strings are not values.
         assert!(!values_over(br#"["[[[,,,{{{\"[", 1]"#, 3));
         let caps = Caps {

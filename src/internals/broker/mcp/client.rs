@@ -350,10 +350,12 @@ impl Client {
         .await
     }
 
-    /// Every tool of the server, page by page (at most `max_pages`).
+    /// The server's tools of `wanted` (its allow-list), page by page (at most
+    /// `max_pages`): only theirs kept and their schemas parsed.
     pub(crate) async fn list_tools(
         &self,
         max_pages: usize,
+        wanted: &[String],
     ) -> Result<std::collections::BTreeMap<String, (String, serde_json::Value)>, ClientError> {
         let mut all = std::collections::BTreeMap::new();
         let mut cursor: Option<String> = None;
@@ -367,7 +369,10 @@ impl Client {
                 unreachable!("read as expected")
             };
             cursor = page.next_cursor.clone();
-            all.extend(page.into_map());
+            all.extend(
+                page.into_map(wanted)
+                    .map_err(|e| ClientError::Answer(AnswerError::Shape(e)))?,
+            );
             if cursor.is_none() {
                 return Ok(all);
             }

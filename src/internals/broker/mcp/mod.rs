@@ -256,7 +256,7 @@ impl McpPool {
             .connect(config, &substitute(&config.transport, PROBE_SEGMENT), probe)
             .await
             .map_err(start_err)?;
-        let listed = match list(&service.client).await {
+        let listed = match list(&service.client, &config.tools).await {
             Ok(l) => l,
             Err(e) => {
                 close(service).await;
@@ -630,7 +630,7 @@ impl McpPool {
                 tracing::warn!(server = %name, error = %e, "MCP session start failed");
                 unavailable()
             })?;
-        let listed = match list(&service.client).await {
+        let listed = match list(&service.client, &srv.config.tools).await {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(server = %name, error = %e, "MCP server listing failed");
@@ -1069,9 +1069,12 @@ fn spawn_child(
     Ok((Client::stdio(server, caps, stdout, Box::pin(stdin)), child))
 }
 
-/// The server's tools: name → (description, input schema).
-async fn list(client: &Client) -> Result<BTreeMap<String, (String, serde_json::Value)>, String> {
-    tokio::time::timeout(START_TIMEOUT, client.list_tools(MAX_TOOL_PAGES))
+/// The server's tools of `wanted` (its allow-list): name → (description, input schema).
+async fn list(
+    client: &Client,
+    wanted: &[String],
+) -> Result<BTreeMap<String, (String, serde_json::Value)>, String> {
+    tokio::time::timeout(START_TIMEOUT, client.list_tools(MAX_TOOL_PAGES, wanted))
         .await
         .map_err(|_| format!("no tool list within {START_TIMEOUT:?}"))?
         .map_err(|e| e.to_string())

@@ -101,26 +101,45 @@ pub(crate) struct Tool {
     /// Its description.
     #[serde(default)]
     pub(crate) description: Option<String>,
-    /// Its input schema (an object).
+    /// Its input schema, as its text: parsed into a tree only for a tool the server's
+    /// `tools` allow, within [`SCHEMA_CAPS`] (every listed tool's tree was built: a page of
+    /// `{"":0}` objects within the message's caps was ~21 MB, 16 pages a listing).
     #[serde(rename = "inputSchema")]
-    pub(crate) input_schema: serde_json::Map<String, serde_json::Value>,
+    pub(crate) input_schema: Box<serde_json::value::RawValue>,
 }
 
+/// The caps on an allowed tool's input schema (its bytes and JSON values): far above a
+/// real tool's (a few hundred values), and a tree of a few MiB at most.
+pub(crate) const SCHEMA_CAPS: Caps = Caps {
+    bytes: 64 * 1024,
+    values: 16_384,
+};
+
 impl ToolPage {
-    /// The page's tools by name: (description, input schema).
-    pub(crate) fn into_map(self) -> BTreeMap<String, (String, serde_json::Value)> {
-        self.tools
-            .into_iter()
-            .map(|t| {
+    /// The page's tools of `wanted` by name: (description, input schema); the others are
+    /// dropped unread.
+    pub(crate) fn into_map(
+        self,
+        wanted: &[String],
+    ) -> Result<BTreeMap<String, (String, serde_json::Value)>, ReadError> {
+        let mut out = BTreeMap::new();
+        for t in self.tools {
+            if !wanted.contains(&t.name) {
+                continue;
+            }
+            let raw = t.input_schema.get();
+            bounded::check(raw.as_bytes(), SCHEMA_CAPS)?;
+            let schema: serde_json::Map<String, serde_json::Value> = serde_json::from_str(raw)
+                .map_err(|e| bounded::shape("an input schema (an object)", &e))?;
+            out.insert(
+                t.name,
                 (
-                    t.name,
-                    (
-                        t.description.unwrap_or_default(),
-                        serde_json::Value::Object(t.input_schema),
-                    ),
-                )
-            })
-            .collect()
+                    t.description.unwrap_or_default(),
+                    serde_json::Value::Object(schema),
+                ),
+            );
+        }
+        Ok(out)
     }
 }
 
@@ -420,7 +439,7 @@ mod tests {
         };
         assert_eq!(page.next_cursor.as_deref(), Some("c"));
         assert_eq!(
-            page.into_map()["t"].1,
+            page.into_map(&["t".into()]).unwrap()["t"].1,
             serde_json::json!({"type": "object"})
         );
     }
