@@ -11,7 +11,11 @@
 //! breaks included), DEL (`U+007F`), every C1 control (`U+0080`–`U+009F`: 8-bit `CSI`,
 //! `OSC`, `ST`…), the line and paragraph separators (`U+2028`, `U+2029`) and the Unicode
 //! bidi controls (`U+061C`, `U+200E`, `U+200F`, the embeddings and overrides
-//! `U+202A`–`U+202E`, the isolates `U+2066`–`U+2069`). Each becomes the text `\u{HEX}`
+//! `U+202A`–`U+202E`, the isolates `U+2066`–`U+2069`), and the invisible characters that
+//! carry or hide text and join nothing a script needs (the zero-width space `U+200B`, the
+//! word joiner and invisible operators `U+2060`–`U+2064`, `U+FEFF`, and the tag characters
+//! `U+E0000`–`U+E007F`, which spell ASCII no one sees; the zero-width joiner and non-joiner,
+//! which emoji and scripts need, are kept). Each becomes the text `\u{HEX}`
 //! (lowercase hex, Rust's notation): ESC is shown as `\u{1b}`, 8-bit CSI as `\u{9b}`. Every
 //! other character is kept as it is, so ordinary text (any script, emoji) reads unchanged.
 //!
@@ -31,10 +35,14 @@ pub fn is_escaped(c: char) -> bool {
         '\u{0}'..='\u{1f}'
         | '\u{7f}'..='\u{9f}'
         | '\u{61c}'
+        | '\u{200b}'
         | '\u{200e}'
         | '\u{200f}'
         | '\u{2028}'..='\u{202e}'
-        | '\u{2066}'..='\u{2069}')
+        | '\u{2060}'..='\u{2064}'
+        | '\u{2066}'..='\u{2069}'
+        | '\u{feff}'
+        | '\u{e0000}'..='\u{e007f}')
 }
 
 /// `text` with every [`is_escaped`] character written as `\u{HEX}`; borrowed when there is
@@ -117,8 +125,28 @@ mod tests {
             assert!(!shown.chars().any(char::is_control), "{shown:?}");
         }
         for c in [
-            '\u{61c}', '\u{200e}', '\u{200f}', '\u{2028}', '\u{2029}', '\u{202a}', '\u{202b}',
-            '\u{202c}', '\u{202d}', '\u{202e}', '\u{2066}', '\u{2067}', '\u{2068}', '\u{2069}',
+            '\u{61c}',
+            '\u{200e}',
+            '\u{200f}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{202a}',
+            '\u{202b}',
+            '\u{202c}',
+            '\u{202d}',
+            '\u{202e}',
+            '\u{2066}',
+            '\u{2067}',
+            '\u{2068}',
+            '\u{2069}',
+            // Invisible: text hidden in a reply (the tag characters spell ASCII).
+            '\u{200b}',
+            '\u{2060}',
+            '\u{2064}',
+            '\u{feff}',
+            '\u{e0000}',
+            '\u{e0041}',
+            '\u{e007f}',
         ] {
             assert!(is_escaped(c), "{c:?}");
         }
@@ -138,6 +166,8 @@ mod tests {
         for text in [
             "hello",
             "é ü 日本語 🎲",
+            // The joiners emoji and scripts need are kept.
+            "👨\u{200d}👩\u{200d}👧 می\u{200c}خواهم",
             "tab-free `code` \\u{1b} as text",
             "",
         ] {

@@ -177,11 +177,18 @@ pub fn message(event: &Value, me: &Me, sent_by_me: &dyn Fn(&str) -> bool) -> Opt
     let mentioned = mentions["user_ids"]
         .as_array()
         .is_some_and(|ids| ids.iter().any(|id| id == me.user_id.as_str()));
-    let replied_to_me = in_reply_to.is_some_and(sent_by_me);
+    // A thread's fallback reply (`is_falling_back`: clients point it at the thread's newest
+    // event, often the bot's answer) is no reply: every later message of a thread the bot
+    // answered in was a turn.
+    let falling_back = thread.is_some() && relates["is_falling_back"] == true;
+    let replied_to_me = !falling_back && in_reply_to.is_some_and(sent_by_me);
     let text = without_reply_fallback(body).trim();
 
-    // What the message says once its address is taken off; `None`: not addressed.
-    let asked: Option<&str> = if let Some(rest) = me
+    // What the message says once its address is taken off; `None`: not addressed. A bare
+    // command first: a prefix that begins like one (`!`) would make `!stop` a turn.
+    let asked: Option<&str> = if Command::parse(text).is_some() {
+        Some(text)
+    } else if let Some(rest) = me
         .prefix
         .as_deref()
         .filter(|p| !p.is_empty())
@@ -191,9 +198,6 @@ pub fn message(event: &Value, me: &Me, sent_by_me: &dyn Fn(&str) -> bool) -> Opt
     } else if let Some(rest) = me.strip_name(text) {
         Some(rest)
     } else if mentioned || replied_to_me {
-        Some(text)
-    } else if Command::parse(text).is_some() {
-        // A bare command needs no address.
         Some(text)
     } else {
         None
@@ -232,6 +236,13 @@ pub fn answerable_from(events: &[Value], me: &str, first_sync: bool, newly_joine
         Some(i) => i + 1,
         None => events.len(),
     }
+}
+
+/// Whether `event` turns the room's end-to-end encryption on: the state event (a message
+/// event of that type, which a room's power levels may let any member send, turned the
+/// room off for the bot).
+pub fn turns_encryption_on(event: &Value) -> bool {
+    event["type"] == "m.room.encryption" && event["state_key"] == ""
 }
 
 /// Whether `event` sets `user`'s membership to `membership`.
@@ -389,6 +400,28 @@ mod tests {
             asked(&text("@ann:localhost", "bot: !status")),
             Some(Ask::Command(Command::Status))
         );
+        // A prefix that begins like a command leaves the commands as they are.
+        let bang = Me {
+            prefix: Some("!".into()),
+            ..me()
+        };
+        assert_eq!(
+            message(&text("@ann:localhost", "!stop"), &bang, &never).map(|m| m.ask),
+            Some(Ask::Command(Command::Stop))
+        );
+        assert_eq!(
+            message(&text("@ann:localhost", "!what now"), &bang, &never).map(|m| m.ask),
+            turn("what now")
+        );
+        // A thread's fallback reply to the bot's answer is no reply to the bot (a real
+        // reply in a thread is).
+        let mine = |id: &str| id == "$mine";
+        let mut e = text("@ann:localhost", "thanks Bob");
+        e["content"]["m.relates_to"] = json!({"rel_type": "m.thread", "event_id": "$root",
+            "is_falling_back": true, "m.in_reply_to": {"event_id": "$mine"}});
+        assert_eq!(message(&e, &me(), &mine), None);
+        e["content"]["m.relates_to"]["is_falling_back"] = json!(false);
+        assert_eq!(message(&e, &me(), &mine).map(|m| m.ask), turn("thanks Bob"));
         // In a thread: the reply goes there.
         let mut e = text("@ann:localhost", "bot: in a thread");
         e["content"]["m.relates_to"] = json!({"rel_type": "m.thread", "event_id": "$root"});
@@ -396,6 +429,16 @@ mod tests {
             message(&e, &me(), &never).unwrap().thread.as_deref(),
             Some("$root")
         );
+    }
+
+    #[test]
+    fn only_the_state_event_turns_encryption_on() {
+        let state = json!({"type": "m.room.encryption", "state_key": "",
+            "content": {"algorithm": "m.megolm.v1.aes-sha2"}});
+        assert!(turns_encryption_on(&state));
+        let message = json!({"type": "m.room.encryption",
+            "content": {"algorithm": "m.megolm.v1.aes-sha2"}});
+        assert!(!turns_encryption_on(&message));
     }
 
     /// Its own events, edits, notices and the rest are never answered. (Fails without the

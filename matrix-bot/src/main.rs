@@ -62,7 +62,7 @@ use roundtable_sandbox_actors::{
 use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use secrets::{SessionFile, StoredSession};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, watch, Notify};
 
 const PROGRAM: &str = "matrix-bot";
 
@@ -157,7 +157,10 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a typing notice lasts; it is renewed before.
 const TYPING_FOR: Duration = Duration::from_secs(30);
 const TYPING_RENEW: Duration = Duration::from_secs(20);
-/// How many of its own event ids the bot remembers (a reply to one addresses it).
+/// How many server errors (5xx) an event is sent through before it is dropped.
+const MAX_SERVER_ERRORS: u32 = 5;
+/// How many of its own event ids the bot remembers (a reply to one addresses it), and of
+/// the events it served (none is served twice).
 const REMEMBERED_EVENTS: usize = 4096;
 /// The longest display name handed to the model (characters).
 const NAME_CHARS: usize = 64;
@@ -436,7 +439,7 @@ fn http_error(error: &matrix_sdk::Error) -> Option<&matrix_sdk::HttpError> {
     }
 }
 
-/// The bot's own events (ids), the last [`REMEMBERED_EVENTS`].
+/// Event ids, the last [`REMEMBERED_EVENTS`] (the bot's own; those it served).
 #[derive(Debug, Default)]
 struct SentIds {
     order: VecDeque<String>,
@@ -444,8 +447,10 @@ struct SentIds {
 }
 
 impl SentIds {
-    fn add(&mut self, id: String) {
-        if self.set.insert(id.clone()) {
+    /// Remembers `id` (the oldest forgotten past [`REMEMBERED_EVENTS`]); false when it was.
+    fn add(&mut self, id: String) -> bool {
+        let new = self.set.insert(id.clone());
+        if new {
             self.order.push_back(id);
         }
         while self.order.len() > REMEMBERED_EVENTS {
@@ -453,6 +458,7 @@ impl SentIds {
                 self.set.remove(&old);
             }
         }
+        new
     }
 }
 
@@ -476,7 +482,9 @@ struct Answer {
 
 /// Where the bot is in its rooms.
 struct Bot {
-    client: Client,
+    /// The client of the bot's current session (a new one after logging in again: the
+    /// homeserver refused the old token).
+    clients: watch::Receiver<Client>,
     me: Me,
     own: OwnedUserId,
     sandbox: actix::Addr<SandboxSupervisor>,
@@ -485,9 +493,11 @@ struct Bot {
     reset_level: i64,
     /// `--max-rooms`: past it, invites are refused.
     max_rooms: usize,
-    /// Rooms joined on an invite that no sync has shown joined yet (they count toward
-    /// `max_rooms`: a burst of invites in one sync cannot pass it).
+    /// Rooms joined (or being joined) on an invite that no sync has shown joined yet (they
+    /// count toward `max_rooms`: a burst of invites in one sync cannot pass it).
     joining: HashSet<OwnedRoomId>,
+    /// Where a join's task tells that it ended (the room, whether it joined).
+    joins: mpsc::UnboundedSender<(OwnedRoomId, bool)>,
     shared: Shared,
     answers: mpsc::Sender<Answer>,
     /// Rooms the bot is in (as of the last sync it read).
@@ -498,6 +508,12 @@ struct Bot {
     invites_seen: HashSet<OwnedRoomId>,
     /// Turns running or queued per room, and the task renewing its typing notice.
     typing: HashMap<OwnedRoomId, (usize, tokio::task::JoinHandle<()>)>,
+    /// The newest timeline event read per room (its server timestamp): after logging in
+    /// again, the new session's first sync is whole, and only what is newer is answered.
+    last_seen_ms: HashMap<OwnedRoomId, i64>,
+    /// The events served (the last [`REMEMBERED_EVENTS`]): none is served twice, whatever a
+    /// sync repeats.
+    served: SentIds,
     first_sync: bool,
 }
 
@@ -571,8 +587,9 @@ async fn run(cli: Cli) -> Result<()> {
         sent: Arc::default(),
     };
     let retry_max = Duration::from_secs(output.retry_max_secs);
+    let (clients_tx, clients) = watch::channel(client.clone());
     let sender = tokio::task::spawn_local(send_loop(
-        client.clone(),
+        clients.clone(),
         shared.clone(),
         Pacer::new(
             output.send_burst,
@@ -582,17 +599,19 @@ async fn run(cli: Cli) -> Result<()> {
         retry_max,
     ));
     let (answers_tx, mut answers) = mpsc::channel::<Answer>(64);
-    let (syncs_tx, mut syncs) = mpsc::channel::<SyncResponse>(2);
+    let (syncs_tx, mut syncs) = mpsc::channel::<Synced>(2);
     let syncer = tokio::task::spawn_local(sync_loop(
-        client.clone(),
+        clients_tx,
         syncs_tx,
         retry_max,
         login.clone(),
         file.clone(),
         user.clone(),
     ));
+    drop(client);
+    let (joins_tx, mut joins) = mpsc::unbounded_channel::<(OwnedRoomId, bool)>();
     let mut bot = Bot {
-        client,
+        clients,
         me: Me {
             user_id: user.to_string(),
             display_name,
@@ -606,12 +625,15 @@ async fn run(cli: Cli) -> Result<()> {
         reset_level: reset_power_level,
         max_rooms: max_rooms as usize,
         joining: HashSet::new(),
+        joins: joins_tx,
         shared,
         answers: answers_tx,
         joined: HashSet::new(),
         encrypted: HashSet::new(),
         invites_seen: HashSet::new(),
         typing: HashMap::new(),
+        last_seen_ms: HashMap::new(),
+        served: SentIds::default(),
         first_sync: true,
     };
     let stop = roundtable_sandbox_examples::stop_signal();
@@ -619,10 +641,12 @@ async fn run(cli: Cli) -> Result<()> {
     let ended = loop {
         tokio::select! {
             batch = syncs.recv() => match batch {
-                Some(batch) => bot.read_sync(batch).await,
+                Some(Synced::Next(batch)) => bot.read_sync(batch, false).await,
+                Some(Synced::Resumed(batch)) => bot.read_sync(batch, true).await,
                 None => break Err(anyhow::anyhow!("the sync stopped: the homeserver refused the bot's session and it cannot log in again")),
             },
             Some(answer) = answers.recv() => bot.post_answer(answer),
+            Some((room, joined)) = joins.recv() => bot.join_ended(&room, joined),
             () = &mut stop => break Ok(()),
         }
     };
@@ -650,19 +674,33 @@ async fn run(cli: Cli) -> Result<()> {
     ended
 }
 
+/// A sync's response, for the bot's loop.
+enum Synced {
+    /// The next, after the last.
+    Next(SyncResponse),
+    /// The first of a new session (the bot logged in again): whole, from no token (the new
+    /// client's store knows no room until then), its timelines read only past what the
+    /// bot had read.
+    Resumed(SyncResponse),
+}
+
 /// Syncs for ever: each response to the bot's loop, in order; a failure retried with
-/// backoff (a 429 after the time the server said). Ends only when the server refuses the
-/// session and the bot cannot log in again.
+/// backoff (a 429 after the time the server said). The server refusing the session's
+/// token: logged in again, the new client given to every user of `clients` (the bot, the
+/// sender), and synced from no token. Ends only when the server refuses the session and
+/// the bot cannot log in again.
 async fn sync_loop(
-    mut client: Client,
-    out: mpsc::Sender<SyncResponse>,
+    clients: watch::Sender<Client>,
+    out: mpsc::Sender<Synced>,
     retry_max: Duration,
     login: Option<Login>,
     file: SessionFile,
     user: OwnedUserId,
 ) {
-    let filter = Filter::FilterDefinition(sync_filter(&unique_tag()));
+    let mut filter = Filter::FilterDefinition(sync_filter(&unique_tag()));
+    let mut client = clients.borrow().clone();
     let mut token: Option<String> = None;
+    let mut resumed = false;
     let mut backoff = Duration::from_secs(1);
     loop {
         let mut settings = SyncSettings::default()
@@ -675,7 +713,11 @@ async fn sync_loop(
             Ok(response) => {
                 backoff = Duration::from_secs(1);
                 token = Some(response.next_batch.clone());
-                if out.send(response).await.is_err() {
+                let synced = match std::mem::take(&mut resumed) {
+                    true => Synced::Resumed(response),
+                    false => Synced::Next(response),
+                };
+                if out.send(synced).await.is_err() {
                     return;
                 }
             }
@@ -701,8 +743,16 @@ async fn sync_loop(
                     let device = client.device_id().map(|d| d.to_string());
                     match log_in(&homeserver, &user, &file, login, device.as_deref()).await {
                         Ok((c, _)) => {
-                            // The sync goes on from where it was, on the new session.
+                            // Every user of the client takes the new one; its store knows
+                            // nothing yet, so its first sync is whole.
+                            clients.send_replace(c.clone());
                             client = c;
+                            token = None;
+                            resumed = true;
+                            // A filter of its own again: the same request from no token
+                            // was answered from the server's cache, the start's snapshot,
+                            // and the syncs after it replayed everything since.
+                            filter = Filter::FilterDefinition(sync_filter(&unique_tag()));
                             continue;
                         }
                         Err(e) => eprintln!(
@@ -753,7 +803,12 @@ fn sync_filter(tag: &str) -> FilterDefinition {
 /// event sent again (same transaction id: the server keeps one); a network failure or a
 /// server error retried with backoff; an event the server refuses for good (the bot left
 /// the room, …) dropped.
-async fn send_loop(client: Client, shared: Shared, mut pacer: Pacer, retry_max: Duration) {
+async fn send_loop(
+    mut clients: watch::Receiver<Client>,
+    shared: Shared,
+    mut pacer: Pacer,
+    retry_max: Duration,
+) {
     loop {
         let next = {
             let mut outbox = shared.outbox.lock().expect("outbox lock");
@@ -781,12 +836,12 @@ async fn send_loop(client: Client, shared: Shared, mut pacer: Pacer, retry_max: 
                 continue;
             }
         };
-        send_one(&client, &shared, &mut pacer, retry_max, out).await;
+        send_one(&mut clients, &shared, &mut pacer, retry_max, out).await;
     }
 }
 
 async fn send_one(
-    client: &Client,
+    clients: &mut watch::Receiver<Client>,
     shared: &Shared,
     pacer: &mut Pacer,
     retry_max: Duration,
@@ -797,7 +852,13 @@ async fn send_one(
     };
     let txn = TransactionId::new();
     let mut backoff = Duration::from_secs(1);
+    // The server's errors (5xx) an event is sent through: past them it is dropped (one
+    // event the server keeps failing held every room's output behind it). A server not
+    // answering at all is waited for as long as it takes (every event would fail alike).
+    let mut server_errors = 0;
     loop {
+        // The current session's client (a new one after logging in again).
+        let client = clients.borrow_and_update().clone();
         let Some(room) = client.get_room(&room_id) else {
             eprintln!(
                 "{PROGRAM}: {}: no longer in the room; dropped an event",
@@ -839,6 +900,20 @@ async fn send_one(
                     tokio::time::sleep(wait).await;
                     continue;
                 }
+                if matches!(
+                    http.and_then(|h| h.client_api_error_kind()),
+                    Some(ErrorKind::UnknownToken(_))
+                ) {
+                    // The session's token is refused: the sync logs in again; the event
+                    // waits for the new session (dropped, every reply was lost until a
+                    // restart).
+                    eprintln!(
+                        "{PROGRAM}: {}: the homeserver refused the session's token; the event waits for the bot to log in again",
+                        shown(room_id.as_str())
+                    );
+                    let _ = tokio::time::timeout(retry_max, clients.changed()).await;
+                    continue;
+                }
                 let status = http
                     .and_then(|h| h.as_client_api_error())
                     .map(|a| a.status_code.as_u16());
@@ -848,11 +923,19 @@ async fn send_one(
                     (Some(_), None) => true,
                     (None, _) => false,
                 };
-                if !transient {
+                if status.is_some() && transient {
+                    server_errors += 1;
+                }
+                if !transient || server_errors > MAX_SERVER_ERRORS {
                     eprintln!(
-                        "{PROGRAM}: {}: the homeserver refused an event: {}; dropped",
+                        "{PROGRAM}: {}: the homeserver refused an event: {}{}; dropped",
                         shown(room_id.as_str()),
-                        short_error(&e.to_string())
+                        short_error(&e.to_string()),
+                        if transient {
+                            format!(" ({server_errors} times)")
+                        } else {
+                            String::new()
+                        }
                     );
                     return;
                 }
@@ -867,6 +950,18 @@ async fn send_one(
             }
         }
     }
+}
+
+/// Posts the notice that `room` (end-to-end encrypted) is not served. The bot's own notice,
+/// one per room: a budget of the room's own (under the bot's id, the eleventh encrypted room
+/// of a minute got the drop notice, which was `{}`: an empty event, and the room was never
+/// told). Past a full outbox, the notice itself takes the one place past the cap.
+fn post_encrypted_notice(outbox: &mut Outbox, own: &str, room: &str, now: Instant) {
+    let contents = render::contents(Kind::Notice, ENCRYPTED_NOTICE);
+    let told = contents.first().cloned().unwrap_or_default();
+    outbox.post(room, &format!("{own} in {room}"), contents, now, &|_, _| {
+        told.clone()
+    });
 }
 
 /// The `m.relates_to` of an answer to `asked`: a reply, in its thread when it is in one.
@@ -934,18 +1029,16 @@ impl Bot {
         format!("matrix:{room}")
     }
 
-    /// Reads one sync: invites, rooms left, rooms joined and their new messages.
-    async fn read_sync(&mut self, batch: SyncResponse) {
+    /// The client of the bot's current session.
+    fn client(&self) -> Client {
+        self.clients.borrow().clone()
+    }
+
+    /// Reads one sync: invites, rooms left, rooms joined and their new messages
+    /// (`resumed`: a new session's first, whole sync, of which only the messages newer
+    /// than those read before are answered).
+    async fn read_sync(&mut self, batch: SyncResponse, resumed: bool) {
         let first = std::mem::replace(&mut self.first_sync, false);
-        for (room_id, invited) in &batch.rooms.invited {
-            let state: Vec<Value> = invited
-                .invite_state
-                .events
-                .iter()
-                .filter_map(|e| serde_json::from_str(e.json().get()).ok())
-                .collect();
-            self.invited(room_id, &state).await;
-        }
         for (room_id, left) in &batch.rooms.left {
             let mut events: Vec<Value> = raw_values(state_events(&left.state));
             events.extend(
@@ -970,7 +1063,7 @@ impl Bot {
             let encryption_now = timeline
                 .iter()
                 .chain(&state)
-                .any(|e| e["type"] == "m.room.encryption");
+                .any(incoming::turns_encryption_on);
             if encryption_now {
                 let told_before = !self.encrypted.insert(room_id.clone());
                 // Told once: when the bot joins an encrypted room, or a room it is in turns
@@ -982,7 +1075,27 @@ impl Bot {
             if self.encrypted.contains(room_id) {
                 continue;
             }
-            let from = incoming::answerable_from(&timeline, self.own.as_str(), first, newly);
+            let mut from = incoming::answerable_from(&timeline, self.own.as_str(), first, newly);
+            let seen = self.last_seen_ms.get(room_id).copied();
+            if resumed {
+                // Past what was read before (the whole sync repeats the last events).
+                let after =
+                    seen.unwrap_or(i64::try_from(self.me.not_before_ms).unwrap_or(i64::MAX));
+                from = from.max(
+                    timeline
+                        .iter()
+                        .rposition(|e| e["origin_server_ts"].as_i64().is_some_and(|t| t <= after))
+                        .map_or(0, |i| i + 1),
+                );
+            }
+            if let Some(newest) = timeline
+                .iter()
+                .filter_map(|e| e["origin_server_ts"].as_i64())
+                .max()
+            {
+                self.last_seen_ms
+                    .insert(room_id.clone(), seen.map_or(newest, |s| s.max(newest)));
+            }
             for event in &timeline[from..] {
                 let sent = self.shared.sent.clone();
                 let sent_by_me = move |id: &str| sent.lock().expect("sent lock").set.contains(id);
@@ -990,6 +1103,17 @@ impl Bot {
                     self.serve(room_id, message).await;
                 }
             }
+        }
+        // Invites last: the rooms joined are counted first (`--max-rooms`; the first sync's
+        // invites were weighed against no room).
+        for (room_id, invited) in &batch.rooms.invited {
+            let state: Vec<Value> = invited
+                .invite_state
+                .events
+                .iter()
+                .filter_map(|e| serde_json::from_str(e.json().get()).ok())
+                .collect();
+            self.invited(room_id, &state).await;
         }
         if first {
             eprintln!(
@@ -1015,45 +1139,64 @@ impl Bot {
             (true, true) => Some(format!("already in {rooms} room(s): --max-rooms")),
             (true, false) => None,
         };
+        // The server's answers are waited for apart from the bot's loop: a join retried
+        // with backoff (or a decline held up) stalled every room's answers, and the syncs.
+        let client = self.client();
         if let Some(why) = refused {
             eprintln!("{PROGRAM}: {room}: refused an invite from {by} ({why})");
-            if let Some(r) = self.client.get_room(room_id) {
-                if let Err(e) = r.leave().await {
-                    eprintln!(
-                        "{PROGRAM}: {room}: declining the invite failed: {}",
-                        short_error(&e.to_string())
-                    );
-                }
+            if let Some(r) = client.get_room(room_id) {
+                tokio::task::spawn_local(async move {
+                    if let Err(e) = r.leave().await {
+                        eprintln!(
+                            "{PROGRAM}: {room}: declining the invite failed: {}",
+                            short_error(&e.to_string())
+                        );
+                    }
+                });
             }
             return;
         }
-        let mut backoff = Duration::from_secs(1);
-        for _ in 0..5 {
-            match self.client.join_room_by_id(room_id).await {
-                Ok(_) => {
-                    eprintln!("{PROGRAM}: {room}: joined (invited by {by})");
-                    self.joining.insert(room_id.clone());
-                    return;
-                }
-                Err(e) => {
-                    let wait = http_error(&e).and_then(rate_limited).unwrap_or(backoff);
-                    eprintln!(
-                        "{PROGRAM}: {room}: joining failed: {}; trying again in {} ms",
-                        short_error(&e.to_string()),
-                        wait.as_millis()
-                    );
-                    tokio::time::sleep(wait).await;
-                    backoff *= 2;
+        // Counted toward `--max-rooms` from now on.
+        self.joining.insert(room_id.clone());
+        let (room_id, ended) = (room_id.clone(), self.joins.clone());
+        tokio::task::spawn_local(async move {
+            let mut backoff = Duration::from_secs(1);
+            for _ in 0..5 {
+                match client.join_room_by_id(&room_id).await {
+                    Ok(_) => {
+                        eprintln!("{PROGRAM}: {room}: joined (invited by {by})");
+                        let _ = ended.send((room_id, true));
+                        return;
+                    }
+                    Err(e) => {
+                        let wait = http_error(&e).and_then(rate_limited).unwrap_or(backoff);
+                        eprintln!(
+                            "{PROGRAM}: {room}: joining failed: {}; trying again in {} ms",
+                            short_error(&e.to_string()),
+                            wait.as_millis()
+                        );
+                        tokio::time::sleep(wait).await;
+                        backoff *= 2;
+                    }
                 }
             }
+            let _ = ended.send((room_id, false));
+        });
+    }
+
+    /// A join begun on an invite ended: failed, the room no longer counts and a later
+    /// sync's invite tries again (joined, the sync that shows it takes it from `joining`).
+    fn join_ended(&mut self, room_id: &OwnedRoomId, joined: bool) {
+        if !joined {
+            self.joining.remove(room_id);
+            self.invites_seen.remove(room_id);
         }
-        // Let a later sync's invite try again.
-        self.invites_seen.remove(room_id);
     }
 
     /// A room the bot is no longer in: forgotten, its outbox dropped; kicked or banned, it
     /// does not rejoin.
     async fn left(&mut self, room_id: &OwnedRoomId, events: &[Value]) {
+        self.last_seen_ms.remove(room_id);
         let was_in = self.joined.remove(room_id);
         self.joining.remove(room_id);
         self.invites_seen.remove(room_id);
@@ -1100,7 +1243,7 @@ impl Bot {
         } else if was_in {
             eprintln!("{PROGRAM}: {room}: left");
         }
-        if let Some(r) = self.client.get_room(room_id) {
+        if let Some(r) = self.client().get_room(room_id) {
             let _ = r.forget().await;
         }
     }
@@ -1110,15 +1253,12 @@ impl Bot {
             "{PROGRAM}: {}: end-to-end encrypted: told the room it is not served",
             shown(room_id.as_str())
         );
-        let contents = render::contents(Kind::Notice, ENCRYPTED_NOTICE);
-        // The bot's own notice, not a guest's output: no guest's budget.
         let mut outbox = self.shared.outbox.lock().expect("outbox lock");
-        outbox.post(
-            room_id.as_str(),
+        post_encrypted_notice(
+            &mut outbox,
             self.own.as_str(),
-            contents,
+            room_id.as_str(),
             Instant::now(),
-            &|_, _| json!({}),
         );
         drop(outbox);
         self.shared.wake.notify_one();
@@ -1129,7 +1269,7 @@ impl Bot {
         if level <= 0 {
             return true;
         }
-        let Some(room) = self.client.get_room(room_id) else {
+        let Some(room) = self.client().get_room(room_id) else {
             return false;
         };
         let Ok(user) = OwnedUserId::try_from(user) else {
@@ -1145,6 +1285,9 @@ impl Bot {
 
     /// A message addressed to the bot: a command, or a turn.
     async fn serve(&mut self, room_id: &OwnedRoomId, message: Message) {
+        if !self.served.add(message.event_id.clone()) {
+            return;
+        }
         let channel = Self::channel(room_id);
         match message.ask.clone() {
             Ask::Command(Command::Reset) => {
@@ -1244,7 +1387,7 @@ impl Bot {
 
     /// A turn for `text`: typing shown while it runs, the answer posted when it is done.
     async fn start_turn(&mut self, room_id: &OwnedRoomId, asked: Message, text: String) {
-        let name = match self.client.get_room(room_id) {
+        let name = match self.client().get_room(room_id) {
             Some(room) => match OwnedUserId::try_from(asked.sender.as_str()) {
                 Ok(user) => room
                     .get_member_no_sync(&user)
@@ -1313,7 +1456,7 @@ impl Bot {
             *count += 1;
             return;
         }
-        let (client, own, room) = (self.client.clone(), self.own.clone(), room_id.clone());
+        let (client, own, room) = (self.client(), self.own.clone(), room_id.clone());
         let task = tokio::task::spawn_local(async move {
             loop {
                 let request = TypingRequest::new(
@@ -1346,7 +1489,7 @@ impl Bot {
         if let Some((_, task)) = self.typing.remove(room_id) {
             task.abort();
         }
-        let (client, own, room) = (self.client.clone(), self.own.clone(), room_id.clone());
+        let (client, own, room) = (self.client(), self.own.clone(), room_id.clone());
         tokio::task::spawn_local(async move {
             let _ = client.send(TypingRequest::new(own, room, Typing::No)).await;
         });
@@ -1370,6 +1513,30 @@ fn raw_values<T>(raws: Vec<&matrix_sdk::ruma::serde::Raw<T>>) -> Vec<Value> {
 
 #[cfg(test)]
 mod tests {
+    /// Every encrypted room is told, however many in a window (the eleventh of a minute got
+    /// an empty event under the bot's own budget of 10), and a full outbox still tells it.
+    #[test]
+    fn every_encrypted_room_is_told_by_a_notice() {
+        let mut outbox = Outbox::new(Bounds {
+            room_cap: 1,
+            guest_events: 10,
+            window: Duration::from_secs(60),
+        });
+        let now = Instant::now();
+        for i in 0..12 {
+            post_encrypted_notice(&mut outbox, "@bot:x", &format!("!r{i}:x"), now);
+        }
+        // A room whose outbox is full (its cap 1) is told in the place past it.
+        post_encrypted_notice(&mut outbox, "@bot:x", "!r0:x", now);
+        let mut told = 0;
+        while let Some(out) = outbox.pop() {
+            assert_eq!(out.content["msgtype"], "m.notice", "{}", out.content);
+            assert_eq!(out.content["body"], ENCRYPTED_NOTICE);
+            told += 1;
+        }
+        assert_eq!(told, 13);
+    }
+
     use super::*;
     use clap::CommandFactory;
 

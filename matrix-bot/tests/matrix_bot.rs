@@ -581,6 +581,47 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
         .iter()
         .any(|l| l.contains(&room_a) && l.contains("a turn for")));
 
+    // The session's token revoked (its device logged out, as by an admin or the user's
+    // other client): the bot logs in again with its password, and the new session serves:
+    // the question asked meanwhile is answered once (its answer waits for the new session;
+    // it was dropped, and every later one, until a restart), and the next one too.
+    let session: Value =
+        serde_json::from_slice(&std::fs::read(d.join("session.json")).unwrap()).unwrap();
+    let old_token = session["access_token"].as_str().unwrap().to_owned();
+    let before = bot.len();
+    hs.call(
+        "POST",
+        "/_matrix/client/v3/logout",
+        Some(&old_token),
+        Some(&json!({})),
+    );
+    let (q_gap, gap) = ask(&hs, &bob, &room_b, "bot: asked while logged out");
+    assert!(gap.contains("read it back"), "{gap}");
+    bot.wait_for("logged in as @bot:localhost", before);
+    let (_, after) = ask(&hs, &bob, &room_b, "bot: asked after logging in again");
+    assert!(after.contains("read it back"), "{after}");
+    let answered = bot_events(&hs, &bob, &room_b)
+        .iter()
+        .filter(|e| answers(e) == Some(q_gap.as_str()))
+        .count();
+    assert_eq!(answered, 1, "the question asked meanwhile answered once");
+    // Nothing of before is served again (the new session's first sync was the server's
+    // cached snapshot of the start, and the syncs after it replayed everything since).
+    let again: Vec<String> = bot.lines()[before..]
+        .iter()
+        .filter(|l| {
+            ["a turn for @alice", "a turn for @carol", "invite", "kicked"]
+                .iter()
+                .any(|w| l.contains(w))
+        })
+        .cloned()
+        .collect();
+    assert_eq!(
+        again,
+        Vec::<String>::new(),
+        "served again after logging in again"
+    );
+
     // The session file: the service user's alone.
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::metadata(d.join("session.json")).unwrap();
@@ -808,21 +849,17 @@ fn limits_key_on_the_user_id_not_the_display_name() {
         login["access_token"].as_str().unwrap(),
     );
     let token = token.to_str().unwrap();
-    let bot = start_bot_configured(
-        d,
-        &hs,
-        &config,
-        &[
-            "--metrics",
-            "127.0.0.1:0",
-            "--access-token-file",
-            token,
-            "--guest-messages",
-            "4",
-            "--max-rooms",
-            "1",
-        ],
-    );
+    let flags = [
+        "--metrics",
+        "127.0.0.1:0",
+        "--access-token-file",
+        token,
+        "--guest-messages",
+        "4",
+        "--max-rooms",
+        "1",
+    ];
+    let bot = start_bot_configured(d, &hs, &config, &flags);
     let device = login["device_id"].as_str().unwrap();
     assert!(
         bot.lines().iter().any(|l| l.contains(&format!(
@@ -933,6 +970,24 @@ fn limits_key_on_the_user_id_not_the_display_name() {
     let holds = |needle: &str| kept.windows(needle.len()).any(|w| w == needle.as_bytes());
     assert!(holds("@dave:localhost"), "no user id counted");
     assert!(!holds("Dave"));
+
+    // `--max-rooms` holds at a start too: an invite that came while the bot was down is
+    // weighed against the room it is in (the first sync's invites were weighed against
+    // none, and taken).
+    let third = hs.create_room(&erin, &[BOT], false);
+    let bot = start_bot_configured(d, &hs, &config, &flags);
+    bot.wait_for(
+        &format!(
+            "{third}: refused an invite from @erin:localhost (already in 1 room(s): --max-rooms)"
+        ),
+        0,
+    );
+    wait_until_or(
+        "the invite to be declined",
+        || hs.membership(&erin, &third, BOT) == "leave",
+        String::new,
+    );
+    bot.stop(d);
 }
 
 /// Sets `user`'s display name and waits until `room`'s member event carries it.
