@@ -313,6 +313,8 @@ async fn dropped_calls_are_charged_at_their_worst_case() {
     let used = book.tokens(&CounterKey::Speaker("mallory".into()));
     assert!((worst..worst + 100).contains(&used), "charged {used}");
     assert!(account.usage().estimated);
+    // It reached the upstream: the turn's usage counts it (it counted only answered calls).
+    assert_eq!(account.usage().model_calls, 1);
     assert_eq!(
         model.requests().len(),
         1,
@@ -320,6 +322,50 @@ async fn dropped_calls_are_charged_at_their_worst_case() {
     );
     // The speaker's next turn is refused at admission.
     assert!(book.admit("mallory", &channel_segment("#b")).is_err());
+}
+
+#[tokio::test]
+async fn a_stream_dropped_before_its_end_is_charged_at_its_worst_case() {
+    // The upstream sends one chunk of a long answer (max_tokens 4,000) and works on; the
+    // guest reads that chunk and goes. Settled at what was read (~20 tokens), the tokens
+    // the upstream made meanwhile were never charged: the worst case held stays.
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let events = roundtable_sandbox_test_support::model::sse_text_events(&["one", "two"]);
+    let model = ScriptedModel::start(vec![Step::Gated {
+        first: vec![events[0].clone()],
+        gate: gate.clone(),
+        rest: events[1..].to_vec(),
+    }])
+    .await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(dir.path(), BudgetSettings::default());
+    let account = Arc::new(TurnAccount::new(
+        "mallory",
+        &channel_segment("#a"),
+        Some(book.clone()),
+    ));
+    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    let body = json!({"messages": [{"role": "user", "content": "p".repeat(4000)}],
+                      "stream": true, "max_tokens": 4000});
+    let (status, _, mut incoming) = client::post_stream(turn.socket(), CHAT, &body).await;
+    assert_eq!(status, 200);
+    let first = client::next_chunk(&mut incoming).await.unwrap();
+    assert_eq!(first, events[0].as_bytes());
+    drop(incoming);
+    let worst = 4000 / 4 + 4000;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while book.tokens(&CounterKey::Speaker("mallory".into())) < worst {
+        assert!(
+            Instant::now() < deadline,
+            "charged {} (worst case {worst})",
+            book.tokens(&CounterKey::Speaker("mallory".into()))
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let used = book.tokens(&CounterKey::Speaker("mallory".into()));
+    assert!((worst..worst + 100).contains(&used), "charged {used}");
+    assert_eq!(account.usage().model_calls, 1);
 }
 
 #[test]

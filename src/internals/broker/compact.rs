@@ -642,15 +642,14 @@ impl SummaryCall<'_> {
         let outcome = tokio::select! {
             r = tokio::time::timeout(timeout, exchange) => r,
             _ = self.turn.stop.cancelled() => {
+                self.count_call();
                 self.report(StatusCode::SERVICE_UNAVAILABLE, None);
                 return Err("the turn was stopped".to_owned());
             }
         };
         let (status, msg) = match outcome {
             Ok(Ok(r)) => {
-                if let Some(account) = &self.turn.ctx.account {
-                    account.count_model_call();
-                }
+                self.count_call();
                 return Ok(r);
             }
             Err(_) => (
@@ -658,14 +657,12 @@ impl SummaryCall<'_> {
                 format!("the {name} timed out after {timeout:?}"),
             ),
             Ok(Err(Exchange::Send(e))) if e.is_connect() => {
-                // Nothing reached the upstream.
+                // Nothing reached the upstream: neither charged nor counted.
                 if let Some(charge) = self.charge.take() {
                     charge.settle(0, 0, false);
                 }
-                (
-                    StatusCode::BAD_GATEWAY,
-                    format!("the {name} is unreachable"),
-                )
+                self.report(StatusCode::BAD_GATEWAY, None);
+                return Err(format!("the {name} is unreachable"));
             }
             Ok(Err(Exchange::Send(e))) if e.is_timeout() => {
                 (StatusCode::GATEWAY_TIMEOUT, format!("the {name} timed out"))
@@ -675,8 +672,18 @@ impl SummaryCall<'_> {
                 format!("the {name} request failed"),
             ),
         };
+        // It may have reached the upstream (a deadline, a connection lost after the
+        // request went): counted as a call (its charge, dropped, keeps its estimate).
+        self.count_call();
         self.report(status, None);
         Err(msg)
+    }
+
+    /// One call that reached (or may have reached) the upstream, in the turn's usage.
+    fn count_call(&self) {
+        if let Some(account) = &self.turn.ctx.account {
+            account.count_model_call();
+        }
     }
 
     /// Reads the upstream's answer: a refusal or a cut answer is a failed step; a

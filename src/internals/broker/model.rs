@@ -319,7 +319,15 @@ impl Upstream {
         };
         let whole = match self.exchange(request, stream, cancel, &secrets).await {
             Ok(whole) => whole,
-            Err(Unanswered::Stopped(answer)) => return answer,
+            Err(Unanswered::Stopped(answer)) => {
+                // It may have reached the upstream (a deadline, the turn's stop, a
+                // connection lost after the request went): counted as a call, and charged
+                // its worst case as its charge is dropped.
+                if let Some(c) = &charge {
+                    c.count_sent();
+                }
+                return answer;
+            }
             Err(Unanswered::Failed(answer)) => {
                 settle_unsent(charge);
                 return answer;
@@ -363,6 +371,7 @@ impl Upstream {
                     sent_bytes,
                     streamed: 0,
                     usage: None,
+                    ended: false,
                 });
                 Answer {
                     response: self.relay(response, secrets, SseFilter::new(!usage_asked), tap),
@@ -549,6 +558,9 @@ impl Upstream {
                     }
                     Ok(Ok(None)) => {
                         st.done = true;
+                        if let Some(t) = &mut st.tap {
+                            t.ended = true;
+                        }
                         let mut passed = st.filter.finish(&mut st.tap);
                         let mut out = st.redactor.push(&passed);
                         passed.clear();
@@ -574,6 +586,9 @@ impl Upstream {
                 };
                 if let Some(error) = error {
                     st.done = true;
+                    if let Some(t) = &mut st.tap {
+                        t.ended = true;
+                    }
                     let event = serde_json::json!({"error": {"message": error}});
                     out.extend_from_slice(format!("\n\ndata: {event}\n\n").as_bytes());
                 }
@@ -642,12 +657,21 @@ struct UsageTap {
     sent_bytes: usize,
     streamed: usize,
     usage: Option<UsageWire>,
+    /// The stream came to its end (the upstream's, or an error the broker told the guest).
+    ended: bool,
 }
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
         if let Some(charge) = self.charge.take() {
-            settle_whole(charge, self.sent_bytes, self.streamed, self.usage);
+            if self.ended || self.usage.is_some() {
+                settle_whole(charge, self.sent_bytes, self.streamed, self.usage);
+            } else {
+                // Dropped by the guest before its end, its usage unread: charged at the
+                // worst case it held (settled at what was read, the tokens the upstream
+                // had made and the guest had not read were never charged).
+                drop(charge);
+            }
         }
         if let Some((events, latency)) = self.report.take() {
             events.broker(BrokerEvent::ModelCall {

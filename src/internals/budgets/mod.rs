@@ -194,6 +194,7 @@ impl TurnAccount {
             prompt,
             completion,
             settled: false,
+            counted: AtomicBool::new(false),
         })
     }
 
@@ -248,12 +249,16 @@ pub struct CallCharge {
     prompt: u64,
     completion: u64,
     settled: bool,
+    /// Counted as one of the turn's model calls ([`Self::count_sent`]).
+    counted: AtomicBool,
 }
 
 impl CallCharge {
-    /// Its request went upstream: counted as one of the turn's model calls.
+    /// Its request went upstream: counted as one of the turn's model calls (once).
     pub fn count_sent(&self) {
-        self.account.count_model_call();
+        if !self.counted.swap(true, Ordering::Relaxed) {
+            self.account.count_model_call();
+        }
     }
 
     /// The answer's tokens replace the worst case (`estimated`: not the upstream's count).
@@ -278,6 +283,9 @@ impl Drop for CallCharge {
         if !self.settled {
             self.release();
             self.account.charge(self.prompt, self.completion, true);
+            // Charged as sent (a call the guest dropped while the upstream worked): counted
+            // as sent too (the turn's usage told fewer calls than reached the upstream).
+            self.count_sent();
         }
     }
 }

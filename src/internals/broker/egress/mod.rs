@@ -535,9 +535,10 @@ impl Exchange<'_> {
                 // (The audit keeps the upstream's status, as its field says; the refusal
                 // is logged.)
                 None => {
-                    return self
-                        .refused_coding(&incoming)
-                        .unwrap_or_else(|| self.answer(incoming))
+                    return match self.refused_coding(&incoming) {
+                        Some(refused) => refused,
+                        None => self.answer(incoming).await,
+                    }
                 }
             }
         }
@@ -786,8 +787,9 @@ impl Exchange<'_> {
     }
 
     /// The guest's answer: the upstream's status, its headers less the hop-by-hop and the
-    /// stripped ones, secrets redacted from headers and body.
-    fn answer(&self, incoming: net::Incoming) -> Response {
+    /// stripped ones, secrets redacted from headers and body (the body, up to the route's
+    /// `max_response_bytes`, on a blocking thread).
+    async fn answer(&self, incoming: net::Incoming) -> Response {
         let cfg = &self.route.config;
         let secrets = self.turn.broker.secrets();
         let mut response = hyper::Response::builder().status(incoming.status);
@@ -812,7 +814,9 @@ impl Exchange<'_> {
             };
             response = response.header(name, value);
         }
-        let body = secrets.redact_bytes(&incoming.body).into_owned();
+        let raw = incoming.body;
+        let body =
+            super::bounded::off_thread(move || secrets.redact_bytes(&raw).into_owned()).await;
         response.body(full(body)).unwrap_or_else(|_| {
             super::http::failure(
                 StatusCode::BAD_GATEWAY,

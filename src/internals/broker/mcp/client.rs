@@ -238,7 +238,7 @@ impl Shared {
                     return Err(self.flood());
                 }
                 tracing::debug!(server = %self.server, %method, "MCP server request answered");
-                Ok(Some(wire::answer(&id, &method)))
+                Ok(wire::answer(&id, &method))
             }
             Incoming::Other => {
                 if self.unsolicited() {
@@ -720,10 +720,12 @@ impl HttpLink {
                         return outcome.map_err(ClientError::Answer)
                     }
                     Incoming::Request { id, method } if shared.unsolicited() => {
-                        let answer = self.post(wire::answer(&id, &method));
-                        tokio::spawn(async move {
-                            let _ = tokio::time::timeout(COURTESY, answer.send()).await;
-                        });
+                        if let Some(answer) = wire::answer(&id, &method) {
+                            let answer = self.post(answer);
+                            tokio::spawn(async move {
+                                let _ = tokio::time::timeout(COURTESY, answer.send()).await;
+                            });
+                        }
                     }
                     Incoming::Other if shared.unsolicited() => {}
                     _ => {

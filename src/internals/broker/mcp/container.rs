@@ -378,6 +378,10 @@ pub(crate) struct Container {
     /// Frozen by [`Container::pause`].
     paused: bool,
     removed: bool,
+    /// Cancelled when it is dropped: the task of [`Container::remove_when`] ends with it
+    /// (a session whose start was cut off, by its call's deadline, was dropped unclosed,
+    /// and the task waited for ever, one per start).
+    dropped: tokio_util::sync::CancellationToken,
 }
 
 impl Container {
@@ -395,8 +399,13 @@ impl Container {
     /// container working until its next call.
     pub(crate) fn remove_when(&self, closed: tokio_util::sync::CancellationToken) {
         let (driver, name) = (self.driver.clone(), self.name.clone());
+        let dropped = self.dropped.clone();
         tokio::spawn(async move {
-            closed.cancelled().await;
+            tokio::select! {
+                () = closed.cancelled() => {}
+                // Removed by its drop.
+                () = dropped.cancelled() => return,
+            }
             if let Err(e) = driver.remove(&name).await {
                 tracing::debug!(container = %name, error = %e, "remove MCP container");
             }
@@ -447,6 +456,7 @@ impl Container {
 
 impl Drop for Container {
     fn drop(&mut self) {
+        self.dropped.cancel();
         if self.removed {
             return;
         }
@@ -500,6 +510,7 @@ pub(crate) async fn start(
         },
         paused: false,
         removed: false,
+        dropped: tokio_util::sync::CancellationToken::new(),
     };
     let io = driver.start_session(&spec).await.map_err(|e| match e {
         DriverError::ImageMissing { image } => {

@@ -479,7 +479,12 @@ impl McpPool {
         let confined = self.engine.as_ref().filter(|_| srv.config.in_container());
         if let Some((engine, _)) = confined {
             let dir = engine.data_dir(server, &session.segment);
-            if let Err(msg) = engine.check(server, &dir, &quota) {
+            // The data dir's walk (up to `data_files` entries, which the server makes) on a
+            // blocking thread: on a runtime thread it held every channel's turn back.
+            let (engine, name) = (engine.clone(), server.to_owned());
+            let checked =
+                super::bounded::off_thread(move || engine.check(&name, &dir, &quota)).await;
+            if let Err(msg) = checked {
                 end_session(&session).await;
                 return Err(CallError::Quota(msg));
             }

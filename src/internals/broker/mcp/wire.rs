@@ -34,16 +34,34 @@ pub(crate) fn notification(method: &str, params: &serde_json::Value) -> Vec<u8> 
     line(&serde_json::json!({"jsonrpc": "2.0", "method": method, "params": params}))
 }
 
+/// The longest request id of a server's that is answered (its JSON text, in bytes).
+const MAX_ID: usize = 128;
+
 /// The answer to a server's request: `{}` to a `ping`, "method not found" to anything
-/// else (the client declares no capability: no sampling, roots or elicitation).
-pub(crate) fn answer(id: &RawValue, method: &str) -> Vec<u8> {
-    let id: serde_json::Value = serde_json::from_str(id.get()).unwrap_or_default();
-    if method == "ping" {
-        line(&serde_json::json!({"jsonrpc": "2.0", "id": id, "result": {}}))
-    } else {
-        line(&serde_json::json!({"jsonrpc": "2.0", "id": id,
-            "error": {"code": METHOD_NOT_FOUND, "message": "method not found"}}))
+/// else (the client declares no capability: no sampling, roots or elicitation). `None`
+/// for an id that is no JSON-RPC id (a string or a number) or is longer than [`MAX_ID`]:
+/// not answered (any JSON was built into a tree here, on a runtime thread, and sent back,
+/// up to the message cap).
+pub(crate) fn answer(id: &RawValue, method: &str) -> Option<Vec<u8>> {
+    let id = id.get();
+    let valid = id.len() <= MAX_ID
+        && (id.starts_with('"')
+            || id.starts_with('-')
+            || id.starts_with(|c: char| c.is_ascii_digit()));
+    if !valid {
+        return None;
     }
+    // The id's own JSON text (checked by the parse that read it), echoed as it came.
+    let mut out = if method == "ping" {
+        format!(r#"{{"jsonrpc":"2.0","id":{id},"result":{{}}}}"#)
+    } else {
+        format!(
+            r#"{{"jsonrpc":"2.0","id":{id},"error":{{"code":{METHOD_NOT_FOUND},"message":"method not found"}}}}"#
+        )
+    }
+    .into_bytes();
+    out.push(b'\n');
+    Some(out)
 }
 
 /// The `initialize` request's params.
@@ -383,8 +401,35 @@ mod tests {
         };
         assert_eq!(
             answer(&id, &method),
-            b"{\"id\":\"s1\",\"jsonrpc\":\"2.0\",\"result\":{}}\n".to_vec()
+            Some(b"{\"jsonrpc\":\"2.0\",\"id\":\"s1\",\"result\":{}}\n".to_vec())
         );
+        // A number is echoed; an id that is no JSON-RPC id (an array, an object, a long
+        // string) is not answered (it was built into a tree and sent back).
+        let asked = |raw: &str| {
+            let Ok(Incoming::Request { id, method }) = read_now(raw.as_bytes(), CAPS, |_| None)
+            else {
+                panic!("{raw}")
+            };
+            answer(&id, &method)
+        };
+        assert_eq!(
+            asked(r#"{"id":-12,"method":"roots/list"}"#),
+            Some(
+                br#"{"jsonrpc":"2.0","id":-12,"error":{"code":-32601,"message":"method not found"}}"#
+                    .iter()
+                    .copied()
+                    .chain([b'\n'])
+                    .collect()
+            )
+        );
+        let long = format!(r#"{{"id":"{}","method":"ping"}}"#, "x".repeat(200));
+        for raw in [
+            r#"{"id":[1,2,3],"method":"ping"}"#,
+            r#"{"id":{"a":1},"method":"ping"}"#,
+            &long,
+        ] {
+            assert_eq!(asked(raw), None, "{raw}");
+        }
         let note = br#"{"method":"notifications/message","params":{"data":[[[]]]}}"#;
         assert!(matches!(
             read_now(note, CAPS, |_| None),
