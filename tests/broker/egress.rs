@@ -559,6 +559,9 @@ async fn egress_answers_are_capped_stripped_and_timed() {
     route.limits.timeout_ms = 500;
     route.limits.max_response_bytes = 2 << 20;
     route.limits.max_bytes_in_per_turn = 64 << 20;
+    // A list of its own strips those too: Set-Cookie is stripped whatever it says (a list
+    // replaced the default and let a session cookie through).
+    route.strip_response_headers = vec!["x-other".into()];
     let (turn, _) = web.turn(vec![route]).await;
     // Set-Cookie stripped, other headers kept.
     let a = get(&turn, &web.url("egress.test", "/cookie")).await;
@@ -618,6 +621,27 @@ async fn egress_per_turn_caps_and_audit_mode() {
         denied_by(&get(&turn, &web.url("other.test", "/echo")).await),
         "address"
     );
+    // A redirect hop the rules would refuse (a denied path), followed in audit mode: the
+    // request's line says so (it said allowed), and names the first hop's address.
+    let mut audit = web.web_route();
+    audit.mode = EgressMode::Audit;
+    audit.redirects = Redirects::SameRoute;
+    audit.deny = vec![roundtable_sandbox::DenyRule {
+        paths: vec!["/echo".into()],
+        ..Default::default()
+    }];
+    let (turn, seen) = web.turn(vec![audit]).await;
+    let to = format!("https%3A%2F%2Fegress.test:{}%2Fecho", web.port());
+    let a = get(
+        &turn,
+        &web.url("egress.test", &format!("/redirect?to={to}")),
+    )
+    .await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let events = egress_events(&seen);
+    assert_eq!(events[0].decision, EgressDecision::AuditDenied);
+    assert_eq!(events[0].rule.as_deref(), Some("deny[0]"));
+    assert_eq!(events[0].path, "/redirect?to=");
 }
 
 /// Headers carry data as bodies do. The guest's forwarded headers count against the turn's

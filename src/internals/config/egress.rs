@@ -83,7 +83,8 @@ pub struct EgressRoute {
     /// hop checked as a new request of this route, at most 5).
     #[serde(default)]
     pub redirects: Redirects,
-    /// Response headers removed before the guest sees them (default `set-cookie`).
+    /// Response headers removed before the guest sees them, besides `set-cookie` and
+    /// `set-cookie2`, which are always removed (default: `set-cookie`).
     #[serde(default = "default_strip")]
     pub strip_response_headers: Vec<String>,
     /// The caps.

@@ -527,8 +527,17 @@ impl Exchange<'_> {
                 _ => None,
             };
             match next {
-                Some(Ok(t)) => {
-                    target = t;
+                Some(Ok(hop)) => {
+                    // A hop the rules would refuse, sent in audit mode: the request's
+                    // decision (a redirect to a denied path was logged as allowed).
+                    if let (Some(would), EgressDecision::Allowed) =
+                        (&hop.audit_denied, &call.event.decision)
+                    {
+                        call.event.decision = EgressDecision::AuditDenied;
+                        call.event.rule = Some(would.rule.clone());
+                        tracing::warn!(route = %cfg.name, rule = %would.rule, "egress redirect followed in audit mode past a rule that would refuse it");
+                    }
+                    target = hop.target;
                     continue;
                 }
                 Some(Err(r)) => return call.deny(&cfg.name, &r.rule, &r.reason),
@@ -555,7 +564,7 @@ impl Exchange<'_> {
         &self,
         from: &rules::Target,
         headers: &HeaderMap,
-    ) -> Option<Result<rules::Target, rules::Refused>> {
+    ) -> Option<Result<rules::Allowed, rules::Refused>> {
         let location = headers.get(hyper::header::LOCATION)?.to_str().ok()?;
         let base =
             reqwest::Url::parse(&format!("https://{}:{}{}", from.host, from.port, from.path))
@@ -588,10 +597,13 @@ impl Exchange<'_> {
             }
             None => format!("{}/{}{}", next.scheme(), next.authority(), next.path()),
         };
-        Some(
-            rules::check(cfg, self.method.as_str(), &raw, next.query(), &self.headers)
-                .map(|a| a.target),
-        )
+        Some(rules::check(
+            cfg,
+            self.method.as_str(),
+            &raw,
+            next.query(),
+            &self.headers,
+        ))
     }
 
     /// One hop: resolve, check every address, connect to the checked one, send, read.
@@ -601,7 +613,8 @@ impl Exchange<'_> {
             .address(target)
             .await
             .map_err(|(rule, reason)| call.deny(&cfg.name, rule, &reason))?;
-        call.event.address = Some(addr.ip());
+        // The first hop's: the line names the request's host and path, and so its address.
+        call.event.address.get_or_insert(addr.ip());
         let spent = self.turn.egress.with(&cfg.name, |u| u.bytes_in);
         let cap = (cfg.limits.max_response_bytes as u64)
             .min(cfg.limits.max_bytes_in_per_turn.saturating_sub(spent)) as usize;
@@ -767,16 +780,23 @@ impl Exchange<'_> {
         if incoming.body.is_empty() {
             return None;
         }
-        let coding = incoming
-            .headers
-            .get_all(hyper::header::CONTENT_ENCODING)
-            .iter()
-            .map(|v| {
-                String::from_utf8_lossy(v.as_bytes())
-                    .trim()
-                    .to_ascii_lowercase()
-            })
-            .find(|c| !c.is_empty() && c != "identity")?;
+        // A content coding, or a transfer coding but `chunked` (hyper takes that one off;
+        // `gzip, chunked` reached the guest gzipped, its header removed as hop-by-hop).
+        let codings = |name: hyper::header::HeaderName, except: &'static str| {
+            incoming
+                .headers
+                .get_all(name)
+                .iter()
+                .flat_map(|v| {
+                    String::from_utf8_lossy(v.as_bytes())
+                        .split(',')
+                        .map(|c| c.trim().to_ascii_lowercase())
+                        .collect::<Vec<_>>()
+                })
+                .find(move |c| !c.is_empty() && c != "identity" && c != except)
+        };
+        let coding = codings(hyper::header::CONTENT_ENCODING, "identity")
+            .or_else(|| codings(hyper::header::TRANSFER_ENCODING, "chunked"))?;
         tracing::info!(route = %cfg.name, "egress answer in a coding refused on a route with a credential");
         Some(super::http::failure(
             StatusCode::BAD_GATEWAY,
@@ -802,6 +822,10 @@ impl Exchange<'_> {
                     .any(|s| s.eq_ignore_ascii_case(n))
                 || n == DENIED_HEADER
                 || n == BROKER_HEADER
+                // Always, whatever the route's list says (a list of its own replaced the
+                // default and let a session cookie for the operator's account through).
+                || n == "set-cookie"
+                || n == "set-cookie2"
             {
                 continue;
             }

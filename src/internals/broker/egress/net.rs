@@ -23,7 +23,16 @@ use crate::config::Cidr;
 /// The deny set's reason for `ip`, or `None` when it is a public address. `engine` are the
 /// container engine's own networks.
 pub(crate) fn denied(ip: IpAddr, engine: &[Cidr]) -> Option<&'static str> {
-    if engine.iter().any(|c| c.contains(ip)) {
+    // An IPv4-mapped address is its IPv4 address to a dual-stack socket: checked as that
+    // too (an IPv4 engine range never matched its IPv6 form).
+    let mapped = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4),
+        IpAddr::V4(_) => None,
+    };
+    if engine
+        .iter()
+        .any(|c| c.contains(ip) || mapped.is_some_and(|m| c.contains(m)))
+    {
         return Some("an address of the container engine's own networks");
     }
     match ip {
@@ -308,5 +317,7 @@ mod tests {
         }
         let engine = [Cidr::parse("203.1.0.0/16").unwrap()];
         assert!(denied("203.1.2.3".parse().unwrap(), &engine).is_some());
+        // Its IPv4-mapped form is the same address to a dual-stack socket.
+        assert!(denied("::ffff:203.1.2.3".parse().unwrap(), &engine).is_some());
     }
 }

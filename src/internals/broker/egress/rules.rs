@@ -70,6 +70,9 @@ pub(crate) fn check(
     headers: &[(String, String)],
 ) -> Result<Allowed, Refused> {
     let target = parse(route, target, query)?;
+    // Where it goes holds in every mode: in `audit` mode a route's hosts and ports were
+    // reported only, so a credential route sent its credential to any host a guest named.
+    where_to(route, &target)?;
     let verdict = route_rules(route, method, &target, headers);
     match (verdict, route.mode) {
         (Ok(()), _) => Ok(Allowed {
@@ -337,14 +340,8 @@ fn unusual_path(path: &str) -> Result<(), Refused> {
     Ok(())
 }
 
-/// The route's own rules: its hosts, the method, the paths, the query and the headers;
-/// then its `deny` rules.
-fn route_rules(
-    route: &EgressRoute,
-    method: &str,
-    target: &Target,
-    headers: &[(String, String)],
-) -> Result<(), Refused> {
+/// A route's hosts and ports (a host-pattern route's; an upstream's are its own).
+fn where_to(route: &EgressRoute, target: &Target) -> Result<(), Refused> {
     if route.upstream.is_none() && !route.hosts.iter().any(|p| host_matches(p, &target.host)) {
         return Err(refused(
             "host",
@@ -366,6 +363,17 @@ fn route_rules(
             ),
         ));
     }
+    Ok(())
+}
+
+/// The route's own rules: the method, the paths, the query and the headers; then its
+/// `deny` rules.
+fn route_rules(
+    route: &EgressRoute,
+    method: &str,
+    target: &Target,
+    headers: &[(String, String)],
+) -> Result<(), Refused> {
     if !route.methods.iter().any(|m| m == method) {
         return Err(refused(
             "method",
@@ -415,17 +423,24 @@ fn route_rules(
             }
         }
     }
-    // A deny rule's paths match in any case: a server that does not tell `/Admin` from
-    // `/admin` (IIS, a case-insensitive file system) must not let the first pass
-    // `/admin/**`. (An allow glob matches as written: a miss there only refuses.)
+    // A deny rule's paths match the path as written and as a lenient server reads it
+    // ([`deny_view`]): in any case, decoded again, its dot segments resolved, without a
+    // trailing slash and without a segment's trailing dots and spaces. (An allow glob
+    // matches as written: a miss there only refuses.)
     let folded = rel.to_ascii_lowercase();
+    let lenient = deny_view(rel);
     for (i, rule) in route.deny.iter().enumerate() {
-        let methods = rule.methods.is_empty() || rule.methods.iter().any(|m| m == method);
-        let paths = rule.paths.is_empty()
+        // A rule naming GET covers HEAD, which servers answer with the GET handler.
+        let methods = rule.methods.is_empty()
             || rule
-                .paths
+                .methods
                 .iter()
-                .any(|g| glob(&g.to_ascii_lowercase(), &folded));
+                .any(|m| m == method || (method == "HEAD" && m == "GET"));
+        let paths = rule.paths.is_empty()
+            || rule.paths.iter().any(|g| {
+                let g = g.to_ascii_lowercase();
+                glob(&g, &folded) || glob(&g, &lenient)
+            });
         let hosts =
             rule.hosts.is_empty() || rule.hosts.iter().any(|p| host_matches(p, &target.host));
         if methods && paths && hosts {
@@ -436,6 +451,41 @@ fn route_rules(
         }
     }
     Ok(())
+}
+
+/// A path as the most lenient server reads it, for the deny rules only (it may name a path
+/// no server serves: a deny rule refuses more, never less): lowercase, percent-decoded
+/// until nothing changes (a proxy and an application each decode once), `//` as `/`, the
+/// dot segments resolved, each segment's trailing dots and spaces dropped (IIS reads
+/// `/admin./` and `/admin%20/` as `/admin/`), no trailing slash (`/admin/` is `/admin`
+/// to Express and Rails).
+fn deny_view(path: &str) -> String {
+    let mut text = path.to_owned();
+    for _ in 0..4 {
+        let decoded = percent_encoding::percent_decode_str(&text)
+            .decode_utf8_lossy()
+            .into_owned();
+        if decoded == text {
+            break;
+        }
+        text = decoded;
+    }
+    let text = text.to_lowercase().replace('\\', "/");
+    let mut resolved: Vec<&str> = Vec::new();
+    for segment in text.split('/') {
+        // `.` is this segment, `..` (and IIS's `...`) the parent.
+        if !segment.is_empty() && segment.chars().all(|c| c == '.') {
+            if segment.len() >= 2 {
+                resolved.pop();
+            }
+            continue;
+        }
+        let segment = segment.trim_end_matches(['.', ' ']);
+        if !segment.is_empty() {
+            resolved.push(segment);
+        }
+    }
+    format!("/{}", resolved.join("/"))
 }
 
 /// The path the route's globs see: under an upstream's base, the part after it.
@@ -607,6 +657,49 @@ mod tests {
                 "{path}"
             );
         }
+        // Forms a lenient server reads as the denied path: a trailing slash, a segment's
+        // trailing dots and spaces (IIS), an escape escaped again.
+        let mut exact = EgressRoute::hosts("site", &["*"]);
+        exact.deny = vec![DenyRule {
+            paths: vec!["/admin".into(), "/admin/**".into()],
+            ..Default::default()
+        }];
+        for path in [
+            "/admin/",
+            "/admin./x",
+            "/admin%20/x",
+            "/admin%2e/x",
+            "/%2561dmin/x",
+        ] {
+            assert_eq!(
+                rule_of(&exact, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some("deny[0]"),
+                "{path}"
+            );
+        }
+        // With `allow_unusual_paths`, a path sent with its dot segments is denied as the
+        // path they resolve to.
+        let mut lax = exact.clone();
+        lax.allow_unusual_paths = true;
+        assert_eq!(
+            rule_of(&lax, "GET", "https/example.com/x/../admin/y").as_deref(),
+            Some("deny[0]")
+        );
+        assert_eq!(
+            rule_of(&exact, "GET", "https/example.com/administrators"),
+            None
+        );
+        // A rule naming GET covers HEAD (servers answer it with the GET handler).
+        let mut get_only = EgressRoute::hosts("site", &["*"]);
+        get_only.deny = vec![DenyRule {
+            methods: vec!["GET".into()],
+            paths: vec!["/private/**".into()],
+            ..Default::default()
+        }];
+        assert_eq!(
+            rule_of(&get_only, "HEAD", "https/example.com/private/x").as_deref(),
+            Some("deny[0]")
+        );
         // What is sent: unreserved escapes decoded, the others kept (upper case).
         let t = check(
             &r,
@@ -687,10 +780,19 @@ mod tests {
         r.mode = EgressMode::Audit;
         let allowed = check(&r, "POST", "https/en.wikipedia.org/wiki/Rust", None, &[]).unwrap();
         assert_eq!(allowed.audit_denied.unwrap().rule, "method");
-        // ... but not the controls that hold in every mode.
+        // ... but not the controls that hold in every mode: the address, and where it
+        // goes (its hosts and ports: a credential went to any host a guest named).
         assert_eq!(
             rule_of(&r, "GET", "https/0x7f000002/wiki/x").as_deref(),
             Some("ip_literal")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/evil.example/wiki/x").as_deref(),
+            Some("host")
+        );
+        assert_eq!(
+            rule_of(&r, "GET", "https/en.wikipedia.org:22/wiki/x").as_deref(),
+            Some("port")
         );
     }
 
