@@ -145,9 +145,46 @@ impl DockerDriver {
                     runtime: runtime.unwrap_or_default().to_owned(),
                 })
             }
+            Err(e @ DriverError::CallTimeout { .. }) => {
+                // The engine may still make it after the call was given up: its teardown's
+                // removal finds nothing (404, counted as removed) and it would stay until
+                // the next start's sweep. Removed again later, when it may have appeared.
+                late_removal(docker.clone(), name.to_owned());
+                Err(e)
+            }
             Err(e) => Err(e),
         }
     }
+}
+
+/// When a late removal of a container whose create timed out is tried: the engine that
+/// was slow may make it any time after.
+const LATE_REMOVALS: [Duration; 3] = [
+    Duration::from_secs(10),
+    Duration::from_secs(60),
+    Duration::from_secs(300),
+];
+
+/// Removes `name` at each of [`LATE_REMOVALS`] (a task of its own; nothing waits for it).
+fn late_removal(docker: Docker, name: String) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    handle.spawn(async move {
+        let opts = RemoveContainerOptionsBuilder::new()
+            .force(true)
+            .v(true)
+            .build();
+        let mut waited = Duration::ZERO;
+        for at in LATE_REMOVALS {
+            tokio::time::sleep(at - waited).await;
+            waited = at;
+            let removal = docker.remove_container(&name, Some(opts.clone()));
+            if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(10), removal).await {
+                tracing::info!(container = %name, "removed a container made after its create timed out");
+            }
+        }
+    });
 }
 
 /// A session's container ([`crate::driver::SessionSpec`]): the body of a turn's

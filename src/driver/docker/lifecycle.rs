@@ -5,6 +5,9 @@
 use super::*;
 use crate::driver::LabelledContainer;
 
+/// How long a start retries earlier failed removals before its own create.
+pub(super) const RETRY_BUDGET: Duration = Duration::from_secs(1);
+
 impl DockerDriver {
     /// Names of containers whose removal failed and is still to be retried.
     pub(crate) fn removals_to_retry(&self) -> Vec<String> {
@@ -16,7 +19,8 @@ impl DockerDriver {
             .collect()
     }
 
-    /// Retries every removal that failed before (kept for later if it fails again).
+    /// Retries every removal that failed before (kept for later if it fails again). A
+    /// start gives it [`RETRY_BUDGET`] at most.
     pub(super) async fn retry_pending_removals(&self) {
         for name in self.removals_to_retry() {
             match self.remove_inner(&name).await {

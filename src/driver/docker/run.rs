@@ -66,7 +66,14 @@ impl DockerDriver {
             d = self.engine() => d?,
             _ = cancel.cancelled() => return Err(DriverError::Cancelled),
         };
-        self.retry_pending_removals().await;
+        // The earlier failures' removals, within a small budget and the turn's stop: with
+        // the engine hung, each took up to the call timeout, and the k-th turn of an outage
+        // waited k of them before its own create. What is left is retried next time, and
+        // by the sweep.
+        tokio::select! {
+            _ = tokio::time::timeout(lifecycle::RETRY_BUDGET, self.retry_pending_removals()) => {}
+            _ = cancel.cancelled() => return Err(DriverError::Cancelled),
+        }
         let name = spec.name.as_str();
         let id = self
             .create(docker, name, create_body(spec), spec.runtime.as_deref())
