@@ -106,6 +106,8 @@ struct Pending {
     /// The resets requested before the message arrived at the supervisor.
     stamp: Stamp,
     responder: Responder,
+    /// Counts it among the messages waiting across all channels until it leaves the queue.
+    _ticket: crate::shared::QueueTicket,
 }
 
 struct ActiveTurn {
@@ -352,9 +354,14 @@ impl ChannelActor {
             );
             return Err(SandboxActorError::ShuttingDown);
         }
-        if (self.active.is_some() || self.holding.is_some())
-            && self.queue.len() >= self.shared.queue_limit
-        {
+        let waits_here = self.active.is_some() || self.holding.is_some();
+        if self.shared.waiting() >= self.shared.max_waiting {
+            let waiting = self.shared.waiting();
+            tracing::info!(waiting, "busy: message refused (max_waiting across channels)");
+            sink.refused(&message.speaker.id, &message.text, TurnFailure::Busy);
+            return Err(SandboxActorError::Overloaded { waiting });
+        }
+        if waits_here && self.queue.len() >= self.shared.queue_limit {
             tracing::info!(waiting = self.queue.len(), "busy: message refused");
             sink.refused(&message.speaker.id, &message.text, TurnFailure::Busy);
             return Err(SandboxActorError::Busy {
@@ -370,6 +377,7 @@ impl ChannelActor {
             message,
             stamp,
             responder,
+            _ticket: self.shared.queue_ticket(),
         });
         self.admit_next(ctx);
         Ok(answer)
@@ -402,7 +410,10 @@ impl ChannelActor {
             message,
             stamp,
             responder,
+            _ticket,
         } = pending;
+        // Out of the queue: no longer counted as waiting there (a slot's wait counts it).
+        drop(_ticket);
         let reset = self.reset.resets(stamp);
         let admitted = Instant::now();
         let control = TurnControl::default();

@@ -29,6 +29,15 @@ pub enum SandboxActorError {
         /// The messages already waiting.
         waiting: usize,
     },
+    /// Too many messages wait across all channels (`max_waiting`).
+    #[error(
+        "the bot is busy: {waiting} message(s) are already waiting across its channels (the \
+         limit); try again in a while"
+    )]
+    Overloaded {
+        /// The messages already waiting, across all channels.
+        waiting: usize,
+    },
     /// The supervisor is shutting down (or has shut down) and admits nothing.
     #[error("the sandbox is shutting down; this message was not processed")]
     ShuttingDown,
@@ -60,11 +69,14 @@ impl SandboxActorError {
         roundtable_sandbox::Reply::error(self.to_string())
     }
 
-    /// The kind of failure, typed as a turn's ([`TurnFailure`]): `Busy`, `ShuttingDown`
+    /// The kind of failure, typed as a turn's ([`TurnFailure`]): `Busy` (`Overloaded` too),
+    /// `ShuttingDown`
     /// and `ChannelRestarted` are their own kinds; the others are `Internal`.
     pub fn failure(&self) -> TurnFailure {
         match self {
-            SandboxActorError::Busy { .. } => TurnFailure::Busy,
+            SandboxActorError::Busy { .. } | SandboxActorError::Overloaded { .. } => {
+                TurnFailure::Busy
+            }
             SandboxActorError::ShuttingDown => TurnFailure::ShuttingDown,
             SandboxActorError::ChannelRestarted => TurnFailure::ChannelRestarted,
             SandboxActorError::InvalidOptions { .. }

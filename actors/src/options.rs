@@ -17,6 +17,12 @@ pub struct SupervisorOptions {
     /// Messages that may wait behind a channel's running turn; past it a message is
     /// answered [`SandboxActorError::Busy`] at once. 0 to 10 000; default 8.
     pub queue_limit: usize,
+    /// Messages waiting across all channels at once (queued behind a channel's turn, or
+    /// admitted and waiting for a container slot); past it a new message is answered
+    /// [`SandboxActorError::Busy`] at once, whatever its channel (`queue_limit` bounds one
+    /// channel; a flood spread over many channels, one message each, was bounded by none).
+    /// 1 to 1 000 000; default 256.
+    pub max_waiting: usize,
     /// Containers running at once across all channels; past it admitted turns wait for a
     /// slot, first come first served (so channels take turns). 1 to 1024; default 4.
     pub max_containers: usize,
@@ -32,6 +38,7 @@ impl std::fmt::Debug for SupervisorOptions {
         f.debug_struct("SupervisorOptions")
             .field("config", &self.config)
             .field("queue_limit", &self.queue_limit)
+            .field("max_waiting", &self.max_waiting)
             .field("max_containers", &self.max_containers)
             .field("idle_timeout", &self.idle_timeout)
             .field("sweep_on_start", &self.sweep_on_start)
@@ -42,6 +49,8 @@ impl std::fmt::Debug for SupervisorOptions {
 impl SupervisorOptions {
     /// Default queue bound.
     pub const DEFAULT_QUEUE_LIMIT: usize = 8;
+    /// Default bound on the messages waiting across all channels.
+    pub const DEFAULT_MAX_WAITING: usize = 256;
     /// Default global container cap.
     pub const DEFAULT_MAX_CONTAINERS: usize = 4;
     /// Default idle time before a channel actor is retired.
@@ -52,6 +61,7 @@ impl SupervisorOptions {
         Self {
             config,
             queue_limit: Self::DEFAULT_QUEUE_LIMIT,
+            max_waiting: Self::DEFAULT_MAX_WAITING,
             max_containers: Self::DEFAULT_MAX_CONTAINERS,
             idle_timeout: Self::DEFAULT_IDLE_TIMEOUT,
             sweep_on_start: true,
@@ -65,6 +75,12 @@ impl SupervisorOptions {
             return bad(
                 "queue_limit",
                 format!("must be 0 to 10000, got {}", self.queue_limit),
+            );
+        }
+        if !(1..=1_000_000).contains(&self.max_waiting) {
+            return bad(
+                "max_waiting",
+                format!("must be 1 to 1000000, got {}", self.max_waiting),
             );
         }
         if !(1..=1024).contains(&self.max_containers) {

@@ -437,6 +437,50 @@ async fn past_the_queue_bound_a_message_is_answered_busy_at_once() {
     assert_eq!(driver.texts(), vec!["block", "q1", "q2"]);
 }
 
+/// A flood spread over many channels, a message or two each, is bounded too: past
+/// `max_waiting` messages waiting across all channels (queued, or waiting for a slot), a new
+/// message is refused at once, whatever its channel; the waiting ones run as slots free.
+#[actix_rt::test]
+async fn past_max_waiting_across_channels_a_message_is_refused_at_once() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let mut config = fake_supervisor(&env, &driver, &tool);
+    config.max_containers = 1;
+    config.max_waiting = 3;
+    let addr = start(config).await;
+    let running = send_as(&addr, "#c0", "ann", "block");
+    eventually("running", SECS5, || driver.running() == 1).await;
+    // One waits for the slot in #c1, one is queued behind #c0's turn, one waits in #c2.
+    let waiting = [
+        send_as(&addr, "#c1", "bob", "w1"),
+        send_as(&addr, "#c0", "cy", "w2"),
+        send_as(&addr, "#c2", "dan", "w3"),
+    ];
+    status_until(&addr, "three waiting", |s| {
+        s.totals.waiting_for_slot + s.totals.queued == 3
+    })
+    .await;
+    let err = ask(&addr, "#c3", "eve", "one more").await.unwrap_err();
+    assert!(
+        matches!(err, SandboxActorError::Overloaded { waiting: 3 }),
+        "{err:?}"
+    );
+    assert_eq!(err.failure(), TurnFailure::Busy);
+    assert_eq!(
+        err.to_string(),
+        "the bot is busy: 3 message(s) are already waiting across its channels (the limit); \
+         try again in a while"
+    );
+    driver.release(4);
+    ok_text(running.await.unwrap());
+    for w in waiting {
+        ok_text(w.await.unwrap());
+    }
+    // Nothing waits now: a new message runs.
+    driver.release(1);
+    ok_text(ask(&addr, "#c3", "eve", "now").await);
+}
+
 #[actix_rt::test]
 async fn stop_with_nothing_running_answers_false() {
     let env = Env::new();
