@@ -357,7 +357,10 @@ impl ChannelActor {
         let waits_here = self.active.is_some() || self.holding.is_some();
         if self.shared.waiting() >= self.shared.max_waiting {
             let waiting = self.shared.waiting();
-            tracing::info!(waiting, "busy: message refused (max_waiting across channels)");
+            tracing::info!(
+                waiting,
+                "busy: message refused (max_waiting across channels)"
+            );
             sink.refused(&message.speaker.id, &message.text, TurnFailure::Busy);
             return Err(SandboxActorError::Overloaded { waiting });
         }
