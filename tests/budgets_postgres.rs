@@ -43,6 +43,46 @@ fn settings(pg: &Postgres, db: &str, ns: &str, dir: &Path) -> BudgetSettings {
     }
 }
 
+/// The SQLite state file of `s` (the same file, without the shared store), as a bot on
+/// SQLite left it: `tokens` charged to `speaker` today.
+fn sqlite_charged(s: &BudgetSettings, speaker: &str, tokens: u64) {
+    let sqlite = BudgetSettings {
+        store: None,
+        namespace: None,
+        max_staleness_secs: None,
+        statement_timeout_ms: None,
+        ..s.clone()
+    };
+    let old = BudgetBook::open(&sqlite, "UTC").unwrap().unwrap();
+    old.charge(speaker, "c", tokens);
+}
+
+/// A server with the database `bots`, and a scratch dir.
+fn bots() -> (Postgres, tempfile::TempDir) {
+    let pg = Postgres::start();
+    pg.create_db("bots");
+    (pg, tempfile::tempdir_in("/tmp").unwrap())
+}
+
+/// Two books (two processes) of namespace `alpha` on database `bots`, each with its own
+/// journal under `dir`, with the limits `limits` sets.
+fn two_books(
+    pg: &Postgres,
+    dir: &Path,
+    limits: impl FnOnce(&mut BudgetSettings),
+) -> (Arc<BudgetBook>, Arc<BudgetBook>) {
+    let mut s = settings(pg, "bots", "alpha", &dir.join("a"));
+    limits(&mut s);
+    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
+    let b = BudgetBook::open(
+        &settings(pg, "bots", "alpha", &dir.join("b")).clone_limits(&s),
+        "UTC",
+    )
+    .unwrap()
+    .unwrap();
+    (a, b)
+}
+
 fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let started = Instant::now();
     while !f() {
@@ -68,9 +108,7 @@ fn speaker(id: &str) -> CounterKey {
 
 #[test]
 fn two_books_share_a_speakers_budget_and_namespaces_stay_apart() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.speaker_tokens_per_day = Some(1000);
     s.bot_tokens_per_day = Some(5000);
@@ -146,9 +184,7 @@ impl CloneLimits for BudgetSettings {
 
 #[test]
 fn settings_must_agree_and_a_newer_schema_is_refused() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.speaker_tokens_per_day = Some(1000);
     s.speaker_turns_per_minute = Some(5);
@@ -224,9 +260,7 @@ fn settings_must_agree_and_a_newer_schema_is_refused() {
 
 #[test]
 fn counters_saturate_in_the_database_and_load_clamped() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.bot_tokens_per_day = Some(1000);
     let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
@@ -262,9 +296,7 @@ fn counters_saturate_in_the_database_and_load_clamped() {
 
 #[test]
 fn the_database_down_at_startup_is_a_clear_error_without_the_url() {
-    let mut pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut pg, tmp) = bots();
     let s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     // A user the server refuses: its words ("role \"…\" does not exist") without the user.
     let stranger = settings(&pg, "bots", "alpha", &tmp.path().join("s"));
@@ -299,9 +331,7 @@ fn the_database_down_at_startup_is_a_clear_error_without_the_url() {
 /// process's own counts.
 #[test]
 fn a_lost_database_fails_closed_loses_no_charge_and_recovers() {
-    let mut pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.speaker_tokens_per_day = Some(1_000_000);
     let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
@@ -459,9 +489,7 @@ fn the_overspend_of_three_processes_stays_within_the_stated_bound() {
         );
         return;
     }
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     const LIMIT: u64 = 50_000;
     let mut children: Vec<Child> = (0..3)
         .map(|i| {
@@ -537,9 +565,7 @@ fn a_kill_9_during_an_outage_loses_at_most_one_interval() {
         }
         return;
     }
-    let mut pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut pg, tmp) = bots();
     let dir = tmp.path().join("p");
     let mut child = spawn_child(KILL_TEST, KILL_CHILD, &pg, &dir, 1_000_000_000);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -622,9 +648,7 @@ fn a_kill_9_during_an_outage_loses_at_most_one_interval() {
 /// (`pg_terminate_backend`): every charge ends up in the database, once.
 #[test]
 fn restarts_crashes_and_dropped_connections_under_load_lose_nothing() {
-    let mut pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (mut pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.speaker_tokens_per_day = Some(1_000_000_000);
     s.max_staleness_secs = Some(60);
@@ -688,9 +712,7 @@ fn restarts_crashes_and_dropped_connections_under_load_lose_nothing() {
 /// reconcile, the batches wait, the view ages; when the lock goes, all is sent.
 #[test]
 fn a_slow_database_is_cut_by_the_statement_timeout() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     s.speaker_tokens_per_day = Some(1_000_000);
     let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
@@ -729,18 +751,10 @@ fn a_slow_database_is_cut_by_the_statement_timeout() {
 
 #[test]
 fn turns_per_minute_are_shared_each_turn_stamped_by_its_process() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
-    let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
-    s.speaker_turns_per_minute = Some(3);
-    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
-    let b = BudgetBook::open(
-        &settings(&pg, "bots", "alpha", &tmp.path().join("b")).clone_limits(&s),
-        "UTC",
-    )
-    .unwrap()
-    .unwrap();
+    let (pg, tmp) = bots();
+    let (a, b) = two_books(&pg, tmp.path(), |s| {
+        s.speaker_turns_per_minute = Some(3);
+    });
     a.admit("ann", "c1").unwrap();
     a.admit("ann", "c1").unwrap();
     a.flush();
@@ -763,22 +777,11 @@ fn turns_per_minute_are_shared_each_turn_stamped_by_its_process() {
 /// database once, at the first start with `store`.
 #[test]
 fn a_sqlite_state_files_counters_move_to_the_database_once() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let dir = tmp.path().join("a");
     let mut s = settings(&pg, "bots", "alpha", &dir);
     s.speaker_tokens_per_day = Some(1000);
-    let sqlite = BudgetSettings {
-        store: None,
-        namespace: None,
-        max_staleness_secs: None,
-        statement_timeout_ms: None,
-        ..s.clone()
-    };
-    let old = BudgetBook::open(&sqlite, "UTC").unwrap().unwrap();
-    old.charge("ann", "c", 400);
-    drop(old);
+    sqlite_charged(&s, "ann", 400);
     let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
     assert_eq!(a.tokens(&speaker("ann")), 400);
     drop(a);
@@ -809,9 +812,7 @@ fn two_bot_processes_share_a_speakers_budget_and_the_bots_cap() {
         bot_child();
         return;
     }
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let spawn = |name: &str| {
         let mut c = spawn_child(BOT_TEST, BOT_CHILD, &pg, &tmp.path().join(name), 1000);
         let out = BufReader::new(c.stdout.take().unwrap());
@@ -1059,9 +1060,7 @@ fn tls_as_sslmode_says() {
 /// the queue (every speaker refused once the view went stale) and every later start.
 #[test]
 fn a_key_the_database_cannot_hold_wedges_nothing() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
     let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
     let long = "x".repeat(9000);
@@ -1092,18 +1091,10 @@ fn a_key_the_database_cannot_hold_wedges_nothing() {
 /// namespace's new version, sees them (it was blind: fresh and reading nothing).
 #[test]
 fn a_namespace_row_gone_loses_no_charge_and_blinds_no_process() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
-    let mut s = settings(&pg, "bots", "alpha", &tmp.path().join("a"));
-    s.speaker_tokens_per_day = Some(1_000_000);
-    let a = BudgetBook::open(&s, "UTC").unwrap().unwrap();
-    let b = BudgetBook::open(
-        &settings(&pg, "bots", "alpha", &tmp.path().join("b")).clone_limits(&s),
-        "UTC",
-    )
-    .unwrap()
-    .unwrap();
+    let (pg, tmp) = bots();
+    let (a, b) = two_books(&pg, tmp.path(), |s| {
+        s.speaker_tokens_per_day = Some(1_000_000);
+    });
     // Versions well above what the row starts again from.
     for _ in 0..20 {
         a.charge("ann", "c", 5);
@@ -1138,9 +1129,7 @@ fn a_namespace_row_gone_loses_no_charge_and_blinds_no_process() {
 /// namespace, and they were lost), and the bot's start moves them.
 #[test]
 fn a_check_writes_nothing_and_the_start_moves_the_counters() {
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     // Another bot has made the schema.
     let other = BudgetBook::open(
         &settings(&pg, "bots", "other", &tmp.path().join("o")),
@@ -1151,16 +1140,7 @@ fn a_check_writes_nothing_and_the_start_moves_the_counters() {
     drop(other);
     let dir = tmp.path().join("a");
     let s = settings(&pg, "bots", "alpha", &dir);
-    let sqlite = BudgetSettings {
-        store: None,
-        namespace: None,
-        max_staleness_secs: None,
-        statement_timeout_ms: None,
-        ..s.clone()
-    };
-    let old = BudgetBook::open(&sqlite, "UTC").unwrap().unwrap();
-    old.charge("ann", "c", 900);
-    drop(old);
+    sqlite_charged(&s, "ann", 900);
     let check = roundtable_sandbox::internals::budgets::check_shared_store(&s, "UTC").unwrap();
     assert_eq!(check.counters, 0, "nothing in the namespace yet");
     assert_eq!(
@@ -1182,9 +1162,7 @@ fn a_check_writes_nothing_and_the_start_moves_the_counters() {
 fn an_idle_process_reads_the_new_day_before_it_admits() {
     use roundtable_sandbox::internals::budgets::PostgresStore;
     use std::sync::atomic::{AtomicI64, Ordering};
-    let pg = Postgres::start();
-    pg.create_db("bots");
-    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let (pg, tmp) = bots();
     let day = |d: u32| {
         chrono::NaiveDate::from_ymd_opt(2026, 12, d)
             .unwrap()
