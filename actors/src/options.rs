@@ -23,8 +23,10 @@ pub struct SupervisorOptions {
     /// channel; a flood spread over many channels, one message each, was bounded by none).
     /// 1 to 1 000 000; default 256.
     pub max_waiting: usize,
-    /// Containers running at once across all channels; past it admitted turns wait for a
-    /// slot, first come first served (so channels take turns). 1 to 1024; default 4.
+    /// Containers running turns at once across all channels; past it admitted turns wait
+    /// for a slot, first come first served (so channels take turns). The containers
+    /// prepared for channels' next turns (`config.warm.max`, default 8) are not counted:
+    /// they wait, started, on their stdin, for their turn's slot. 1 to 1024; default 4.
     pub max_containers: usize,
     /// A channel actor idle this long is retired (its pending reset is kept by the
     /// supervisor). 10 ms to 24 h; default 10 min.
