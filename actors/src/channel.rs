@@ -107,7 +107,7 @@ struct Pending {
     stamp: Stamp,
     responder: Responder,
     /// Counts it among the messages waiting across all channels until it leaves the queue.
-    _ticket: crate::shared::QueueTicket,
+    ticket: crate::shared::QueueTicket,
 }
 
 struct ActiveTurn {
@@ -380,7 +380,7 @@ impl ChannelActor {
             message,
             stamp,
             responder,
-            _ticket: self.shared.queue_ticket(),
+            ticket: self.shared.queue_ticket(),
         });
         self.admit_next(ctx);
         Ok(answer)
@@ -413,10 +413,10 @@ impl ChannelActor {
             message,
             stamp,
             responder,
-            _ticket,
+            ticket,
         } = pending;
         // Out of the queue: no longer counted as waiting there (a slot's wait counts it).
-        drop(_ticket);
+        drop(ticket);
         let reset = self.reset.resets(stamp);
         let admitted = Instant::now();
         let control = TurnControl::default();

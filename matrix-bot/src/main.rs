@@ -441,12 +441,12 @@ fn http_error(error: &matrix_sdk::Error) -> Option<&matrix_sdk::HttpError> {
 
 /// Event ids, the last [`REMEMBERED_EVENTS`] (the bot's own; those it served).
 #[derive(Debug, Default)]
-struct SentIds {
+struct RecentIds {
     order: VecDeque<String>,
     set: HashSet<String>,
 }
 
-impl SentIds {
+impl RecentIds {
     /// Remembers `id` (the oldest forgotten past [`REMEMBERED_EVENTS`]); false when it was.
     fn add(&mut self, id: String) -> bool {
         let new = self.set.insert(id.clone());
@@ -467,7 +467,7 @@ impl SentIds {
 struct Shared {
     outbox: Arc<Mutex<Outbox>>,
     wake: Arc<Notify>,
-    sent: Arc<Mutex<SentIds>>,
+    sent: Arc<Mutex<RecentIds>>,
 }
 
 /// A turn's result, ready to be posted.
@@ -513,7 +513,7 @@ struct Bot {
     last_seen_ms: HashMap<OwnedRoomId, i64>,
     /// The events served (the last [`REMEMBERED_EVENTS`]): none is served twice, whatever a
     /// sync repeats.
-    served: SentIds,
+    served: RecentIds,
     first_sync: bool,
 }
 
@@ -633,7 +633,7 @@ async fn run(cli: Cli) -> Result<()> {
         invites_seen: HashSet::new(),
         typing: HashMap::new(),
         last_seen_ms: HashMap::new(),
-        served: SentIds::default(),
+        served: RecentIds::default(),
         first_sync: true,
     };
     let stop = roundtable_sandbox_examples::stop_signal();
@@ -1078,7 +1078,9 @@ impl Bot {
             let mut from = incoming::answerable_from(&timeline, self.own.as_str(), first, newly);
             let seen = self.last_seen_ms.get(room_id).copied();
             if resumed {
-                // Past what was read before (the whole sync repeats the last events).
+                // Past what was read before (the whole sync repeats the last events): the
+                // served ids catch those answered, this what was skipped on purpose (a
+                // room's history before the bot joined, the first sync's).
                 let after =
                     seen.unwrap_or(i64::try_from(self.me.not_before_ms).unwrap_or(i64::MAX));
                 from = from.max(
@@ -1667,7 +1669,7 @@ mod tests {
 
     #[test]
     fn sent_ids_are_bounded() {
-        let mut s = SentIds::default();
+        let mut s = RecentIds::default();
         for i in 0..REMEMBERED_EVENTS + 10 {
             s.add(format!("${i}"));
         }

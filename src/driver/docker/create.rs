@@ -171,10 +171,7 @@ fn late_removal(docker: Docker, name: String) {
         return;
     };
     handle.spawn(async move {
-        let opts = RemoveContainerOptionsBuilder::new()
-            .force(true)
-            .v(true)
-            .build();
+        let opts = lifecycle::remove_options();
         let mut waited = Duration::ZERO;
         for at in LATE_REMOVALS {
             tokio::time::sleep(at - waited).await;

@@ -5,6 +5,14 @@
 use super::*;
 use crate::driver::LabelledContainer;
 
+/// A removal's options: forced (killed first) and with its anonymous volumes.
+pub(super) fn remove_options() -> bollard::query_parameters::RemoveContainerOptions {
+    RemoveContainerOptionsBuilder::new()
+        .force(true)
+        .v(true)
+        .build()
+}
+
 /// How long a start retries earlier failed removals before its own create.
 pub(super) const RETRY_BUDGET: Duration = Duration::from_secs(1);
 
@@ -60,10 +68,7 @@ impl DockerDriver {
         let Some(docker) = self.docker.get() else {
             return Ok(());
         };
-        let opts = RemoveContainerOptionsBuilder::new()
-            .force(true)
-            .v(true)
-            .build();
+        let opts = remove_options();
         // A turn answered at its reply's frame removes a container that may be exiting on
         // its own at that very moment: the engine's forced removal then fails in its kill
         // step ("Could not kill running container …, cannot remove - Container … is not
