@@ -7,7 +7,7 @@
 //!   path, headers and body) and answering by path: `/echo` (the request as JSON),
 //!   `/credential` (the `authorization` header, the `x-api-key` header and the query echoed
 //!   as text; `/escaped-credential` the same as JSON with `/` escaped, `/zipped-credential`
-//!   gzipped), `/self-redirect` (a 302 to `/credential` beside it, by its absolute path),
+//!   gzipped, `/te-zipped-credential` in `transfer-encoding: gzip, chunked`), `/self-redirect` (a 302 to `/credential` beside it, by its absolute path),
 //!   `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
 //!   answers), `/endless` (a body that never ends), `/bomb` (a gzip bomb: 128 KiB that
 //!   inflate to 128 MiB, `content-encoding: gzip`), `/big?kb=N`, `/html`;
@@ -295,6 +295,23 @@ async fn answer(
                 .header("content-encoding", "gzip")
                 .header("content-type", "text/plain")
                 .body(Body::new(Full::new(Bytes::from(enc.finish().unwrap()))))
+                .unwrap()
+        }
+        p if p.ends_with("/te-zipped-credential") => {
+            // The same echo in a transfer coding (`gzip, chunked`): hyper takes `chunked`
+            // off and hands the client the gzip member as the body.
+            let mut enc =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            let echo = format!("authorization={}", header("authorization"));
+            enc.write_all(echo.as_bytes()).unwrap();
+            let zipped = Bytes::from(enc.finish().unwrap());
+            let frames = futures_util::stream::iter([Ok::<_, Infallible>(
+                hyper::body::Frame::data(zipped),
+            )]);
+            hyper::Response::builder()
+                .header("transfer-encoding", "gzip, chunked")
+                .header("content-type", "text/plain")
+                .body(Body::new(http_body_util::StreamBody::new(frames)))
                 .unwrap()
         }
         p if p.ends_with("/cookie") => hyper::Response::builder()

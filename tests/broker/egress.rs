@@ -287,6 +287,15 @@ async fn egress_credential_placements() {
         "{}",
         a.text()
     );
+    // So is one in a transfer coding (hyper takes only `chunked` off).
+    let a = get(&turn, "/v1/egress/api/te-zipped-credential").await;
+    assert_eq!(a.status, 502, "{}", a.text());
+    assert!(
+        a.text()
+            .contains("the upstream answered in gzip although the broker asked for identity"),
+        "{}",
+        a.text()
+    );
     // A `HEAD` of it has no body to hide anything in: passed.
     let head = request(
         turn.socket(),
