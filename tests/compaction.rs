@@ -530,6 +530,33 @@ fn compaction_calls_count_against_the_turn_and_keys_are_redacted() {
     });
 }
 
+/// A summary cut at the guest's budget (192 bytes for a budget of 256) never ends in a
+/// piece of an echoed key: the answer is redacted before it is cut, and a tail that may be
+/// the start of a key is dropped with the cut.
+#[test]
+fn a_summary_cut_inside_an_echoed_key_shows_no_piece_of_it() {
+    with_logs(|_logs| async move {
+        let model = ScriptedModel::start(vec![Step::EchoKeyAfter(170)]).await;
+        let broker = start_broker(policy(&model, None)).await;
+        let mut turn = BrokerTurn::start(&broker, "chan-cut", Speaker::default()).await;
+        let mut request = compact_request(4321);
+        request.budget = 256;
+        let body = serde_json::to_value(&request).unwrap();
+        let a = client::post_json(&turn.socket, "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(reply.source, CompactSource::Model, "{reply:?}");
+        assert!(
+            reply.summary.starts_with(&"x".repeat(170)),
+            "{}",
+            reply.summary
+        );
+        // The key's first 6 bytes, "sk-mai", are all a cut at 192 bytes could leave.
+        assert!(!reply.summary.contains(&KEY[..6]), "{}", reply.summary);
+        turn.listener.take().unwrap().stop().await.unwrap();
+    });
+}
+
 /// Past `max_compactions` (2 here) a turn's compactions are refused `429` naming the limit,
 /// with model calls to spare; a refusal for the calls in flight does not use one up.
 #[test]

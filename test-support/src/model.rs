@@ -49,6 +49,8 @@ pub enum Step {
     Hang,
     /// `200` completion whose content is the `Authorization` header received (a leaky upstream).
     EchoKey,
+    /// As [`Step::EchoKey`], after this many bytes of `x` (so a cut can fall in the key).
+    EchoKeyAfter(usize),
     /// This status with the `Authorization` header received in an error body.
     EchoKeyError(u16),
     /// A stream carrying the `Authorization` header split across two chunks.
@@ -342,6 +344,13 @@ async fn answer(shared: &Shared, req: Request<Incoming>) -> Response<Body> {
             let v = completion(serde_json::json!({
                 "role": "assistant",
                 "content": format!("I saw {auth}")
+            }));
+            full(200, "application/json", v.to_string())
+        }
+        Some(Step::EchoKeyAfter(n)) => {
+            let v = completion(serde_json::json!({
+                "role": "assistant",
+                "content": format!("{}I saw {auth}", "x".repeat(n))
             }));
             full(200, "application/json", v.to_string())
         }

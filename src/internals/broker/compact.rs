@@ -48,6 +48,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
 use super::http::holding;
 use super::http::{json_response, Response, Turn};
+use super::redact::{Redactor, Secrets};
 use super::{BrokerError, BrokerPolicy};
 use crate::config::model::chat_url;
 use crate::config::ApiKey;
@@ -710,12 +711,21 @@ impl SummaryCall<'_> {
             self.report(StatusCode::BAD_GATEWAY, None);
             return Err(format!("the {name} answer is larger than {cap} bytes"));
         }
-        let keep = request.limits().bytes.saturating_add(1);
+        // Room past the summary's cap for a whole key that begins before it: the answer
+        // is redacted before it is cut (a key cut first would pass the redaction in part).
+        let secrets = self.turn.broker.secrets();
+        let keep = request
+            .limits()
+            .bytes
+            .saturating_add(1)
+            .saturating_add(secrets.longest());
         let answer_bytes = bytes.len();
         let caps = Caps::bytes(cap);
         let parsed = bounded::off_thread(move || {
             bounded::check(&bytes, caps).ok()?;
-            parse_answer(&bytes, keep)
+            let mut answer = parse_answer(&bytes, keep)?;
+            answer.content = redacted(&secrets, &answer.content, keep);
+            Some(answer)
         })
         .await;
         self.report(status, parsed.as_ref().map(|a| (a.prompt, a.completion)));
@@ -751,6 +761,20 @@ struct Answer {
     content: String,
     prompt: Option<u64>,
     completion: Option<u64>,
+}
+
+/// `content` (read up to `keep` bytes) with every secret replaced. When the read may have
+/// cut it, a tail that could be the start of a secret goes with the cut: no piece of one
+/// is shown.
+fn redacted(secrets: &Secrets, content: &str, keep: usize) -> String {
+    // (`capped` ends at a character boundary: up to 3 bytes short of `keep`.)
+    if content.len().saturating_add(4) <= keep {
+        return secrets.redact(content);
+    }
+    let mut redactor = Redactor::new(secrets.clone());
+    let clean = redactor.push(content.as_bytes());
+    redactor.abandon();
+    String::from_utf8_lossy(&clean).into_owned()
 }
 
 /// The typed read of a non-streamed chat completion; `None` when it is not one.
