@@ -324,20 +324,22 @@ async fn dropped_calls_are_charged_at_their_worst_case() {
     assert!(book.admit("mallory", &channel_segment("#b")).is_err());
 }
 
-#[tokio::test]
-async fn a_stream_dropped_before_its_end_is_charged_at_its_worst_case() {
-    // The upstream sends one chunk of a long answer (max_tokens 4,000) and works on; the
-    // guest reads that chunk and goes. Settled at what was read (~20 tokens), the tokens
-    // the upstream made meanwhile were never charged: the worst case held stays.
+/// A stream whose first event is `first`, on a broker whose calls go quiet after
+/// `call_timeout`: the guest reads that event, then drops the stream (`drop_it`) or reads
+/// on to the broker's error; returns what the speaker was charged once settled at or past
+/// the call's worst case (4000 / 4 + 4000), or what it was after 3 s.
+async fn charged_for_a_cut_stream(first: String, call_timeout: Duration, drop_it: bool) -> u64 {
     let gate = Arc::new(tokio::sync::Notify::new());
     let events = roundtable_sandbox_test_support::model::sse_text_events(&["one", "two"]);
     let model = ScriptedModel::start(vec![Step::Gated {
-        first: vec![events[0].clone()],
+        first: vec![first.clone()],
         gate: gate.clone(),
         rest: events[1..].to_vec(),
     }])
     .await;
-    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let mut policy = broker_policy(&model.url(), KEY);
+    policy.limits.call_timeout = call_timeout;
+    let broker = start_broker(policy).await;
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let book = book(dir.path(), BudgetSettings::default());
     let account = Arc::new(TurnAccount::new(
@@ -347,25 +349,84 @@ async fn a_stream_dropped_before_its_end_is_charged_at_its_worst_case() {
     ));
     let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
     let body = json!({"messages": [{"role": "user", "content": "p".repeat(4000)}],
-                      "stream": true, "max_tokens": 4000});
+                      "stream": true, "max_tokens": 4000,
+                      "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
     let (status, _, mut incoming) = client::post_stream(turn.socket(), CHAT, &body).await;
     assert_eq!(status, 200);
-    let first = client::next_chunk(&mut incoming).await.unwrap();
-    assert_eq!(first, events[0].as_bytes());
-    drop(incoming);
+    let got = client::next_chunk(&mut incoming).await.unwrap();
+    assert_eq!(got, first.as_bytes());
+    if drop_it {
+        drop(incoming);
+    } else {
+        let rest = client::next_chunk(&mut incoming).await.unwrap();
+        let rest = String::from_utf8_lossy(&rest);
+        assert!(rest.contains("model stream timed out"), "{rest}");
+    }
     let worst = 4000 / 4 + 4000;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while book.tokens(&CounterKey::Speaker("mallory".into())) < worst {
-        assert!(
-            Instant::now() < deadline,
-            "charged {} (worst case {worst})",
-            book.tokens(&CounterKey::Speaker("mallory".into()))
-        );
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while book.tokens(&CounterKey::Speaker("mallory".into())) < worst && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let used = book.tokens(&CounterKey::Speaker("mallory".into()));
-    assert!((worst..worst + 100).contains(&used), "charged {used}");
     assert_eq!(account.usage().model_calls, 1);
+    book.tokens(&CounterKey::Speaker("mallory".into()))
+}
+
+#[tokio::test]
+async fn a_stream_dropped_before_its_end_is_charged_at_its_worst_case() {
+    // The upstream sends one chunk of a long answer (max_tokens 4,000) and works on; the
+    // guest reads that chunk and goes. Settled at what was read (~20 tokens), the tokens
+    // the upstream made meanwhile were never charged: the worst case held stays.
+    let first = roundtable_sandbox_test_support::model::sse_text_events(&["one"]).remove(0);
+    let used = charged_for_a_cut_stream(first, Duration::from_secs(60), true).await;
+    let worst = 4000 / 4 + 4000;
+    assert!((worst..worst + 100).contains(&used), "charged {used}");
+}
+
+#[tokio::test]
+async fn an_answer_whose_usage_leaves_out_its_completion_is_charged_the_estimate_of_it() {
+    // 40 KB of answer with `usage: {"prompt_tokens": 7}`: charged 7 and the answer's
+    // estimate (40,000 / 4), not 7 and nothing.
+    let answer = json!({"choices": [{"index": 0, "message": {"role": "assistant",
+                        "content": "y".repeat(40_000)}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 7}});
+    let model = ScriptedModel::start(vec![Step::Json(answer)]).await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(dir.path(), BudgetSettings::default());
+    let account = Arc::new(TurnAccount::new(
+        "mallory",
+        &channel_segment("#a"),
+        Some(book.clone()),
+    ));
+    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    let body = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let a = client::post_json(turn.socket(), CHAT, &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let used = book.tokens(&CounterKey::Speaker("mallory".into()));
+    assert!((10_007..10_100).contains(&used), "charged {used}");
+}
+
+#[tokio::test]
+async fn a_running_usage_count_does_not_settle_a_dropped_stream() {
+    // `continuous_usage_stats` (vLLM, SGLang): a running count in every chunk. The first
+    // one's (5 + 1) is not what the call cost once the guest has gone.
+    let chunk = json!({"choices": [{"index": 0, "delta": {"content": "one"}}],
+                       "usage": {"prompt_tokens": 5, "completion_tokens": 1}});
+    let used =
+        charged_for_a_cut_stream(format!("data: {chunk}\n\n"), Duration::from_secs(60), true).await;
+    let worst = 4000 / 4 + 4000;
+    assert!((worst..worst + 100).contains(&used), "charged {used}");
+}
+
+#[tokio::test]
+async fn a_stream_quiet_past_its_deadline_is_charged_at_its_worst_case() {
+    // The upstream goes quiet after its first chunk (a model thinking); the broker ends the
+    // stream at the call's deadline. The upstream may have worked on: the worst case, as
+    // for a whole answer past its deadline.
+    let first = roundtable_sandbox_test_support::model::sse_text_events(&["one"]).remove(0);
+    let used = charged_for_a_cut_stream(first, Duration::from_secs(1), false).await;
+    let worst = 4000 / 4 + 4000;
+    assert!((worst..worst + 100).contains(&used), "charged {used}");
 }
 
 #[test]

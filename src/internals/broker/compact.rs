@@ -732,7 +732,11 @@ impl SummaryCall<'_> {
         // Host-counted, from the upstream's own usage (or the estimate), answer or not.
         if let Some(charge) = self.charge.take() {
             match parsed.as_ref().map(|a| (a.prompt, a.completion)) {
-                Some((Some(p), c)) => charge.settle(p, c.unwrap_or(0), false),
+                Some((Some(p), Some(c))) => charge.settle(p, c, false),
+                // (A count without its completion's: the answer's estimate, not nothing.)
+                Some((Some(p), None)) => {
+                    charge.settle(p, crate::budgets::estimate_tokens(answer_bytes), true)
+                }
                 _ => charge.settle(
                     crate::budgets::estimate_tokens(self.request_bytes),
                     crate::budgets::estimate_tokens(answer_bytes),

@@ -371,6 +371,7 @@ impl Upstream {
                     sent_bytes,
                     streamed: 0,
                     usage: None,
+                    usage_final: false,
                     ended: false,
                 });
                 Answer {
@@ -544,6 +545,10 @@ impl Upstream {
                     Ok(Ok(Some(chunk))) => {
                         st.total += chunk.len();
                         if st.total > st.cap {
+                            // Cut by the broker at its cap: the upstream made what was read.
+                            if let Some(t) = &mut st.tap {
+                                t.ended = true;
+                            }
                             let held = st.filter.take_held();
                             let clean = st.redactor.push(&held);
                             st.redactor.abandon();
@@ -585,10 +590,10 @@ impl Upstream {
                     }
                 };
                 if let Some(error) = error {
+                    // (An upstream that failed or went quiet past the call's deadline may
+                    // have worked on: charged at the worst case held, as a whole answer
+                    // past its deadline is.)
                     st.done = true;
-                    if let Some(t) = &mut st.tap {
-                        t.ended = true;
-                    }
                     let event = serde_json::json!({"error": {"message": error}});
                     out.extend_from_slice(format!("\n\ndata: {event}\n\n").as_bytes());
                 }
@@ -616,8 +621,13 @@ fn settle_whole(
     match usage {
         Some(UsageWire {
             prompt_tokens: Some(p),
-            completion_tokens: c,
-        }) => charge.settle(p, c.unwrap_or(0), false),
+            completion_tokens: Some(c),
+        }) => charge.settle(p, c, false),
+        // (A count without its completion's: the answer's estimate, not nothing.)
+        Some(UsageWire {
+            prompt_tokens: Some(p),
+            completion_tokens: None,
+        }) => charge.settle(p, estimate_tokens(answer_bytes), true),
         _ => charge.settle(
             estimate_tokens(sent_bytes),
             estimate_tokens(answer_bytes),
@@ -657,14 +667,17 @@ struct UsageTap {
     sent_bytes: usize,
     streamed: usize,
     usage: Option<UsageWire>,
-    /// The stream came to its end (the upstream's, or an error the broker told the guest).
+    /// `usage` came in the usage-only chunk (no choices) that ends a stream: its final
+    /// count, not a running one (`continuous_usage_stats` puts one in every chunk).
+    usage_final: bool,
+    /// The stream came to its end: the upstream's, or the broker's cut at its cap.
     ended: bool,
 }
 
 impl Drop for UsageTap {
     fn drop(&mut self) {
         if let Some(charge) = self.charge.take() {
-            if self.ended || self.usage.is_some() {
+            if self.ended || self.usage_final {
                 settle_whole(charge, self.sent_bytes, self.streamed, self.usage);
             } else {
                 // Dropped by the guest before its end, its usage unread: charged at the
@@ -821,14 +834,14 @@ impl SseFilter {
         let Some(shape) = data_chunk(event) else {
             return true;
         };
+        let usage_only = shape.choices.as_ref().is_some_and(Vec::is_empty);
         if let (Some(t), Some(u)) = (tap.as_mut(), shape.usage) {
             if u.prompt_tokens.is_some() {
                 t.usage = Some(u);
+                t.usage_final = usage_only;
             }
         }
-        !(self.drop_usage_chunk
-            && shape.usage.is_some()
-            && shape.choices.is_some_and(|c| c.is_empty()))
+        !(self.drop_usage_chunk && shape.usage.is_some() && usage_only)
     }
 
     /// What is left at the stream's end (an event without its blank line is passed on).
