@@ -357,6 +357,27 @@ async fn quota_a_deleted_file_held_only_by_a_mapping_ends_the_turn() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn quota_a_mapping_held_by_a_thread_of_a_zombie_leader_ends_the_turn() {
+    // The process's maps are read from a task that has its memory, not from its leader.
+    let env = Env::new();
+    let (_, error, took) = run_trick(&env, "#orphan", &["mapped-orphan", "8"]).await;
+    // gVisor shows no thread of such a leader: what they hold cannot be seen.
+    let why = if under_gvisor() {
+        "a process of the turn hides its open files from the host"
+    } else {
+        "a deleted workspace file is held only through a memory mapping"
+    };
+    assert_eq!(
+        error,
+        format!("this channel's workspace cannot be measured ({why}); an operator must fix or clear it before the next turn")
+    );
+    eprintln!(
+        "mapped deleted file of a zombie leader's thread: stopped after {} MiB in {took:?}",
+        progress(&env, "#orphan")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn quota_a_process_that_hides_its_descriptors_ends_the_turn() {
     let env = Env::new();
     let (_, error, took) = run_trick(&env, "#nondumpable", &["nondumpable", "4", "8"]).await;

@@ -92,10 +92,16 @@ pub fn measure(proc: &Path, workspace: &Path) -> std::io::Result<HeldReport> {
         let pid_dir = proc.join(pid);
         let tasks = match std::fs::read_dir(pid_dir.join("task")) {
             Ok(t) => t,
+            // gVisor shows no task of a leader that ended alone (`exit`, not `exit_group`)
+            // while its threads live on: what they hold and map cannot be seen.
+            Err(e) if gone(&e) && leader_gone_threads_live(&pid_dir) => {
+                return Ok(HeldReport::HiddenDescriptors)
+            }
             Err(e) if gone(&e) => continue,
             Err(e) if denied(&e) => return Ok(HeldReport::HiddenDescriptors),
             Err(e) => return Err(e),
         };
+        let mut live_task: Option<std::path::PathBuf> = None;
         for task in tasks {
             let task = match task {
                 Ok(t) => t,
@@ -103,6 +109,9 @@ pub fn measure(proc: &Path, workspace: &Path) -> std::io::Result<HeldReport> {
                 Err(e) => return Err(e),
             };
             let task_dir = task.path();
+            if live_task.is_none() && has_memory(&task_dir) {
+                live_task = Some(task_dir.clone());
+            }
             match held_by_task(&task_dir, dev, &mut seen, &mut files, &mut bytes) {
                 Ok(()) => {}
                 Err(e) if gone(&e) => {}
@@ -116,7 +125,12 @@ pub fn measure(proc: &Path, workspace: &Path) -> std::io::Result<HeldReport> {
                 Err(e) => return Err(e),
             }
         }
-        match std::fs::File::open(pid_dir.join("maps")) {
+        // The mappings of a task that has its memory: a leader that ended alone (`exit`,
+        // not `exit_group`) is a zombie with none, its threads live on.
+        let Some(live) = live_task else {
+            continue;
+        };
+        match std::fs::File::open(live.join("maps")) {
             Ok(f) => {
                 for line in std::io::BufReader::new(f).lines() {
                     match line {
@@ -136,6 +150,23 @@ pub fn measure(proc: &Path, workspace: &Path) -> std::io::Result<HeldReport> {
         return Ok(HeldReport::MappedDeleted);
     }
     Ok(HeldReport::Counted { files, bytes })
+}
+
+/// Whether the process at `pid_dir` is a zombie leader with threads still alive.
+fn leader_gone_threads_live(pid_dir: &Path) -> bool {
+    let Ok(status) = std::fs::read_to_string(pid_dir.join("status")) else {
+        return false;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    field("State:").is_some_and(|s| s.starts_with('Z'))
+        && field("Threads:")
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| n > 1)
 }
 
 fn has_memory(task_dir: &Path) -> bool {

@@ -76,6 +76,11 @@ const RETRY_AFTER: Duration = Duration::from_millis(50);
 /// the turn is killed.
 pub const UNMEASURABLE_FOR: Duration = Duration::from_secs(3);
 
+/// The most of one process's `/proc/<pid>/maps` the host reads. Its 65,530 mappings (the
+/// kernel's default cap) of ordinary paths are under 8 MiB; a guest's own deep, long paths
+/// made it gigabytes, read whole every tick. Past it the process cannot be measured.
+pub const MAX_MAPS_BYTES: u64 = 16 << 20;
+
 /// How many times a directory that changed while it was listed is listed again.
 const RELISTS: u8 = 3;
 
@@ -232,6 +237,9 @@ pub enum MeasureError {
     /// A deleted file is held only by a memory mapping.
     #[error("a deleted workspace file is held only through a memory mapping")]
     MappedDeleted,
+    /// A process's list of mappings is longer than the host reads.
+    #[error("a process of the turn maps more than the host reads ({MAX_MAPS_BYTES} bytes of /proc maps)")]
+    MapsTooLong,
     /// What the turn's processes hold could not be counted inside the sandbox.
     #[error("{0}")]
     Sandbox(Unmeasurable),
@@ -259,7 +267,10 @@ impl MeasureError {
     fn is_final(&self) -> bool {
         matches!(
             self,
-            MeasureError::Unreadable(_) | MeasureError::TooDeep | MeasureError::ForeignDevice
+            MeasureError::Unreadable(_)
+                | MeasureError::TooDeep
+                | MeasureError::ForeignDevice
+                | MeasureError::MapsTooLong
         )
     }
 }
@@ -595,6 +606,7 @@ pub fn held_files(
             Err(e) => return Err(MeasureError::io("open a process's tasks")(e)),
         };
         // Each thread may have its own descriptor table (clone without CLONE_FILES).
+        let mut live_task: Option<OwnedFd> = None;
         let mut task_list = Dir::read_from(&tasks).map_err(MeasureError::io("list tasks"))?;
         while let Some(task) = task_list.read() {
             let task = match task {
@@ -618,16 +630,25 @@ pub fn held_files(
                 Err(MeasureError::HiddenDescriptors) if !has_memory(task_dir.as_fd()) => {}
                 other => other?,
             }
+            if live_task.is_none() && has_memory(task_dir.as_fd()) {
+                live_task = Some(task_dir);
+            }
         }
-        match read_small(pid_dir.as_fd(), c"maps") {
-            Ok(maps) => {
-                if mapped_deleted(&maps, dev).any(|k| !seen.contains(&k)) {
+        // The process's mappings, from a task that has its memory: a leader that ended
+        // alone (`exit`, not `exit_group`) is a zombie with none, its threads live on.
+        let Some(maps_dir) = live_task else {
+            continue;
+        };
+        match read_mapped_deleted(maps_dir.as_fd(), dev) {
+            Ok(mapped) => {
+                if mapped.iter().any(|k| !seen.contains(k)) {
                     return Err(MeasureError::MappedDeleted);
                 }
             }
-            Err(e) if gone(e) => continue,
-            Err(Errno::ACCESS) => return Err(MeasureError::HiddenDescriptors),
-            Err(e) => return Err(MeasureError::io("read a process's maps")(e)),
+            Err(MapsRead::TooLong) => return Err(MeasureError::MapsTooLong),
+            Err(MapsRead::Errno(e)) if gone(e) => continue,
+            Err(MapsRead::Errno(Errno::ACCESS)) => return Err(MeasureError::HiddenDescriptors),
+            Err(MapsRead::Errno(e)) => return Err(MeasureError::io("read a process's maps")(e)),
         }
     }
     Ok(())
@@ -682,28 +703,100 @@ fn held_by_task(
     Ok(())
 }
 
-/// The `(dev, ino)` of every deleted file on `dev` in a `/proc/<pid>/maps` text.
-fn mapped_deleted(maps: &str, dev: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
-    maps.lines().filter_map(move |line| {
-        if !line.ends_with(" (deleted)") {
-            return None;
+/// Why a process's mappings were not read.
+enum MapsRead {
+    Errno(Errno),
+    /// Longer than [`MAX_MAPS_BYTES`].
+    TooLong,
+}
+
+/// The `(dev, ino)` of every deleted file on `dev` that the task at `dir` maps.
+fn read_mapped_deleted(dir: BorrowedFd<'_>, dev: u64) -> Result<Vec<(u64, u64)>, MapsRead> {
+    let fd = rustix::fs::openat(
+        dir,
+        c"maps",
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(MapsRead::Errno)?;
+    mapped_deleted(std::fs::File::from(fd), dev, MAX_MAPS_BYTES)
+}
+
+/// The `(dev, ino)` of every deleted file on `dev` in a `maps` text read from `from`, at
+/// most `cap` bytes of it. Read in pieces: of a line only its head (the fields before the
+/// path) and its last bytes (` (deleted)`) are kept, however long its path.
+fn mapped_deleted(mut from: impl Read, dev: u64, cap: u64) -> Result<Vec<(u64, u64)>, MapsRead> {
+    const HEAD: usize = 128;
+    const DELETED: &[u8] = b" (deleted)";
+    let mut found = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    let (mut head, mut tail) = (
+        Vec::with_capacity(HEAD),
+        Vec::with_capacity(2 * DELETED.len()),
+    );
+    let mut read = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(MapsRead::Errno(
+                    Errno::from_io_error(&e).unwrap_or(Errno::IO),
+                ))
+            }
+        };
+        read += n as u64;
+        if read > cap {
+            return Err(MapsRead::TooLong);
         }
-        let mut fields = line.split_whitespace();
-        let (_, _, _, device, inode) = (
-            fields.next()?,
-            fields.next()?,
-            fields.next()?,
-            fields.next()?,
-            fields.next()?,
-        );
-        let (major, minor) = device.split_once(':')?;
-        let d = rustix::fs::makedev(
-            u32::from_str_radix(major, 16).ok()?,
-            u32::from_str_radix(minor, 16).ok()?,
-        );
-        let ino: u64 = inode.parse().ok()?;
-        (d == dev && ino != 0).then_some((d, ino))
-    })
+        for piece in buf[..n].split_inclusive(|&b| b == b'\n') {
+            let (text, ends) = match piece.strip_suffix(b"\n") {
+                Some(text) => (text, true),
+                None => (piece, false),
+            };
+            let room = HEAD - head.len();
+            head.extend_from_slice(&text[..text.len().min(room)]);
+            tail.extend_from_slice(&text[text.len().saturating_sub(DELETED.len())..]);
+            tail.drain(..tail.len().saturating_sub(DELETED.len()));
+            if ends {
+                if tail.ends_with(DELETED) {
+                    found.extend(deleted_mapping(&head, dev));
+                }
+                head.clear();
+                tail.clear();
+            }
+        }
+    }
+    if tail.ends_with(DELETED) {
+        found.extend(deleted_mapping(&head, dev));
+    }
+    Ok(found)
+}
+
+/// The `(dev, ino)` a `maps` line's head names, when it is on `dev`.
+fn deleted_mapping(head: &[u8], dev: u64) -> Option<(u64, u64)> {
+    // (A head cut inside a path's character: its fields, before the path, are ASCII.)
+    let valid = match std::str::from_utf8(head) {
+        Ok(_) => head.len(),
+        Err(e) => e.valid_up_to(),
+    };
+    let head = std::str::from_utf8(&head[..valid]).ok()?;
+    let mut fields = head.split_whitespace();
+    let (_, _, _, device, inode) = (
+        fields.next()?,
+        fields.next()?,
+        fields.next()?,
+        fields.next()?,
+        fields.next()?,
+    );
+    let (major, minor) = device.split_once(':')?;
+    let d = rustix::fs::makedev(
+        u32::from_str_radix(major, 16).ok()?,
+        u32::from_str_radix(minor, 16).ok()?,
+    );
+    let ino: u64 = inode.parse().ok()?;
+    (d == dev && ino != 0).then_some((d, ino))
 }
 
 /// Measures the workspace at `dir` (the host's own path to it), without the turn's
@@ -1153,10 +1246,28 @@ mod tests {
         let maps = "7f0000000000-7f0000001000 rw-s 00000000 fe:01 4242 /workspace/x (deleted)\n\
                     7f0000001000-7f0000002000 r--p 00000000 fe:01 17 /workspace/kept\n\
                     7f0000002000-7f0000003000 rw-s 00000000 00:05 99 /dev/zero (deleted)\n";
-        assert_eq!(
-            mapped_deleted(maps, dev).collect::<Vec<_>>(),
-            vec![(dev, 4242)]
+        let found = |text: &[u8], cap| match mapped_deleted(text, dev, cap) {
+            Ok(v) => Some(v),
+            Err(MapsRead::TooLong) => None,
+            Err(MapsRead::Errno(e)) => panic!("{e}"),
+        };
+        assert_eq!(found(maps.as_bytes(), 1 << 20), Some(vec![(dev, 4242)]));
+        // A path far longer than a read (a guest's deep, long names), split across reads:
+        // its line's fields and its end are still read, and no more than them kept.
+        let long = format!(
+            "7f0000000000-7f0000001000 rw-s 00000000 fe:01 77 /workspace/{} (deleted)\n\
+             7f0000001000-7f0000002000 r--p 00000000 fe:01 78 /workspace/{}\n\
+             7f0000002000-7f0000003000 rw-s 00000000 fe:01 79 /w/{}x (deleted)",
+            "d/".repeat(100_000),
+            "e".repeat(70_000),
+            "f".repeat(65_536 - 30),
         );
+        assert_eq!(
+            found(long.as_bytes(), 1 << 20),
+            Some(vec![(dev, 77), (dev, 79)])
+        );
+        // Past the cap: not read on.
+        assert_eq!(found(long.as_bytes(), 64 * 1024), None);
     }
 
     #[test]

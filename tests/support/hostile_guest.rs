@@ -361,6 +361,8 @@ fn broker(group: &str) -> Vec<String> {
 ///   allocated (replies at once if none did);
 /// - `mapped MIB`: a file mapped shared, its descriptor closed, unlinked, MIB MiB written
 ///   through the mapping, then waits;
+/// - `mapped-orphan MIB`: `mapped MIB` in a thread, then the main thread ends alone
+///   (`exit`): a zombie leader, whose maps are empty, beside a live thread that holds it;
 /// - `nondumpable FILES MIB`: `prctl(PR_SET_DUMPABLE, 0)`, then `held FILES MIB 1` in-process;
 /// - `inflight FILES MIB`: FILES files of MIB MiB, each unlinked, sent with `SCM_RIGHTS` over
 ///   a socket pair that nobody reads, and closed: held only by the socket's queue; waits.
@@ -379,7 +381,35 @@ mod quota {
     const SIG_IGN: usize = 1;
     const PR_SET_DUMPABLE: i32 = 4;
 
+    /// Writes `mib` MiB into a shared mapping of a workspace file deleted after it was
+    /// mapped and closed: held only through the mapping.
+    fn mapped(mib: usize) -> std::io::Result<String> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open("/workspace/mapped")?;
+        f.set_len((mib * MIB) as u64)?;
+        // SAFETY: a fresh shared mapping of a file this program owns.
+        let p = unsafe { mmap(std::ptr::null_mut(), mib * MIB, 3, 1, f.as_raw_fd(), 0) };
+        if p as isize == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        drop(f);
+        std::fs::remove_file("/workspace/mapped")?;
+        for i in 0..mib {
+            // SAFETY: inside the mapping just made, which stays for the process.
+            unsafe { std::ptr::write_bytes(p.add(i * MIB), 0x5a, MIB) };
+            progress(1);
+        }
+        Ok("written".to_owned())
+    }
+
+    const SYS_EXIT: i64 = 60;
+
     extern "C" {
+        fn syscall(number: i64, ...) -> i64;
         fn fallocate(fd: i32, mode: i32, offset: i64, len: i64) -> i32;
         fn signal(signum: i32, handler: usize) -> usize;
         fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
@@ -553,31 +583,22 @@ mod quota {
                 findings
             }
             Some("mapped") => {
-                let mib = n(args, 1, 8);
-                let result = (|| {
-                    let f = std::fs::OpenOptions::new()
-                        .read(true)
-                        .write(true)
-                        .create(true)
-                        .truncate(true)
-                        .open("/workspace/mapped")?;
-                    f.set_len((mib * MIB) as u64)?;
-                    // SAFETY: a fresh shared mapping of a file this program owns.
-                    let p = unsafe { mmap(std::ptr::null_mut(), mib * MIB, 3, 1, f.as_raw_fd(), 0) };
-                    if p as isize == -1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    drop(f);
-                    std::fs::remove_file("/workspace/mapped")?;
-                    for i in 0..mib {
-                        // SAFETY: inside the mapping just made, which stays for the process.
-                        unsafe { std::ptr::write_bytes(p.add(i * MIB), 0x5a, MIB) };
-                        progress(1);
-                    }
-                    Ok("written".to_owned())
-                })();
+                let result = mapped(n(args, 1, 8));
                 hold(60);
                 vec![format!("mapped=survived:{}", io(result))]
+            }
+            Some("mapped-orphan") => {
+                // The mapping made and held by a thread; the main thread then ends alone
+                // (`exit`, not `exit_group`): a zombie leader, whose own maps are empty.
+                let mib = n(args, 1, 8);
+                std::thread::spawn(move || {
+                    let _ = mapped(mib);
+                    hold(60);
+                });
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: ends this thread only; the other one goes on.
+                unsafe { syscall(SYS_EXIT, 0) };
+                vec![]
             }
             Some("nondumpable") => {
                 // SAFETY: prctl with plain integer arguments.
