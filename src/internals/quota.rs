@@ -89,7 +89,8 @@ const RELISTS: u8 = 3;
 pub struct Usage {
     /// Allocated bytes (`st_blocks * 512`) of every inode counted, each once.
     pub bytes: u64,
-    /// Inodes counted (files, dirs, links…), the workspace dir itself excluded.
+    /// Entries counted (files, dirs, links…): every inode once, and every further name of
+    /// one (a hard link); the workspace dir itself excluded.
     pub entries: u64,
     /// Of `bytes`: files in no directory, held open by the turn's processes.
     pub held_bytes: u64,
@@ -418,6 +419,13 @@ enum Walked {
 }
 
 impl Tally<'_> {
+    /// Counts one more name of an inode counted before; whether the usage is past the
+    /// quota.
+    fn count_name(&mut self) -> bool {
+        self.usage.entries += 1;
+        self.quota.exceeded_by(&self.usage)
+    }
+
     /// Counts one file, unless it was counted before.
     fn count(&mut self, st: &Stat) -> Counted {
         if !self.seen.insert(key(st)) {
@@ -498,6 +506,15 @@ fn walk(workspace: &Workspace, tally: &mut Tally<'_>) -> Result<Walked, MeasureE
             return Err(MeasureError::ForeignDevice);
         }
         match tally.count(&st) {
+            // Another name of an inode counted before (a hard link) is an entry of its own
+            // (tens of millions of names fit in a quota's bytes, each one statted by every
+            // measure); a directory listed again is not.
+            Counted::Again if frame.relists == 0 => {
+                if tally.count_name() {
+                    return Ok(Walked::OverQuota);
+                }
+                continue;
+            }
             Counted::Again => continue,
             Counted::Over => return Ok(Walked::OverQuota),
             Counted::New => {}
@@ -1118,7 +1135,7 @@ mod tests {
         let d = dir.path();
         std::fs::create_dir(d.join("sub")).unwrap();
         std::fs::write(d.join("sub/a"), vec![1u8; 100_000]).unwrap();
-        // A hard link counts once.
+        // A hard link's blocks count once; its name is an entry.
         std::fs::hard_link(d.join("sub/a"), d.join("a-again")).unwrap();
         // A sparse file: large size, few blocks.
         let f = std::fs::File::create(d.join("sparse")).unwrap();
@@ -1126,12 +1143,23 @@ mod tests {
         // A link to a big tree outside is counted as a link, not followed.
         std::os::unix::fs::symlink("/usr", d.join("usr")).unwrap();
         let u = measure_dir(d, &quota(1024, 1000)).unwrap();
-        assert_eq!(u.entries, 4, "{u:?}");
+        assert_eq!(u.entries, 5, "{u:?}");
         assert!(u.bytes >= 100_000 && u.bytes < 200_000, "{u:?}");
         assert!(check_dir(d, &quota(1024, 1000)).is_ok());
         assert_eq!(
             check_dir(d, &quota(1024, 3)).unwrap_err().to_string(),
             "this channel's workspace is over its quota (more than 3 entries used; the limit is 3 entries); an operator must free space in it before the next turn"
+        );
+        // Names that cost no blocks (a file's hard links) are held to the entries: 5,000
+        // of one file pass a limit of 1,000.
+        let links = tempfile::tempdir().unwrap();
+        std::fs::write(links.path().join("f"), b"x").unwrap();
+        for i in 0..5000 {
+            std::fs::hard_link(links.path().join("f"), links.path().join(format!("l{i}"))).unwrap();
+        }
+        assert_eq!(
+            check_dir(links.path(), &quota(64, 1000)).unwrap_err().to_string(),
+            "this channel's workspace is over its quota (more than 1000 entries used; the limit is 1000 entries); an operator must free space in it before the next turn"
         );
         // The measure stops at the first inode past the quota: alone in its dir, it is all.
         let alone = tempfile::tempdir().unwrap();
