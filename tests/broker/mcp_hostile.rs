@@ -6,7 +6,14 @@
 
 use super::*;
 
-const HOSTILE: &[&str] = &["echo", "bigmeta", "structured", "notify", "endless"];
+const HOSTILE: &[&str] = &[
+    "echo",
+    "bigmeta",
+    "structured",
+    "notify",
+    "endless",
+    "badshape",
+];
 const CAP: &str = "larger than 262144 bytes";
 
 async fn stub_turn(dir: &Path) -> (Arc<Broker>, BrokerTurn) {
@@ -68,6 +75,33 @@ async fn mcp_stdio_answers_past_the_caps_stop_the_session_and_the_next_call_work
     let values =
         "MCP server stub sent a message of more than 65536 JSON values; its session was stopped";
     refused_then_recovers(dir.path(), &turn, "structured", json!({"mb": 0.2}), values).await;
+    broker.shutdown().await;
+}
+
+/// A server's answer of the wrong shape fails its call with the parser's kind of error and
+/// the position, never the value it quoted (serde quotes a whole string: here 100 kB of the
+/// server's text, which no redaction or cut saw).
+#[tokio::test]
+async fn mcp_an_answer_of_the_wrong_shape_is_not_quoted_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (broker, turn) = stub_turn(dir.path()).await;
+    let value = format!("SERVER-TEXT-{}", "y".repeat(100_000));
+    let a = post_json(
+        turn.socket(),
+        "/v1/mcp/stub/badshape",
+        &json!({"value": value}),
+    )
+    .await;
+    assert_eq!(
+        a.status,
+        502,
+        "{}",
+        a.text().chars().take(300).collect::<String>()
+    );
+    assert_eq!(
+        a.error(),
+        "MCP server stub: its answer is not a tool result: invalid type: string … at line 1 column 100041"
+    );
     broker.shutdown().await;
 }
 

@@ -22,7 +22,8 @@ bigmeta (a result whose `_meta` is `mb` of `{"":0}` objects, its text "ok"); str
 (a result with no text whose `structuredContent` is `mb` of `{}`); notify (`count`
 unsolicited notifications/message of `mb` each, then the result "ok"); endless (writes a
 message that never ends, without a newline, until killed); dribble (100 kB of a 15 MB
-message, the rest once the file `gate` exists in $STUB_DIR).
+message, the rest once the file `gate` exists in $STUB_DIR); badshape (a result whose
+`isError` is its `value` argument, of any type).
 """
 import json
 import os
@@ -84,6 +85,7 @@ def tools():
         {"name": "notify", "description": "Unsolicited notifications", "inputSchema": obj},
         {"name": "endless", "description": "A message that never ends", "inputSchema": obj},
         {"name": "dribble", "description": "A huge message, slowly", "inputSchema": obj},
+        {"name": "badshape", "description": "isError of another type", "inputSchema": obj},
     ]
 
 
@@ -192,6 +194,8 @@ for line in sys.stdin:
             for _ in range(int(args.get("count", 4))):
                 raw('{"jsonrpc":"2.0","method":"notifications/message","params":{"level":"info","data":%s}}\n' % data)
             result(mid, text("ok"))
+        elif name == "badshape":
+            result(mid, {"content": [], "isError": args.get("value")})
         elif name == "endless":
             endless()
         elif name == "dribble":

@@ -65,7 +65,8 @@ pub(crate) enum ReadError {
     Shape {
         /// The shape expected.
         what: &'static str,
-        /// The parser's message (positions only, never the answer's text).
+        /// The parser's message, up to the first value it quotes, and the position
+        /// (never the answer's text).
         detail: String,
     },
     /// The transport failed while it was read.
@@ -331,12 +332,28 @@ pub(crate) fn check(bytes: &[u8], caps: Caps) -> Result<(), ReadError> {
     Ok(())
 }
 
-/// A parse error as a [`ReadError::Shape`] of `what`.
+/// A parse error as a [`ReadError::Shape`] of `what`: serde's message up to the first
+/// value it quotes (`invalid type: string "…"`, `unknown variant `…``: the answer's own
+/// text, a whole 15 MB string at worst), then the position.
 pub(crate) fn shape(what: &'static str, e: &serde_json::Error) -> ReadError {
+    let message = e.to_string();
+    let kind = message
+        .split(['"', '`'])
+        .next()
+        .unwrap_or_default()
+        .split(" at line ")
+        .next()
+        .unwrap_or_default()
+        .trim();
+    let kind: String = kind.chars().take(120).collect();
+    let quoted = if message.contains(['"', '`']) {
+        " …"
+    } else {
+        ""
+    };
     ReadError::Shape {
         what,
-        // serde's message names a type or a field of ours, and the position.
-        detail: e.to_string(),
+        detail: format!("{kind}{quoted} at line {} column {}", e.line(), e.column()),
     }
 }
 

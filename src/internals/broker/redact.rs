@@ -135,6 +135,27 @@ impl Secrets {
         }
     }
 
+    /// The first `max_chars` characters of `text` with every secret replaced: redacted
+    /// before it is cut, and a tail that may be the start of a secret dropped with the cut
+    /// (no piece of one is shown).
+    pub(crate) fn redact_cut(&self, text: &str, max_chars: usize) -> String {
+        // Any secret that starts in the first `max_chars` characters ends in `head`.
+        let head_end = text
+            .char_indices()
+            .nth(max_chars.saturating_add(self.longest()))
+            .map_or(text.len(), |(i, _)| i);
+        let head = &text[..head_end];
+        let clean = if head_end < text.len() {
+            let mut redactor = Redactor::new(self.clone());
+            let clean = redactor.push(head.as_bytes());
+            redactor.abandon();
+            String::from_utf8_lossy(&clean).into_owned()
+        } else {
+            self.redact(head)
+        };
+        clean.chars().take(max_chars).collect()
+    }
+
     /// Whether a secret, or the start of one at the end, is in `bytes`.
     pub(crate) fn could_occur(&self, bytes: &[u8]) -> bool {
         self.find(bytes).is_some() || self.held_tail(bytes) > 0
@@ -227,6 +248,22 @@ mod tests {
 
     fn secrets(list: &[&str]) -> Secrets {
         Secrets::new(list.iter().map(|s| s.to_string()))
+    }
+
+    #[test]
+    fn a_cut_text_shows_no_piece_of_a_secret() {
+        let s = secrets(&["sk-0123456789abcdef", "tok"]);
+        // A whole secret early (its marker is shorter) and one cut by the head's end.
+        let text = format!("tok{}sk-0123456789abcdef", "x".repeat(20));
+        let cut = s.redact_cut(&text, 30);
+        assert!(!cut.contains("sk-0"), "{cut}");
+        assert!(cut.starts_with(REDACTED), "{cut}");
+        // Whole, it is redacted as a whole.
+        assert_eq!(
+            s.redact_cut("a sk-0123456789abcdef b", 100),
+            format!("a {REDACTED} b")
+        );
+        assert_eq!(s.redact_cut("héllo wörld", 4), "héll");
     }
 
     fn run(key: &str, chunks: &[&str]) -> (String, Vec<String>) {

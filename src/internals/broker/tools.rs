@@ -89,6 +89,9 @@ pub(crate) fn check_args(
     }
 }
 
+/// The most of a tool's (or an MCP server's) error text shown to the guest.
+pub(crate) const MAX_ERROR_CHARS: usize = 4096;
+
 /// A tool result for the guest: `ok` with content (capped, every declared secret of the
 /// policy redacted) or a readable error (cut after redaction, so no piece of one shows).
 pub(crate) fn tool_result(result: Result<String, String>, broker: &Broker) -> Response {
@@ -108,11 +111,7 @@ pub(crate) fn tool_result(result: Result<String, String>, broker: &Broker) -> Re
         Err(error) => ToolCallResult {
             ok: false,
             content: None,
-            // Any secret that starts in the first 4096 characters ends in `head`.
-            error: {
-                let head: String = error.chars().take(4096 + secrets.longest()).collect();
-                Some(secrets.redact(&head).chars().take(4096).collect())
-            },
+            error: Some(secrets.redact_cut(&error, MAX_ERROR_CHARS)),
         },
     };
     json_response(StatusCode::OK, &body)

@@ -811,7 +811,13 @@ async fn queued(
 /// The response to a call that finished within its deadline.
 fn answer(result: Result<wire::CallResult, CallError>, broker: &super::Broker) -> Response {
     match result {
-        Err(CallError::Failed(msg)) => failure(StatusCode::BAD_GATEWAY, &msg),
+        // (It may quote the server: redacted and cut as a tool's error is.)
+        Err(CallError::Failed(msg)) => failure(
+            StatusCode::BAD_GATEWAY,
+            &broker
+                .secrets()
+                .redact_cut(&msg, super::tools::MAX_ERROR_CHARS),
+        ),
         Err(CallError::Quota(msg)) => {
             refuse(StatusCode::INSUFFICIENT_STORAGE, Refusal::McpQuota, &msg)
         }
