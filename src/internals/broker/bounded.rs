@@ -5,6 +5,8 @@
 //! - [`Caps`]: the bytes of one message and the JSON values it may hold;
 //! - [`read_body`]: a whole HTTP body, refused at its length header or at the byte cap
 //!   (the rest is never read);
+//! - [`read_request`]: a guest's request body, the one reader the other way: into one
+//!   buffer, at the byte cap;
 //! - [`Lines`]: newline-delimited messages cut from a byte stream, each held to the byte
 //!   cap: a line that never ends fails at the cap, not at the end of memory;
 //! - [`SseEvents`]: the `data` of server-sent events cut from a byte stream, each held to
@@ -95,6 +97,39 @@ pub(crate) async fn read_body(
         }
         out.extend_from_slice(&chunk);
     }
+}
+
+/// Why a guest's request body was not read.
+#[derive(Debug)]
+pub(crate) enum RequestBody {
+    /// Past the cap.
+    TooLarge,
+    /// The connection failed or broke HTTP's framing.
+    Unreadable,
+}
+
+/// Reads a guest's request body into one buffer, frame by frame, at most `cap` bytes. No
+/// frame is kept: 1 MiB sent as one-byte chunks, collected, was a million frames, each
+/// pinning a piece of hyper's read buffer (~40 MiB of host memory per call).
+pub(crate) async fn read_request(
+    body: hyper::body::Incoming,
+    cap: usize,
+) -> Result<Vec<u8>, RequestBody> {
+    use http_body_util::BodyExt as _;
+    use hyper::body::Body as _;
+    let declared = body.size_hint().exact().unwrap_or(0);
+    let mut buf = Vec::with_capacity(usize::try_from(declared).unwrap_or(cap).min(cap));
+    let mut body = body;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(|_| RequestBody::Unreadable)?.into_data() else {
+            continue;
+        };
+        if buf.len() + data.len() > cap {
+            return Err(RequestBody::TooLarge);
+        }
+        buf.extend_from_slice(&data);
+    }
+    Ok(buf)
 }
 
 /// Reads at most `cap` bytes of a body; `true` beside them when there was more (an error

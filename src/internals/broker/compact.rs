@@ -31,7 +31,6 @@ use std::fmt;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE};
 use hyper::{Method, Request, StatusCode};
@@ -172,7 +171,7 @@ async fn handle_now(turn: &Turn, req: Request<Incoming>) -> Response {
         Ok(held) => held,
         Err(refused) => return *refused,
     };
-    let body = match read_request(turn, req, declared, cap).await {
+    let body = match read_request(turn, req, cap).await {
         Ok(body) => body,
         Err(refused) => return *refused,
     };
@@ -267,33 +266,15 @@ fn admit(turn: &Turn) -> Result<(OwnedSemaphorePermit, OwnedSemaphorePermit), Ha
 
 /// Reads the body into one buffer of the announced size (no second copy of the body),
 /// refused past `cap` or when not received within the call deadline.
-async fn read_request(
-    turn: &Turn,
-    req: Request<Incoming>,
-    declared: Option<u64>,
-    cap: usize,
-) -> Result<Vec<u8>, Halt> {
-    let mut buf: Vec<u8> = Vec::with_capacity(declared.map_or(0, |n| n as usize).min(cap));
-    let mut incoming = req.into_body();
-    let read = async {
-        while let Some(frame) = incoming.frame().await {
-            let Ok(data) = frame?.into_data() else {
-                continue;
-            };
-            if buf.len() + data.len() > cap {
-                return Ok(false);
-            }
-            buf.extend_from_slice(&data);
-        }
-        Ok::<_, hyper::Error>(true)
-    };
+async fn read_request(turn: &Turn, req: Request<Incoming>, cap: usize) -> Result<Vec<u8>, Halt> {
+    let read = bounded::read_request(req.into_body(), cap);
     match tokio::time::timeout(turn.broker.policy.limits.call_timeout, read).await {
         Err(_) => Err(Box::new(refuse(
             turn,
             StatusCode::REQUEST_TIMEOUT,
             "request body not received in time",
         ))),
-        Ok(Ok(false)) => Err(Box::new(refuse(
+        Ok(Err(bounded::RequestBody::TooLarge)) => Err(Box::new(refuse(
             turn,
             StatusCode::PAYLOAD_TOO_LARGE,
             &too_large(cap),
@@ -303,10 +284,7 @@ async fn read_request(
             StatusCode::BAD_REQUEST,
             "request body unreadable",
         ))),
-        Ok(Ok(true)) => {
-            drop(incoming);
-            Ok(buf)
-        }
+        Ok(Ok(buf)) => Ok(buf),
     }
 }
 

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, ACCEPT, CONTENT_LENGTH};
 use hyper::{Method, Request, StatusCode};
@@ -470,18 +469,18 @@ fn admit(
 /// Reads the body within `max_request_bytes` and the call deadline.
 async fn read_body(turn: &Turn, req: Request<Incoming>) -> Result<Bytes, Response> {
     let limits = turn.broker.policy.limits;
-    let body = Limited::new(req.into_body(), limits.max_request_bytes).collect();
+    let body = super::bounded::read_request(req.into_body(), limits.max_request_bytes);
     match tokio::time::timeout(limits.call_timeout, body).await {
         Err(_) => Err(error_response(
             StatusCode::REQUEST_TIMEOUT,
             "request body not received in time",
         )),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(too_large(turn)),
-        Ok(Err(_)) => Err(error_response(
+        Ok(Err(super::bounded::RequestBody::TooLarge)) => Err(too_large(turn)),
+        Ok(Err(super::bounded::RequestBody::Unreadable)) => Err(error_response(
             StatusCode::BAD_REQUEST,
             "request body unreadable",
         )),
-        Ok(Ok(b)) => Ok(b.to_bytes()),
+        Ok(Ok(b)) => Ok(Bytes::from(b)),
     }
 }
 

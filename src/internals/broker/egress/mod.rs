@@ -32,7 +32,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming as IncomingBody;
 use hyper::header::{HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, StatusCode};
@@ -408,15 +407,15 @@ fn guest_headers(headers: &HeaderMap, cap: usize) -> Option<Vec<(String, String)
 }
 
 async fn read_body(req: Request<IncomingBody>, cap: usize, timeout_ms: u64) -> Result<Bytes, Halt> {
-    let body = Limited::new(req.into_body(), cap).collect();
+    let body = super::bounded::read_request(req.into_body(), cap);
     let refused = match tokio::time::timeout(Duration::from_millis(timeout_ms), body).await {
-        Ok(Ok(b)) => return Ok(b.to_bytes()),
+        Ok(Ok(b)) => return Ok(Bytes::from(b)),
         Err(_) => refuse(
             StatusCode::REQUEST_TIMEOUT,
             Refusal::BodyTimeout,
             "request body not received in time",
         ),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => refuse(
+        Ok(Err(super::bounded::RequestBody::TooLarge)) => refuse(
             StatusCode::PAYLOAD_TOO_LARGE,
             Refusal::RequestBytes,
             &format!("request body too large (limit {cap} bytes)"),
