@@ -44,7 +44,8 @@ pub struct EgressRoute {
     #[serde(default)]
     pub query: Option<BTreeMap<String, String>>,
     /// Headers the guest may send beyond the safe ones (`accept`, `accept-language`,
-    /// `content-type`, `if-none-match`, `if-modified-since`, `range`), each value matching
+    /// `content-type`, `if-none-match`, `if-modified-since`, `range` but on a route with a
+    /// credential, whose echo asked for in pieces would pass the redaction), each value matching
     /// its glob; any other header of the guest's is dropped (`authorization`, `cookie` and
     /// `proxy-*` always). A header the broker sets or frames the request with
     /// (`content-length`, `transfer-encoding`, `accept-encoding`, `user-agent`, …) cannot be
@@ -371,6 +372,20 @@ fn validate_one(route: &EgressRoute) -> Result<(), PolicyError> {
         if !glob.starts_with('/') {
             return Err(bad(route, format!("path glob {glob:?} must start with /")));
         }
+        if glob.split('/').filter(|s| *s == "**").count() > 1 {
+            return Err(bad(
+                route,
+                format!(
+                    "path glob {glob:?} has more than one ** (one matches any run of segments)"
+                ),
+            ));
+        }
+        if glob.split('/').any(|s| s.contains("**") && s != "**") {
+            return Err(bad(
+                route,
+                format!("path glob {glob:?}: ** must be a whole segment"),
+            ));
+        }
     }
     for pattern in route.deny.iter().flat_map(|d| &d.hosts) {
         if !valid_host_pattern(pattern) {
@@ -589,6 +604,18 @@ mod tests {
                 )
             );
         }
+        let mut r = EgressRoute::hosts("web", &["*"]);
+        r.paths = vec!["/a/**/b/**".into()];
+        assert_eq!(
+            refusal(r),
+            "egress route web: path glob \"/a/**/b/**\" has more than one ** (one matches any run of segments)"
+        );
+        let mut r = EgressRoute::hosts("web", &["*"]);
+        r.paths = vec!["/a/x**".into()];
+        assert_eq!(
+            refusal(r),
+            "egress route web: path glob \"/a/x**\": ** must be a whole segment"
+        );
         let mut r = EgressRoute::hosts("web", &["*"]);
         r.credential_as = CredentialPlacement::Basic;
         assert_eq!(

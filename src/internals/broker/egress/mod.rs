@@ -371,6 +371,11 @@ async fn serve(
 
 /// Whether the guest's header `name` is sent upstream: a safe one or one the route names.
 fn forwarded(cfg: &EgressRoute, name: &str) -> bool {
+    // On a route with a credential, no `range`: an echoed credential asked for in pieces
+    // (`bytes=40-45`, then `46-51`…) would pass the redaction, which sees whole strings.
+    if cfg.credential.is_some() && (name == "range" || name == "if-range") {
+        return false;
+    }
     SAFE_HEADERS.contains(&name) || cfg.headers.keys().any(|h| h.eq_ignore_ascii_case(name))
 }
 
@@ -656,7 +661,9 @@ impl Exchange<'_> {
             if let (false, Some(why)) = (private, net::denied(*ip, &broker.engine)) {
                 return Err((
                     "address",
-                    format!("{host} resolves to {ip}, {why}, which no route may reach unless it names the range in allow_private"),
+                    // (The address itself stays on the host: a guest would map the
+                    // operator's network with it.)
+                    format!("{host} resolves to {why}, which no route may reach unless it names the range in allow_private"),
                 ));
             }
         }

@@ -311,7 +311,24 @@ pub(crate) fn unreserved_decoded(path: &str) -> String {
 /// some servers strip before routing): each lets a path pass a glob as one thing and reach
 /// the upstream as another.
 fn unusual_path(path: &str) -> Result<(), Refused> {
-    let lower = path.to_ascii_lowercase();
+    // As written and as decoded again (`%252e` is `%2e` to a server that decodes twice).
+    let mut view = path.to_ascii_lowercase();
+    for _ in 0..4 {
+        unusual_once(path, &view)?;
+        let again = view.replace("%25", "%");
+        if again == view {
+            return Ok(());
+        }
+        view = again;
+    }
+    Err(refused(
+        "encoded_slash",
+        "a path encoded more than four times over is not allowed",
+    ))
+}
+
+/// [`unusual_path`] of one view (`lower`) of `path`.
+fn unusual_once(path: &str, lower: &str) -> Result<(), Refused> {
     if lower.contains("%2f") || lower.contains("%5c") || path.contains('\\') {
         return Err(refused(
             "encoded_slash",
@@ -347,6 +364,21 @@ fn where_to(route: &EgressRoute, target: &Target) -> Result<(), Refused> {
             "host",
             format!("{} is not one of this route's hosts", target.host),
         ));
+    }
+    // A deny rule naming only hosts says where no request goes: held in every mode, as the
+    // route's own hosts are (in `audit` mode a credential route sent its credential to a
+    // host such a rule excluded).
+    for (i, rule) in route.deny.iter().enumerate() {
+        if !rule.hosts.is_empty()
+            && rule.methods.is_empty()
+            && rule.paths.is_empty()
+            && rule.hosts.iter().any(|p| host_matches(p, &target.host))
+        {
+            return Err(refused(
+                &format!("deny[{i}]"),
+                "a deny rule of this route matches",
+            ));
+        }
     }
     let ports: &[u16] = match route.ports.is_empty() {
         true => &[443],
@@ -428,7 +460,18 @@ fn route_rules(
     // trailing slash and without a segment's trailing dots and spaces. (An allow glob
     // matches as written: a miss there only refuses.)
     let folded = rel.to_ascii_lowercase();
-    let lenient = deny_view(rel);
+    // Of the whole path, then the base taken off (`../v1/internal` under `/v1` resolves to
+    // `/v1/internal`: taken off first, the base hid it); one that leaves the base is denied.
+    let lenient = match lenient_relative(route, &target.path) {
+        Some(view) => view,
+        None if route.deny.is_empty() => String::new(),
+        None => {
+            return Err(refused(
+                "base",
+                "the path leaves the route's base as a server reads it",
+            ))
+        }
+    };
     for (i, rule) in route.deny.iter().enumerate() {
         // A rule naming GET covers HEAD, which servers answer with the GET handler.
         let methods = rule.methods.is_empty()
@@ -456,9 +499,9 @@ fn route_rules(
 /// A path as the most lenient server reads it, for the deny rules only (it may name a path
 /// no server serves: a deny rule refuses more, never less): lowercase, percent-decoded
 /// until nothing changes (a proxy and an application each decode once), `//` as `/`, the
-/// dot segments resolved, each segment's trailing dots and spaces dropped (IIS reads
-/// `/admin./` and `/admin%20/` as `/admin/`), no trailing slash (`/admin/` is `/admin`
-/// to Express and Rails).
+/// dot segments resolved, each segment's path parameters (`;…`) and trailing dots and
+/// spaces dropped (IIS reads `/admin./` and `/admin%20/` as `/admin/`), no trailing slash
+/// (`/admin/` is `/admin` to Express and Rails).
 fn deny_view(path: &str) -> String {
     let mut text = path.to_owned();
     for _ in 0..4 {
@@ -470,7 +513,9 @@ fn deny_view(path: &str) -> String {
         }
         text = decoded;
     }
-    let text = text.to_lowercase().replace('\\', "/");
+    // Folded as a server that ignores case in Unicode may (`ı` and `ſ` are `i` and `s`
+    // to Java's `equalsIgnoreCase`).
+    let text = text.to_uppercase().to_lowercase().replace('\\', "/");
     let mut resolved: Vec<&str> = Vec::new();
     for segment in text.split('/') {
         // `.` is this segment, `..` (and IIS's `...`) the parent.
@@ -480,12 +525,34 @@ fn deny_view(path: &str) -> String {
             }
             continue;
         }
+        // `/admin;x/` is `/admin/` to servlet containers and Spring.
+        let segment = segment.split(';').next().unwrap_or_default();
         let segment = segment.trim_end_matches(['.', ' ']);
         if !segment.is_empty() {
             resolved.push(segment);
         }
     }
     format!("/{}", resolved.join("/"))
+}
+
+/// [`deny_view`] of the whole path, under an upstream's base the part after the base (the
+/// base in the same view); `None` when it is not under the base.
+fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
+    let view = deny_view(path);
+    let base = route
+        .upstream
+        .as_deref()
+        .and_then(|u| reqwest::Url::parse(u).ok())
+        .map(|u| deny_view(u.path()))
+        .filter(|b| b != "/");
+    let Some(base) = base else {
+        return Some(view);
+    };
+    match view.strip_prefix(base.as_str()) {
+        Some("") => Some("/".to_owned()),
+        Some(rest) if rest.starts_with('/') => Some(rest.to_owned()),
+        _ => None,
+    }
 }
 
 /// The path the route's globs see: under an upstream's base, the part after it.
@@ -520,7 +587,8 @@ pub(crate) fn host_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
-/// A path glob: `*` matches within one segment, `**` any rest (segments included).
+/// A path glob: `*` matches within one segment, `**` any run of segments (none included;
+/// one per glob, checked at startup).
 pub(crate) fn glob(pattern: &str, path: &str) -> bool {
     let (p, s): (Vec<&str>, Vec<&str>) = (pattern.split('/').collect(), path.split('/').collect());
     segments(&p, &s)
@@ -529,7 +597,7 @@ pub(crate) fn glob(pattern: &str, path: &str) -> bool {
 fn segments(p: &[&str], s: &[&str]) -> bool {
     match (p.first(), s.first()) {
         (None, None) => true,
-        (Some(&"**"), _) => true,
+        (Some(&"**"), _) => (0..=s.len()).any(|k| segments(&p[1..], &s[k..])),
         (Some(pp), Some(ss)) => glob_text(pp, ss) && segments(&p[1..], &s[1..]),
         _ => false,
     }
@@ -811,11 +879,84 @@ mod tests {
         assert_eq!(rule_of(&r, "GET", "users").as_deref(), Some("path"));
     }
 
+    /// The review's bypasses of round 7: each one's path is denied, or refused.
+    #[test]
+    fn deny_rules_hold_through_a_base_parameters_case_folding_and_audit_mode() {
+        // A host-only deny rule holds in `audit` mode: where a request goes is never
+        // relaxed (the route's credential went to the excluded host).
+        let mut audit = EgressRoute::hosts("site", &["*.example.com"]);
+        audit.mode = EgressMode::Audit;
+        audit.deny = vec![DenyRule {
+            hosts: vec!["uploads.example.com".into()],
+            ..Default::default()
+        }];
+        assert_eq!(
+            rule_of(&audit, "GET", "https/uploads.example.com/x").as_deref(),
+            Some("deny[0]")
+        );
+        assert_eq!(rule_of(&audit, "GET", "https/www.example.com/x"), None);
+        // Dot segments resolved across an upstream's base.
+        let mut api = EgressRoute::upstream("api", "https://api.example.com/v1");
+        api.allow_unusual_paths = true;
+        api.deny = vec![DenyRule {
+            paths: vec!["/internal/**".into()],
+            ..Default::default()
+        }];
+        assert_eq!(
+            rule_of(&api, "GET", "../v1/internal/x").as_deref(),
+            Some("deny[0]")
+        );
+        assert_eq!(rule_of(&api, "GET", "../v2/x").as_deref(), Some("base"));
+        assert_eq!(rule_of(&api, "GET", "public/x"), None);
+        // Path parameters, and Unicode case folding (`ı`, `ſ`).
+        let mut lax = EgressRoute::hosts("site", &["*"]);
+        lax.allow_unusual_paths = true;
+        lax.deny = vec![DenyRule {
+            paths: vec!["/admin/**".into(), "/settings/**".into()],
+            ..Default::default()
+        }];
+        for path in [
+            "/admin;x/y",
+            "/admin%3bx/y",
+            "/adm%C4%B1n/x",
+            "/%C5%BFettings/x",
+        ] {
+            assert_eq!(
+                rule_of(&lax, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some("deny[0]"),
+                "{path}"
+            );
+        }
+        // Escapes escaped again are refused as the escapes they become.
+        let mut public = EgressRoute::hosts("site", &["*"]);
+        public.paths = vec!["/public/**".into()];
+        for (path, rule) in [
+            ("/public/%252e%252e/admin", "dot_segment"),
+            ("/public/x%252f..%252f..%252fadmin", "encoded_slash"),
+            ("/public/%25252e%25252e/admin", "dot_segment"),
+        ] {
+            assert_eq!(
+                rule_of(&public, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some(rule),
+                "{path}"
+            );
+        }
+        assert_eq!(
+            rule_of(&public, "GET", "https/example.com/public/100%25"),
+            None
+        );
+    }
+
     #[test]
     fn globs() {
         assert!(glob("/a/*/c", "/a/b/c"));
         assert!(!glob("/a/*/c", "/a/b/x/c"));
         assert!(glob("/a/**", "/a/b/x/c"));
+        // `**` inside a glob: any run of segments, then the rest of the glob.
+        assert!(glob("/repos/**/issues", "/repos/x/y/issues"));
+        assert!(glob("/repos/**/issues", "/repos/issues"));
+        assert!(!glob("/repos/**/issues", "/repos/x/admin/delete"));
+        assert!(!glob("/a/**/c", "/a/b/x"));
         assert!(glob_text("v*.json", "v12.json"));
         assert!(!glob_text("v*.json", "v12.txt"));
         assert!(host_matches("*.example.com", "a.b.example.com"));
