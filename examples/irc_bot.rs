@@ -849,17 +849,20 @@ impl Session<'_> {
                     if asked.is_empty() {
                         return None;
                     }
-                    let (addr, tx) = (self.sandbox.clone(), self.replies_tx.clone());
+                    let tx = self.replies_tx.clone();
+                    let speaker = Speaker {
+                        id: from.clone(),
+                        name: from.clone(),
+                    };
+                    // The model, the turn and the audit trail see the nick; the budgets
+                    // count the host's key.
+                    let message =
+                        GuestMessage::new(&channel, speaker, asked).with_limits_key(key.clone());
+                    // Queued now, not when the task first runs: a `!reset` read in the same
+                    // batch of lines, sent inline after it, would otherwise be stamped first.
+                    let answer = self.sandbox.send(message);
                     actix::spawn(async move {
-                        let speaker = Speaker {
-                            id: from.clone(),
-                            name: from.clone(),
-                        };
-                        // The model, the turn and the audit trail see the nick; the budgets
-                        // count the host's key.
-                        let message = GuestMessage::new(&channel, speaker, asked)
-                            .with_limits_key(key.clone());
-                        let answer = addr.send(message).await;
+                        let answer = answer.await;
                         let text = match answer {
                             Ok(Ok(o)) if o.reply.ok => o.reply.text.unwrap_or_default(),
                             // A full queue is not worth an error line on a public channel.

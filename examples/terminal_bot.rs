@@ -289,8 +289,11 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
                     .short()
                     .to_owned();
                 channels.lock().unwrap().insert(short, channel.clone());
+                // Queued now, not when the task first runs: a `/reset` read in the same
+                // batch, sent inline after it, would otherwise be stamped first.
+                let answer = addr.send(GuestMessage::new(&channel, who, text));
                 pending.push(actix::spawn(async move {
-                    let answer = addr.send(GuestMessage::new(&channel, who, text)).await;
+                    let answer = answer.await;
                     let (mark, text) = match answer {
                         Ok(Ok(outcome)) if outcome.reply.ok => {
                             (REPLY, outcome.reply.text.unwrap_or_default())

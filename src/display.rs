@@ -13,9 +13,13 @@
 //! bidi controls (`U+061C`, `U+200E`, `U+200F`, the embeddings and overrides
 //! `U+202A`–`U+202E`, the isolates `U+2066`–`U+2069`), and the invisible characters that
 //! carry or hide text and join nothing a script needs (the zero-width space `U+200B`, the
-//! word joiner and invisible operators `U+2060`–`U+2064`, `U+FEFF`, and the tag characters
-//! `U+E0000`–`U+E007F`, which spell ASCII no one sees; the zero-width joiner and non-joiner,
-//! which emoji and scripts need, are kept). Each becomes the text `\u{HEX}`
+//! word joiner and invisible operators `U+2060`–`U+2064`, `U+FEFF`, the tag characters
+//! `U+E0000`–`U+E007F`, which spell ASCII no one sees, the variation selectors
+//! `U+FE00`–`U+FE0D` and `U+E0100`–`U+E01EF`, which can hide bytes after any character,
+//! the soft hyphen `U+00AD`, the grapheme joiner `U+034F`, the Mongolian vowel separator
+//! `U+180E`, and the Hangul fillers `U+115F`, `U+1160`, `U+3164` and `U+FFA0`, which make
+//! a name that looks empty; the zero-width joiner and non-joiner and the emoji variation
+//! selectors `U+FE0E` and `U+FE0F`, which emoji and scripts need, are kept). Each becomes the text `\u{HEX}`
 //! (lowercase hex, Rust's notation): ESC is shown as `\u{1b}`, 8-bit CSI as `\u{9b}`. Every
 //! other character is kept as it is, so ordinary text (any script, emoji) reads unchanged.
 //!
@@ -34,15 +38,24 @@ pub fn is_escaped(c: char) -> bool {
     matches!(c,
         '\u{0}'..='\u{1f}'
         | '\u{7f}'..='\u{9f}'
+        | '\u{ad}'
+        | '\u{34f}'
         | '\u{61c}'
+        | '\u{115f}'
+        | '\u{1160}'
+        | '\u{180e}'
         | '\u{200b}'
         | '\u{200e}'
         | '\u{200f}'
         | '\u{2028}'..='\u{202e}'
         | '\u{2060}'..='\u{2064}'
         | '\u{2066}'..='\u{2069}'
+        | '\u{3164}'
+        | '\u{fe00}'..='\u{fe0d}'
         | '\u{feff}'
-        | '\u{e0000}'..='\u{e007f}')
+        | '\u{ffa0}'
+        | '\u{e0000}'..='\u{e007f}'
+        | '\u{e0100}'..='\u{e01ef}')
 }
 
 /// `text` with every [`is_escaped`] character written as `\u{HEX}`; borrowed when there is
@@ -147,6 +160,19 @@ mod tests {
             '\u{e0000}',
             '\u{e0041}',
             '\u{e007f}',
+            // Variation selectors that hide bytes after any character, and the fillers and
+            // joiners that show nothing (a display name that looks empty).
+            '\u{fe00}',
+            '\u{fe0d}',
+            '\u{e0100}',
+            '\u{e01ef}',
+            '\u{ad}',
+            '\u{34f}',
+            '\u{115f}',
+            '\u{1160}',
+            '\u{180e}',
+            '\u{3164}',
+            '\u{ffa0}',
         ] {
             assert!(is_escaped(c), "{c:?}");
         }
@@ -168,6 +194,8 @@ mod tests {
             "é ü 日本語 🎲",
             // The joiners emoji and scripts need are kept.
             "👨\u{200d}👩\u{200d}👧 می\u{200c}خواهم",
+            // The emoji presentation selectors are kept.
+            "❤\u{fe0f} ✔\u{fe0e}",
             "tab-free `code` \\u{1b} as text",
             "",
         ] {

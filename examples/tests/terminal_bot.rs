@@ -140,16 +140,24 @@ fn replies_for_two_channels_then_a_reset_shows_a_fresh_session() {
         "history kept: {a2}"
     );
 
-    bot.send("/reset #a");
+    // A question and a reset in one read: the question was sent first, so it keeps its
+    // session and the reset waits for the next turn (the reset was queued first, the
+    // question's send deferred to its task: it ran fresh and used the reset up).
+    bot.send_bytes(b"#a ann: third\n/reset #a\n");
     assert_eq!(
         bot.expect("[#a] reset"),
         "[#a] reset: the next turn starts a fresh session"
     );
-    bot.send("#a ann: after reset");
     let a3 = bot.expect("[#a] ");
     assert!(
-        a3.contains("holds 0 earlier message(s)"),
-        "fresh session: {a3}"
+        a3.contains("holds 2 earlier message(s)"),
+        "the question before the reset kept its session: {a3}"
+    );
+    bot.send("#a ann: after reset");
+    let a4 = bot.expect("[#a] ");
+    assert!(
+        a4.contains("holds 0 earlier message(s)"),
+        "fresh session: {a4}"
     );
     bot.finish();
 }

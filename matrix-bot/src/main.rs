@@ -1409,9 +1409,12 @@ impl Bot {
         );
         self.typing_start(room_id);
         let message = GuestMessage::new(Self::channel(room_id), speaker, text);
-        let (sandbox, tx, room) = (self.sandbox.clone(), self.answers.clone(), room_id.clone());
+        let (tx, room) = (self.answers.clone(), room_id.clone());
+        // Queued now, not when the task first runs: a `!reset` of the same sync batch, sent
+        // inline after it, would otherwise be stamped first and take this turn's place.
+        let answer = self.sandbox.send(message);
         actix::spawn(async move {
-            let answer = sandbox.send(message).await;
+            let answer = answer.await;
             let (kind, text) = match answer {
                 Ok(Ok(o)) if o.reply.ok => (Kind::Reply, o.reply.text.clone().unwrap_or_default()),
                 Ok(Err(e)) if e.failure() == TurnFailure::Busy => (

@@ -257,7 +257,9 @@ pub fn contents(kind: Kind, text: &str) -> Vec<Value> {
 /// (intentional mentions, spec 1.7), so a model that writes a member's name or `@room`
 /// pings nobody; an answer's own mention of its asker is added by the bot.
 fn content(kind: Kind, escaped_text: &str) -> Value {
-    let html = sanitize(&markdown_html(escaped_text));
+    // Escaped again once rendered: a character reference (`&#x202e;`, `&#27;`) is the
+    // character itself in the HTML.
+    let html = display::lines(&sanitize(&markdown_html(escaped_text))).join("\n");
     let with_html = json!({
         "msgtype": kind.msgtype(),
         "body": escaped_text,
@@ -354,6 +356,24 @@ mod tests {
             h.contains("https://good.example (<a href=\"https://evil.example\">"),
             "{h}"
         );
+    }
+
+    /// A character reference is the character itself once rendered: escaped in the HTML
+    /// as in the body (`&#x202e;` reversed what followed a link's address in sight).
+    #[test]
+    fn character_references_are_escaped_once_rendered() {
+        let c = &contents(
+            Kind::Reply,
+            "x&#x202e;y &#27;]52;c;aGk=&#7; &#xE0041;&rlm; `&#8238;`",
+        )[0];
+        let formatted = c["formatted_body"].as_str().unwrap();
+        assert!(
+            !formatted
+                .chars()
+                .any(|ch| ch != '\n' && display::is_escaped(ch)),
+            "{formatted:?}"
+        );
+        assert!(formatted.contains("x\\u{202e}y"), "{formatted:?}");
     }
 
     /// Every control character is escaped in the body and the HTML alike. (Fails without
