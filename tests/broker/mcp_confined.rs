@@ -834,3 +834,86 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
     assert_eq!(a.status, 200, "{}", a.text());
     shut_down(broker, &engine).await;
 }
+
+/// [`mcp_image`] with `VOLUME /v` (committed from it here: no registry): the shape of many
+/// public server images.
+fn image_with_a_volume() -> String {
+    let image = "roundtable-sandbox-mcp-volume:test".to_owned();
+    let docker = |args: &[&str]| {
+        let out = std::process::Command::new("docker")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "docker {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap().trim().to_owned()
+    };
+    let name = format!("rtb-volume-image-{}", std::process::id());
+    docker(&["create", "--name", &name, &mcp_image(), "true"]);
+    docker(&["commit", "--change", "VOLUME /v", &name, &image]);
+    docker(&["rm", &name]);
+    image
+}
+
+/// An image's `VOLUME` is no storage past the quota: the engine would make it a writable
+/// anonymous volume under the read-only root, outside `/data`'s quota and the floor; a
+/// session gets a tmpfs of its size there instead (its pages count against its memory).
+#[tokio::test]
+async fn mcp_an_images_volume_is_a_capped_tmpfs() {
+    const SCRIPT: &str = r#"
+import json, sys
+def fill():
+    fstype = [l.split()[2] for l in open("/proc/mounts") if l.split()[1] == "/v"]
+    written = 0
+    try:
+        for i in range(16):
+            with open("/v/f%d" % i, "wb") as f:
+                for _ in range(4):
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+                    written += 1
+    except OSError as e:
+        pass
+    return {"fstype": fstype, "written_mb": written}
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m: continue
+    if m["method"] == "initialize":
+        r = {"protocolVersion": m["params"]["protocolVersion"], "capabilities": {"tools": {}},
+             "serverInfo": {"name": "volume", "version": "1"}}
+    elif m["method"] == "tools/list":
+        r = {"tools": [{"name": "fill", "description": "fill /v",
+                        "inputSchema": {"type": "object", "properties": {}}}]}
+    elif m["method"] == "tools/call":
+        r = {"content": [{"type": "text", "text": json.dumps(fill())}]}
+    else:
+        r = {}
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": m["id"], "result": r}) + "\n")
+    sys.stdout.flush()
+"#;
+    let image = tokio::task::spawn_blocking(image_with_a_volume)
+        .await
+        .unwrap();
+    let mut server = McpServer::new(
+        "volume",
+        McpTransport::Stdio {
+            command: "python3".into(),
+            args: vec!["-c".into(), SCRIPT.into()],
+            env: Default::default(),
+        },
+        &["fill"],
+    );
+    server.image = Some(image);
+    server.limits.data_mb = 16;
+    server.limits.tmpfs_mb = 8;
+    let (engine, broker, turn) = start_with(server, |_| {}).await;
+    let a = post_json(turn.socket(), "/v1/mcp/volume/fill", &json!({})).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let f: serde_json::Value = serde_json::from_str(a.json()["content"].as_str().unwrap()).unwrap();
+    assert_eq!(f["fstype"], json!(["tmpfs"]), "{f}");
+    // 64 MiB asked for, 8 MiB of tmpfs given.
+    assert!(f["written_mb"].as_u64().unwrap() <= 8, "{f}");
+    shut_down(broker, &engine).await;
+    let _ = std::process::Command::new("docker")
+        .args(["rmi", "roundtable-sandbox-mcp-volume:test"])
+        .output();
+}

@@ -84,6 +84,12 @@ pub fn create_body(spec: &ContainerSpec) -> ContainerCreateBody {
         network_disabled: Some(true),
         labels: Some(spec.labels.clone().into_iter().collect()),
         host_config: Some(host_config),
+        // An image's HEALTHCHECK is an exec the engine starts now and then, outside the
+        // guest's seccomp layer: none.
+        healthcheck: Some(bollard::models::HealthConfig {
+            test: Some(vec!["NONE".into()]),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -189,7 +195,10 @@ fn late_removal(docker: Docker, name: String) {
 /// OOM killer's first pick, gVisor's sizing), with the session's argv, environment, working
 /// directory and only its own mounts, no supplementary group, its stdin kept open, and the
 /// engine's default network only when asked.
-pub(super) fn session_body(spec: &crate::driver::SessionSpec) -> ContainerCreateBody {
+pub(super) fn session_body(
+    spec: &crate::driver::SessionSpec,
+    image_volumes: &[String],
+) -> ContainerCreateBody {
     let (entrypoint, cmd) = match spec.argv.split_first() {
         Some((program, args)) => (vec![program.clone()], args.to_vec()),
         None => (Vec::new(), Vec::new()),
@@ -225,6 +234,15 @@ pub(super) fn session_body(spec: &crate::driver::SessionSpec) -> ContainerCreate
                 .collect(),
         );
         host.group_add = None;
+        // An image's `VOLUME` is an anonymous volume the engine makes writable under a
+        // read-only root: storage outside the data quota and the floor. A tmpfs of the
+        // session's size over each (its pages count against the memory cap) instead.
+        let tmpfs = host.tmpfs.get_or_insert_with(HashMap::new);
+        for path in image_volumes {
+            tmpfs
+                .entry(path.clone())
+                .or_insert_with(|| format!("rw,nosuid,nodev,size={}m,mode=1777", spec.tmpfs_mb));
+        }
         if spec.network {
             host.network_mode = Some("bridge".into());
         }

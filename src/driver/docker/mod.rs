@@ -241,6 +241,23 @@ impl DockerDriver {
         }
     }
 
+    /// The paths an image declares as `VOLUME`s (none for an image not present: its create
+    /// says so).
+    pub(super) async fn image_volumes(
+        &self,
+        docker: &Docker,
+        image: &str,
+    ) -> Result<Vec<String>, DriverError> {
+        match self
+            .call("inspect image", image, docker.inspect_image(image))
+            .await
+        {
+            Ok(inspected) => Ok(inspected.config.and_then(|c| c.volumes).unwrap_or_default()),
+            Err(e) if e.is_not_found() => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
     pub(crate) async fn call<T>(
         &self,
         op: &'static str,

@@ -22,10 +22,11 @@ impl DockerDriver {
         let docker = self.engine().await?;
         let _ = tokio::time::timeout(lifecycle::RETRY_BUDGET, self.retry_pending_removals()).await;
         let name = spec.name.as_str();
+        let volumes = self.image_volumes(docker, &spec.image).await?;
         self.create(
             docker,
             name,
-            create::session_body(spec),
+            create::session_body(spec, &volumes),
             spec.runtime.as_deref(),
         )
         .await?;
