@@ -285,3 +285,37 @@ async fn mcp_tool_schemas_are_read_for_allowed_tools_only_and_capped() {
         "MCP server stub could not be started: its answer is of more than 16384 JSON values"
     );
 }
+
+/// A server's schema with a `pattern` that backtracks (`(a|aa)*` before a lookahead, which
+/// makes fancy-regex backtrack): each match is held to 10,000 steps, past them the arguments are refused
+/// (fancy-regex's own limit is a million steps a match: a guest's 20,000 such strings were
+/// minutes of a thread), and the check runs off the runtime's threads.
+#[tokio::test]
+async fn mcp_a_schema_pattern_that_backtracks_is_held_to_its_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("schemas"),
+        json!({"echo": {"type": "object", "properties": {
+            "text": {"type": "string", "pattern": "^(a|aa)*(?!b)c"}}}})
+        .to_string(),
+    )
+    .unwrap();
+    let mut p = policy("http://127.0.0.1:9/v1");
+    p.mcp = vec![stub_server(dir.path(), &["echo"])];
+    let broker = start_broker(p).await;
+    let turn = start_turn(&broker).await;
+    // (a|aa)* over 25 a's: within fancy-regex's million steps (a plain "does not match"
+    // after ~45 ms), past 10,000.
+    let a = post_json(
+        turn.socket(),
+        "/v1/mcp/stub/echo",
+        &json!({"text": "a".repeat(25)}),
+    )
+    .await;
+    assert_eq!(a.status, 400, "{}", a.text());
+    assert!(a.error().contains("backtracking"), "{}", a.error());
+    // Within its steps, a pattern still judges.
+    let a = post_json(turn.socket(), "/v1/mcp/stub/echo", &json!({"text": "aac"})).await;
+    assert_eq!(a.json(), json!({"ok": true, "content": "aac"}));
+    broker.shutdown().await;
+}

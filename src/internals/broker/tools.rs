@@ -63,11 +63,33 @@ pub trait HostTool: Send + Sync {
 pub(crate) fn compile_schema(
     tool: &str,
     schema: &serde_json::Value,
-) -> Result<jsonschema::Validator, PolicyError> {
-    jsonschema::validator_for(schema).map_err(|e| PolicyError::InvalidToolSchema {
-        tool: tool.to_owned(),
-        error: e.to_string(),
-    })
+) -> Result<Arc<jsonschema::Validator>, PolicyError> {
+    jsonschema::options()
+        // A `pattern` is a backtracking regex (lookaround kept): each match held to
+        // [`PATTERN_BACKTRACK_LIMIT`] steps, not fancy-regex's million (an MCP server's
+        // `(?=(a|aa)*b)` over a guest's 20,000 strings was minutes of a thread).
+        .with_pattern_options(
+            jsonschema::PatternOptions::fancy_regex().backtrack_limit(PATTERN_BACKTRACK_LIMIT),
+        )
+        .build(schema)
+        .map(Arc::new)
+        .map_err(|e| PolicyError::InvalidToolSchema {
+            tool: tool.to_owned(),
+            error: e.to_string(),
+        })
+}
+
+/// The backtracking steps one `pattern` match of a tool's schema may take.
+pub(crate) const PATTERN_BACKTRACK_LIMIT: usize = 10_000;
+
+/// [`check_args`] on a blocking thread (the arguments and the schema are the guest's and a
+/// server's: their cost is never a runtime thread's); the arguments back on success.
+pub(crate) async fn check_args_off_thread(
+    validator: &Arc<jsonschema::Validator>,
+    args: serde_json::Value,
+) -> Result<serde_json::Value, String> {
+    let validator = validator.clone();
+    super::bounded::off_thread(move || check_args(&validator, &args).map(|()| args)).await
 }
 
 /// Validates arguments; the error names the failing property.
@@ -119,7 +141,7 @@ pub(crate) fn tool_result(result: Result<String, String>, broker: &Broker) -> Re
 
 /// The configured host tools with their compiled schemas.
 pub(crate) struct HostTools {
-    tools: BTreeMap<String, (Arc<dyn HostTool>, jsonschema::Validator)>,
+    tools: BTreeMap<String, (Arc<dyn HostTool>, Arc<jsonschema::Validator>)>,
 }
 
 impl HostTools {
@@ -147,10 +169,10 @@ impl HostTools {
         let Some((tool, validator)) = self.tools.get(name) else {
             return error_response(StatusCode::NOT_FOUND, &format!("unknown tool: {name}"));
         };
-        let args = serde_json::Value::Object(args);
-        if let Err(msg) = check_args(validator, &args) {
-            return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg);
-        }
+        let args = match check_args_off_thread(validator, serde_json::Value::Object(args)).await {
+            Ok(args) => args,
+            Err(msg) => return refuse(StatusCode::BAD_REQUEST, Refusal::ToolArguments, &msg),
+        };
         let cancel = stop.child_token();
         // Cancels the handler's token however this call ends (deadline, turn stop, drop).
         let _guard = cancel.clone().drop_guard();

@@ -48,7 +48,7 @@ use self::container::{Container, McpEngine};
 use self::wire::AnswerError;
 use super::bounded::Caps;
 use super::http::{error_response, failure, refuse, Response};
-use super::tools::{check_args, compile_schema, tool_result};
+use super::tools::{check_args_off_thread, compile_schema, tool_result};
 use super::{BrokerError, TurnContext};
 use crate::config::{McpScope, McpServer, McpTransport, CHANNEL_PLACEHOLDER, PROBE_SEGMENT};
 use crate::driver::ContainerDriver;
@@ -71,7 +71,7 @@ const MAX_TOOL_PAGES: usize = 16;
 struct Pinned {
     description: String,
     schema: serde_json::Value,
-    validator: jsonschema::Validator,
+    validator: Arc<jsonschema::Validator>,
 }
 
 enum State {
@@ -380,7 +380,7 @@ impl McpPool {
         stop: &CancellationToken,
         broker: &super::Broker,
     ) -> Response {
-        let (srv, args) = match self.checked(server, tool, args) {
+        let (srv, args) = match self.checked(server, tool, args).await {
             Ok(found) => found,
             Err(refused) => return *refused,
         };
@@ -430,7 +430,7 @@ impl McpPool {
     }
 
     /// The server and the allow-listed tool, its arguments checked against its schema.
-    fn checked(
+    async fn checked(
         &self,
         server: &str,
         tool: &str,
@@ -446,14 +446,17 @@ impl McpPool {
                 &format!("unknown MCP tool: {server}/{tool}"),
             )));
         };
-        let value = serde_json::Value::Object(args);
-        if let Err(msg) = check_args(&pin.validator, &value) {
-            return Err(Box::new(refuse(
-                StatusCode::BAD_REQUEST,
-                Refusal::ToolArguments,
-                &msg,
-            )));
-        }
+        let value =
+            match check_args_off_thread(&pin.validator, serde_json::Value::Object(args)).await {
+                Ok(value) => value,
+                Err(msg) => {
+                    return Err(Box::new(refuse(
+                        StatusCode::BAD_REQUEST,
+                        Refusal::ToolArguments,
+                        &msg,
+                    )))
+                }
+            };
         let serde_json::Value::Object(args) = value else {
             unreachable!("built from an object")
         };
