@@ -839,14 +839,6 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
 /// public server images.
 fn image_with_a_volume() -> String {
     let image = "roundtable-sandbox-mcp-volume:test".to_owned();
-    let docker = |args: &[&str]| {
-        let out = std::process::Command::new("docker")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "docker {args:?}: {out:?}");
-        String::from_utf8(out.stdout).unwrap().trim().to_owned()
-    };
     let name = format!("rtb-volume-image-{}", std::process::id());
     docker(&["create", "--name", &name, &mcp_image(), "true"]);
     docker(&["commit", "--change", "VOLUME /v", &name, &image]);
