@@ -324,6 +324,28 @@ async fn dropped_calls_are_charged_at_their_worst_case() {
     assert!(book.admit("mallory", &channel_segment("#b")).is_err());
 }
 
+/// A broker of `policy` and a turn of mallory's in `#a`, counted in a budget book of its
+/// own (in the temp dir returned first).
+async fn mallorys_turn(
+    policy: roundtable_sandbox::internals::broker::BrokerPolicy,
+) -> (
+    tempfile::TempDir,
+    Arc<BudgetBook>,
+    Arc<TurnAccount>,
+    BrokerTurn,
+) {
+    let broker = start_broker(policy).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(dir.path(), BudgetSettings::default());
+    let account = Arc::new(TurnAccount::new(
+        "mallory",
+        &channel_segment("#a"),
+        Some(book.clone()),
+    ));
+    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    (dir, book, account, turn)
+}
+
 /// A stream whose first event is `first`, on a broker whose calls go quiet after
 /// `call_timeout`: the guest reads that event, then drops the stream (`drop_it`) or reads
 /// on to the broker's error; asserts the speaker is charged the call's worst case
@@ -339,15 +361,7 @@ async fn assert_worst_case_for_a_cut_stream(first: String, call_timeout: Duratio
     .await;
     let mut policy = broker_policy(&model.url(), KEY);
     policy.limits.call_timeout = call_timeout;
-    let broker = start_broker(policy).await;
-    let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let book = book(dir.path(), BudgetSettings::default());
-    let account = Arc::new(TurnAccount::new(
-        "mallory",
-        &channel_segment("#a"),
-        Some(book.clone()),
-    ));
-    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    let (_dir, book, account, turn) = mallorys_turn(policy).await;
     let body = json!({"messages": [{"role": "user", "content": "p".repeat(4000)}],
                       "stream": true, "max_tokens": 4000,
                       "stream_options": {"include_usage": true, "continuous_usage_stats": true}});
@@ -389,15 +403,7 @@ async fn an_answer_whose_usage_leaves_out_its_completion_is_charged_the_estimate
                         "content": "y".repeat(40_000)}, "finish_reason": "stop"}],
                         "usage": {"prompt_tokens": 7}});
     let model = ScriptedModel::start(vec![Step::Json(answer)]).await;
-    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
-    let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let book = book(dir.path(), BudgetSettings::default());
-    let account = Arc::new(TurnAccount::new(
-        "mallory",
-        &channel_segment("#a"),
-        Some(book.clone()),
-    ));
-    let turn = BrokerTurn::start_counted(&broker, "#a", ann(), Some(account.clone())).await;
+    let (_dir, book, _, turn) = mallorys_turn(broker_policy(&model.url(), KEY)).await;
     let body = json!({"messages": [{"role": "user", "content": "hi"}]});
     let a = client::post_json(turn.socket(), CHAT, &body).await;
     assert_eq!(a.status, 200, "{}", a.text());
