@@ -36,8 +36,9 @@ pub struct EgressRoute {
     /// The methods allowed (default `GET` and `HEAD`).
     #[serde(default = "default_methods")]
     pub methods: Vec<String>,
-    /// Path globs the request's path must match (`*`: one segment's characters, `**`: any
-    /// rest); default: any path.
+    /// Path globs the request's path must match (`*`: one segment's characters, `**`: a
+    /// whole segment matching any run of segments, none included, one per glob); default:
+    /// any path.
     #[serde(default)]
     pub paths: Vec<String>,
     /// When set, every query parameter must be named here and its value match the glob.
