@@ -11,12 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The process's peak resident memory so far, in KiB.
 fn peak_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
+    roundtable_sandbox_test_support::process::status_kib("VmHWM")
 }
 
 #[tokio::test]

@@ -42,12 +42,7 @@ impl Rng {
 }
 
 fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap()
+    roundtable_sandbox_test_support::process::status_kib("VmRSS")
 }
 
 fn open_fds() -> usize {

@@ -355,8 +355,8 @@ impl ChannelActor {
             return Err(SandboxActorError::ShuttingDown);
         }
         let waits_here = self.active.is_some() || self.holding.is_some();
-        if self.shared.waiting() >= self.shared.max_waiting {
-            let waiting = self.shared.waiting();
+        let waiting = self.shared.waiting();
+        if waiting >= self.shared.max_waiting {
             tracing::info!(
                 waiting,
                 "busy: message refused (max_waiting across channels)"

@@ -1671,7 +1671,7 @@ mod tests {
     }
 
     #[test]
-    fn sent_ids_are_bounded() {
+    fn recent_ids_are_bounded() {
         let mut s = RecentIds::default();
         for i in 0..REMEMBERED_EVENTS + 10 {
             s.add(format!("${i}"));

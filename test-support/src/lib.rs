@@ -9,6 +9,7 @@
 //! - [`egress`]: a test CA, an HTTPS upstream and a DNS server on loopback (egress tests);
 //! - [`http`]: the loopback HTTP/1.1 accept loop and body read the servers here share;
 //! - [`captured_logs`]: a `tracing` writer that keeps what it is given;
+//! - [`process`]: readings of the test process itself (its memory);
 //! - [`hostile`]: the hostile image (`scripts/build-hostile-image.sh`) and its findings;
 //! - [`warm_switch`]: the runtime with its turns through prepared containers when
 //!   `ROUNDTABLE_WARM=1` (the security suite runs both ways).
@@ -29,6 +30,7 @@ pub mod mcp_process;
 pub mod mcp_stub;
 pub mod model;
 pub mod postgres;
+pub mod process;
 pub mod warm_switch;
 
 pub use roundtable_sandbox::internals::testing as sandbox;

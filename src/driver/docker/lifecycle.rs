@@ -14,7 +14,7 @@ pub(super) fn remove_options() -> bollard::query_parameters::RemoveContainerOpti
 }
 
 /// How long a start retries earlier failed removals before its own create.
-pub(super) const RETRY_BUDGET: Duration = Duration::from_secs(1);
+const RETRY_BUDGET: Duration = Duration::from_secs(1);
 
 impl DockerDriver {
     /// Names of containers whose removal failed and is still to be retried.
@@ -27,15 +27,22 @@ impl DockerDriver {
             .collect()
     }
 
-    /// Retries every removal that failed before (kept for later if it fails again). A
-    /// start gives it [`RETRY_BUDGET`] at most.
+    /// Retries every removal that failed before (kept for later if it fails again), for
+    /// [`RETRY_BUDGET`] at most: with the engine hung, each took up to the call timeout, and
+    /// the k-th start of an outage waited k of them before its own create. What is left is
+    /// retried next time, and by the sweep.
     pub(super) async fn retry_pending_removals(&self) {
-        for name in self.removals_to_retry() {
-            match self.remove_inner(&name).await {
-                Ok(()) => tracing::info!(container = %name, "removed after an earlier failure"),
-                Err(e) => tracing::debug!(container = %name, error = %e, "removal retry"),
+        let retries = async {
+            for name in self.removals_to_retry() {
+                match self.remove_inner(&name).await {
+                    Ok(()) => {
+                        tracing::info!(container = %name, "removed after an earlier failure")
+                    }
+                    Err(e) => tracing::debug!(container = %name, error = %e, "removal retry"),
+                }
             }
-        }
+        };
+        let _ = tokio::time::timeout(RETRY_BUDGET, retries).await;
     }
 
     pub(super) async fn remove_inner(&self, name: &str) -> Result<(), DriverError> {

@@ -231,12 +231,21 @@ impl DockerDriver {
     /// Whether the image is present locally.
     pub async fn image_present(&self, image: &str) -> Result<bool, DriverError> {
         let docker = self.engine().await?;
+        Ok(self.inspected(docker, image).await?.is_some())
+    }
+
+    /// The image's inspection; `None` when it is not present.
+    async fn inspected(
+        &self,
+        docker: &Docker,
+        image: &str,
+    ) -> Result<Option<bollard::models::ImageInspect>, DriverError> {
         match self
             .call("inspect image", image, docker.inspect_image(image))
             .await
         {
-            Ok(_) => Ok(true),
-            Err(e) if e.is_not_found() => Ok(false),
+            Ok(inspected) => Ok(Some(inspected)),
+            Err(e) if e.is_not_found() => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -248,14 +257,12 @@ impl DockerDriver {
         docker: &Docker,
         image: &str,
     ) -> Result<Vec<String>, DriverError> {
-        match self
-            .call("inspect image", image, docker.inspect_image(image))
-            .await
-        {
-            Ok(inspected) => Ok(inspected.config.and_then(|c| c.volumes).unwrap_or_default()),
-            Err(e) if e.is_not_found() => Ok(Vec::new()),
-            Err(e) => Err(e),
-        }
+        Ok(self
+            .inspected(docker, image)
+            .await?
+            .and_then(|i| i.config)
+            .and_then(|c| c.volumes)
+            .unwrap_or_default())
     }
 
     pub(crate) async fn call<T>(

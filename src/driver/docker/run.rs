@@ -66,12 +66,9 @@ impl DockerDriver {
             d = self.engine() => d?,
             _ = cancel.cancelled() => return Err(DriverError::Cancelled),
         };
-        // The earlier failures' removals, within a small budget and the turn's stop: with
-        // the engine hung, each took up to the call timeout, and the k-th turn of an outage
-        // waited k of them before its own create. What is left is retried next time, and
-        // by the sweep.
+        // The earlier failures' removals (within their budget), or the turn's stop.
         tokio::select! {
-            _ = tokio::time::timeout(lifecycle::RETRY_BUDGET, self.retry_pending_removals()) => {}
+            _ = self.retry_pending_removals() => {}
             _ = cancel.cancelled() => return Err(DriverError::Cancelled),
         }
         let name = spec.name.as_str();

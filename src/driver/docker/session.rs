@@ -20,7 +20,7 @@ impl DockerDriver {
         spec: &SessionSpec,
     ) -> Result<SessionIo, DriverError> {
         let docker = self.engine().await?;
-        let _ = tokio::time::timeout(lifecycle::RETRY_BUDGET, self.retry_pending_removals()).await;
+        self.retry_pending_removals().await;
         let name = spec.name.as_str();
         let volumes = self.image_volumes(docker, &spec.image).await?;
         self.create(

@@ -112,14 +112,13 @@ pub(crate) enum RequestBody {
 /// frame is kept: 1 MiB sent as one-byte chunks, collected, was a million frames, each
 /// pinning a piece of hyper's read buffer (~40 MiB of host memory per call).
 pub(crate) async fn read_request(
-    body: hyper::body::Incoming,
+    mut body: hyper::body::Incoming,
     cap: usize,
 ) -> Result<Vec<u8>, RequestBody> {
     use http_body_util::BodyExt as _;
     use hyper::body::Body as _;
     let declared = body.size_hint().exact().unwrap_or(0);
     let mut buf = Vec::with_capacity(usize::try_from(declared).unwrap_or(cap).min(cap));
-    let mut body = body;
     while let Some(frame) = body.frame().await {
         let Ok(data) = frame.map_err(|_| RequestBody::Unreadable)?.into_data() else {
             continue;

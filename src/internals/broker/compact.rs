@@ -47,7 +47,6 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::bounded::{self, read_body, values_over, Caps, ReadError, MAX_VALUES};
 use super::http::holding;
 use super::http::{json_response, Response, Turn};
-use super::redact::{Redactor, Secrets};
 use super::{BrokerError, BrokerPolicy};
 use crate::config::model::chat_url;
 use crate::config::ApiKey;
@@ -702,7 +701,9 @@ impl SummaryCall<'_> {
         let parsed = bounded::off_thread(move || {
             bounded::check(&bytes, caps).ok()?;
             let mut answer = parse_answer(&bytes, keep)?;
-            answer.content = redacted(&secrets, &answer.content, keep);
+            // (`capped` ends at a character boundary: up to 3 bytes short of `keep`.)
+            let cut = answer.content.len().saturating_add(4) > keep;
+            answer.content = secrets.redact_prefix(&answer.content, cut);
             Some(answer)
         })
         .await;
@@ -743,20 +744,6 @@ struct Answer {
     content: String,
     prompt: Option<u64>,
     completion: Option<u64>,
-}
-
-/// `content` (read up to `keep` bytes) with every secret replaced. When the read may have
-/// cut it, a tail that could be the start of a secret goes with the cut: no piece of one
-/// is shown.
-fn redacted(secrets: &Secrets, content: &str, keep: usize) -> String {
-    // (`capped` ends at a character boundary: up to 3 bytes short of `keep`.)
-    if content.len().saturating_add(4) <= keep {
-        return secrets.redact(content);
-    }
-    let mut redactor = Redactor::new(secrets.clone());
-    let clean = redactor.push(content.as_bytes());
-    redactor.abandon();
-    String::from_utf8_lossy(&clean).into_owned()
 }
 
 /// The typed read of a non-streamed chat completion; `None` when it is not one.

@@ -144,16 +144,22 @@ impl Secrets {
             .char_indices()
             .nth(max_chars.saturating_add(self.longest()))
             .map_or(text.len(), |(i, _)| i);
-        let head = &text[..head_end];
-        let clean = if head_end < text.len() {
-            let mut redactor = Redactor::new(self.clone());
-            let clean = redactor.push(head.as_bytes());
-            redactor.abandon();
-            String::from_utf8_lossy(&clean).into_owned()
-        } else {
-            self.redact(head)
-        };
-        clean.chars().take(max_chars).collect()
+        self.redact_prefix(&text[..head_end], head_end < text.len())
+            .chars()
+            .take(max_chars)
+            .collect()
+    }
+
+    /// `text` with every secret replaced; when it was `cut` from a longer text, a tail that
+    /// may be the start of a secret goes with the cut (no piece of one is shown).
+    pub(crate) fn redact_prefix(&self, text: &str, cut: bool) -> String {
+        if !cut {
+            return self.redact(text);
+        }
+        let mut redactor = Redactor::new(self.clone());
+        let clean = redactor.push(text.as_bytes());
+        redactor.abandon();
+        String::from_utf8_lossy(&clean).into_owned()
     }
 
     /// Whether a secret, or the start of one at the end, is in `bytes`.

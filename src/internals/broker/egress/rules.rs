@@ -459,18 +459,17 @@ fn route_rules(
     // ([`deny_view`]): in any case, decoded again, its dot segments resolved, without a
     // trailing slash and without a segment's trailing dots and spaces. (An allow glob
     // matches as written: a miss there only refuses.)
+    if route.deny.is_empty() {
+        return Ok(());
+    }
     let folded = rel.to_ascii_lowercase();
     // Of the whole path, then the base taken off (`../v1/internal` under `/v1` resolves to
     // `/v1/internal`: taken off first, the base hid it); one that leaves the base is denied.
-    let lenient = match lenient_relative(route, &target.path) {
-        Some(view) => view,
-        None if route.deny.is_empty() => String::new(),
-        None => {
-            return Err(refused(
-                "base",
-                "the path leaves the route's base as a server reads it",
-            ))
-        }
+    let Some(lenient) = lenient_relative(route, &target.path) else {
+        return Err(refused(
+            "base",
+            "the path leaves the route's base as a server reads it",
+        ));
     };
     for (i, rule) in route.deny.iter().enumerate() {
         // A rule naming GET covers HEAD, which servers answer with the GET handler.
@@ -539,12 +538,7 @@ fn deny_view(path: &str) -> String {
 /// base in the same view); `None` when it is not under the base.
 fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
     let view = deny_view(path);
-    let base = route
-        .upstream
-        .as_deref()
-        .and_then(|u| reqwest::Url::parse(u).ok())
-        .map(|u| deny_view(u.path()))
-        .filter(|b| b != "/");
+    let base = base_path(route).map(|b| deny_view(&b)).filter(|b| b != "/");
     let Some(base) = base else {
         return Some(view);
     };
@@ -555,13 +549,16 @@ fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
     }
 }
 
+/// The path of a route's upstream (its base), as configured.
+fn base_path(route: &EgressRoute) -> Option<String> {
+    let url = reqwest::Url::parse(route.upstream.as_deref()?).ok()?;
+    Some(url.path().to_owned())
+}
+
 /// The path the route's globs see: under an upstream's base, the part after it.
 fn relative_path<'a>(route: &EgressRoute, path: &'a str) -> &'a str {
-    let base = route
-        .upstream
-        .as_deref()
-        .and_then(|u| reqwest::Url::parse(u).ok())
-        .map(|u| unreserved_decoded(u.path().trim_end_matches('/')))
+    let base = base_path(route)
+        .map(|b| unreserved_decoded(b.trim_end_matches('/')))
         .unwrap_or_default();
     match path.strip_prefix(base.as_str()) {
         Some(rest) if rest.starts_with('/') => rest,
