@@ -9,7 +9,8 @@
 //!   as text; `/escaped-credential` the same as JSON with `/` escaped, `/zipped-credential`
 //!   gzipped, `/te-zipped-credential` in `transfer-encoding: gzip, chunked`), `/self-redirect` (a 302 to `/credential` beside it, by its absolute path),
 //!   `/cookie` (a `Set-Cookie`), `/redirect?to=URL` (a 302), `/slow` (never
-//!   answers), `/endless` (a body that never ends), `/bomb` (a gzip bomb: 128 KiB that
+//!   answers), `/endless` (a body that never ends), `/stall?kb=K` (K KiB, then nothing), `/gate?n=N&kb=K` (K KiB once N requests
+//!   with its query are in), `/bomb` (a gzip bomb: 128 KiB that
 //!   inflate to 128 MiB, `content-encoding: gzip`), `/big?kb=N`, `/html`;
 //! - [`Dns`]: a DNS server on 127.0.0.1 (UDP) answering `A` queries from a table, each name
 //!   a list of answers given in turn (the rebinding test's `127.0.0.2`, then `127.0.0.3`),
@@ -354,6 +355,34 @@ async fn answer(
             .header("content-type", "text/plain")
             .body(Body::new(Full::new(Bytes::from(gzip_bomb()))))
             .unwrap(),
+        p if p.ends_with("/stall") => {
+            // `kb` KiB of body, then nothing more, ever.
+            let kb: usize = param("kb").and_then(|k| k.parse().ok()).unwrap_or(1);
+            let first = Bytes::from(vec![b's'; kb * 1024]);
+            let frames = futures_util::stream::unfold(Some(first), |next| async move {
+                match next {
+                    Some(c) => Some((Ok::<_, Infallible>(Frame::data(c)), None)),
+                    None => std::future::pending().await,
+                }
+            });
+            hyper::Response::builder()
+                .body(Body::new(StreamBody::new(frames)))
+                .unwrap()
+        }
+        p if p.ends_with("/gate") => {
+            // Answers (`kb` KiB) once `n` requests with this one's query have arrived: the
+            // caller's requests are all in flight at once (20 s at most).
+            let n: usize = param("n").and_then(|k| k.parse().ok()).unwrap_or(1);
+            let kb: usize = param("kb").and_then(|k| k.parse().ok()).unwrap_or(1);
+            for _ in 0..2000 {
+                let arrived = record.lock().unwrap().iter().filter(|s| s.uri == uri).count();
+                if arrived >= n {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            text(200, "g".repeat(kb * 1024))
+        }
         p if p.ends_with("/big") => {
             let kb: usize = param("kb").and_then(|k| k.parse().ok()).unwrap_or(1);
             text(200, "y".repeat(kb * 1024))

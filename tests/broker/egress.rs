@@ -577,7 +577,7 @@ async fn egress_answers_are_capped_stripped_and_timed() {
     // A list of its own strips those too: Set-Cookie is stripped whatever it says (a list
     // replaced the default and let a session cookie through).
     route.strip_response_headers = vec!["x-other".into()];
-    let (turn, _) = web.turn(vec![route]).await;
+    let (turn, seen) = web.turn(vec![route]).await;
     // Set-Cookie stripped, other headers kept.
     let a = get(&turn, &web.url("egress.test", "/cookie")).await;
     assert_eq!(a.status, 200);
@@ -590,6 +590,12 @@ async fn egress_answers_are_capped_stripped_and_timed() {
     let a = get(&turn, &web.url("egress.test", "/slow")).await;
     assert_eq!(a.status, 504, "{}", a.text());
     assert_eq!(a.headers[BROKER_HEADER], "1");
+    // One that stalls after 256 KiB meets it too, and what it read is counted (the turn's
+    // bytes and the budgets' both take the call's count).
+    let a = get(&turn, &web.url("egress.test", "/stall?kb=256")).await;
+    assert_eq!(a.status, 504, "{}", a.text());
+    let read = egress_events(&seen).last().unwrap().bytes_in;
+    assert!(read >= 256 * 1024, "{read}");
     // An endless body meets the cap.
     let a = get(&turn, &web.url("egress.test", "/endless")).await;
     assert_eq!(
@@ -706,20 +712,32 @@ async fn egress_headers_count_against_the_turns_bytes_and_an_answers_head_is_cap
     assert!(sent[..4].iter().all(|&b| b < 100), "{sent:?}");
     assert!(sent[4..6].iter().all(|&b| b > 7 * 1024), "{sent:?}");
 
-    // Heads in: 8 KiB a request against 20 KiB; the fourth request finds them spent.
+    // Heads in: 8 KiB a request against 20 KiB; the third head passes them (read, counted,
+    // not given), the fourth request finds them spent before it is sent.
     let mut route = web.web_route();
     route.limits.max_bytes_in_per_turn = 20 * 1024;
     let (turn, seen) = web.turn(vec![route]).await;
-    for _ in 0..3 {
+    for _ in 0..2 {
         let a = get(&turn, &web.url("egress.test", "/headers?kb=8")).await;
         assert_eq!(a.status, 200, "{}", a.text());
         assert_eq!(a.headers["x-pad-7"].len(), 1000);
     }
-    let a = get(&turn, &web.url("egress.test", "/headers?kb=8")).await;
-    assert_eq!(a.status, 429, "{}", a.text());
+    for _ in 0..2 {
+        let a = get(&turn, &web.url("egress.test", "/headers?kb=8")).await;
+        assert_eq!(a.status, 429, "{}", a.text());
+        assert_eq!(
+            a.error(),
+            "route web has read its bytes for this turn (limit 20480)"
+        );
+        assert!(a.headers.get("x-pad-0").is_none());
+    }
     assert_eq!(
-        a.error(),
-        "route web has read its bytes for this turn (limit 20480)"
+        web.up
+            .seen()
+            .iter()
+            .filter(|s| s.uri.contains("/headers"))
+            .count(),
+        3
     );
     let read: Vec<u64> = egress_events(&seen).iter().map(|e| e.bytes_in).collect();
     assert!(read[..3].iter().all(|&b| b > 8 * 1000), "{read:?}");
@@ -745,6 +763,40 @@ async fn egress_headers_count_against_the_turns_bytes_and_an_answers_head_is_cap
 /// paced: past the turn's first `FREE_REFUSALS` refusals (`403` by a rule, `429`) each is
 /// answered after `REFUSAL_PAUSE`, and an allowed request still goes at once. (A lower
 /// bound of the sleeps: a loaded machine only makes it longer.)
+/// Requests of a turn in flight together share its bytes in as they read: four answers of
+/// 8 KiB against 20 KiB, all sent before any is read, give at most 20 KiB and a frame.
+#[tokio::test]
+async fn egress_requests_in_flight_together_read_no_more_than_the_turns_bytes() {
+    let web = Web::start().await;
+    let mut route = web.web_route();
+    route.limits.max_bytes_in_per_turn = 20 * 1024;
+    let (turn, seen) = web.turn(vec![route]).await;
+    let url = web.url("egress.test", "/gate?n=4&kb=8");
+    let answers = futures_util::future::join_all((0..4).map(|_| get(&turn, &url))).await;
+    let given: Vec<u16> = answers.iter().map(|a| a.status).collect();
+    let served = given.iter().filter(|&&s| s == 200).count();
+    assert!((1..=2).contains(&served), "{given:?}");
+    for a in answers.iter().filter(|a| a.status != 200) {
+        assert_eq!(
+            (a.status, a.error()),
+            (
+                429,
+                "route web has read its bytes for this turn (limit 20480)".to_owned()
+            )
+        );
+    }
+    // The guest got no more than the turn's 20 KiB; what every request read is counted, the
+    // refused ones' too (the part that passed the limit).
+    let given: usize = answers
+        .iter()
+        .filter(|a| a.status == 200)
+        .map(|a| a.body.len())
+        .sum();
+    assert!(given <= 20 * 1024, "{given}");
+    let read: u64 = egress_events(&seen).iter().map(|e| e.bytes_in).sum();
+    assert!(read > 20 * 1024, "{read}");
+}
+
 #[tokio::test]
 async fn egress_refusals_past_the_first_few_are_paced() {
     use roundtable_sandbox::internals::broker::{FREE_REFUSALS, REFUSAL_PAUSE};

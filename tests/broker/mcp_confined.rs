@@ -835,13 +835,21 @@ async fn mcp_data_written_after_the_call_returned_is_watched() {
     shut_down(broker, &engine).await;
 }
 
-/// [`mcp_image`] with `VOLUME /v` (committed from it here: no registry): the shape of many
-/// public server images.
+/// [`mcp_image`] with `VOLUME /v` and a `HEALTHCHECK` (committed from it here: no
+/// registry): the shape of many public server images.
 fn image_with_a_volume() -> String {
     let image = "roundtable-sandbox-mcp-volume:test".to_owned();
     let name = format!("rtb-volume-image-{}", std::process::id());
     docker(&["create", "--name", &name, &mcp_image(), "true"]);
-    docker(&["commit", "--change", "VOLUME /v", &name, &image]);
+    docker(&[
+        "commit",
+        "--change",
+        "VOLUME /v",
+        "--change",
+        "HEALTHCHECK --interval=1s CMD [\"true\"]",
+        &name,
+        &image,
+    ]);
     docker(&["rm", &name]);
     image
 }
@@ -849,6 +857,8 @@ fn image_with_a_volume() -> String {
 /// An image's `VOLUME` is no storage past the quota: the engine would make it a writable
 /// anonymous volume under the read-only root, outside `/data`'s quota and the floor; a
 /// session gets a tmpfs of its size there instead (its pages count against its memory).
+/// Its `HEALTHCHECK` (an exec the engine would start now and then, outside the seccomp
+/// layer) is not run.
 #[tokio::test]
 async fn mcp_an_images_volume_is_a_capped_tmpfs() {
     const SCRIPT: &str = r#"
@@ -904,6 +914,15 @@ for line in sys.stdin:
     assert_eq!(f["fstype"], json!(["tmpfs"]), "{f}");
     // 64 MiB asked for, 8 MiB of tmpfs given.
     assert!(f["written_mb"].as_u64().unwrap() <= 8, "{f}");
+    let session = containers(&engine);
+    assert_eq!(session.len(), 1, "{session:?}");
+    let health = docker(&[
+        "inspect",
+        "-f",
+        "{{json .Config.Healthcheck.Test}} {{json .State.Health}}",
+        &session[0],
+    ]);
+    assert_eq!(health, r#"["NONE"] null"#);
     shut_down(broker, &engine).await;
     let _ = std::process::Command::new("docker")
         .args(["rmi", "roundtable-sandbox-mcp-volume:test"])

@@ -619,9 +619,6 @@ impl Exchange<'_> {
             .map_err(|(rule, reason)| call.deny(&cfg.name, rule, &reason))?;
         // The first hop's: the line names the request's host and path, and so its address.
         call.event.address.get_or_insert(addr.ip());
-        let spent = self.turn.egress.with(&cfg.name, |u| u.bytes_in);
-        let cap = (cfg.limits.max_response_bytes as u64)
-            .min(cfg.limits.max_bytes_in_per_turn.saturating_sub(spent)) as usize;
         let out = net::Outgoing {
             addr,
             host: target.host.clone(),
@@ -631,15 +628,23 @@ impl Exchange<'_> {
             body: self.body.clone(),
         };
         let connect = Duration::from_millis(cfg.limits.connect_timeout_ms);
-        let incoming = net::exchange(out, self.route.tls.clone(), connect, cap)
+        // What is read counts as it arrives, the head as the body does (its size capped by
+        // net::MAX_HEAD_BYTES), on the turn's counter that the route's other requests in
+        // flight share: together they read no more than the turn's bytes in (and one frame).
+        // A failed exchange counts what it read, for the turn and the budgets, and so does
+        // one cut by the deadline (this future dropped: the call was counted as it read).
+        let limit = cfg.limits.max_bytes_in_per_turn;
+        let mut charge = |n: u64| {
+            call.bytes_in = call.bytes_in.saturating_add(n);
+            self.turn.egress.with(&cfg.name, |u| {
+                u.bytes_in = u.bytes_in.saturating_add(n);
+                u.bytes_in <= limit
+            })
+        };
+        let cap = cfg.limits.max_response_bytes;
+        net::exchange(out, self.route.tls.clone(), connect, cap, &mut charge)
             .await
-            .map_err(|f| Box::new(failed(cfg, f)))?;
-        // The head counts as the body does: what the guest gets of it (its size capped by
-        // net::MAX_HEAD_BYTES).
-        let read = (incoming.body.len() + net::head_bytes(&incoming.headers)) as u64;
-        call.bytes_in += read;
-        self.turn.egress.with(&cfg.name, |u| u.bytes_in += read);
-        Ok(incoming)
+            .map_err(|f| Box::new(failed(cfg, f)))
     }
 
     /// The address to connect to: the host resolved once, every address checked.
@@ -884,6 +889,13 @@ fn failed(cfg: &EgressRoute, f: net::Failure) -> Response {
             StatusCode::BAD_GATEWAY,
             format!("the upstream's answer is larger than {cap} bytes"),
         ),
+        net::Failure::TurnSpent => {
+            let msg = format!(
+                "route {} has read its bytes for this turn (limit {})",
+                cfg.name, cfg.limits.max_bytes_in_per_turn
+            );
+            return refuse(StatusCode::TOO_MANY_REQUESTS, Refusal::EgressCaps, &msg);
+        }
     };
     super::http::failure(status, &msg)
 }

@@ -202,15 +202,21 @@ pub(crate) enum Failure {
     TooLarge(usize),
     /// The head passed [`MAX_HEAD_BYTES`].
     HeadTooLarge,
+    /// What was read passed what the turn may still read on the route.
+    TurnSpent,
 }
 
 /// Connects to `out.addr` (within `connect`), speaks TLS to `out.host` and HTTP/1.1, and
-/// reads the answer's body up to `cap` bytes. The caller bounds the whole by its deadline.
+/// reads the answer's body up to `cap` bytes. Each part read (the head, then each frame of
+/// the body) is passed to `charge` as it arrives, which counts it and says whether it still
+/// fits what the turn may read: concurrent requests share that as they read, and a failed
+/// exchange has counted what it read. The caller bounds the whole by its deadline.
 pub(crate) async fn exchange(
     out: Outgoing,
     tls: Arc<rustls::ClientConfig>,
     connect: Duration,
     cap: usize,
+    charge: &mut (dyn FnMut(u64) -> bool + Send),
 ) -> Result<Incoming, Failure> {
     let name = rustls::pki_types::ServerName::try_from(out.host.clone())
         .map_err(|_| Failure::Connect(format!("{} is no TLS server name", out.host)))?;
@@ -249,17 +255,28 @@ pub(crate) async fn exchange(
     let (head, mut body) = response.into_parts();
     // hyper stops reading a head at about `max_buf_size` and one read more: the exact
     // bound is checked here, on what it parsed.
-    if head_bytes(&head.headers) > MAX_HEAD_BYTES {
+    let head_size = head_bytes(&head.headers);
+    if head_size > MAX_HEAD_BYTES {
         driver.abort();
+        charge(head_size as u64);
         return Err(Failure::HeadTooLarge);
+    }
+    if !charge(head_size as u64) {
+        driver.abort();
+        return Err(Failure::TurnSpent);
     }
     let mut bytes = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| Failure::Exchange(format!("read the answer: {e}")))?;
         if let Ok(data) = frame.into_data() {
+            let fits = charge(data.len() as u64);
             if bytes.len() + data.len() > cap {
                 driver.abort();
                 return Err(Failure::TooLarge(cap));
+            }
+            if !fits {
+                driver.abort();
+                return Err(Failure::TurnSpent);
             }
             bytes.extend_from_slice(&data);
         }
