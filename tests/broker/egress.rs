@@ -389,6 +389,14 @@ async fn egress_refusals_name_their_rule() {
     // Control: the route's methods (GET and HEAD by default).
     let a = delete_echo(&turn, &web).await;
     assert_eq!(denied_by(&a), "method");
+    // A name that does not resolve: said in the broker's words, not the resolver's (which
+    // name the host's search domains and name servers).
+    let a = get(&turn, &web.url("nx.egress.test", "/echo")).await;
+    assert_eq!(denied_by(&a), "resolve");
+    assert_eq!(
+        a.json()["reason"],
+        "the name nx.egress.test does not resolve"
+    );
     // Controls that hold in every mode: userinfo, dot segments, encoded slashes.
     let a = get(
         &turn,
@@ -423,7 +431,7 @@ async fn egress_refusals_name_their_rule() {
             .iter()
             .filter(|e| e.decision == EgressDecision::Denied)
             .count(),
-        8
+        9
     );
     // A deny rule sees the path the upstream reads: an escaped letter is the letter.
     let mut route = web.web_route();

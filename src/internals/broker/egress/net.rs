@@ -117,11 +117,12 @@ impl Resolver {
 
     /// Every address of `host`.
     pub(crate) async fn lookup(&self, host: &str) -> Result<Vec<IpAddr>, String> {
-        let found = self
-            .0
-            .lookup_ip(host)
-            .await
-            .map_err(|e| format!("the name {host} does not resolve ({})", e.kind()))?;
+        // The resolver's own words stay on the host: they name the names it tried (the
+        // host's search domains) and the servers it asked.
+        let found = self.0.lookup_ip(host).await.map_err(|e| {
+            tracing::debug!(error = %e, "an egress name did not resolve");
+            format!("the name {host} does not resolve")
+        })?;
         Ok(found.iter().collect())
     }
 }

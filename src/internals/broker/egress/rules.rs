@@ -73,6 +73,7 @@ pub(crate) fn check(
     // Where it goes holds in every mode: in `audit` mode a route's hosts and ports were
     // reported only, so a credential route sent its credential to any host a guest named.
     where_to(route, &target)?;
+    within_base(route, &target)?;
     let verdict = route_rules(route, method, &target, headers);
     match (verdict, route.mode) {
         (Ok(()), _) => Ok(Allowed {
@@ -416,7 +417,15 @@ fn route_rules(
         ));
     }
     let rel = relative_path(route, &target.path);
-    if !route.paths.is_empty() && !route.paths.iter().any(|g| glob(g, rel)) {
+    // A glob allows the path as written and as its dot segments resolve (with
+    // `allow_unusual_paths`, `/public/../admin` is `/admin` to the upstream).
+    let resolved = dots_resolved(rel);
+    if !route.paths.is_empty()
+        && !route
+            .paths
+            .iter()
+            .any(|g| glob(g, rel) && glob(g, &resolved))
+    {
         return Err(refused(
             "path",
             format!("{rel} matches none of this route's paths"),
@@ -458,19 +467,15 @@ fn route_rules(
     // A deny rule's paths match the path as written and as a lenient server reads it
     // ([`deny_view`]): in any case, decoded again, its dot segments resolved, without a
     // trailing slash and without a segment's trailing dots and spaces. (An allow glob
-    // matches as written: a miss there only refuses.)
+    // matches as written and resolved: a miss there only refuses.)
     if route.deny.is_empty() {
         return Ok(());
     }
     let folded = rel.to_ascii_lowercase();
     // Of the whole path, then the base taken off (`../v1/internal` under `/v1` resolves to
-    // `/v1/internal`: taken off first, the base hid it); one that leaves the base is denied.
-    let Some(lenient) = lenient_relative(route, &target.path) else {
-        return Err(refused(
-            "base",
-            "the path leaves the route's base as a server reads it",
-        ));
-    };
+    // `/v1/internal`: taken off first, the base hid it); [`within_base`] refused one that
+    // leaves the base.
+    let lenient = lenient_relative(route, &target.path).unwrap_or_else(|| folded.clone());
     for (i, rule) in route.deny.iter().enumerate() {
         // A rule naming GET covers HEAD, which servers answer with the GET handler.
         let methods = rule.methods.is_empty()
@@ -547,6 +552,44 @@ fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
         Some(rest) if rest.starts_with('/') => Some(rest.to_owned()),
         _ => None,
     }
+}
+
+/// A path that leaves the upstream's base as the most lenient server reads it
+/// (`../v2/x` under `/v1`) is refused in every mode, as a host outside the route is: it
+/// would carry the route's credential to what the operator did not name.
+fn within_base(route: &EgressRoute, target: &Target) -> Result<(), Refused> {
+    match lenient_relative(route, &target.path) {
+        Some(_) => Ok(()),
+        None => Err(refused(
+            "base",
+            "the path leaves the route's base as a server reads it",
+        )),
+    }
+}
+
+/// `path` with its `.` and `..` segments resolved as RFC 3986 does (`..` at the root
+/// stays there), nothing else changed.
+fn dots_resolved(path: &str) -> String {
+    if !path.split('/').any(|seg| seg == "." || seg == "..") {
+        return path.to_owned();
+    }
+    let mut kept: Vec<&str> = Vec::new();
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let last = segments.len() - 1;
+    for (i, seg) in segments.into_iter().enumerate() {
+        match seg {
+            "." | ".." => {
+                if seg == ".." {
+                    kept.pop();
+                }
+                if i == last {
+                    kept.push("");
+                }
+            }
+            _ => kept.push(seg),
+        }
+    }
+    format!("/{}", kept.join("/"))
 }
 
 /// The path of a route's upstream (its base), as configured.
@@ -905,6 +948,33 @@ mod tests {
         );
         assert_eq!(rule_of(&api, "GET", "../v2/x").as_deref(), Some("base"));
         assert_eq!(rule_of(&api, "GET", "public/x"), None);
+        // Without deny rules, and in audit mode, the base holds all the same; the paths
+        // allowed are matched as they resolve.
+        let mut bare = EgressRoute::upstream("api", "https://api.example.com/v1");
+        bare.allow_unusual_paths = true;
+        bare.paths = vec!["/public/**".into()];
+        assert_eq!(rule_of(&bare, "GET", "../v2/x").as_deref(), Some("base"));
+        assert_eq!(
+            rule_of(&bare, "GET", "public/../../admin").as_deref(),
+            Some("base")
+        );
+        assert_eq!(
+            rule_of(&bare, "GET", "public/../admin").as_deref(),
+            Some("path")
+        );
+        assert_eq!(rule_of(&bare, "GET", "public/a/../b"), None);
+        bare.mode = EgressMode::Audit;
+        assert_eq!(rule_of(&bare, "GET", "../v2/x").as_deref(), Some("base"));
+        let mut site = EgressRoute::hosts("site", &["*"]);
+        site.allow_unusual_paths = true;
+        site.paths = vec!["/public/**".into()];
+        assert_eq!(
+            rule_of(&site, "GET", "https/example.com/public/../../admin").as_deref(),
+            Some("path")
+        );
+        assert_eq!(dots_resolved("/a/b/../../../c/./"), "/c/");
+        assert_eq!(dots_resolved("/a/.."), "/");
+        assert_eq!(dots_resolved("/a/b"), "/a/b");
         // Path parameters, and Unicode case folding (`ı`, `ſ`).
         let mut lax = EgressRoute::hosts("site", &["*"]);
         lax.allow_unusual_paths = true;
