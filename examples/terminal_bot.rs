@@ -182,6 +182,27 @@ fn reply_lines(channel: &str, mark: &str, text: &str) -> String {
     out
 }
 
+/// The reply tasks still due: each message's task is kept until it ends, pruned at every
+/// new one (a bot fed by a chat bridge for days holds only the answers still to come, not
+/// one handle per line it ever read), and awaited at the end.
+#[derive(Debug, Default)]
+struct Pending(Vec<tokio::task::JoinHandle<()>>);
+
+impl Pending {
+    /// Keeps `task`, dropping the handles of the tasks that have ended.
+    fn push(&mut self, task: tokio::task::JoinHandle<()>) {
+        self.0.retain(|t| !t.is_finished());
+        self.0.push(task);
+    }
+
+    /// Waits for every task kept.
+    async fn wait(&mut self) {
+        for t in self.0.drain(..) {
+            let _ = t.await;
+        }
+    }
+}
+
 fn phase_text(phase: TurnPhase) -> Option<&'static str> {
     Some(match phase {
         TurnPhase::Preparing => "preparing the workspace and broker",
@@ -256,7 +277,7 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
         swept.containers.len()
     );
 
-    let mut pending = Vec::new();
+    let mut pending = Pending::default();
     let mut lines = Lines::new(tokio::io::stdin());
     let stop = roundtable_sandbox_examples::stop_signal();
     tokio::pin!(stop);
@@ -366,14 +387,10 @@ async fn run(settings: Settings, metrics: MetricsArgs) -> Result<()> {
     // At the end of stdin the answers still due are awaited; on a signal the running turns
     // are stopped first (their waiters then print how they ended).
     if !signalled {
-        for p in pending.drain(..) {
-            let _ = p.await;
-        }
+        pending.wait().await;
     }
     let report = sandbox.send(Shutdown).await?;
-    for p in pending {
-        let _ = p.await;
-    }
+    pending.wait().await;
     eprintln!(
         "terminal-bot: shut down ({} running turn(s) stopped, {} queued message(s) refused)",
         report.stopped_turns, report.refused_queued
@@ -410,6 +427,27 @@ mod tests {
             LINE_CAP - 1
         );
         assert_eq!(lines.next_line().await.unwrap(), None);
+    }
+
+    /// A bot fed line after line keeps the handles of the answers still due, not one per
+    /// line it ever read.
+    #[actix_rt::test]
+    async fn the_reply_tasks_that_ended_are_not_kept() {
+        let mut pending = Pending::default();
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        pending.push(actix::spawn(async move {
+            let _ = held.await;
+        }));
+        for _ in 0..1000 {
+            pending.push(actix::spawn(async {}));
+            tokio::task::yield_now().await;
+        }
+        // The task still due and the latest one (maybe not yet run).
+        assert!(pending.0.len() <= 3, "{} kept", pending.0.len());
+        assert!(!pending.0[0].is_finished());
+        release.send(()).unwrap();
+        pending.wait().await;
+        assert!(pending.0.is_empty());
     }
 
     #[test]
