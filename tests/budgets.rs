@@ -769,6 +769,38 @@ async fn compaction_calls_are_counted_and_refused_past_a_budget() {
     assert_eq!(account.usage().model_calls, 1);
 }
 
+/// A compaction call that fails after its request went (here an answer past the
+/// compactor's 256 KiB) is one call of the turn's, charged its worst case: its charge,
+/// dropped unsettled, counted it a second time.
+#[tokio::test]
+async fn a_failed_compaction_call_is_counted_once() {
+    use roundtable_sandbox::protocol::chat::Message;
+    use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
+    let model = ScriptedModel::start(vec![Step::Huge(512 * 1024)]).await;
+    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let book = book(
+        dir.path(),
+        BudgetSettings {
+            channel_tokens_per_day: Some(1_000_000),
+            ..Default::default()
+        },
+    );
+    let account = Arc::new(TurnAccount::new("u1", "chan-hash", Some(book.clone())));
+    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+    let older = vec![Message::User {
+        content: "ann: keep the door code".into(),
+    }];
+    let body = serde_json::to_value(CompactRequest::new(None, &older, 5000, 2000)).unwrap();
+    let a = post_json(turn.socket(), "/v1/compact", &body).await;
+    assert_eq!(a.status, 200, "{}", a.text());
+    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(reply.source, CompactSource::Plain);
+    assert_eq!(model.requests().len(), 1);
+    assert_eq!(account.usage().model_calls, 1);
+    assert!(book.tokens(&CounterKey::Channel("chan-hash".into())) > 0);
+}
+
 /// Today (UTC), as the book names its day.
 fn today() -> String {
     chrono::Utc::now().date_naive().to_string()

@@ -295,6 +295,13 @@ fn a_failing_summarizer_falls_back_and_each_fallback_is_logged_at_warn() {
             .await
             .reply;
         assert_eq!(r.text.as_deref(), Some("done"), "{r:?}");
+        // Each call counted once: the summarizer's that timed out too (its charge, dropped
+        // unsettled, counted it a second time).
+        assert_eq!(
+            r.usage.unwrap().model_calls,
+            3,
+            "summarizer (timed out), model (503), answer"
+        );
         let summary = session(&env, channel)["summary"]
             .as_str()
             .unwrap()

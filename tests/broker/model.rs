@@ -175,6 +175,25 @@ async fn a_key_echoed_by_the_upstream_is_redacted() {
     assert_eq!(model.requests().len(), 3);
 }
 
+/// A key with `/` in it, echoed by an upstream whose JSON encoder writes `\/`: redacted in
+/// that form too.
+#[tokio::test]
+async fn a_key_echoed_with_its_slashes_escaped_is_redacted() {
+    const SLASHED: &str = "sk-test/4f9a1c2b/7d3e8a6f";
+    let echoed = SLASHED.replace('/', "\\/");
+    let model = ScriptedModel::start(vec![Step::Status(
+        401,
+        format!(r#"{{"error":"bad key {echoed}"}}"#),
+    )])
+    .await;
+    let broker = start_broker(broker_policy(&model.url(), SLASHED)).await;
+    let turn = start_turn(&broker).await;
+    assert_eq!(
+        chat_refused(&turn, false, 502).await,
+        r#"model upstream returned HTTP 401: {"error":"bad key [redacted]"}"#
+    );
+}
+
 #[tokio::test]
 async fn a_key_from_a_provider_is_injected() {
     struct Vault;

@@ -657,10 +657,13 @@ impl SummaryCall<'_> {
         Err(msg)
     }
 
-    /// One call that reached (or may have reached) the upstream, in the turn's usage.
+    /// One call that reached (or may have reached) the upstream, in the turn's usage: once
+    /// (through its charge, which a drop unsettled would count again otherwise).
     fn count_call(&self) {
-        if let Some(account) = &self.turn.ctx.account {
-            account.count_model_call();
+        match (&self.charge, &self.turn.ctx.account) {
+            (Some(charge), _) => charge.count_sent(),
+            (None, Some(account)) => account.count_model_call(),
+            (None, None) => {}
         }
     }
 

@@ -112,6 +112,19 @@ impl BrokerPolicy {
             }
         }
         out.extend(declared.into_iter().filter(|v| !v.is_empty()));
+        // Each also as a JSON encoder may write it in an upstream's error or echo: `/` as
+        // `\/` (PHP's does), `"` and `\` escaped.
+        let escaped: Vec<String> = out
+            .iter()
+            .filter(|s| s.contains(['/', '"', '\\']))
+            .flat_map(|s| {
+                let quoted = serde_json::Value::String(s.clone()).to_string();
+                let json = quoted[1..quoted.len() - 1].to_owned();
+                let slashed = json.replace('/', "\\/");
+                [json, slashed]
+            })
+            .collect();
+        out.extend(escaped);
         out
     }
 }

@@ -69,7 +69,13 @@ pub(crate) const REDACTED: &str = "[redacted]";
 
 /// Secrets to redact; empty ones are ignored. Cheap to clone (shared).
 #[derive(Clone, Default)]
-pub(crate) struct Secrets(std::sync::Arc<[Vec<u8>]>);
+pub(crate) struct Secrets {
+    list: std::sync::Arc<[Vec<u8>]>,
+    /// All of them in one automaton (leftmost, then longest): a text is searched once
+    /// however many secrets there are and however often a short one occurs (searched one
+    /// secret at a time, a short one met m times cost m passes over the rest of the text).
+    finder: Option<std::sync::Arc<aho_corasick::AhoCorasick>>,
+}
 
 impl Secrets {
     /// The non-empty, distinct secrets, longest first (a secret that contains another is
@@ -82,23 +88,40 @@ impl Secrets {
             .collect();
         v.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
         v.dedup();
-        Self(v.into())
+        // (Built only past its own size limits, which no configured set reaches: then
+        // each secret is searched in turn.)
+        let finder = (!v.is_empty())
+            .then(|| {
+                aho_corasick::AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&v)
+                    .ok()
+            })
+            .flatten()
+            .map(std::sync::Arc::new);
+        Self {
+            list: v.into(),
+            finder,
+        }
     }
 
     /// The length of the longest secret (0 for none).
     pub(crate) fn longest(&self) -> usize {
-        self.0.first().map_or(0, Vec::len)
+        self.list.first().map_or(0, Vec::len)
     }
 
     fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.list.is_empty()
     }
 
     /// The earliest occurrence of any secret in `hay`: (position, length); at one position
     /// the longest secret wins.
     fn find(&self, hay: &[u8]) -> Option<(usize, usize)> {
+        if let Some(finder) = &self.finder {
+            return finder.find(hay).map(|m| (m.start(), m.len()));
+        }
         let mut best: Option<(usize, usize)> = None;
-        for s in self.0.iter() {
+        for s in self.list.iter() {
             let limit = best.map_or(hay.len(), |(p, _)| (p + s.len()).min(hay.len()));
             if let Some(pos) = memmem::find(&hay[..limit], s) {
                 if best.is_none_or(|(p, _)| pos < p) {
@@ -169,7 +192,7 @@ impl Secrets {
 
     /// Whether `tail` is a proper prefix of some secret.
     fn could_grow(&self, tail: &[u8]) -> bool {
-        self.0
+        self.list
             .iter()
             .any(|s| s.len() > tail.len() && s.starts_with(tail))
     }
@@ -177,7 +200,7 @@ impl Secrets {
     /// The length of the longest tail of `bytes` that is a proper prefix of a secret.
     fn held_tail(&self, bytes: &[u8]) -> usize {
         let mut hold = 0;
-        for s in self.0.iter() {
+        for s in self.list.iter() {
             let max = (s.len() - 1).min(bytes.len());
             if let Some(n) = (hold + 1..=max).rev().find(|&n| bytes.ends_with(&s[..n])) {
                 hold = n;
@@ -339,6 +362,37 @@ mod tests {
         out.extend(r.push(b"f..xy"));
         out.extend(r.finish());
         assert_eq!(String::from_utf8(out).unwrap(), "..[redacted]..[redacted]");
+    }
+
+    /// The automaton finds what a search of each secret in turn finds: the earliest, and at
+    /// one position the longest.
+    #[test]
+    fn one_pass_finds_what_each_secret_in_turn_finds() {
+        let set = secrets(&[
+            "production",
+            "prod",
+            "duct",
+            "x".repeat(40).as_str(),
+            "on p",
+        ]);
+        let each = Secrets {
+            finder: None,
+            ..set.clone()
+        };
+        assert!(set.finder.is_some());
+        for text in [
+            "production prod duct",
+            "reproduction on production",
+            "pro duct prod",
+            &"production ".repeat(1000),
+            "",
+        ] {
+            assert_eq!(set.redact(text), each.redact(text), "{text}");
+        }
+        assert_eq!(
+            set.redact("a production and prod"),
+            "a [redacted] and [redacted]"
+        );
     }
 
     #[test]
