@@ -55,7 +55,8 @@ pub(crate) fn explain(config: &Config) {
         println!(
             "budget store  PostgreSQL, namespace {:?}, its URL from {} (never shown); shared by \
              every process of the namespace (their limits and time_zone must agree); {} is this \
-             process's journal; reconciled every 100 ms; a view older than {} s refuses new turns",
+             process's journal; reconciled every 100 ms; a view older than {} s refuses new turns, \
+             model calls and egress requests",
             bg.effective_namespace(),
             source.describe(),
             bg.state_file

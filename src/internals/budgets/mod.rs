@@ -405,7 +405,11 @@ pub type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 /// The book's side of a store shared by several processes ([`BudgetStore::share`]): the
 /// store reports through it what the database acknowledged of this process's charges, the
 /// totals the other processes' charges made, their turns, and when it last reconciled
-/// (the view's age, which the admission checks against `max_staleness_secs`).
+/// (the view's age, which the admission and every model call and egress request check
+/// against `max_staleness_secs`). The age is measured on the monotonic clock: a wall
+/// clock stepped back (by hand, or an NTP step during the outage) made it negative, and a
+/// stale view passed for a fresh one; the wall clock (the injected one in tests) is kept
+/// for the days and the turns' stamps.
 #[derive(Clone)]
 pub struct SharedView {
     inner: Arc<ViewInner>,
@@ -414,7 +418,9 @@ pub struct SharedView {
 struct ViewInner {
     state: SharedState,
     clock: Option<Clock>,
-    /// When the store last reconciled (Unix ms).
+    /// The monotonic clock's origin for [`Self::synced_ms`] and [`Self::warned_ms`].
+    origin: std::time::Instant,
+    /// When the store last reconciled (ms since `origin`).
     synced_ms: AtomicI64,
     max_staleness_ms: i64,
     fail_open: bool,
@@ -424,7 +430,7 @@ struct ViewInner {
     day_read: AtomicBool,
     /// Whether the view was stale at the writer's last look (its transitions are told).
     stale: AtomicBool,
-    /// When the last warning of a stale view was logged (Unix ms).
+    /// When the last warning of a stale view was logged (ms since `origin`).
     warned_ms: AtomicI64,
     events: std::sync::OnceLock<Arc<crate::events::EventHub>>,
     /// The PostgreSQL store's counts (statements, round trips), for the bench.
@@ -440,6 +446,11 @@ impl std::fmt::Debug for SharedView {
 }
 
 impl SharedView {
+    /// Now on the monotonic clock (ms since the view was made).
+    fn mono_ms(&self) -> i64 {
+        i64::try_from(self.inner.origin.elapsed().as_millis()).unwrap_or(i64::MAX)
+    }
+
     fn now_ms(&self) -> i64 {
         self.inner
             .clock
@@ -513,7 +524,9 @@ impl SharedView {
 
     /// The store reconciled just now: the view is fresh.
     pub fn synced(&self) {
-        self.inner.synced_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.inner
+            .synced_ms
+            .store(self.mono_ms(), Ordering::Relaxed);
     }
 
     /// The store reconciled just now and read `day`'s counters back: when that is still the
@@ -527,34 +540,43 @@ impl SharedView {
         self.synced();
     }
 
-    /// How old the view is (ms).
+    /// How old the view is (ms, monotonic: never negative).
     fn age_ms(&self) -> i64 {
-        self.now_ms()
+        self.mono_ms()
             .saturating_sub(self.inner.synced_ms.load(Ordering::Relaxed))
+            .max(0)
     }
 
-    /// Refuses a turn while the view is older than `max_staleness_secs` (unless fail open).
+    /// Refuses a turn while the view is older than `max_staleness_secs` (unless fail open),
+    /// or while a new day has not been read.
     fn check(&self) -> Result<(), BudgetRefusal> {
+        self.check_fresh("new turns")?;
+        if self.inner.fail_open || self.inner.day_read.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        Err(BudgetRefusal {
+            budget: Budget::Store,
+            limit: (self.inner.max_staleness_ms / 1000) as u64,
+            message: "a new day began and the budgets' shared database has not been read \
+                      for it yet: new turns are refused until it is (the next commit \
+                      interval)"
+                .into(),
+        })
+    }
+
+    /// Refuses `what` (new turns; a running turn's model calls, its egress requests) while
+    /// the view is older than `max_staleness_secs`, unless fail open.
+    fn check_fresh(&self, what: &str) -> Result<(), BudgetRefusal> {
         let age = self.age_ms();
         if age <= self.inner.max_staleness_ms || self.inner.fail_open {
-            if self.inner.fail_open || self.inner.day_read.load(Ordering::Relaxed) {
-                return Ok(());
-            }
-            return Err(BudgetRefusal {
-                budget: Budget::Store,
-                limit: (self.inner.max_staleness_ms / 1000) as u64,
-                message: "a new day began and the budgets' shared database has not been read \
-                          for it yet: new turns are refused until it is (the next commit \
-                          interval)"
-                    .into(),
-            });
+            return Ok(());
         }
         Err(BudgetRefusal {
             budget: Budget::Store,
             limit: (self.inner.max_staleness_ms / 1000) as u64,
             message: format!(
                 "the budgets' shared database has not been reached for {} s (max_staleness_secs = \
-                 {}): new turns are refused until it is back",
+                 {}): {what} are refused until it is back",
                 age / 1000,
                 self.inner.max_staleness_ms / 1000
             ),
@@ -568,7 +590,7 @@ impl SharedView {
         let age = self.age_ms();
         let stale = age > self.inner.max_staleness_ms;
         let was = self.inner.stale.swap(stale, Ordering::Relaxed);
-        let now = self.now_ms();
+        let now = self.mono_ms();
         if stale {
             let last = self.inner.warned_ms.load(Ordering::Relaxed);
             if !was || now - last >= MINUTE_MS {
@@ -581,7 +603,7 @@ impl SharedView {
                     if self.inner.fail_open {
                         "turns are admitted on this process's own counts (fail_open)"
                     } else {
-                        "new turns are refused until it is back"
+                        "new turns, model calls and egress requests are refused until it is back"
                     }
                 );
             }
@@ -953,7 +975,8 @@ impl BudgetBook {
             inner: Arc::new(ViewInner {
                 state: state.clone(),
                 clock: clock.clone(),
-                synced_ms: AtomicI64::new(now.timestamp_millis()),
+                origin: std::time::Instant::now(),
+                synced_ms: AtomicI64::new(0),
                 max_staleness_ms: i64::try_from(settings.effective_max_staleness().as_millis())
                     .unwrap_or(i64::MAX),
                 fail_open: settings.fail_open,
@@ -1092,13 +1115,29 @@ impl BudgetBook {
         }
     }
 
-    /// Every token budget has room in `slots`' counters.
+    /// With a shared store whose view is stale (unless fail open): a running turn's model
+    /// call (or egress request) is refused, as a new turn is. Without it, every turn
+    /// admitted before the database went away went on charging on this process's own
+    /// counts, in every channel, for as long as the outage lasted. Only when one of the
+    /// budgets it would be checked against is set.
+    fn check_shared_fresh(&self, what: &str, budgeted: bool) -> Result<(), BudgetRefusal> {
+        match &self.shared {
+            Some(view) if budgeted => view.check_fresh(what),
+            _ => Ok(()),
+        }
+    }
+
     /// Checks `slots` and holds `worst` on them, in one step (see [`TurnAccount::hold`]).
     fn check_and_hold(
         &self,
         slots: &TurnSlots,
         worst: u64,
     ) -> Result<[Arc<Slot>; 3], BudgetRefusal> {
+        let s = &self.settings;
+        let budgeted = s.speaker_tokens_per_day.is_some()
+            || s.channel_tokens_per_day.is_some()
+            || s.bot_tokens_per_day.is_some();
+        self.check_shared_fresh("model calls", budgeted)?;
         let _one_at_a_time = self.holding.lock().unwrap_or_else(|e| e.into_inner());
         self.check_slots(slots)?;
         for slot in [&slots.speaker, &slots.channel, &slots.bot] {
@@ -1171,6 +1210,7 @@ impl BudgetBook {
         worst: u64,
     ) -> Result<Vec<Arc<Slot>>, BudgetRefusal> {
         let slots = self.egress_slots(speaker, channel);
+        self.check_shared_fresh("egress requests", !slots.is_empty())?;
         let _one_at_a_time = self.holding.lock().unwrap_or_else(|e| e.into_inner());
         for (budget, limit, slot) in &slots {
             if slot.used() >= *limit {
@@ -1425,11 +1465,17 @@ pub fn check_shared_store(
     settings: &BudgetSettings,
     time_zone: &str,
 ) -> Result<StateFileCheck, StoreError> {
-    let tz: chrono_tz::Tz = time_zone.parse().unwrap_or_else(|_| {
-        chrono_tz::TZ_VARIANTS
-            .into_iter()
-            .find(|tz| tz.name().eq_ignore_ascii_case(time_zone))
-            .unwrap_or(chrono_tz::UTC)
+    // The zone as the configuration resolves it for the bot, which stores that name
+    // (`US/Eastern` is `America/New_York`): compared as given, a correct deployment failed.
+    let canonical =
+        crate::config::canonical_time_zone(time_zone).and_then(|c| c.parse::<chrono_tz::Tz>().ok());
+    let tz: chrono_tz::Tz = canonical.unwrap_or_else(|| {
+        time_zone.parse().unwrap_or_else(|_| {
+            chrono_tz::TZ_VARIANTS
+                .into_iter()
+                .find(|tz| tz.name().eq_ignore_ascii_case(time_zone))
+                .unwrap_or(chrono_tz::UTC)
+        })
     });
     let mut store = PostgresStore::check(settings, tz.name())?;
     let loaded = load_start(&mut store, tz, Utc::now())?;
@@ -1849,5 +1895,71 @@ mod tests {
             r.message,
             "the bot has used today's 70 tokens; the budget resets at 00:00 UTC"
         );
+    }
+
+    /// A store shared by other processes that never reconciles (the database away): the
+    /// view only ages.
+    struct Unreachable;
+    impl BudgetStore for Unreachable {
+        fn load_tokens(&mut self, _: &str) -> Result<Vec<(CounterKey, u64)>, StoreError> {
+            Ok(vec![])
+        }
+        fn load_turns(&mut self, _: i64) -> Result<Vec<(String, i64)>, StoreError> {
+            Ok(vec![])
+        }
+        fn add_tokens(&mut self, _: &str, _: &[(CounterKey, u64)]) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn forget_days_before(&mut self, _: &str) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn record_turns(&mut self, _: &[(String, i64)], _: i64) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn share(&mut self, _: SharedView) -> bool {
+            true
+        }
+    }
+
+    /// The view's age is the monotonic clock's: a wall clock stepped back an hour during
+    /// the outage (by hand, or an NTP step) leaves a stale view stale (measured on the wall
+    /// clock, the age turned negative and the speaker was admitted).
+    #[test]
+    fn a_clock_stepped_back_leaves_a_stale_view_stale() {
+        let base = Utc.with_ymd_and_hms(2026, 1, 1, 12, 0, 0).unwrap();
+        let started = std::time::Instant::now();
+        // A wall clock that runs (from noon, the day's middle), and that can be stepped.
+        let step_ms = Arc::new(AtomicI64::new(0));
+        let step = step_ms.clone();
+        let clock: Clock = Arc::new(move || {
+            base + chrono::Duration::from_std(started.elapsed()).unwrap()
+                + chrono::Duration::milliseconds(step.load(Ordering::Relaxed))
+        });
+        let settings = BudgetSettings {
+            state_file: Some("/x".into()),
+            speaker_tokens_per_day: Some(1000),
+            max_staleness_secs: Some(1),
+            ..Default::default()
+        };
+        let book = BudgetBook::with_store(&settings, "UTC", Box::new(Unreachable), clock).unwrap();
+        book.admit("ann", "c").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1300));
+        let stale = |r: Result<(), BudgetRefusal>| {
+            let r = r.unwrap_err();
+            assert_eq!(r.budget, Budget::Store, "{r}");
+            assert!(
+                r.message
+                    .starts_with("the budgets' shared database has not been reached for ")
+                    && r.message.ends_with(
+                        " s (max_staleness_secs = 1): new turns are refused until it is back"
+                    ),
+                "{}",
+                r.message
+            );
+        };
+        stale(book.admit("ann", "c"));
+        step_ms.store(-3_600_000, Ordering::Relaxed);
+        stale(book.admit("ann", "c"));
+        assert!(book.shared_view_age().unwrap() >= std::time::Duration::from_secs(1));
     }
 }

@@ -17,9 +17,11 @@
 //! the connection, or replayed from the journal at the next start after a crash) is
 //! applied once. The database down at startup is a startup error. Lost while running, the
 //! batches wait in the journal and are sent when it is back (reconnecting every interval);
-//! the book refuses new turns once its view is older than `max_staleness_secs` (unless
-//! `fail_open`). A slow database is cut by the statement timeout (and a client-side one
-//! beside it), then treated as lost.
+//! the book refuses new turns, and a running turn's model calls and egress requests, once
+//! its view is older than `max_staleness_secs` (unless `fail_open`). A slow database is cut
+//! by the statement timeout (and a client-side one beside it, which bounds a failed
+//! transaction's `ROLLBACK` too), then treated as lost. A database whose `server_encoding`
+//! cannot hold every speaker id (anything but UTF8 and SQL_ASCII) is refused.
 //!
 //! **Agreement.** The namespace's row holds the limits and the time zone. A process whose
 //! settings differ refuses to start, naming each difference, while any other process of
@@ -86,26 +88,31 @@ const LOCK_LIVE: i32 = 0x5254_424c; // "RTBL"
 /// The migrations, one process at a time (the whole database).
 const LOCK_MIGRATE: i64 = 0x5254_424d_0000_0001;
 
-/// One batch's write: the batch recorded once, the namespace's version bumped (its row
-/// locked until the commit: batches commit in version order), the deltas added with
-/// saturation (a row found negative counts as 0, as [`clamp_count`] reads it), the turns
-/// recorded; the counters' totals after it returned. A batch already recorded changes
-/// nothing and returns no row. Without the namespace's row (deleted, or a database restored
-/// from before it was made) nothing is recorded and the one row `('', '', 0)` says so: the
-/// batch is not acknowledged (it was, and its charges lost, when the batch was recorded
-/// with no counter to add to).
+/// One batch's write: the namespace's version bumped (its row locked until the commit:
+/// batches commit in version order), the batch recorded once under that bump, the deltas
+/// added with saturation (a row found negative counts as 0, as [`clamp_count`] reads it)
+/// and the turns recorded only when the batch is new; the counters' totals after it
+/// returned. A batch already recorded adds nothing (only the version moves) and returns no
+/// row. Without the namespace's row (deleted, or a database restored from before it was
+/// made) nothing is recorded and the one row `('', '', 0)` says so: the batch is not
+/// acknowledged. Every step hangs on the bump's own answer, never on the statement's
+/// snapshot: a row deleted by a transaction that commits while the bump waits for its lock
+/// is seen as gone by the bump alone (before, the batch's id was recorded from the
+/// snapshot, which still held the row, nothing was added and no `''` row came back: the
+/// batch was taken as applied and its re-send as already recorded, its charges lost).
 const WRITE: &str = "
-WITH fresh AS (
-    INSERT INTO roundtable_budgets.batches (ns, batch)
-    SELECT $1, $2 WHERE EXISTS (SELECT 1 FROM roundtable_budgets.namespaces WHERE ns = $1)
-    ON CONFLICT DO NOTHING RETURNING 1),
-v AS (
+WITH v AS (
     UPDATE roundtable_budgets.namespaces SET version = version + 1
-    WHERE ns = $1 AND EXISTS (SELECT 1 FROM fresh) RETURNING version),
+    WHERE ns = $1 RETURNING version),
+fresh AS (
+    INSERT INTO roundtable_budgets.batches (ns, batch)
+    SELECT $1, $2 FROM v
+    ON CONFLICT DO NOTHING RETURNING 1),
 t AS (
     INSERT INTO roundtable_budgets.tokens AS c (ns, day, scope, key, tokens, version)
     SELECT $1, $3, d.scope, d.key, d.n, v.version
     FROM unnest($4::text[], $5::text[], $6::bigint[]) AS d(scope, key, n), v
+    WHERE EXISTS (SELECT 1 FROM fresh)
     ON CONFLICT (ns, day, scope, key) DO UPDATE SET
         tokens = LEAST(GREATEST(c.tokens, 0), 9223372036854775807 - excluded.tokens)
                  + excluded.tokens,
@@ -114,10 +121,11 @@ t AS (
 r AS (
     INSERT INTO roundtable_budgets.turns (ns, speaker, at_ms, origin, version)
     SELECT $1, u.speaker, u.at_ms, $9, v.version
-    FROM unnest($7::text[], $8::bigint[]) AS u(speaker, at_ms), v)
+    FROM unnest($7::text[], $8::bigint[]) AS u(speaker, at_ms), v
+    WHERE EXISTS (SELECT 1 FROM fresh))
 SELECT scope, key, tokens FROM t
 UNION ALL
-SELECT '', '', 0 WHERE NOT EXISTS (SELECT 1 FROM roundtable_budgets.namespaces WHERE ns = $1)";
+SELECT '', '', 0 WHERE NOT EXISTS (SELECT 1 FROM v)";
 
 /// The read back: the day's counters and the other processes' turns changed since the
 /// cursors, and the namespace's version (kind 2: one below a cursor is a database that went
@@ -1119,15 +1127,51 @@ impl Shipper {
         self.target.statement_timeout + Duration::from_secs(1)
     }
 
-    /// The server's words without the URL's user (`password authentication failed for
-    /// user "…"`): the errors name the URL's source, never what it holds.
-    fn hide_user(&self, message: String) -> String {
-        match self.target.config.get_user() {
-            Some(user) if !user.is_empty() => {
-                message.replace(&format!("\"{user}\""), "\"(the URL's user)\"")
-            }
-            _ => message,
+    /// An error's words without what the URL holds: its user, its database's name and its
+    /// host, where the server's or a library's words quote them (`password authentication
+    /// failed for user "…"`, `database "…" does not exist`, rustls's `certificate not valid
+    /// for name "…"`), and a host that reads as an address or a domain name wherever it
+    /// stands: the errors (so the logs and `doctor`) name the URL's source, never what it
+    /// holds.
+    fn scrub(&self, message: String) -> String {
+        let c = &self.target.config;
+        let mut out = message;
+        let db = c.get_dbname().filter(|d| !d.is_empty());
+        if let Some(db) = db {
+            out = out.replace(
+                &format!("database \"{db}\""),
+                "database \"(the URL's database)\"",
+            );
         }
+        if let Some(user) = c.get_user().filter(|u| !u.is_empty()) {
+            out = out.replace(&format!("\"{user}\""), "\"(the URL's user)\"");
+        }
+        if let Some(db) = db {
+            out = out.replace(&format!("\"{db}\""), "\"(the URL's database)\"");
+        }
+        let hosts = c
+            .get_hosts()
+            .iter()
+            .map(|h| match h {
+                tokio_postgres::config::Host::Tcp(h) => h.clone(),
+                tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+            })
+            .chain(c.get_hostaddrs().iter().map(|a| a.to_string()));
+        for host in hosts.filter(|h| !h.is_empty()) {
+            out = out.replace(&format!("\"{host}\""), "\"(the URL's host)\"");
+            if host.len() >= 4 && host.contains(['.', ':', '/']) {
+                out = out.replace(&host, "(the URL's host)");
+            }
+        }
+        out
+    }
+
+    /// Ends a transaction that failed, within the same deadline as any statement (a
+    /// connection gone silent answers no `ROLLBACK` either: the store's thread stalled on
+    /// it, every later round with it; the server ends such a session itself, by its
+    /// `idle_in_transaction_session_timeout`).
+    async fn rollback(&self, client: &tokio_postgres::Client) {
+        let _ = self.timed(client.batch_execute("ROLLBACK")).await;
     }
 
     fn db_err(e: &tokio_postgres::Error) -> String {
@@ -1151,7 +1195,7 @@ impl Shipper {
         f: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, String> {
         match tokio::time::timeout(self.deadline(), f).await {
-            Ok(r) => r.map_err(|e| Self::db_err(&e)),
+            Ok(r) => r.map_err(|e| self.scrub(Self::db_err(&e))),
             Err(_) => Err(format!(
                 "no answer within {} ms",
                 self.deadline().as_millis()
@@ -1188,18 +1232,31 @@ impl Shipper {
                     client = Some(c);
                     break;
                 }
-                Ok(Err(e)) => last = format!("connect: {}", self.hide_user(Self::db_err(&e))),
+                Ok(Err(e)) => last = format!("connect: {}", self.scrub(Self::db_err(&e))),
                 Err(_) => last = "connect: no answer in time".into(),
             }
         }
         let client = client.ok_or(last)?;
         self.stats.round_trips.fetch_add(1, Ordering::Relaxed);
-        self.timed(client.batch_execute(&format!(
-            "SET statement_timeout = {}; SET lock_timeout = {}",
-            self.target.statement_timeout.as_millis(),
-            self.target.statement_timeout.as_millis()
-        )))
-        .await?;
+        // A session left idle inside a transaction (its client gone silent) is ended by the
+        // server, with the locks it holds, after one client deadline.
+        let setup = self
+            .timed(client.simple_query(&format!(
+                "SET statement_timeout = {}; SET lock_timeout = {}; \
+                 SET idle_in_transaction_session_timeout = {}; SHOW server_encoding",
+                self.target.statement_timeout.as_millis(),
+                self.target.statement_timeout.as_millis(),
+                self.deadline().as_millis()
+            )))
+            .await?;
+        let encoding = setup
+            .iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .unwrap_or_default();
+        check_encoding(&encoding)?;
         self.schema(&client, first && !self.check_only).await?;
         self.agree(&client).await?;
         let write = self.timed(client.prepare(WRITE)).await?;
@@ -1290,7 +1347,7 @@ impl Shipper {
         }
         .await;
         if result.is_err() {
-            let _ = client.batch_execute("ROLLBACK").await;
+            self.rollback(client).await;
         } else {
             tracing::info!(
                 from = version,
@@ -1342,7 +1399,7 @@ impl Shipper {
         }
         .await;
         if result.is_err() {
-            let _ = client.batch_execute("ROLLBACK").await;
+            self.rollback(client).await;
         }
         result
     }
@@ -1435,7 +1492,7 @@ impl Shipper {
         let (version, rows) = match result {
             Ok(r) => r,
             Err(e) => {
-                let _ = c.batch_execute("ROLLBACK").await;
+                self.rollback(c).await;
                 return Err(e);
             }
         };
@@ -1745,6 +1802,20 @@ impl Shipper {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(acked_ids);
+    }
+}
+
+/// The database's `server_encoding` must hold any text a speaker id may be: UTF8, or
+/// SQL_ASCII (bytes kept as sent). Another one (LATIN1, …) refuses the characters it lacks,
+/// so one speaker's id failed every batch, at every round and every start.
+fn check_encoding(encoding: &str) -> Result<(), String> {
+    match encoding {
+        "UTF8" | "SQL_ASCII" => Ok(()),
+        other => Err(format!(
+            "the database's server_encoding is {other:?}; the store needs UTF8 (or SQL_ASCII): \
+             a speaker id with a character {other} cannot hold would fail every batch (create \
+             the database with ENCODING 'UTF8')"
+        )),
     }
 }
 
