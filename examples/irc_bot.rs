@@ -17,7 +17,12 @@
 //! Replies are model output, so they are hostile: every control character is shown as an
 //! escape (`\u{1b}`, see `roundtable_sandbox::display`; CR, LF and NUL never reach the
 //! wire), each line is posted as its own `PRIVMSG` of at most 512 bytes (no line can
-//! smuggle an IRC command) and long replies are cut.
+//! smuggle an IRC command) and long replies are cut. A reply highlights no one but the
+//! guest it answers: the nick of every other member of the channel (followed from the
+//! server's names list, joins, parts, kicks, quits and nick changes, compared as the server
+//! folds nicks) that stands as a word in it gets a zero-width space after its first
+//! character, so a model asked to repeat the nick list cannot mass-highlight the channel
+//! (a nick of one character cannot be broken this way and is left as it is).
 //!
 //! Output is paced and fair: lines leave at most `--send-burst` at once, then one per
 //! `--send-interval-ms` (longer for long lines, `--send-bytes-per-sec`), under the server's
@@ -29,6 +34,12 @@
 //! (`* nick: output truncated, N line(s) dropped (…)`). When the server closes the link the
 //! bot reconnects with backoff (1 s doubling to `--reconnect-max-secs`) and rejoins; the
 //! sandbox, its channels and their sessions are untouched.
+//!
+//! **Kicked**, the bot stops in that channel: its running turn is stopped, so is each turn
+//! queued behind it (as it is admitted: it never runs), what waits in its outbox and every
+//! reply still to come are dropped, and it does not join the channel again, at a
+//! reconnection either, until it is invited back (`/INVITE sandbox #chan`, by anyone the
+//! server lets invite: on a `+i` channel, its operators) or restarted. Its session is kept.
 //!
 //! **What the limits key on.** The model, the turn, the audit trail and the other guests see
 //! the nick (the speaker's id and name). The per-speaker limits (`speaker_tokens_per_day`,
@@ -43,16 +54,17 @@
 mod irc_limits;
 mod irc_ops;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use irc_limits::LimitsKeyer;
-use irc_ops::Ops;
+use irc_ops::{CaseMapping, Roster};
 use roundtable_sandbox::display;
+use roundtable_sandbox::events::{EventKind, Observer};
 use roundtable_sandbox::settings::SETTINGS_NOTE;
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
@@ -209,40 +221,154 @@ fn text_room(target: &str) -> usize {
     IRC_LINE - 2 - "PRIVMSG ".len() - target.len() - " :".len() - PREFIX_ROOM
 }
 
-/// The text of the lines to post in `target` for a reply to `to`: every control character
-/// escaped ([`display`]), split at line breaks and at [`text_room`] (on a char boundary),
-/// every line starting `to: `, at most [`MAX_LINES`].
-fn reply_lines(target: &str, to: &str, text: &str) -> Vec<String> {
-    let prefix = format!("{}: ", display::escape(to));
-    let room = text_room(target).saturating_sub(prefix.len()).max(16);
-    let mut lines = Vec::new();
-    for line in display::lines(text) {
-        let mut rest = line.trim();
-        while !rest.is_empty() {
-            let mut cut = rest.len().min(room);
-            while !rest.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            lines.push(format!("{prefix}{}", &rest[..cut]));
-            rest = rest[cut..].trim_start();
+/// A zero-width space: put after the first character of a member's nick in a reply, the
+/// nick no longer highlights its owner (a client matches whole words), and reads the same.
+const ZWSP: char = '\u{200b}';
+
+/// The nicks a reply must not highlight: a channel's members but the guest it answers and
+/// the bot, folded as the server folds nicks. A nick of one character cannot be kept from
+/// highlighting this way (whatever is put around it, it stays a word): it is left as it is.
+#[derive(Debug, Default)]
+struct NoHighlight {
+    mapping: CaseMapping,
+    nicks: HashSet<String>,
+    /// The longest nick, in bytes.
+    longest: usize,
+}
+
+impl NoHighlight {
+    /// `members` (folded by `mapping`) but those in `keep` (as they are written).
+    fn new<'a>(
+        mapping: CaseMapping,
+        members: impl IntoIterator<Item = &'a str>,
+        keep: &[&str],
+    ) -> Self {
+        let keep: Vec<String> = keep.iter().map(|k| mapping.fold(k)).collect();
+        let nicks: HashSet<String> = members
+            .into_iter()
+            .filter(|m| m.chars().nth(1).is_some() && !keep.iter().any(|k| k == m))
+            .map(str::to_owned)
+            .collect();
+        let longest = nicks.iter().map(String::len).max().unwrap_or(0);
+        Self {
+            mapping,
+            nicks,
+            longest,
         }
     }
-    if lines.is_empty() {
-        lines.push(format!("{prefix}(no answer)"));
+
+    /// `line` with a [`ZWSP`] after the first character of every nick standing as a word in
+    /// it (folded; a word is bounded by characters that are not ASCII letters or digits,
+    /// where clients match a nick), again until none is left: the space can make a word of
+    /// another nick (`ann` broken, `nn` stands alone).
+    fn apply(&self, line: &str) -> String {
+        let mut out = line.to_owned();
+        if self.nicks.is_empty() {
+            return out;
+        }
+        loop {
+            // Folding keeps every byte in its place: the places found are `out`'s.
+            let at = self.mentions(&self.mapping.fold(&out));
+            if at.is_empty() {
+                return out;
+            }
+            for i in at.into_iter().rev() {
+                out.insert(i, ZWSP);
+            }
+        }
+    }
+
+    /// Where to break the nicks standing as words in `folded`: after each one's first
+    /// character (never where a [`ZWSP`] already is, so that breaking ends).
+    fn mentions(&self, folded: &str) -> Vec<usize> {
+        let word = |c: char| c.is_ascii_alphanumeric();
+        let mut at = Vec::new();
+        let mut prev: Option<char> = None;
+        for (i, c) in folded.char_indices() {
+            let starts = !prev.is_some_and(word);
+            prev = Some(c);
+            let second = i + c.len_utf8();
+            if !starts || folded[second..].starts_with(ZWSP) {
+                continue;
+            }
+            let ends = folded[second..]
+                .char_indices()
+                .map(|(k, c)| (second + k, Some(c)))
+                .chain([(folded.len(), None)])
+                .take_while(|(end, _)| end - i <= self.longest);
+            for (end, next) in ends {
+                if !next.is_some_and(word) && self.nicks.contains(&folded[i..end]) {
+                    at.push(second);
+                    break;
+                }
+            }
+        }
+        at
+    }
+}
+
+/// The most of `rest` that fits `room` bytes once its nicks are broken ([`NoHighlight`]):
+/// how many bytes of it, and the text to post (at least one character).
+fn fit(rest: &str, room: usize, quiet: &NoHighlight) -> (usize, String) {
+    let mut cut = rest.len().min(room);
+    loop {
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        if cut == 0 {
+            let one = rest.chars().next().map_or(0, char::len_utf8);
+            return (one, quiet.apply(&rest[..one]));
+        }
+        let shown = quiet.apply(&rest[..cut]);
+        if shown.len() <= room {
+            return (cut, shown);
+        }
+        cut = cut.saturating_sub(shown.len() - room);
+    }
+}
+
+/// The text of the lines to post in `target` for a reply to `to`: every control character
+/// escaped ([`display`]), split at line breaks and at [`text_room`] (on a char boundary),
+/// every line starting `to: `, at most [`MAX_LINES`]; the nicks of `quiet` (the channel's
+/// other members) broken, so that the reply highlights none of them.
+fn reply_lines(target: &str, to: &str, text: &str, quiet: &NoHighlight) -> Vec<String> {
+    let prefix = format!("{}: ", display::escape(to));
+    let room = text_room(target).saturating_sub(prefix.len()).max(16);
+    let escaped = display::lines(text);
+    // Each line's text (escaped) and what is posted of it: its nicks are broken once the
+    // line is cut, where its ends are word boundaries.
+    // Past the lines posted, the rest is only counted: cut as it is.
+    let plain = NoHighlight::default();
+    let mut lines: Vec<(&str, String)> = Vec::new();
+    for line in &escaped {
+        let mut rest = line.trim();
+        while !rest.is_empty() {
+            let quiet = if lines.len() < MAX_LINES {
+                quiet
+            } else {
+                &plain
+            };
+            let (cut, shown) = fit(rest, room, quiet);
+            lines.push((&rest[..cut], shown));
+            rest = rest[cut..].trim_start();
+        }
     }
     if lines.len() > MAX_LINES {
         let more = lines.len() - MAX_LINES;
         lines.truncate(MAX_LINES);
-        let last = &mut lines[MAX_LINES - 1];
         let mark = format!(" …(cut, {more} more line(s))");
         // The mark fits the line: the text makes room for it.
-        let limit = prefix.len() + room - mark.len();
-        while last.len() > limit {
-            last.pop();
-        }
-        last.push_str(&mark);
+        let (source, shown) = &mut lines[MAX_LINES - 1];
+        let (_, fitted) = fit(source, room.saturating_sub(mark.len()), quiet);
+        *shown = fitted + &mark;
+    }
+    if lines.is_empty() {
+        return vec![format!("{prefix}(no answer)")];
     }
     lines
+        .into_iter()
+        .map(|(_, shown)| format!("{prefix}{shown}"))
+        .collect()
 }
 
 /// One of the bot's own lines (`* to: text`): never one a reply can start.
@@ -304,6 +430,11 @@ struct ChannelOut {
     /// As joined (lowercase).
     name: String,
     joined: bool,
+    /// Kicked, and not joined since: not joined again (at a reconnect either) until invited.
+    kicked: bool,
+    /// How many times the bot was kicked from it: a reply to a message asked before a kick
+    /// is not posted.
+    epoch: u64,
     lines: VecDeque<Queued>,
 }
 
@@ -350,6 +481,8 @@ impl Outbox {
                 .map(|c| ChannelOut {
                     name: c.to_lowercase(),
                     joined: false,
+                    kicked: false,
+                    epoch: 0,
                     lines: VecDeque::new(),
                 })
                 .collect(),
@@ -383,6 +516,42 @@ impl Outbox {
         }
     }
 
+    /// The channels to join at a (re)connection: all but those the bot was kicked from.
+    fn to_join(&self) -> Vec<&str> {
+        self.channels
+            .iter()
+            .filter(|c| !c.kicked)
+            .map(|c| c.name.as_str())
+            .collect()
+    }
+
+    /// The bot was kicked from `name`: it is not joined again until invited, what waits in
+    /// its outbox is dropped (how many lines), and so is every reply to a message asked
+    /// before now ([`Outbox::current`]).
+    fn kicked(&mut self, name: &str) -> Option<usize> {
+        let c = self.channel(name)?;
+        c.joined = false;
+        c.kicked = true;
+        c.epoch += 1;
+        let dropped = c.lines.len();
+        c.lines.clear();
+        Some(dropped)
+    }
+
+    /// The channel's count of kicks now (a reply carries the one of when it was asked).
+    fn epoch(&self, name: &str) -> u64 {
+        let name = name.to_lowercase();
+        self.channels
+            .iter()
+            .find(|c| c.name == name)
+            .map_or(0, |c| c.epoch)
+    }
+
+    /// Whether a reply asked at `epoch` in `name` may be posted: no kick since.
+    fn current(&self, name: &str, epoch: u64) -> bool {
+        self.epoch(name) == epoch
+    }
+
     /// The lines of one reply to `to` in `target`, ready at `ready`: queued within the
     /// guest's budget and the channel's cap, the rest dropped with one notice per guest per
     /// window. The budget is the sender's, counted under their limits key (not the nick,
@@ -392,7 +561,12 @@ impl Outbox {
         let (budget_lines, window, cap) = (self.budget_lines, self.window, self.cap);
         self.guests
             .retain(|_, b| ready.saturating_duration_since(b.since) < window);
-        let Some(channel) = self.channels.iter_mut().find(|c| c.name == target) else {
+        // A channel the bot did not join, or was kicked from: nothing is kept for it.
+        let Some(channel) = self
+            .channels
+            .iter_mut()
+            .find(|c| c.name == target && !c.kicked)
+        else {
             return Posted {
                 queued: 0,
                 dropped: lines.len(),
@@ -499,8 +673,59 @@ struct Reply {
     nick: String,
     /// The sender's limits key (their output budget's).
     key: String,
-    lines: Vec<String>,
+    text: String,
     ready: Instant,
+    /// The channel's [`Outbox::epoch`] when the message was asked.
+    epoch: u64,
+}
+
+/// The channels whose turns are stopped as they are admitted (the bot was kicked from
+/// them), by the short hash the runtime's events name a channel by: a message queued before
+/// the kick is not run once the running turn is stopped (the actor layer's `Stop` stops the
+/// running turn; the queued ones stay queued).
+#[derive(Clone, Default)]
+struct Halted {
+    channels: Arc<Mutex<HashMap<String, String>>>,
+    sandbox: Arc<OnceLock<actix::Addr<SandboxSupervisor>>>,
+}
+
+impl Halted {
+    /// The observer that stops each turn of a halted channel as it is admitted.
+    fn observer(&self) -> Observer {
+        let halted = self.clone();
+        Arc::new(move |event| {
+            if !matches!(event.kind, EventKind::Admitted) {
+                return;
+            }
+            let Some(short) = event.channel.as_deref() else {
+                return;
+            };
+            let channel = halted.lock().get(short).cloned();
+            if let (Some(channel), Some(sandbox)) = (channel, halted.sandbox.get()) {
+                sandbox.do_send(Stop { channel });
+            }
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops every turn of `channel` (a sandbox channel's key) admitted from now on.
+    fn halt(&self, channel: &str) {
+        let short = roundtable_sandbox::ChannelId::new(channel)
+            .short()
+            .to_owned();
+        self.lock().insert(short, channel.to_owned());
+    }
+
+    /// Lets `channel`'s turns run again.
+    fn resume(&self, channel: &str) {
+        let short = roundtable_sandbox::ChannelId::new(channel)
+            .short()
+            .to_owned();
+        self.lock().remove(&short);
+    }
 }
 
 /// Why a connection ended.
@@ -528,9 +753,15 @@ async fn run(cli: Cli) -> Result<()> {
     let keyer = limits_keyer(limits_key_file, &config)?;
     config.tools.push(Arc::new(RollDice));
     let mut supervisor = SupervisorOptions::new(config);
+    let halted = Halted::default();
+    supervisor.config.observer = Some(roundtable_sandbox_examples::chain(
+        supervisor.config.observer.take(),
+        halted.observer(),
+    ));
     // Kept to the end of the run: dropping it stops the endpoint.
     let _metrics = serve_metrics("irc-bot", &metrics, &mut supervisor)?;
     let sandbox = SandboxSupervisor::start(supervisor).await?;
+    let _ = halted.sandbox.set(sandbox.clone());
     eprintln!(
         "irc-bot: connecting to {server} as {nick} ({})",
         if offline.is_some() {
@@ -567,9 +798,10 @@ async fn run(cli: Cli) -> Result<()> {
                     join: &join,
                     keyer: &keyer,
                     sandbox: &sandbox,
+                    halted: &halted,
                     replies_tx: &replies_tx,
                     pacer: Pacer::new(&output, Instant::now()),
-                    ops: Ops::default(),
+                    roster: Roster::default(),
                     stop_by,
                     reset_by,
                 };
@@ -639,10 +871,11 @@ struct Session<'a> {
     join: &'a [String],
     keyer: &'a LimitsKeyer,
     sandbox: &'a actix::Addr<SandboxSupervisor>,
+    halted: &'a Halted,
     replies_tx: &'a mpsc::Sender<Reply>,
     pacer: Pacer,
-    /// The channels' operators on this connection.
-    ops: Ops,
+    /// The channels' members and operators on this connection.
+    roster: Roster,
     stop_by: Who,
     reset_by: Who,
 }
@@ -696,10 +929,23 @@ impl Session<'_> {
                     }
                 }
                 Some(reply) = replies.recv() => {
-                    let n = reply.lines.len();
-                    let to = Guest { nick: &reply.nick, key: &reply.key };
-                    let posted = outbox.post(&reply.target, to, reply.lines, reply.ready);
                     let who = display::escape(&reply.nick);
+                    if !outbox.current(&reply.target, reply.epoch) {
+                        eprintln!(
+                            "irc-bot: {}: reply for {who} dropped (the bot was kicked since it was asked)",
+                            reply.target
+                        );
+                        continue;
+                    }
+                    let lines = reply_lines(
+                        &reply.target,
+                        &reply.nick,
+                        &reply.text,
+                        &self.no_highlight(&reply.target, &reply.nick),
+                    );
+                    let n = lines.len();
+                    let to = Guest { nick: &reply.nick, key: &reply.key };
+                    let posted = outbox.post(&reply.target, to, lines, reply.ready);
                     eprintln!("irc-bot: {}: reply for {who} ready ({n} line(s))", reply.target);
                     if posted.dropped > 0 {
                         eprintln!(
@@ -743,6 +989,45 @@ impl Session<'_> {
         }
     }
 
+    /// Whether `who` is the bot (as the server folds nicks).
+    fn is_me(&self, who: Option<&str>) -> bool {
+        who.is_some_and(|w| self.roster.fold(w) == self.roster.fold(self.nick))
+    }
+
+    /// What a reply to `to` in `channel` must not highlight: the channel's other members.
+    fn no_highlight(&self, channel: &str, to: &str) -> NoHighlight {
+        NoHighlight::new(
+            self.roster.mapping(),
+            self.roster.members(channel),
+            &[to, self.nick],
+        )
+    }
+
+    /// The bot was kicked (`KICK channel nick :reason`): it stops the channel's running
+    /// turn and every turn still queued there, drops what waits in its outbox and every
+    /// reply still to come, and stays out until invited (or restarted).
+    async fn kicked(&mut self, msg: &IrcLine, outbox: &mut Outbox) {
+        let Some(dropped) = outbox.kicked(&msg.params[0]) else {
+            return;
+        };
+        let name = msg.params[0].to_lowercase();
+        self.roster.parted(&name);
+        let channel = format!("irc:{name}");
+        // First: a queued turn admitted once the running one stops is stopped too.
+        self.halted.halt(&channel);
+        let stopped = self.sandbox.send(Stop { channel }).await.unwrap_or(false);
+        eprintln!(
+            "irc-bot: {name}: kicked by {} ({}); {}, {dropped} queued line(s) dropped; not joining again until invited",
+            display::escape(msg.nick.as_deref().unwrap_or("?")),
+            display::escape(msg.params.get(2).map_or("", String::as_str)),
+            if stopped {
+                "its running turn stopped"
+            } else {
+                "no turn was running"
+            },
+        );
+    }
+
     /// Handles one line from the server; `Some` when the connection must end.
     async fn handle(
         &mut self,
@@ -757,47 +1042,77 @@ impl Session<'_> {
                 "PONG :{}",
                 msg.params.last().cloned().unwrap_or_default()
             )),
+            // The server's features: how it folds nicks.
+            "005" => {
+                let mapping = msg
+                    .params
+                    .iter()
+                    .find_map(|p| CaseMapping::named(p.strip_prefix("CASEMAPPING=")?));
+                if let Some(mapping) = mapping {
+                    self.roster.set_mapping(mapping);
+                }
+            }
             "001" => {
-                outbox.control(format!("JOIN {}", self.join.join(",")));
+                let join = outbox.to_join().join(",");
+                if !join.is_empty() {
+                    outbox.control(format!("JOIN {join}"));
+                }
                 *backoff = Duration::from_secs(1);
-                eprintln!("irc-bot: registered; joining {}", self.join.join(","));
+                eprintln!("irc-bot: registered; joining {}", display::escape(&join));
             }
             "433" => return Some(Ended::Lost(format!("nick {nick} is in use"))),
-            "JOIN" if msg.nick.as_deref() == Some(nick) => {
+            "JOIN" if self.is_me(msg.nick.as_deref()) => {
                 if let Some(c) = msg.params.first().and_then(|c| outbox.channel(c)) {
                     c.joined = true;
-                    self.ops.joined(&c.name);
+                    c.kicked = false;
+                    self.roster.joined(&c.name);
+                    self.halted.resume(&format!("irc:{}", c.name));
                 }
             }
-            "KICK" if msg.params.get(1).map(String::as_str) == Some(nick) => {
-                if let Some(c) = outbox.channel(&msg.params[0]) {
-                    c.joined = false;
-                    let name = c.name.clone();
-                    outbox.control(format!("JOIN {name}"));
+            "KICK" if msg.params.len() >= 2 && self.is_me(Some(&msg.params[1])) => {
+                self.kicked(&msg, outbox).await;
+            }
+            // Invited back to a channel it was kicked from (or could not join): it joins.
+            "INVITE" if msg.params.len() >= 2 && self.is_me(Some(&msg.params[0])) => {
+                if let Some(c) = outbox.channel(&msg.params[1]) {
+                    if !c.joined {
+                        let name = c.name.clone();
+                        eprintln!(
+                            "irc-bot: {name}: invited by {}; joining",
+                            display::escape(msg.nick.as_deref().unwrap_or("?"))
+                        );
+                        outbox.control(format!("JOIN {name}"));
+                    }
                 }
             }
-            // Who is an operator: the names list at a join, then what changes it.
-            "353" if msg.params.len() >= 4 => self.ops.names(&msg.params[2], &msg.params[3]),
+            // Who is in each channel and who is an operator: the names list at a join, then
+            // what changes it.
+            "353" if msg.params.len() >= 4 => self.roster.names(&msg.params[2], &msg.params[3]),
+            "JOIN" => {
+                if let (Some(who), Some(channel)) = (msg.nick.as_deref(), msg.params.first()) {
+                    self.roster.join(channel, who);
+                }
+            }
             "MODE" if msg.params.len() >= 2 => {
-                self.ops
+                self.roster
                     .mode(&msg.params[0], &msg.params[1], &msg.params[2..]);
             }
             "NICK" => {
                 if let (Some(old), Some(new)) = (msg.nick.as_deref(), msg.params.first()) {
-                    self.ops.nick(old, new);
+                    self.roster.nick(old, new);
                 }
             }
             "PART" => {
                 if let (Some(who), Some(channel)) = (msg.nick.as_deref(), msg.params.first()) {
-                    self.ops.left(Some(channel), who);
+                    self.roster.left(Some(channel), who);
                 }
             }
             "KICK" if msg.params.len() >= 2 => {
-                self.ops.left(Some(&msg.params[0]), &msg.params[1]);
+                self.roster.left(Some(&msg.params[0]), &msg.params[1]);
             }
             "QUIT" => {
                 if let Some(who) = msg.nick.as_deref() {
-                    self.ops.left(None, who);
+                    self.roster.left(None, who);
                 }
             }
             "PRIVMSG" if msg.params.len() == 2 => {
@@ -816,7 +1131,7 @@ impl Session<'_> {
                 };
                 let channel = format!("irc:{target}");
                 let now = Instant::now();
-                let may = |who: Who| who == Who::Anyone || self.ops.is_op(&target, &from);
+                let may = |who: Who| who == Who::Anyone || self.roster.is_op(&target, &from);
                 if text == "!reset" {
                     let what = if !may(self.reset_by) {
                         "only the channel's operators may reset its session"
@@ -850,6 +1165,7 @@ impl Session<'_> {
                         return None;
                     }
                     let tx = self.replies_tx.clone();
+                    let epoch = outbox.epoch(&target);
                     let speaker = Speaker {
                         id: from.clone(),
                         name: from.clone(),
@@ -873,14 +1189,14 @@ impl Session<'_> {
                             Ok(Err(e)) => format!("error: {e}"),
                             Err(e) => format!("error: {e}"),
                         };
-                        let lines = reply_lines(&target, &from, &text);
                         let _ = tx
                             .send(Reply {
                                 target,
                                 nick: from,
                                 key,
-                                lines,
+                                text,
                                 ready: Instant::now(),
+                                epoch,
                             })
                             .await;
                     });
@@ -947,9 +1263,62 @@ mod tests {
         );
     }
 
+    /// [`reply_lines`] in a channel whose members are none but the asker.
+    fn plain_reply(target: &str, to: &str, text: &str) -> Vec<String> {
+        reply_lines(target, to, text, &NoHighlight::default())
+    }
+
+    /// A reply that names the channel's members (a guest asked the model for the nick list)
+    /// highlights none of them but the guest it answers (and the bot, whose highlight is
+    /// harmless): each member's nick standing as a word gets a zero-width space after its
+    /// first character, folded as the server folds nicks; and the lines still fit.
+    #[test]
+    fn a_reply_highlights_no_member_but_the_asker() {
+        let members = [
+            "ann", "bob", "carol", "{dan}", "sandbox", "z", "x-a", "ab", "nn",
+        ];
+        let quiet = NoHighlight::new(CaseMapping::Rfc1459, members, &["Ann", "SANDBOX"]);
+        let lines = reply_lines(
+            "#c",
+            "Ann",
+            "bob, CAROL and [Dan] said hi to ann and sandbox;\nbobby is no bob_ but bob-x, 2bob; z\nx-ab",
+            &quiet,
+        );
+        assert_eq!(
+            lines,
+            [
+                "Ann: b\u{200b}ob, C\u{200b}AROL and [\u{200b}Dan] said hi to ann and sandbox;",
+                "Ann: bobby is no b\u{200b}ob_ but b\u{200b}ob-x, 2bob; z",
+                // `ab` broken makes a word of `x-a`: broken too.
+                "Ann: x\u{200b}-a\u{200b}b",
+            ]
+        );
+        // Shown as the display shows text (the space is the bot's, not the model's: a
+        // zero-width space in the reply itself is shown as an escape).
+        assert_eq!(
+            reply_lines("#c", "ann", "b\u{200b}ob", &quiet),
+            ["ann: b\\u{200b}ob"]
+        );
+        // A reply of nothing but nicks: every line fits, and no nick is left whole.
+        let target = "#a-rather-long-channel-name-of-fifty-bytes-padding";
+        let lines = reply_lines(target, "ann", &"bob nn ".repeat(400), &quiet);
+        assert_eq!(lines.len(), MAX_LINES);
+        for l in &lines {
+            let wire = format!("PRIVMSG {target} :{l}\r\n");
+            assert!(wire.len() + PREFIX_ROOM <= IRC_LINE, "{} bytes", wire.len());
+            let text = l.strip_prefix("ann: ").unwrap();
+            assert!(
+                text.split([' ', '\u{200b}', '…', '(', ','])
+                    .all(|w| w != "bob" && w != "nn"),
+                "{l}"
+            );
+        }
+        assert!(lines[MAX_LINES - 1].contains(" …(cut, "), "{lines:?}");
+    }
+
     #[test]
     fn hostile_replies_cannot_smuggle_commands() {
-        let lines = reply_lines("#c", "ann", "ok\r\nQUIT :bye\u{7}\nJOIN #x\0\r");
+        let lines = plain_reply("#c", "ann", "ok\r\nQUIT :bye\u{7}\nJOIN #x\0\r");
         assert_eq!(
             lines,
             vec![
@@ -962,7 +1331,7 @@ mod tests {
         assert!(lines.iter().all(|l| !l.contains(['\r', '\n', '\0'])));
         // A reply's lines start with the nick they answer, the bot's own with `* `.
         assert!(own_line("ann", "reset: x").starts_with("* ann: "));
-        let forged = reply_lines(
+        let forged = plain_reply(
             "#c",
             "ann",
             "x\n* ann: reset: the next turn starts a fresh session",
@@ -977,21 +1346,21 @@ mod tests {
     fn every_line_fits_512_bytes_with_the_servers_prefix() {
         let target = "#a-rather-long-channel-name-of-fifty-bytes-padding";
         for text in ["é".repeat(1000), "x".repeat(5000), "日本".repeat(700)] {
-            let lines = reply_lines(target, "somebody-with-a-long-nick", &text);
+            let lines = plain_reply(target, "somebody-with-a-long-nick", &text);
             for l in &lines {
                 let wire = format!("PRIVMSG {target} :{l}\r\n");
                 assert!(wire.len() + PREFIX_ROOM <= IRC_LINE, "{} bytes", wire.len());
             }
         }
         let many = "x\n".repeat(20);
-        let lines = reply_lines("#c", "ann", &many);
+        let lines = plain_reply("#c", "ann", &many);
         assert_eq!(lines.len(), MAX_LINES);
         assert!(
             lines[MAX_LINES - 1].ends_with("…(cut, 14 more line(s))"),
             "{lines:?}"
         );
         let long = "y".repeat(3000);
-        let lines = reply_lines("#c", "ann", &long);
+        let lines = plain_reply("#c", "ann", &long);
         assert!(
             lines[MAX_LINES - 1].ends_with("…(cut, 2 more line(s))"),
             "{lines:?}"
@@ -1131,6 +1500,36 @@ mod tests {
             o.control("PONG :x".into());
         }
         assert_eq!(o.control.len(), CONTROL_CAP);
+    }
+
+    /// Kicked from a channel, the bot drops what waits in its outbox and every reply to a
+    /// message asked before the kick, and does not join it again at a reconnection (until
+    /// invited: its JOIN).
+    #[test]
+    fn a_kick_drops_the_channels_output_and_the_replies_still_to_come() {
+        let mut o = outbox(&[]);
+        let now = Instant::now();
+        let asked = o.epoch("#a");
+        o.post("#a", guest("ann"), lines(5, "a"), now);
+        o.post("#b", guest("bob"), lines(1, "b"), now);
+        assert_eq!(o.kicked("#A"), Some(5));
+        assert_eq!(o.kicked("#zz"), None);
+        let sent: Vec<String> = std::iter::from_fn(|| o.pop().map(|(l, _, _)| l)).collect();
+        assert_eq!(sent, ["PRIVMSG #b :b 0"]);
+        // A reply asked before the kick, or any line, while kicked: dropped.
+        assert!(!o.current("#a", asked));
+        assert_eq!(o.post("#a", guest("ann"), lines(2, "a"), now).dropped, 2);
+        assert!(o.channels[0].lines.is_empty());
+        // Not joined again at a reconnection.
+        o.reconnected();
+        assert_eq!(o.to_join(), ["#b"]);
+        // Invited, it joins: replies asked from now on are posted; those of before, never.
+        let c = o.channel("#a").unwrap();
+        (c.joined, c.kicked) = (true, false);
+        assert!(!o.current("#a", asked));
+        assert!(o.current("#a", o.epoch("#a")));
+        assert_eq!(o.post("#a", guest("ann"), lines(1, "a"), now).queued, 1);
+        assert_eq!(o.to_join(), ["#a", "#b"]);
     }
 
     /// Issue 43 item 6: a guest's output budget is its sender's, under the limits key: a

@@ -479,6 +479,121 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     stop_bot(bot, &said, echo, d);
 }
 
+/// A reply names the channel's other members (a guest had the model repeat the nick list):
+/// it highlights none of them (a zero-width space after a nick's first character), only
+/// the guest it answers. A channel operator kicks the bot while a turn runs and another
+/// waits behind it: both are stopped (the waiting one as it is admitted, never run), and
+/// the bot does not join again until the operator invites it back.
+#[test]
+fn a_kick_stops_the_channels_turns_and_the_bot_stays_out_until_invited() {
+    let dir = scratch("rtq-");
+    let d = dir.path();
+    let port = free_port();
+    let _server = start_server_with(
+        d,
+        port,
+        "127.0.0.1",
+        "OperCanUseMode = yes\n[Operator]\nName = op\nPassword = op-pass\n",
+    );
+    let (bot, said, echo) = start_bot_with(
+        d,
+        port,
+        "#test",
+        &["--metrics", "127.0.0.1:0", "--guest-lines", "40"],
+    );
+    let metrics = metrics_addr(&said);
+    let mut tester = start_client(d, port, "tester", "#test");
+    let _bystander = start_client(d, port, "Bystander", "#test");
+    let (at, _) = expect(&tester.out, 0, "Bystander(");
+
+    say_seen(
+        &mut tester.chan,
+        &tester.out,
+        at,
+        "sandbox: say hi to bystander, [Tester] and sandbox",
+    );
+    let (at, reply) = expect(&tester.out, at, "<sandbox> tester: ");
+    assert!(
+        reply.contains("read it back (tester: say hi to b\u{200b}ystander, [Tester] and sandbox)"),
+        "{reply:?}"
+    );
+
+    // tester, made a channel operator, kicks the bot while a turn runs and one waits.
+    tester.server.say("/OPER op op-pass");
+    tester.server.say("/MODE #test +o tester");
+    let (at, _) = expect(&tester.out, at, "+o tester");
+    say_seen(
+        &mut tester.chan,
+        &tester.out,
+        at,
+        "sandbox: run: touch kicked-while-running; sleep 60",
+    );
+    wait_until("the long turn to start", || {
+        files_under(&d.join("ws"))
+            .iter()
+            .any(|(p, _)| p.ends_with("kicked-while-running"))
+    });
+    say_seen(
+        &mut tester.chan,
+        &tester.out,
+        at,
+        "sandbox: run: touch queued-before-the-kick",
+    );
+    wait_until_or(
+        "the second message to wait behind the first",
+        || metric_sum(&scrape(&metrics), "roundtable_queue_depth ") == 1.0,
+        || scrape(&metrics),
+    );
+    let skip = said.lock().unwrap().len();
+    tester.server.say("/KICK #test sandbox :enough");
+    let (at, _) = expect(&tester.out, at, "kicked sandbox");
+    let (line, _) = wait_for_said(&said, "irc-bot: #test: kicked by tester (enough)", skip);
+    let kicked = said.lock().unwrap()[line].1.clone();
+    assert!(
+        kicked.ends_with(
+            "its running turn stopped, 0 queued line(s) dropped; not joining again until invited"
+        ),
+        "{kicked}"
+    );
+    // Both turns end stopped; the waiting one never ran.
+    let body = std::cell::RefCell::new(String::new());
+    wait_until_or(
+        "two turns to end stopped",
+        || {
+            *body.borrow_mut() = scrape(&metrics);
+            metric_sum(&body.borrow(), "roundtable_turns_total{") == 3.0
+        },
+        || body.borrow().clone(),
+    );
+    assert_eq!(
+        metric_sum(&body.borrow(), "roundtable_turns_total{outcome=\"stopped\""),
+        2.0,
+        "{}",
+        body.borrow()
+    );
+    assert!(!files_under(&d.join("ws"))
+        .iter()
+        .any(|(p, _)| p.ends_with("queued-before-the-kick")));
+    // Out of the channel, and not back by itself (it used to join again at once).
+    std::thread::sleep(Duration::from_secs(2));
+    let log = std::fs::read_to_string(&tester.out).unwrap();
+    assert!(
+        !log.lines().skip(at).any(|l| l.contains("sandbox(")),
+        "{log}"
+    );
+    // Invited back, it joins and answers.
+    tester.server.say("/INVITE sandbox #test");
+    let (at, _) = expect(&tester.out, at, "sandbox(");
+    say_seen(&mut tester.chan, &tester.out, at, "sandbox: back again");
+    let (_, reply) = expect(&tester.out, at, "<sandbox> tester: ");
+    assert!(
+        reply.contains("read it back (tester: back again)"),
+        "{reply}"
+    );
+
+    stop_bot(bot, &said, echo, d);
+}
+
 /// Every file under `dir`, read whole (a workspace: the guest's session and notes).
 fn files_under(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
