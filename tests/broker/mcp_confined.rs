@@ -535,6 +535,35 @@ async fn mcp_call_cancelled_with_the_turn_stops_the_container() {
     broker.shutdown().await;
 }
 
+/// Calls dropped at every point of their session's start (the guest closing its connection
+/// 0 to 380 ms after sending): no container is left behind, those the engine finished
+/// making after the call was gone included.
+#[tokio::test]
+async fn mcp_calls_dropped_while_their_session_starts_leave_no_container() {
+    let (engine, broker, turn) = start_with(sqlite(), |_| {}).await;
+    for i in 0..20u64 {
+        let socket = turn.socket().to_owned();
+        let pending = tokio::spawn(async move {
+            post_json_result(
+                &socket,
+                "/v1/mcp/sqlite/read_query",
+                &json!({"query": "SELECT 1 AS one"}),
+            )
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(i * 20)).await;
+        pending.abort();
+        let _ = pending.await;
+    }
+    // Every session the dropped calls started is ended, its container removed; the next
+    // call starts its own, the one container left (before the shutdown, which removes
+    // whatever carries the instance's label).
+    sql(&turn, "read_query", "SELECT 1 AS one").await;
+    wait_containers(&engine, 1).await;
+    drop(turn);
+    shut_down(broker, &engine).await;
+}
+
 /// Sessions' containers: one per channel, removed when the channel retires and at
 /// shutdown; one killed from outside is restarted on the next call, on the same data;
 /// leftovers of a crashed runtime (this instance, data under this data root) are swept at

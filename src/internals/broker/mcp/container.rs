@@ -512,7 +512,23 @@ pub(crate) async fn start(
         removed: false,
         dropped: tokio_util::sync::CancellationToken::new(),
     };
-    let io = driver.start_session(&spec).await.map_err(|e| match e {
+    // The engine's calls run to their end in a task of their own: a call dropped while the
+    // engine makes the container (the guest closed its connection, its turn ended) would
+    // leave one the guard's removal came too early for (the engine answered it 404, then
+    // made the container). What a caller no longer waits for is removed here.
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (starter, starting) = (driver.clone(), spec.clone());
+    tokio::spawn(async move {
+        let started = starter.start_session(&starting).await;
+        if let Err(started) = tx.send(started) {
+            drop(started);
+            let _ = starter.remove(&starting.name).await;
+        }
+    });
+    let started = rx
+        .await
+        .map_err(|_| "the session's start was lost".to_owned())?;
+    let io = started.map_err(|e| match e {
         DriverError::ImageMissing { image } => {
             format!("MCP image {image} not found (build it: scripts/build-mcp-image.sh)")
         }
