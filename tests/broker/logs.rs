@@ -63,3 +63,69 @@ fn logs_never_hold_the_key_nor_guest_text_at_info() {
         "guest text was logged at info:\n{info}"
     );
 }
+
+/// A server whose errors forge log records (a `\n` and a fake record, padded far past a
+/// line) at its handshake: each reaches the host's log as part of one line, cut.
+#[test]
+fn a_servers_error_reaches_the_log_as_one_short_line() {
+    const SCRIPT: &str = r#"
+import json, sys
+probe = sys.argv[1] == "0" * 64
+for line in sys.stdin:
+    m = json.loads(line)
+    if "id" not in m: continue
+    msg = "boom\n2026-01-01T00:00:00Z  WARN forged record\r" + "x" * 100000
+    if m["method"] == "initialize" and probe:
+        r = {"result": {"protocolVersion": m["params"]["protocolVersion"],
+                        "capabilities": {"tools": {}},
+                        "serverInfo": {"name": "forger", "version": "1"}}}
+    elif m["method"] == "tools/list" and probe:
+        r = {"result": {"tools": [{"name": "t", "description": "t",
+                                   "inputSchema": {"type": "object", "properties": {}}}]}}
+    else:
+        r = {"error": {"code": 1, "message": msg}}
+    r.update({"jsonrpc": "2.0", "id": m["id"]})
+    sys.stdout.write(json.dumps(r) + "\n")
+    sys.stdout.flush()
+"#;
+    let warn = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(warn.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // (It answers its handshake for the broker's probe, and errs for every session.)
+        let transport = stdio("python3", &["-c", SCRIPT, "{channel}"]);
+        let mut server = McpServer::new("forger", transport, &["t"]);
+        server.confine = roundtable_sandbox::internals::config::McpConfine::Host;
+        let mut p = policy("http://127.0.0.1:9/v1");
+        p.mcp = vec![server];
+        let broker = start_broker(p).await;
+        let turn = start_turn(&broker).await;
+        let a = post_json(turn.socket(), "/v1/mcp/forger/t", &json!({})).await;
+        assert_eq!(a.status, 502, "{}", a.text());
+        drop(turn);
+        broker.shutdown().await;
+    });
+    drop(rt);
+    let text = warn.text();
+    let failed: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("MCP session start failed"))
+        .collect();
+    assert!(!failed.is_empty(), "{text}");
+    for line in text.lines() {
+        assert!(
+            !line.contains("forged") || line.contains("MCP session start failed"),
+            "a forged record: {}",
+            line.chars().take(200).collect::<String>()
+        );
+        assert!(line.chars().count() < 1000, "{} chars", line.len());
+    }
+}

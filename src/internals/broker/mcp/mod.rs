@@ -243,9 +243,10 @@ impl McpPool {
     }
 
     async fn start_one(&self, config: &McpServer) -> Result<Server, BrokerError> {
+        // (A server's own words in it, as a log line carries them.)
         let start_err = |error: String| BrokerError::McpStart {
             server: config.name.clone(),
-            error,
+            error: for_log(&error),
         };
         let scope = config.scope();
         let probe = match scope {
@@ -520,11 +521,11 @@ impl McpPool {
             Ok(Ok(result)) => Ok(result),
             Ok(Err(ClientError::Answer(AnswerError::Rpc(e)))) => Err(CallError::Tool(e.message)),
             Ok(Err(ClientError::Answer(e))) => {
-                tracing::warn!(server, error = %e, "MCP call failed");
+                tracing::warn!(server, error = %for_log(&e), "MCP call failed");
                 Err(CallError::Failed(format!("MCP server {server}: {e}")))
             }
             Ok(Err(ClientError::Http(msg))) => {
-                tracing::warn!(server, error = %msg, "MCP call failed");
+                tracing::warn!(server, error = %for_log(&msg), "MCP call failed");
                 Err(CallError::Failed(msg))
             }
             Ok(Err(e)) => Err(CallError::Failed(self.ended(&session, server, e).await)),
@@ -635,13 +636,13 @@ impl McpPool {
             .connect(&srv.config, &transport, &session.segment)
             .await
             .map_err(|e| {
-                tracing::warn!(server = %name, error = %e, "MCP session start failed");
+                tracing::warn!(server = %name, error = %for_log(&e), "MCP session start failed");
                 unavailable()
             })?;
         let listed = match list(&service.client, &srv.config.tools).await {
             Ok(l) => l,
             Err(e) => {
-                tracing::warn!(server = %name, error = %e, "MCP server listing failed");
+                tracing::warn!(server = %name, error = %for_log(&e), "MCP server listing failed");
                 close(service).await;
                 return Err(unavailable());
             }
@@ -1015,7 +1016,7 @@ impl McpPool {
     /// A session that ended during a call (`e`): closed, to be restarted on the next call,
     /// and the guest's error, which tells an out-of-memory kill of its container.
     async fn ended(&self, session: &Session, server: &str, e: ClientError) -> String {
-        tracing::warn!(server, error = %e, "MCP call failed");
+        tracing::warn!(server, error = %for_log(&e), "MCP call failed");
         let mut state = session.state.lock().await;
         let mut oom = None;
         if let State::Running(s) = &*state {
@@ -1138,3 +1139,23 @@ async fn container_engine(
         .map_err(failed)?;
     Ok((engine.clone(), driver, wrapper))
 }
+
+/// A server's words (its errors) as a host log line carries them: one line (control
+/// characters as `?`: a `\n` would start a forged record), at most [`LOGGED_CHARS`]
+/// characters (a server's error may be as long as its message cap, and is logged at each
+/// start it fails).
+fn for_log(text: &dyn std::fmt::Display) -> String {
+    let text = text.to_string();
+    let mut out: String = text
+        .chars()
+        .take(LOGGED_CHARS)
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect();
+    if text.chars().nth(LOGGED_CHARS).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+/// How much of a server's error a log line carries.
+const LOGGED_CHARS: usize = 500;
