@@ -148,15 +148,16 @@ impl TurnAccount {
 
     /// An egress request: bytes sent and read.
     pub fn count_egress(&self, bytes_out: u64, bytes_in: u64) {
-        self.egress_out.fetch_add(bytes_out, Ordering::Relaxed);
-        self.egress_in.fetch_add(bytes_in, Ordering::Relaxed);
+        saturating_add(&self.egress_out, bytes_out);
+        saturating_add(&self.egress_in, bytes_in);
     }
 
     /// A model answer's tokens (from its `usage`, or `estimated`); charged to the budgets.
     pub fn charge(&self, prompt: u64, completion: u64, estimated: bool) {
-        self.prompt_tokens.fetch_add(prompt, Ordering::Relaxed);
-        self.completion_tokens
-            .fetch_add(completion, Ordering::Relaxed);
+        // (An upstream's `usage` is any u64: the turn's counts stop at the top as the
+        // budgets' do, never wrap round to a small count the audit trail would show.)
+        saturating_add(&self.prompt_tokens, prompt);
+        saturating_add(&self.completion_tokens, completion);
         if estimated {
             self.estimated.store(true, Ordering::Relaxed);
         }
@@ -1751,6 +1752,7 @@ mod tests {
         account.charge(u64::MAX, 0, false);
         account.charge(5, 0, false);
         assert_eq!(book.tokens(&CounterKey::Bot), u64::MAX);
+        assert_eq!(account.usage().prompt_tokens, u64::MAX);
         assert_eq!(
             account.hold(1, 1).unwrap_err().budget,
             Budget::BotTokensPerDay
