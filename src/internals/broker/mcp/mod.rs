@@ -208,7 +208,16 @@ impl McpPool {
     ) -> Result<Self, BrokerError> {
         let http = super::model::http_client(call_timeout.min(Duration::from_secs(10)))?;
         let engine = match (configs.iter().find(|c| c.in_container()), engine) {
-            (None, _) => None,
+            (None, None) => None,
+            (None, Some(engine)) => {
+                // No server runs in a container now, but a crashed run's may have: swept
+                // all the same (best effort: nothing of this run depends on it).
+                let driver = engine.driver();
+                if let Err(e) = engine.sweep(driver.as_ref()).await {
+                    tracing::warn!(error = %e, "sweep leftover MCP containers");
+                }
+                None
+            }
             (Some(c), None) => {
                 return Err(BrokerError::McpStart {
                     server: c.name.clone(),
