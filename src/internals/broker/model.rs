@@ -100,6 +100,119 @@ impl<'de, 'p> Visitor<'de> for Fields<'p> {
     }
 }
 
+/// Walks a JSON value without building it, for a `"url"` member whose value is a string
+/// that is not a `data:` URL: a message part the model's provider would fetch (an
+/// `image_url`, `video_url`, `audio_url` or `file` part, a `source` of type `url`). The
+/// provider fetches it from its own network, a loopback one's from the host's: a way out
+/// for a guest that has none, past every egress rule. Such a part is refused; inline
+/// `data:` parts pass.
+struct FetchScan;
+
+impl<'de> DeserializeSeed<'de> for FetchScan {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for FetchScan {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if key == "url" {
+                if let UrlValue(Some(url)) = map.next_value()? {
+                    let scheme = url.split_once(':').map(|(s, _)| s.trim());
+                    if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("data")) {
+                        return Err(A::Error::custom(FETCH_REFUSED));
+                    }
+                }
+            } else {
+                map.next_value_seed(FetchScan)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(FetchScan)?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// A `"url"` member's value: the text when it is a string (anything else is walked on).
+struct UrlValue<'de>(Option<std::borrow::Cow<'de, str>>);
+
+impl<'de> serde::Deserialize<'de> for UrlValue<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = UrlValue<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(UrlValue(Some(std::borrow::Cow::Borrowed(v))))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(UrlValue(Some(std::borrow::Cow::Owned(v.to_owned()))))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                FetchScan.visit_map(map).map(|()| UrlValue(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                FetchScan.visit_seq(seq).map(|()| UrlValue(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(UrlValue(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(UrlValue(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(UrlValue(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(UrlValue(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(UrlValue(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The refusal of a part the provider would fetch.
+const FETCH_REFUSED: &str = "a message part names a URL for the model's provider to fetch; only inline data: URLs are sent (the sandbox has no network, and its model is no way out)";
+
 /// Checks a guest's chat-completions body and writes the one to send; the error is the
 /// `400` message.
 pub(crate) fn prepare(
@@ -150,6 +263,17 @@ pub(crate) fn prepare(
                 // Written after the loop, once `stream` is known.
                 stream_options = Some(value);
                 continue;
+            }
+            "messages" => {
+                let mut de = serde_json::Deserializer::from_str(value.get());
+                if let Err(e) = FetchScan.deserialize(&mut de) {
+                    let e = e.to_string();
+                    return Err(if e.starts_with(FETCH_REFUSED) {
+                        FETCH_REFUSED.to_owned()
+                    } else {
+                        format!("malformed messages: {e}")
+                    });
+                }
             }
             "max_tokens" | "max_completion_tokens" => {
                 let asked = serde_json::from_str::<Option<u64>>(value.get())
@@ -1027,6 +1151,40 @@ impl Reached {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A part the provider would fetch is refused wherever it sits; inline `data:` parts,
+    /// texts that hold URLs and a schema property named `url` pass.
+    #[test]
+    fn a_part_the_provider_would_fetch_is_refused() {
+        let policy = ModelRequestPolicy::default();
+        let body = |messages: &str| format!(r#"{{"messages":{messages}}}"#);
+        for fetched in [
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://x.example/a.png"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://127.0.0.1:8080/"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"video_url","video_url":{"url":" HTTP://x"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"//x.example/a"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"\u0068ttps://x"}}]}]"#,
+        ] {
+            assert_eq!(
+                prepare(body(fetched).as_bytes(), "m", &policy)
+                    .err()
+                    .as_deref(),
+                Some(FETCH_REFUSED),
+                "{fetched}"
+            );
+        }
+        for inline in [
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]"#,
+            r#"[{"role":"user","content":"see https://x.example/a.png"}]"#,
+            r#"[{"role":"user","content":[{"type":"text","text":"url"}],"url":{"type":"string"}}]"#,
+        ] {
+            assert!(
+                prepare(body(inline).as_bytes(), "m", &policy).is_ok(),
+                "{inline}"
+            );
+        }
+    }
 
     /// Every way of cutting a stream into chunks gives the guest the same bytes: the
     /// upstream's, minus the usage-only chunk when the guest did not ask for it (also after
