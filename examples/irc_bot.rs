@@ -56,7 +56,7 @@ mod irc_ops;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -64,11 +64,10 @@ use clap::Parser;
 use irc_limits::LimitsKeyer;
 use irc_ops::{CaseMapping, Roster};
 use roundtable_sandbox::display;
-use roundtable_sandbox::events::{EventKind, Observer};
 use roundtable_sandbox::settings::SETTINGS_NOTE;
 use roundtable_sandbox_actors::{
     GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Stop, SupervisorOptions,
-    TurnFailure,
+    TurnFailure, Withdraw,
 };
 use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
@@ -679,55 +678,6 @@ struct Reply {
     epoch: u64,
 }
 
-/// The channels whose turns are stopped as they are admitted (the bot was kicked from
-/// them), by the short hash the runtime's events name a channel by: a message queued before
-/// the kick is not run once the running turn is stopped (the actor layer's `Stop` stops the
-/// running turn; the queued ones stay queued).
-#[derive(Clone, Default)]
-struct Halted {
-    channels: Arc<Mutex<HashMap<String, String>>>,
-    sandbox: Arc<OnceLock<actix::Addr<SandboxSupervisor>>>,
-}
-
-impl Halted {
-    /// The observer that stops each turn of a halted channel as it is admitted.
-    fn observer(&self) -> Observer {
-        let halted = self.clone();
-        Arc::new(move |event| {
-            if !matches!(event.kind, EventKind::Admitted) {
-                return;
-            }
-            let Some(short) = event.channel.as_deref() else {
-                return;
-            };
-            let channel = halted.lock().get(short).cloned();
-            if let (Some(channel), Some(sandbox)) = (channel, halted.sandbox.get()) {
-                sandbox.do_send(Stop { channel });
-            }
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
-        self.channels.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Stops every turn of `channel` (a sandbox channel's key) admitted from now on.
-    fn halt(&self, channel: &str) {
-        let short = roundtable_sandbox::ChannelId::new(channel)
-            .short()
-            .to_owned();
-        self.lock().insert(short, channel.to_owned());
-    }
-
-    /// Lets `channel`'s turns run again.
-    fn resume(&self, channel: &str) {
-        let short = roundtable_sandbox::ChannelId::new(channel)
-            .short()
-            .to_owned();
-        self.lock().remove(&short);
-    }
-}
-
 /// Why a connection ended.
 enum Ended {
     Lost(String),
@@ -753,15 +703,9 @@ async fn run(cli: Cli) -> Result<()> {
     let keyer = limits_keyer(limits_key_file, &config)?;
     config.tools.push(Arc::new(RollDice));
     let mut supervisor = SupervisorOptions::new(config);
-    let halted = Halted::default();
-    supervisor.config.observer = Some(roundtable_sandbox_examples::chain(
-        supervisor.config.observer.take(),
-        halted.observer(),
-    ));
     // Kept to the end of the run: dropping it stops the endpoint.
     let _metrics = serve_metrics("irc-bot", &metrics, &mut supervisor)?;
     let sandbox = SandboxSupervisor::start(supervisor).await?;
-    let _ = halted.sandbox.set(sandbox.clone());
     eprintln!(
         "irc-bot: connecting to {server} as {nick} ({})",
         if offline.is_some() {
@@ -798,7 +742,6 @@ async fn run(cli: Cli) -> Result<()> {
                     join: &join,
                     keyer: &keyer,
                     sandbox: &sandbox,
-                    halted: &halted,
                     replies_tx: &replies_tx,
                     pacer: Pacer::new(&output, Instant::now()),
                     roster: Roster::default(),
@@ -871,7 +814,6 @@ struct Session<'a> {
     join: &'a [String],
     keyer: &'a LimitsKeyer,
     sandbox: &'a actix::Addr<SandboxSupervisor>,
-    halted: &'a Halted,
     replies_tx: &'a mpsc::Sender<Reply>,
     pacer: Pacer,
     /// The channels' members and operators on this connection.
@@ -1013,18 +955,12 @@ impl Session<'_> {
         let name = msg.params[0].to_lowercase();
         self.roster.parted(&name);
         let channel = format!("irc:{name}");
-        // First: a queued turn admitted once the running one stops is stopped too.
-        self.halted.halt(&channel);
-        let stopped = self.sandbox.send(Stop { channel }).await.unwrap_or(false);
+        // Its running turn stopped, its queued messages never run.
+        let withdrawn = self.sandbox.send(Withdraw { channel }).await.unwrap_or(0);
         eprintln!(
-            "irc-bot: {name}: kicked by {} ({}); {}, {dropped} queued line(s) dropped; not joining again until invited",
+            "irc-bot: {name}: kicked by {} ({}); its running turn stopped, {withdrawn} queued message(s) and {dropped} queued line(s) dropped; not joining again until invited",
             display::escape(msg.nick.as_deref().unwrap_or("?")),
             display::escape(msg.params.get(2).map_or("", String::as_str)),
-            if stopped {
-                "its running turn stopped"
-            } else {
-                "no turn was running"
-            },
         );
     }
 
@@ -1066,7 +1002,6 @@ impl Session<'_> {
                     c.joined = true;
                     c.kicked = false;
                     self.roster.joined(&c.name);
-                    self.halted.resume(&format!("irc:{}", c.name));
                 }
             }
             "KICK" if msg.params.len() >= 2 && self.is_me(Some(&msg.params[1])) => {

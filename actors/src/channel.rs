@@ -22,7 +22,7 @@ use crate::internal::{
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnJob};
-use crate::{ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop};
+use crate::{ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop, Withdraw};
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, decides each
 /// turn's reset flag from the stamp its message got on arrival (a reset applies to the
@@ -564,6 +564,25 @@ impl Handler<Stop> for ChannelActor {
             stopped
         })
         .unwrap_or(false)
+    }
+}
+
+impl Handler<Withdraw> for ChannelActor {
+    type Result = usize;
+
+    fn handle(&mut self, _: Withdraw, ctx: &mut Self::Context) -> usize {
+        self.guarded(ctx, "withdraw", |act, _| {
+            let mut dropped = 0;
+            for pending in std::mem::take(&mut act.queue) {
+                act.sink(0).ended(TurnFailure::Stopped);
+                let _ = pending.responder.send(Err(SandboxActorError::Withdrawn));
+                dropped += 1;
+            }
+            let stopped = act.active.as_ref().is_some_and(|a| a.control.stop());
+            tracing::info!(stopped, dropped, "withdrawn from the channel");
+            dropped
+        })
+        .unwrap_or(0)
     }
 }
 

@@ -41,6 +41,10 @@ pub enum SandboxActorError {
     /// The supervisor is shutting down (or has shut down) and admits nothing.
     #[error("the sandbox is shutting down; this message was not processed")]
     ShuttingDown,
+    /// The bot withdrew from the channel ([`Withdraw`](crate::Withdraw)) while this message
+    /// waited there: it never ran.
+    #[error("the bot stopped serving this channel; this message was not processed")]
+    Withdrawn,
     /// The channel's actor failed with an internal error and was restarted; the turn in
     /// flight was stopped and its container removed.
     #[error(
@@ -70,14 +74,15 @@ impl SandboxActorError {
     }
 
     /// The kind of failure, typed as a turn's ([`TurnFailure`]): `Busy` (`Overloaded` too),
-    /// `ShuttingDown`
-    /// and `ChannelRestarted` are their own kinds; the others are `Internal`.
+    /// `ShuttingDown` and `ChannelRestarted` are their own kinds, `Withdrawn` is `Stopped`;
+    /// the others are `Internal`.
     pub fn failure(&self) -> TurnFailure {
         match self {
             SandboxActorError::Busy { .. } | SandboxActorError::Overloaded { .. } => {
                 TurnFailure::Busy
             }
             SandboxActorError::ShuttingDown => TurnFailure::ShuttingDown,
+            SandboxActorError::Withdrawn => TurnFailure::Stopped,
             SandboxActorError::ChannelRestarted => TurnFailure::ChannelRestarted,
             SandboxActorError::InvalidOptions { .. }
             | SandboxActorError::Start(_)

@@ -106,7 +106,7 @@ pub use error::SandboxActorError;
 pub use messages::InjectPanic;
 pub use messages::{
     ChannelState, ChannelStatus, GuestMessage, Shutdown, ShutdownReport, StartFresh, Status,
-    StatusReport, Stop, Totals,
+    StatusReport, Stop, Totals, Withdraw,
 };
 pub use options::SupervisorOptions;
 /// What an embedder needs of the core to configure the runtime and read a turn's answer.

@@ -65,6 +65,18 @@ pub struct Stop {
     pub channel: String,
 }
 
+/// The bot no longer serves a channel (kicked or banned from it, or the room turned
+/// end-to-end encryption on): its active turn stops as by [`Stop`], and every message
+/// still queued there is answered [`SandboxActorError::Withdrawn`](crate::SandboxActorError::Withdrawn)
+/// and never runs. Answered with the number of queued messages dropped. A later message
+/// for the channel is served as usual (the bot decides whether to send one).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "usize")]
+pub struct Withdraw {
+    /// The channel the bot withdraws from.
+    pub channel: String,
+}
+
 /// Stops admitting, answers every queued message [`SandboxActorError::ShuttingDown`],
 /// stops every active turn, and resolves once all of them have torn down and the broker's
 /// long-lived parts (MCP servers) have ended. Idempotent: a second `Shutdown` waits for

@@ -19,7 +19,7 @@ use crate::reset::ResetGeneration;
 use crate::shared::Shared;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Shutdown, ShutdownReport,
-    StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals,
+    StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals, Withdraw,
 };
 
 /// The sandbox's supervisor: one per process, the address a bot sends its messages to.
@@ -225,6 +225,20 @@ impl Handler<Stop> for SandboxSupervisor {
                 Box::pin(async move { answer.await.unwrap_or(false) })
             }
             None => Box::pin(std::future::ready(false)),
+        }
+    }
+}
+
+impl Handler<Withdraw> for SandboxSupervisor {
+    type Result = ResponseFuture<usize>;
+
+    fn handle(&mut self, msg: Withdraw, _: &mut Self::Context) -> Self::Result {
+        match self.channels.get(&msg.channel) {
+            Some(entry) => {
+                let answer = entry.addr.send(msg);
+                Box::pin(async move { answer.await.unwrap_or(0) })
+            }
+            None => Box::pin(std::future::ready(0)),
         }
     }
 }

@@ -522,6 +522,52 @@ async fn stop_during_the_run_kills_the_turn_and_cleans_up() {
     assert!(env.turn_dirs().is_empty());
 }
 
+/// A bot that stops serving a channel withdraws from it: its running turn is stopped, the
+/// messages queued there are answered `Withdrawn` and never run; a later message is served.
+#[actix_rt::test]
+async fn withdraw_stops_the_turn_and_drops_the_queued_messages() {
+    let env = Env::new();
+    let (driver, tool) = (FakeDriver::new(), Arc::new(WhoAmI::default()));
+    let addr = start(fake_supervisor(&env, &driver, &tool)).await;
+
+    let turn = send_as(&addr, "#w", "ann", "block");
+    let queued = [
+        send_as(&addr, "#w", "bob", "after"),
+        send_as(&addr, "#w", "cid", "later"),
+    ];
+    eventually("running", SECS5, || driver.running() == 1).await;
+    let deadline = Instant::now() + SECS5;
+    while channel_status(&addr.send(Status).await.unwrap(), "#w").is_none_or(|c| c.queued != 2) {
+        assert!(Instant::now() < deadline, "the two messages never queued");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let dropped = addr
+        .send(Withdraw {
+            channel: "#w".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(dropped, 2);
+    assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
+    for q in queued {
+        let e = q.await.unwrap().unwrap_err();
+        assert!(matches!(e, SandboxActorError::Withdrawn), "{e}");
+        assert_eq!(e.failure(), TurnFailure::Stopped);
+    }
+    until_idle(&addr).await;
+    assert_eq!(driver.runs().len(), 1, "a withdrawn message ran");
+    // Withdrawing from a channel with nothing in it, or none at all, drops nothing.
+    assert_eq!(
+        addr.send(Withdraw {
+            channel: "#none".into()
+        })
+        .await
+        .unwrap(),
+        0
+    );
+    assert!(ok_text(ask(&addr, "#w", "dee", "back").await).starts_with("dee|back|"));
+}
+
 #[actix_rt::test]
 async fn stop_during_startup_ends_the_turn_before_its_container() {
     let env = Env::new();

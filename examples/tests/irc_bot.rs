@@ -551,7 +551,7 @@ fn a_kick_stops_the_channels_turns_and_the_bot_stays_out_until_invited() {
     let kicked = said.lock().unwrap()[line].1.clone();
     assert!(
         kicked.ends_with(
-            "its running turn stopped, 0 queued line(s) dropped; not joining again until invited"
+            "its running turn stopped, 1 queued message(s) and 0 queued line(s) dropped; not joining again until invited"
         ),
         "{kicked}"
     );

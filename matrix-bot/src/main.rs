@@ -57,7 +57,7 @@ use render::Kind;
 use roundtable_sandbox::display;
 use roundtable_sandbox_actors::{
     ChannelState, GuestMessage, SandboxSupervisor, Shutdown, Speaker, StartFresh, Status, Stop,
-    SupervisorOptions, TurnFailure, TurnPhase,
+    SupervisorOptions, TurnFailure, TurnPhase, Withdraw,
 };
 use roundtable_sandbox_examples::{serve_metrics, BotArgs, RollDice};
 use secrets::{SessionFile, StoredSession};
@@ -1069,6 +1069,8 @@ impl Bot {
                 // Told once: when the bot joins an encrypted room, or a room it is in turns
                 // encryption on (never for a room it was in before this start: told then).
                 if !told_before && !first {
+                    // What it was still answering there would go out unencrypted.
+                    self.stop_serving(room_id);
                     self.tell_encrypted(room_id);
                 }
             }
@@ -1222,15 +1224,7 @@ impl Bot {
                     )
                 })
             });
-        let dropped = self
-            .shared
-            .outbox
-            .lock()
-            .expect("outbox lock")
-            .forget_room(room_id.as_str());
-        if let Some((_, task)) = self.typing.remove(room_id) {
-            task.abort();
-        }
+        let dropped = self.stop_serving(room_id);
         if let Some((sender, banned, reason)) = by {
             eprintln!(
                 "{PROGRAM}: {room}: {} by {}{}: left the room for good ({dropped} waiting event(s) dropped)",
@@ -1440,10 +1434,29 @@ impl Bot {
         });
     }
 
+    /// The bot no longer serves `room_id` (kicked, banned, left, or the room turned
+    /// encryption on): it withdraws from the room's channel (its running turn stopped, its
+    /// queued messages never run), and the room's waiting events and typing notice are
+    /// dropped. (What the withdrawn messages are answered is not posted: see
+    /// `post_answer`.)
+    fn stop_serving(&mut self, room_id: &OwnedRoomId) -> usize {
+        self.sandbox.do_send(Withdraw {
+            channel: Self::channel(room_id),
+        });
+        if let Some((_, task)) = self.typing.remove(room_id) {
+            task.abort();
+        }
+        self.shared
+            .outbox
+            .lock()
+            .expect("outbox lock")
+            .forget_room(room_id.as_str())
+    }
+
     /// A turn's answer: typing off (when it was the room's last), its events queued.
     fn post_answer(&mut self, answer: Answer) {
         self.typing_stop(&answer.room);
-        if !self.joined.contains(&answer.room) {
+        if !self.joined.contains(&answer.room) || self.encrypted.contains(&answer.room) {
             return;
         }
         let contents = addressed(render::contents(answer.kind, &answer.text), &answer.asked);

@@ -190,6 +190,22 @@ fn containers_of(dir: &Path) -> Vec<String> {
 
 const BOT: &str = "@bot:localhost";
 
+/// Whether a file named `name` is anywhere under `dir` (the workspaces).
+fn holds_file(dir: &Path, name: &str) -> bool {
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_name() == name {
+                return true;
+            }
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+    }
+    false
+}
+
 /// The bot's events in `room` as `user` sees them.
 fn bot_events(hs: &Synapse, user: &User, room: &str) -> Vec<Value> {
     hs.messages(user, room)
@@ -566,7 +582,24 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
         String::new,
     );
 
-    // Kicked from room A: left for good, nothing answered there again.
+    // Kicked from room A while a turn runs there and another waits behind it: left for
+    // good, the running turn stopped, the waiting one given up (it never runs), neither
+    // answered, nothing answered there again.
+    let ws = d.join("ws");
+    let before = bot.len();
+    hs.say(
+        &alice,
+        &room_a,
+        "bot: run: touch running-a; sleep 8; touch slept-a",
+    );
+    wait_until_or(
+        "the long turn to start",
+        || holds_file(&ws, "running-a"),
+        String::new,
+    );
+    let (asked, _) = bot.wait_for("a turn for @alice", before);
+    hs.say(&alice, &room_a, "bot: run: touch queued-a");
+    bot.wait_for("a turn for @alice", asked);
     hs.kick(&alice, &room_a, BOT, "enough");
     bot.wait_for(
         &format!("{room_a}: kicked by @alice:localhost (enough): left the room for good"),
@@ -576,6 +609,15 @@ fn two_rooms_reset_sanitized_replies_restart_invites_and_kicks() {
     hs.say(&alice, &room_a, "bot: are you still there?");
     let (_, b5) = ask(&hs, &bob, &room_b, "bot: another barrier");
     assert!(b5.contains("read it back"), "{b5}");
+    // (Not stopped, the running turn would have written `slept-a` 8 s after it started,
+    // and the waiting one `queued-a` after it: 12 s is past both on an idle machine. With
+    // the stop, neither is ever written, however long the wait.)
+    std::thread::sleep(Duration::from_secs(12));
+    assert!(
+        !holds_file(&ws, "slept-a"),
+        "the running turn was not stopped"
+    );
+    assert!(!holds_file(&ws, "queued-a"), "the waiting turn ran");
     assert_eq!(hs.membership(&alice, &room_a, BOT), "leave");
     assert!(!bot.lines()[before..]
         .iter()
