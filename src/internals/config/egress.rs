@@ -481,6 +481,19 @@ fn check_credential(route: &EgressRoute) -> Result<(), PolicyError> {
             route,
             "a credential on a route of any host (\"*\") would go wherever a guest points it: name the hosts",
         )),
+        // Nor to any name a guest can register: a whole top-level domain (`*.com`). (A
+        // multi-label public suffix, `*.co.uk` or a hosting provider's `*.example.app`, is
+        // the operator's to avoid: see the README.)
+        (Some(_), _) if route.hosts.iter().any(|h| {
+            h.strip_prefix("*.")
+                .is_some_and(|d| !d.trim_end_matches('.').contains('.'))
+        }) =>
+        {
+            Err(bad(
+                route,
+                "a credential on a route of a whole top-level domain (\"*.tld\") would go to any host a guest registers there: name the hosts",
+            ))
+        }
         (Some(_), CredentialPlacement::PathSegment) if route.upstream.is_none() => Err(bad(
             route,
             "credential_as = \"path_segment\" needs an upstream",
@@ -632,6 +645,23 @@ mod tests {
             refusal(r),
             "egress route web: a credential on a route of any host (\"*\") would go wherever a guest points it: name the hosts"
         );
+        for tld in ["*.com", "*.DEV"] {
+            let mut r = EgressRoute::hosts("web", &["api.example.com", tld]);
+            r.credential = Some(KeyRef {
+                env: Some("TOKEN".into()),
+                file: None,
+            });
+            assert_eq!(
+                refusal(r),
+                "egress route web: a credential on a route of a whole top-level domain (\"*.tld\") would go to any host a guest registers there: name the hosts"
+            );
+        }
+        let mut r = EgressRoute::hosts("web", &["*.example.com"]);
+        r.credential = Some(KeyRef {
+            env: Some("TOKEN".into()),
+            file: None,
+        });
+        assert!(validate(&[r]).is_ok());
         assert_eq!(
             validate(&[
                 EgressRoute::hosts("web", &["*"]),
