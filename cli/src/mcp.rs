@@ -56,6 +56,12 @@ pub(crate) fn explain(config: &Config) {
                 m.name
             );
         }
+        if m.in_container() && m.network {
+            println!(
+                "WARNING       mcp {} has the engine's default network (network = true): a guest can make it reach the host's bridge address, the other containers there and a cloud metadata service, which egress routes refuse",
+                m.name
+            );
+        }
         if m.scope() == McpScope::Shared {
             shared_mcp_warning(m, config.broker_limits.call_timeout);
         }

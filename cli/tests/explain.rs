@@ -15,7 +15,9 @@ fn explain_shows_each_mcp_servers_scope() {
              [[mcp]]\nname = \"notes\"\ntransport = \"stdio\"\ncommand = \"mcp-server-sqlite\"\n\
              image = \"roundtable-sandbox-mcp:latest\"\nargs = [\"--db-path\", \"/data/db.sqlite\"]\ntools = [\"read_query\"]\nmax_sessions = 8\n\
              [[mcp]]\nname = \"wiki\"\ntransport = \"stdio\"\ncommand = \"wiki-mcp\"\nconfine = \"host\"\nscope = \"shared\"\ntools = [\"search\"]\n\
-             [[mcp]]\nname = \"remote\"\ntransport = \"http\"\nurl = \"https://mcp.example.invalid/mcp\"\ntools = [\"search\"]\n",
+             [[mcp]]\nname = \"remote\"\ntransport = \"http\"\nurl = \"https://mcp.example.invalid/mcp\"\ntools = [\"search\"]\n\
+             [[mcp]]\nname = \"fetch\"\ntransport = \"stdio\"\ncommand = \"mcp-server-fetch\"\n\
+             image = \"roundtable-sandbox-mcp:latest\"\nnetwork = true\ntools = [\"fetch\"]\n",
             dir.join("run").display(),
             dir.join("ws").display()
         )
@@ -41,6 +43,16 @@ fn explain_shows_each_mcp_servers_scope() {
         stdout.contains("WARNING       mcp wiki runs unconfined on the host: whatever a guest makes it do, it does with the service user's rights"),
         "{stdout}"
     );
+    // A container server with the engine's network: flagged (it is not under egress's
+    // deny set); one without is not.
+    assert!(
+        stdout.lines().any(|l| l == "WARNING       mcp fetch has the engine's default network (network = true): a guest can make it reach the host's bridge address, the other containers there and a cloud metadata service, which egress routes refuse"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("mcp notes has the engine's default network"),
+        "{stdout}"
+    );
     // Every shared server is flagged with both hazards (issue 43), by its transport.
     let shared = "is shared by every channel: whatever it keeps, every channel can read; its calls run one at a time, in turn across channels, so one channel's slow call delays the others' (each call up to 60s), and ";
     let channel = "; scope = \"channel\" gives each channel its own session";
@@ -58,6 +70,7 @@ fn explain_shows_each_mcp_servers_scope() {
             format!("mcp           notes: stdio `mcp-server-sqlite` in a container of roundtable-sandbox-mcp:latest per session (user {uid}:{gid}, no other group, network none, read-only root, memory 256 MiB, 0.5 cpus, 64 pids, only its data dir {ws}/.mcp/notes/<sha256(channel)> -> /data, quota 64 MiB / 10000 entries); one session per channel (at most 8, least recently used stopped first); allow-list: read_query").as_str(),
             format!("mcp           wiki: stdio `wiki-mcp` UNCONFINED on the host (confine = \"host\": user {uid}:{gid} with its groups, its files, its network); one session shared by every channel (cross-channel; its calls one at a time, in turn across channels); allow-list: search").as_str(),
             "mcp           remote: http mcp.example.invalid; one session shared by every channel (cross-channel; its calls one at a time, in turn across channels); allow-list: search",
+            format!("mcp           fetch: stdio `mcp-server-fetch` in a container of roundtable-sandbox-mcp:latest per session (user {uid}:{gid}, no other group, network ON (network = true), read-only root, memory 256 MiB, 0.5 cpus, 64 pids, only its data dir {ws}/.mcp/fetch/<sha256(channel)> -> /data, quota 64 MiB / 10000 entries); one session per channel (at most 16, least recently used stopped first); allow-list: fetch").as_str(),
         ],
         "{stdout}"
     );
