@@ -730,43 +730,73 @@ async fn the_runtime_refuses_a_corrupt_state_file_at_startup() {
     );
 }
 
+/// A compaction of one message, asked through a broker whose model answers `steps`, in a
+/// counted turn of `chan-hash` under `channel_tokens` a day.
+struct Compaction {
+    model: ScriptedModel,
+    book: Arc<BudgetBook>,
+    account: Arc<TurnAccount>,
+    turn: BrokerTurn,
+    _dir: tempfile::TempDir,
+    _broker: Arc<roundtable_sandbox::internals::broker::Broker>,
+}
+
+impl Compaction {
+    async fn start(steps: Vec<Step>, channel_tokens: u64) -> Self {
+        let model = ScriptedModel::start(steps).await;
+        let broker = start_broker(broker_policy(&model.url(), KEY)).await;
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let book = book(
+            dir.path(),
+            BudgetSettings {
+                channel_tokens_per_day: Some(channel_tokens),
+                ..Default::default()
+            },
+        );
+        let account = Arc::new(TurnAccount::new("u1", "chan-hash", Some(book.clone())));
+        let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
+        Self {
+            model,
+            book,
+            account,
+            turn,
+            _dir: dir,
+            _broker: broker,
+        }
+    }
+
+    /// Asks for the summary: where it came from.
+    async fn compact(&self) -> roundtable_sandbox::protocol::compaction::CompactSource {
+        use roundtable_sandbox::protocol::chat::Message;
+        use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest};
+        let older = vec![Message::User {
+            content: "ann: keep the door code".into(),
+        }];
+        let body = serde_json::to_value(CompactRequest::new(None, &older, 5000, 2000)).unwrap();
+        let a = post_json(self.turn.socket(), "/v1/compact", &body).await;
+        assert_eq!(a.status, 200, "{}", a.text());
+        serde_json::from_slice::<CompactReply>(&a.body)
+            .unwrap()
+            .source
+    }
+}
+
 #[tokio::test]
 async fn compaction_calls_are_counted_and_refused_past_a_budget() {
-    use roundtable_sandbox::protocol::chat::Message;
-    use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
-    let model = ScriptedModel::start(vec![text_with_usage("SUMMARY of it", Some((90, 20)))]).await;
-    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
-    let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let book = book(
-        dir.path(),
-        BudgetSettings {
-            channel_tokens_per_day: Some(100),
-            ..Default::default()
-        },
-    );
-    let account = Arc::new(TurnAccount::new("u1", "chan-hash", Some(book.clone())));
-    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
-    let older = vec![Message::User {
-        content: "ann: keep the door code".into(),
-    }];
-    let body = serde_json::to_value(CompactRequest::new(None, &older, 5000, 2000)).unwrap();
-    let a = post_json(turn.socket(), "/v1/compact", &body).await;
-    assert_eq!(a.status, 200, "{}", a.text());
-    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-    assert_eq!(reply.source, CompactSource::Model);
-    let u = account.usage();
+    use roundtable_sandbox::protocol::compaction::CompactSource;
+    let c = Compaction::start(vec![text_with_usage("SUMMARY of it", Some((90, 20)))], 100).await;
+    assert_eq!(c.compact().await, CompactSource::Model);
+    let u = c.account.usage();
     assert_eq!(
         (u.prompt_tokens, u.completion_tokens, u.model_calls),
         (90, 20, 1)
     );
-    assert_eq!(book.tokens(&CounterKey::Channel("chan-hash".into())), 110);
+    assert_eq!(c.book.tokens(&CounterKey::Channel("chan-hash".into())), 110);
     // Past the channel's budget: the compactor's call is refused before the upstream, and
     // the plain summary is built.
-    let a = post_json(turn.socket(), "/v1/compact", &body).await;
-    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-    assert_eq!(reply.source, CompactSource::Plain);
-    assert_eq!(model.requests().len(), 1);
-    assert_eq!(account.usage().model_calls, 1);
+    assert_eq!(c.compact().await, CompactSource::Plain);
+    assert_eq!(c.model.requests().len(), 1);
+    assert_eq!(c.account.usage().model_calls, 1);
 }
 
 /// A compaction call that fails after its request went (here an answer past the
@@ -774,31 +804,12 @@ async fn compaction_calls_are_counted_and_refused_past_a_budget() {
 /// dropped unsettled, counted it a second time.
 #[tokio::test]
 async fn a_failed_compaction_call_is_counted_once() {
-    use roundtable_sandbox::protocol::chat::Message;
-    use roundtable_sandbox::protocol::compaction::{CompactReply, CompactRequest, CompactSource};
-    let model = ScriptedModel::start(vec![Step::Huge(512 * 1024)]).await;
-    let broker = start_broker(broker_policy(&model.url(), KEY)).await;
-    let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let book = book(
-        dir.path(),
-        BudgetSettings {
-            channel_tokens_per_day: Some(1_000_000),
-            ..Default::default()
-        },
-    );
-    let account = Arc::new(TurnAccount::new("u1", "chan-hash", Some(book.clone())));
-    let turn = BrokerTurn::start_counted(&broker, "chan", ann(), Some(account.clone())).await;
-    let older = vec![Message::User {
-        content: "ann: keep the door code".into(),
-    }];
-    let body = serde_json::to_value(CompactRequest::new(None, &older, 5000, 2000)).unwrap();
-    let a = post_json(turn.socket(), "/v1/compact", &body).await;
-    assert_eq!(a.status, 200, "{}", a.text());
-    let reply: CompactReply = serde_json::from_slice(&a.body).unwrap();
-    assert_eq!(reply.source, CompactSource::Plain);
-    assert_eq!(model.requests().len(), 1);
-    assert_eq!(account.usage().model_calls, 1);
-    assert!(book.tokens(&CounterKey::Channel("chan-hash".into())) > 0);
+    use roundtable_sandbox::protocol::compaction::CompactSource;
+    let c = Compaction::start(vec![Step::Huge(512 * 1024)], 1_000_000).await;
+    assert_eq!(c.compact().await, CompactSource::Plain);
+    assert_eq!(c.model.requests().len(), 1);
+    assert_eq!(c.account.usage().model_calls, 1);
+    assert!(c.book.tokens(&CounterKey::Channel("chan-hash".into())) > 0);
 }
 
 /// Today (UTC), as the book names its day.

@@ -27,19 +27,8 @@ const BUDGET: u64 = 2000;
 
 /// Runs `test` in a current-thread runtime with a capturing subscriber as the default.
 fn with_logs<F: std::future::Future<Output = ()>>(test: impl FnOnce(Captured) -> F) {
-    let logs = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(logs.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(test(logs.clone()));
-    drop(rt);
+    let logs =
+        roundtable_sandbox_test_support::captured_logs::run_captured(tracing::Level::INFO, test);
     eprintln!("captured logs:\n{}", logs.text());
 }
 

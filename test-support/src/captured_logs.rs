@@ -38,3 +38,26 @@ impl Captured {
             .collect()
     }
 }
+
+/// Runs `test` in a current-thread runtime whose default subscriber writes what is logged
+/// at `level` and above to the returned [`Captured`] (so every task of the runtime logs
+/// there), and hands it the same.
+pub fn run_captured<F: std::future::Future<Output = ()>>(
+    level: tracing::Level,
+    test: impl FnOnce(Captured) -> F,
+) -> Captured {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(level)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(test(logs.clone()));
+    drop(rt);
+    logs
+}

@@ -88,32 +88,23 @@ for line in sys.stdin:
     sys.stdout.write(json.dumps(r) + "\n")
     sys.stdout.flush()
 "#;
-    let warn = Captured::default();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(warn.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::WARN)
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        // (It answers its handshake for the broker's probe, and errs for every session.)
-        let transport = stdio("python3", &["-c", SCRIPT, "{channel}"]);
-        let mut server = McpServer::new("forger", transport, &["t"]);
-        server.confine = roundtable_sandbox::internals::config::McpConfine::Host;
-        let mut p = policy("http://127.0.0.1:9/v1");
-        p.mcp = vec![server];
-        let broker = start_broker(p).await;
-        let turn = start_turn(&broker).await;
-        let a = post_json(turn.socket(), "/v1/mcp/forger/t", &json!({})).await;
-        assert_eq!(a.status, 502, "{}", a.text());
-        drop(turn);
-        broker.shutdown().await;
-    });
-    drop(rt);
+    let warn = roundtable_sandbox_test_support::captured_logs::run_captured(
+        tracing::Level::WARN,
+        |_| async {
+            // (It answers its handshake for the broker's probe, and errs for every session.)
+            let transport = stdio("python3", &["-c", SCRIPT, "{channel}"]);
+            let mut server = McpServer::new("forger", transport, &["t"]);
+            server.confine = roundtable_sandbox::internals::config::McpConfine::Host;
+            let mut p = policy("http://127.0.0.1:9/v1");
+            p.mcp = vec![server];
+            let broker = start_broker(p).await;
+            let turn = start_turn(&broker).await;
+            let a = post_json(turn.socket(), "/v1/mcp/forger/t", &json!({})).await;
+            assert_eq!(a.status, 502, "{}", a.text());
+            drop(turn);
+            broker.shutdown().await;
+        },
+    );
     let text = warn.text();
     let failed: Vec<&str> = text
         .lines()
