@@ -100,12 +100,13 @@ impl<'de, 'p> Visitor<'de> for Fields<'p> {
     }
 }
 
-/// Walks a JSON value without building it, for a `"url"` member whose value is a string
-/// that is not a `data:` URL: a message part the model's provider would fetch (an
-/// `image_url`, `video_url`, `audio_url` or `file` part, a `source` of type `url`). The
-/// provider fetches it from its own network, a loopback one's from the host's: a way out
-/// for a guest that has none, past every egress rule. Such a part is refused; inline
-/// `data:` parts pass.
+/// Walks a JSON value without building it, for a member that names something to fetch
+/// ([`names_a_fetch`]: `url`, `uri`, `image_url`, `fileUri`, `file_data`, …) whose value is
+/// a string that is not a `data:` URL: a message part the model's provider would fetch (an
+/// `image_url` part in its object or its string form, `video_url`, `audio_url`, a `file`,
+/// a `source` of type `url`, a Gemini `file_uri`). The provider fetches it from its own
+/// network, a loopback one's from the host's: a way out for a guest that has none, past
+/// every egress rule. Such a part is refused; inline `data:` parts pass.
 struct FetchScan;
 
 impl<'de> DeserializeSeed<'de> for FetchScan {
@@ -125,7 +126,7 @@ impl<'de> Visitor<'de> for FetchScan {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            if key == "url" {
+            if names_a_fetch(&key) {
                 if let UrlValue(Some(url)) = map.next_value()? {
                     let scheme = url.split_once(':').map(|(s, _)| s.trim());
                     if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("data")) {
@@ -164,7 +165,15 @@ impl<'de> Visitor<'de> for FetchScan {
     }
 }
 
-/// A `"url"` member's value: the text when it is a string (anything else is walked on).
+/// Whether a member named `key` may hold something for the provider to fetch: `url` or
+/// `uri`, or a name ending so (`image_url`, `fileUri`), or `file_data` (OpenRouter's, a
+/// URL or a `data:` one), in any case.
+fn names_a_fetch(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    key.ends_with("url") || key.ends_with("uri") || key == "file_data"
+}
+
+/// A fetch member's value: the text when it is a string (anything else is walked on).
 struct UrlValue<'de>(Option<std::borrow::Cow<'de, str>>);
 
 impl<'de> serde::Deserialize<'de> for UrlValue<'de> {
@@ -1165,6 +1174,11 @@ mod tests {
             r#"[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://x"}}]}]"#,
             r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"//x.example/a"}}]}]"#,
             r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"\u0068ttps://x"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":"https://x/a.png"}]}]"#,
+            r#"[{"role":"user","content":[{"type":"audio_url","audio_url":"http://127.0.0.1/"}]}]"#,
+            r#"[{"role":"user","content":[{"type":"file","file":{"file_data":"https://x/a.pdf"}}]}]"#,
+            r#"[{"role":"user","content":[{"file_data":{"fileUri":"gs://b/o","mimeType":"x"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"x","URL":"https://x"}]}]"#,
         ] {
             assert_eq!(
                 prepare(body(fetched).as_bytes(), "m", &policy)
@@ -1176,6 +1190,8 @@ mod tests {
         }
         for inline in [
             r#"[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}]}]"#,
+            r#"[{"role":"user","content":[{"type":"image_url","image_url":"data:image/png;base64,AAAA"}]}]"#,
+            r#"[{"role":"user","content":[{"type":"file","file":{"file_data":"data:application/pdf;base64,AA"}}]}]"#,
             r#"[{"role":"user","content":"see https://x.example/a.png"}]"#,
             r#"[{"role":"user","content":[{"type":"text","text":"url"}],"url":{"type":"string"}}]"#,
         ] {
