@@ -956,11 +956,21 @@ impl Session<'_> {
         self.roster.parted(&name);
         let channel = format!("irc:{name}");
         // Its running turn stopped, its queued messages never run.
-        let withdrawn = self.sandbox.send(Withdraw { channel }).await.unwrap_or(0);
+        let withdrawn = self
+            .sandbox
+            .send(Withdraw { channel })
+            .await
+            .unwrap_or_default();
         eprintln!(
-            "irc-bot: {name}: kicked by {} ({}); its running turn stopped, {withdrawn} queued message(s) and {dropped} queued line(s) dropped; not joining again until invited",
+            "irc-bot: {name}: kicked by {} ({}); {}, {} queued message(s) and {dropped} queued line(s) dropped; not joining again until invited",
             display::escape(msg.nick.as_deref().unwrap_or("?")),
             display::escape(msg.params.get(2).map_or("", String::as_str)),
+            if withdrawn.stopped {
+                "its running turn stopped"
+            } else {
+                "no turn was running"
+            },
+            withdrawn.dropped,
         );
     }
 

@@ -22,7 +22,9 @@ use crate::internal::{
 use crate::reset::{ResetGeneration, Stamp};
 use crate::shared::Shared;
 use crate::turn::{panic_message, ProgressSink, Responder, TurnActor, TurnJob};
-use crate::{ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop, Withdraw};
+use crate::{
+    ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Stop, Withdraw, WithdrawReport,
+};
 
 /// One channel: serializes its turns in arrival order behind a bounded queue, decides each
 /// turn's reset flag from the stamp its message got on arrival (a reset applies to the
@@ -48,6 +50,9 @@ pub(crate) struct ChannelActor {
     restarts: u32,
     turns_done: u64,
     shutting_down: bool,
+    /// The bot withdrew from the channel ([`Withdraw`]): no container is prepared for it
+    /// until its next message.
+    withdrawn: bool,
     drained: Vec<oneshot::Sender<()>>,
     idle_timer: Option<SpawnHandle>,
     /// The container prepared for the channel's next turn (see [`roundtable_sandbox::PreparedTurn`]).
@@ -147,6 +152,7 @@ impl ChannelActor {
             restarts: 0,
             turns_done: 0,
             shutting_down: false,
+            withdrawn: false,
             drained: Vec::new(),
             idle_timer: None,
             warm: None,
@@ -171,6 +177,7 @@ impl ChannelActor {
     /// prepared or being prepared, the channel is shutting down, or warm turns are off.
     fn prepare_next(&mut self, ctx: &mut Context<Self>) {
         if self.shutting_down
+            || self.withdrawn
             || self.warm.is_some()
             || self.preparing.is_some()
             || !self.shared.sandbox.warm_enabled()
@@ -346,6 +353,7 @@ impl ChannelActor {
         ctx: &mut Context<Self>,
     ) -> Result<oneshot::Receiver<Result<TurnOutcome, SandboxActorError>>, SandboxActorError> {
         let sink = self.sink(0);
+        self.withdrawn = false;
         if self.shutting_down {
             sink.refused(
                 &message.speaker.id,
@@ -568,21 +576,32 @@ impl Handler<Stop> for ChannelActor {
 }
 
 impl Handler<Withdraw> for ChannelActor {
-    type Result = usize;
+    type Result = MessageResult<Withdraw>;
 
-    fn handle(&mut self, _: Withdraw, ctx: &mut Self::Context) -> usize {
-        self.guarded(ctx, "withdraw", |act, _| {
-            let mut dropped = 0;
+    fn handle(&mut self, _: Withdraw, ctx: &mut Self::Context) -> Self::Result {
+        let report = self.guarded(ctx, "withdraw", |act, ctx| {
+            act.withdrawn = true;
+            act.drop_prepared(ctx, "withdrawn");
+            let mut report = WithdrawReport::default();
             for pending in std::mem::take(&mut act.queue) {
                 act.sink(0).ended(TurnFailure::Stopped);
-                let _ = pending.responder.send(Err(SandboxActorError::Withdrawn));
-                dropped += 1;
+                if pending
+                    .responder
+                    .send(Err(SandboxActorError::Withdrawn))
+                    .is_ok()
+                {
+                    report.dropped += 1;
+                }
             }
-            let stopped = act.active.as_ref().is_some_and(|a| a.control.stop());
-            tracing::info!(stopped, dropped, "withdrawn from the channel");
-            dropped
-        })
-        .unwrap_or(0)
+            report.stopped = act.active.as_ref().is_some_and(|a| a.control.stop());
+            tracing::info!(
+                stopped = report.stopped,
+                dropped = report.dropped,
+                "withdrawn from the channel"
+            );
+            report
+        });
+        MessageResult(report.unwrap_or_default())
     }
 }
 

@@ -10,11 +10,12 @@
 //!   behind, spawns one `ChannelActor` per channel on its first message, restarts a
 //!   channel actor that panicked, retires idle ones, and keeps every channel's **pending
 //!   reset generation** so neither a restart nor a retirement loses it. It answers
-//!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Status`] and [`Shutdown`], in the order
-//!   they were sent (its mailbox is unbounded: `send` never parks).
+//!   [`GuestMessage`], [`StartFresh`], [`Stop`], [`Withdraw`], [`Status`] and [`Shutdown`],
+//!   in the order they were sent (its mailbox is unbounded: `send` never parks).
 //! - `ChannelActor` (one per live channel, internal): serializes the channel's turns in arrival
 //!   order behind a bounded queue (past it: [`SandboxActorError::Busy`] at once), decides
-//!   a turn's reset flag when it admits it, and stops the active turn on [`Stop`].
+//!   a turn's reset flag when it admits it, stops the active turn on [`Stop`], and on
+//!   [`Withdraw`] stops it and drops its queue.
 //! - `TurnActor` (one per turn, short-lived, internal): owns the turn's future — run dir, broker
 //!   listener and container, through [`roundtable_sandbox::Sandbox::run`] — waits for a slot
 //!   under the global container cap (a FIFO semaphore, so channels are served fairly; the
@@ -106,7 +107,7 @@ pub use error::SandboxActorError;
 pub use messages::InjectPanic;
 pub use messages::{
     ChannelState, ChannelStatus, GuestMessage, Shutdown, ShutdownReport, StartFresh, Status,
-    StatusReport, Stop, Totals, Withdraw,
+    StatusReport, Stop, Totals, Withdraw, WithdrawReport,
 };
 pub use options::SupervisorOptions;
 /// What an embedder needs of the core to configure the runtime and read a turn's answer.

@@ -66,15 +66,24 @@ pub struct Stop {
 }
 
 /// The bot no longer serves a channel (kicked or banned from it, or the room turned
-/// end-to-end encryption on): its active turn stops as by [`Stop`], and every message
-/// still queued there is answered [`SandboxActorError::Withdrawn`](crate::SandboxActorError::Withdrawn)
-/// and never runs. Answered with the number of queued messages dropped. A later message
-/// for the channel is served as usual (the bot decides whether to send one).
+/// end-to-end encryption on): its active turn stops as by [`Stop`], every message still
+/// queued there is answered [`SandboxActorError::Withdrawn`](crate::SandboxActorError::Withdrawn)
+/// and never runs, and no container is prepared for it. A later message for the channel
+/// is served as usual (the bot decides whether to send one).
 #[derive(Debug, Clone, Message)]
-#[rtype(result = "usize")]
+#[rtype(result = "WithdrawReport")]
 pub struct Withdraw {
     /// The channel the bot withdraws from.
     pub channel: String,
+}
+
+/// What [`Withdraw`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WithdrawReport {
+    /// A turn was active (admitted and not yet answered) and was stopped.
+    pub stopped: bool,
+    /// The queued messages answered `Withdrawn` (their callers still waiting).
+    pub dropped: usize,
 }
 
 /// Stops admitting, answers every queued message [`SandboxActorError::ShuttingDown`],

@@ -19,7 +19,7 @@ use crate::reset::ResetGeneration;
 use crate::shared::Shared;
 use crate::{
     ChannelState, ChannelStatus, GuestMessage, SandboxActorError, Shutdown, ShutdownReport,
-    StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals, Withdraw,
+    StartFresh, Status, StatusReport, Stop, SupervisorOptions, Totals, Withdraw, WithdrawReport,
 };
 
 /// The sandbox's supervisor: one per process, the address a bot sends its messages to.
@@ -230,15 +230,15 @@ impl Handler<Stop> for SandboxSupervisor {
 }
 
 impl Handler<Withdraw> for SandboxSupervisor {
-    type Result = ResponseFuture<usize>;
+    type Result = ResponseFuture<WithdrawReport>;
 
     fn handle(&mut self, msg: Withdraw, _: &mut Self::Context) -> Self::Result {
         match self.channels.get(&msg.channel) {
             Some(entry) => {
                 let answer = entry.addr.send(msg);
-                Box::pin(async move { answer.await.unwrap_or(0) })
+                Box::pin(async move { answer.await.unwrap_or_default() })
             }
-            None => Box::pin(std::future::ready(0)),
+            None => Box::pin(std::future::ready(WithdrawReport::default())),
         }
     }
 }

@@ -541,13 +541,19 @@ async fn withdraw_stops_the_turn_and_drops_the_queued_messages() {
         assert!(Instant::now() < deadline, "the two messages never queued");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let dropped = addr
+    let report = addr
         .send(Withdraw {
             channel: "#w".into(),
         })
         .await
         .unwrap();
-    assert_eq!(dropped, 2);
+    assert_eq!(
+        report,
+        WithdrawReport {
+            stopped: true,
+            dropped: 2
+        }
+    );
     assert_eq!(error_text(turn.await.unwrap()), "turn stopped");
     for q in queued {
         let e = q.await.unwrap().unwrap_err();
@@ -563,7 +569,7 @@ async fn withdraw_stops_the_turn_and_drops_the_queued_messages() {
         })
         .await
         .unwrap(),
-        0
+        WithdrawReport::default()
     );
     assert!(ok_text(ask(&addr, "#w", "dee", "back").await).starts_with("dee|back|"));
 }

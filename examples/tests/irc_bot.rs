@@ -574,6 +574,17 @@ fn a_kick_stops_the_channels_turns_and_the_bot_stays_out_until_invited() {
     assert!(!files_under(&d.join("ws"))
         .iter()
         .any(|(p, _)| p.ends_with("queued-before-the-kick")));
+    // Withdrawn: the queue is empty, and no container is kept or prepared for the channel
+    // (stopping its turn prepared the next one's).
+    assert_eq!(
+        metric_sum(&body.borrow(), "roundtable_queue_depth "),
+        0.0,
+        "{}",
+        body.borrow()
+    );
+    wait_until("no container left for the channel", || {
+        containers_of(d).is_empty()
+    });
     // Out of the channel, and not back by itself (it used to join again at once).
     std::thread::sleep(Duration::from_secs(2));
     let log = std::fs::read_to_string(&tester.out).unwrap();

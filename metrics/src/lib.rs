@@ -340,10 +340,16 @@ impl Metrics {
             EventKind::Ended { failure, .. } => {
                 let outcome = labels::outcome(*failure);
                 self.turns.get_or_create(&[("outcome", outcome)]).inc();
-                if failure == &Some(roundtable_sandbox::TurnFailure::ShuttingDown)
-                    && event.turn.is_none()
+                if matches!(
+                    failure,
+                    Some(
+                        roundtable_sandbox::TurnFailure::ShuttingDown
+                            | roundtable_sandbox::TurnFailure::Stopped
+                    )
+                ) && event.turn.is_none()
                 {
-                    // A queued message refused at shutdown leaves the queue.
+                    // A queued message refused at shutdown, or dropped by a withdrawal,
+                    // leaves the queue.
                     if let Some(channel) = &event.channel {
                         if take_one(&mut self.state().queued, channel) {
                             self.queue_depth.dec();
