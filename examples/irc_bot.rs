@@ -35,8 +35,9 @@
 //! bot reconnects with backoff (1 s doubling to `--reconnect-max-secs`) and rejoins; the
 //! sandbox, its channels and their sessions are untouched.
 //!
-//! **Kicked**, the bot stops in that channel: its running turn is stopped, so is each turn
-//! queued behind it (as it is admitted: it never runs), what waits in its outbox and every
+//! **Kicked**, the bot withdraws from that channel (`Withdraw`): its running turn is
+//! stopped and the messages queued behind it are dropped (they never run), what waits in
+//! its outbox and every
 //! reply still to come are dropped, and it does not join the channel again, at a
 //! reconnection either, until it is invited back (`/INVITE sandbox #chan`, by anyone the
 //! server lets invite: on a `+i` channel, its operators) or restarted. Its session is kept.

@@ -101,7 +101,8 @@ pub enum EventKind {
     Facts(Box<TurnFacts>),
     /// The budgets' shared store (`[budgets] store`): this process's view of the other
     /// processes' spend turned stale (the database not reached for longer than
-    /// `max_staleness_secs`: new turns refused unless `fail_open`) or fresh again.
+    /// `max_staleness_secs`: new turns, and running turns' counted model calls and egress
+    /// requests, refused unless `fail_open`) or fresh again.
     BudgetStore {
         /// Whether the view is stale now.
         stale: bool,

@@ -482,8 +482,9 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
 /// A reply names the channel's other members (a guest had the model repeat the nick list):
 /// it highlights none of them (a zero-width space after a nick's first character), only
 /// the guest it answers. A channel operator kicks the bot while a turn runs and another
-/// waits behind it: both are stopped (the waiting one as it is admitted, never run), and
-/// the bot does not join again until the operator invites it back.
+/// waits behind it: the running one is stopped, the waiting one dropped (never run), no
+/// container is left for the channel, and the bot does not join again until the operator
+/// invites it back.
 #[test]
 fn a_kick_stops_the_channels_turns_and_the_bot_stays_out_until_invited() {
     let dir = scratch("rtq-");

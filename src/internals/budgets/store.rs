@@ -278,7 +278,8 @@ pub trait BudgetStore: Send + 'static {
     /// Called once, before the book's writer starts: a store that several processes share
     /// keeps `view` and reports through it what the database acknowledged and what the
     /// others wrote (reconciling on its own interval), and returns true; the book then
-    /// refuses turns while the view is older than `max_staleness_secs`. The default (a
+    /// refuses turns (and running turns' counted calls) while the view is older than
+    /// `max_staleness_secs`. The default (a
     /// store of this process alone) returns false.
     fn share(&mut self, view: super::SharedView) -> bool {
         let _ = view;

@@ -90,7 +90,8 @@ pub struct BudgetSettings {
     #[serde(default)]
     pub namespace: Option<String>,
     /// With `store`: how old this process's view of the others' spend may get (the
-    /// database not reached) before new turns are refused. Default 10 s.
+    /// database not reached) before new turns are refused, and the model calls and egress
+    /// requests of running turns that a set budget counts. Default 10 s.
     #[serde(default)]
     pub max_staleness_secs: Option<u64>,
     /// With `store`: past `max_staleness_secs`, admit turns on this process's own counts
