@@ -316,7 +316,10 @@ fn shows_every_word(text: &str, html: &str) -> bool {
     // Counted: a word hidden once and shown elsewhere is still hidden once.
     let words = |t: &str| -> std::collections::HashMap<String, usize> {
         let mut counts = std::collections::HashMap::new();
-        for w in t.split(|c: char| !c.is_alphanumeric()).filter(|w| !w.is_empty()) {
+        for w in t
+            .split(|c: char| !c.is_alphanumeric())
+            .filter(|w| !w.is_empty())
+        {
             *counts.entry(w.to_owned()).or_insert(0) += 1;
         }
         counts
