@@ -418,14 +418,22 @@ fn route_rules(
     }
     let rel = relative_path(route, &target.path);
     // A glob allows the path as written and as its dot segments resolve (with
-    // `allow_unusual_paths`, `/public/../admin` is `/admin` to the upstream).
+    // `allow_unusual_paths`, `/public/../admin` is `/admin` to the upstream), and there as
+    // the most lenient server reads it too (`\` a `/`, escapes decoded again, `...` a
+    // parent, `;` parameters dropped), its case kept (a trailing slash either way).
     let resolved = dots_resolved(rel);
-    if !route.paths.is_empty()
-        && !route
-            .paths
-            .iter()
-            .any(|g| glob(g, rel) && glob(g, &resolved))
-    {
+    let lenient = route
+        .allow_unusual_paths
+        .then(|| lenient_relative_as(route, &target.path, false))
+        .flatten();
+    let allows = |g: &str| {
+        glob(g, rel)
+            && glob(g, &resolved)
+            && lenient
+                .as_deref()
+                .is_none_or(|l| glob(g, l) || glob(g, &format!("{l}/")))
+    };
+    if !route.paths.is_empty() && !route.paths.iter().any(|g| allows(g)) {
         return Err(refused(
             "path",
             format!("{rel} matches none of this route's paths"),
@@ -475,7 +483,13 @@ fn route_rules(
     // Of the whole path, then the base taken off (`../v1/internal` under `/v1` resolves to
     // `/v1/internal`: taken off first, the base hid it); [`within_base`] refused one that
     // leaves the base.
-    let lenient = lenient_relative(route, &target.path).unwrap_or_else(|| folded.clone());
+    let Some(lenient) = lenient_relative(route, &target.path) else {
+        // (Refused before by [`within_base`].)
+        return Err(refused(
+            "base",
+            "the path leaves the route's base as a server reads it",
+        ));
+    };
     for (i, rule) in route.deny.iter().enumerate() {
         // A rule naming GET covers HEAD, which servers answer with the GET handler.
         let methods = rule.methods.is_empty()
@@ -507,6 +521,12 @@ fn route_rules(
 /// spaces dropped (IIS reads `/admin./` and `/admin%20/` as `/admin/`), no trailing slash
 /// (`/admin/` is `/admin` to Express and Rails).
 fn deny_view(path: &str) -> String {
+    lenient_view(path, true)
+}
+
+/// [`deny_view`], its case folded (`fold`, for the deny rules) or kept (for the allow
+/// globs, which name paths in the case the upstream serves them).
+fn lenient_view(path: &str, fold: bool) -> String {
     let mut text = path.to_owned();
     for _ in 0..4 {
         let decoded = percent_encoding::percent_decode_str(&text)
@@ -519,9 +539,16 @@ fn deny_view(path: &str) -> String {
     }
     // Folded as a server that ignores case in Unicode may (`ı` and `ſ` are `i` and `s`
     // to Java's `equalsIgnoreCase`).
-    let text = text.to_uppercase().to_lowercase().replace('\\', "/");
+    let text = if fold {
+        text.to_uppercase().to_lowercase()
+    } else {
+        text
+    };
+    let text = text.replace('\\', "/");
     let mut resolved: Vec<&str> = Vec::new();
     for segment in text.split('/') {
+        // `/admin;x/` is `/admin/` to servlet containers and Spring, and `..;x` is `..`.
+        let segment = segment.split(';').next().unwrap_or_default();
         // `.` is this segment, `..` (and IIS's `...`) the parent.
         if !segment.is_empty() && segment.chars().all(|c| c == '.') {
             if segment.len() >= 2 {
@@ -529,8 +556,6 @@ fn deny_view(path: &str) -> String {
             }
             continue;
         }
-        // `/admin;x/` is `/admin/` to servlet containers and Spring.
-        let segment = segment.split(';').next().unwrap_or_default();
         let segment = segment.trim_end_matches(['.', ' ']);
         if !segment.is_empty() {
             resolved.push(segment);
@@ -542,8 +567,15 @@ fn deny_view(path: &str) -> String {
 /// [`deny_view`] of the whole path, under an upstream's base the part after the base (the
 /// base in the same view); `None` when it is not under the base.
 fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
-    let view = deny_view(path);
-    let base = base_path(route).map(|b| deny_view(&b)).filter(|b| b != "/");
+    lenient_relative_as(route, path, true)
+}
+
+/// [`lenient_relative`] in [`lenient_view`]'s `fold`.
+fn lenient_relative_as(route: &EgressRoute, path: &str, fold: bool) -> Option<String> {
+    let view = lenient_view(path, fold);
+    let base = base_path(route)
+        .map(|b| lenient_view(&b, fold))
+        .filter(|b| b != "/");
     let Some(base) = base else {
         return Some(view);
     };
@@ -968,10 +1000,26 @@ mod tests {
         let mut site = EgressRoute::hosts("site", &["*"]);
         site.allow_unusual_paths = true;
         site.paths = vec!["/public/**".into()];
-        assert_eq!(
-            rule_of(&site, "GET", "https/example.com/public/../../admin").as_deref(),
-            Some("path")
-        );
+        for path in [
+            "/public/../../admin",
+            "/public\\..\\admin",
+            "/public/%252e%252e/admin",
+            "/public/.../admin",
+            "/public/..;x/admin",
+        ] {
+            assert_eq!(
+                rule_of(&site, "GET", &format!("https/example.com{path}")).as_deref(),
+                Some("path"),
+                "{path}"
+            );
+        }
+        for path in ["/public/", "/public/a/../b", "/public/A%20b", "/public/x;y"] {
+            assert_eq!(
+                rule_of(&site, "GET", &format!("https/example.com{path}")),
+                None,
+                "{path}"
+            );
+        }
         assert_eq!(dots_resolved("/a/b/../../../c/./"), "/c/");
         assert_eq!(dots_resolved("/a/.."), "/");
         assert_eq!(dots_resolved("/a/b"), "/a/b");
@@ -985,6 +1033,7 @@ mod tests {
         for path in [
             "/admin;x/y",
             "/admin%3bx/y",
+            "/public/..;x/admin/y",
             "/adm%C4%B1n/x",
             "/%C5%BFettings/x",
         ] {
