@@ -473,7 +473,7 @@ fn route_rules(
         }
     }
     // A deny rule's paths match the path as written and as a lenient server reads it
-    // ([`deny_view`]): in any case, decoded again, its dot segments resolved, without a
+    // ([`lenient_view`]): in any case, decoded again, its dot segments resolved, without a
     // trailing slash and without a segment's trailing dots and spaces. (An allow glob
     // matches as written and resolved: a miss there only refuses.)
     if route.deny.is_empty() {
@@ -514,18 +514,14 @@ fn route_rules(
     Ok(())
 }
 
-/// A path as the most lenient server reads it, for the deny rules only (it may name a path
-/// no server serves: a deny rule refuses more, never less): lowercase, percent-decoded
-/// until nothing changes (a proxy and an application each decode once), `//` as `/`, the
-/// dot segments resolved, each segment's path parameters (`;…`) and trailing dots and
-/// spaces dropped (IIS reads `/admin./` and `/admin%20/` as `/admin/`), no trailing slash
-/// (`/admin/` is `/admin` to Express and Rails).
-fn deny_view(path: &str) -> String {
-    lenient_view(path, true)
-}
-
-/// [`deny_view`], its case folded (`fold`, for the deny rules) or kept (for the allow
-/// globs, which name paths in the case the upstream serves them).
+/// A path as the most lenient server reads it, for the deny rules and, with
+/// `allow_unusual_paths`, the allow globs too (it may name a path no server serves: a rule
+/// checked in it refuses more, never less): percent-decoded until nothing changes (a proxy
+/// and an application each decode once), `\` and `//` as `/`, the dot segments resolved,
+/// each segment's path parameters (`;…`) and trailing dots and spaces dropped (IIS reads
+/// `/admin./` and `/admin%20/` as `/admin/`), no trailing slash (`/admin/` is `/admin` to
+/// Express and Rails); lowercase with `fold` (for the deny rules), its case kept without
+/// (for the allow globs, which name paths in the case the upstream serves them).
 fn lenient_view(path: &str, fold: bool) -> String {
     let mut text = path.to_owned();
     for _ in 0..4 {
@@ -564,7 +560,7 @@ fn lenient_view(path: &str, fold: bool) -> String {
     format!("/{}", resolved.join("/"))
 }
 
-/// [`deny_view`] of the whole path, under an upstream's base the part after the base (the
+/// [`lenient_view`] of the whole path, under an upstream's base the part after the base (the
 /// base in the same view); `None` when it is not under the base.
 fn lenient_relative(route: &EgressRoute, path: &str) -> Option<String> {
     lenient_relative_as(route, path, true)
