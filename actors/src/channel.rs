@@ -285,6 +285,23 @@ impl ChannelActor {
     }
 
     /// Removes the prepared container and abandons a preparation in flight.
+    /// Empties the queue: each message ends as `failure` (its event) and its caller is
+    /// answered `error()`; how many callers were still waiting for it.
+    fn refuse_queued(
+        &mut self,
+        failure: TurnFailure,
+        error: impl Fn() -> SandboxActorError,
+    ) -> usize {
+        let mut answered = 0;
+        for pending in std::mem::take(&mut self.queue) {
+            self.sink(0).ended(failure);
+            if pending.responder.send(Err(error())).is_ok() {
+                answered += 1;
+            }
+        }
+        answered
+    }
+
     fn drop_prepared(&mut self, ctx: &mut Context<Self>, why: &'static str) {
         if let Some((_, cancel)) = self.preparing.take() {
             cancel.cancel();
@@ -582,17 +599,10 @@ impl Handler<Withdraw> for ChannelActor {
         let report = self.guarded(ctx, "withdraw", |act, ctx| {
             act.withdrawn = true;
             act.drop_prepared(ctx, "withdrawn");
-            let mut report = WithdrawReport::default();
-            for pending in std::mem::take(&mut act.queue) {
-                act.sink(0).ended(TurnFailure::Stopped);
-                if pending
-                    .responder
-                    .send(Err(SandboxActorError::Withdrawn))
-                    .is_ok()
-                {
-                    report.dropped += 1;
-                }
-            }
+            let mut report = WithdrawReport {
+                dropped: act.refuse_queued(TurnFailure::Stopped, || SandboxActorError::Withdrawn),
+                ..Default::default()
+            };
             report.stopped = act.active.as_ref().is_some_and(|a| a.control.stop());
             tracing::info!(
                 stopped = report.stopped,
@@ -661,17 +671,12 @@ impl Handler<ShutdownChannel> for ChannelActor {
                 ctx.cancel_future(timer);
             }
             act.drop_prepared(ctx, "shutting down");
-            let mut report = ChannelShutdown::default();
-            for pending in std::mem::take(&mut act.queue) {
-                act.sink(0).ended(TurnFailure::ShuttingDown);
-                if pending
-                    .responder
-                    .send(Err(SandboxActorError::ShuttingDown))
-                    .is_ok()
-                {
-                    report.refused += 1;
-                }
-            }
+            let mut report = ChannelShutdown {
+                refused: act.refuse_queued(TurnFailure::ShuttingDown, || {
+                    SandboxActorError::ShuttingDown
+                }),
+                ..Default::default()
+            };
             let wait = act.active.as_ref().map(|active| {
                 report.stopped = !active.control.replied();
                 active.control.abort(AbortReason::ShuttingDown);

@@ -159,6 +159,17 @@ fn start_server_with(d: &Path, port: u16, listen: &str, options: &str) -> Proc {
 type Said = std::sync::Arc<std::sync::Mutex<Vec<(Instant, String)>>>;
 
 /// The lines said so far, without their times.
+/// [`start_server_with`] on loopback, with a server operator (`op`, password `op-pass`)
+/// who may set a channel's modes (to make a client a channel operator).
+fn start_server_with_an_operator(d: &Path, port: u16) -> Proc {
+    start_server_with(
+        d,
+        port,
+        "127.0.0.1",
+        "OperCanUseMode = yes\n[Operator]\nName = op\nPassword = op-pass\n",
+    )
+}
+
 fn lines_of(said: &Said) -> Vec<String> {
     said.lock()
         .unwrap()
@@ -336,13 +347,7 @@ fn the_irc_bot_answers_a_real_client_through_a_real_server() {
     let dir = scratch("rti-");
     let d = dir.path();
     let port = free_port();
-    // A server operator may set a channel's modes (to make tester a channel operator).
-    let _server = start_server_with(
-        d,
-        port,
-        "127.0.0.1",
-        "OperCanUseMode = yes\n[Operator]\nName = op\nPassword = op-pass\n",
-    );
+    let _server = start_server_with_an_operator(d, port);
     // (Room for this test's lines in one minute: the output budget has a test of its own.)
     let (bot, said, echo) = start_bot_with(
         d,
@@ -490,12 +495,7 @@ fn a_kick_stops_the_channels_turns_and_the_bot_stays_out_until_invited() {
     let dir = scratch("rtq-");
     let d = dir.path();
     let port = free_port();
-    let _server = start_server_with(
-        d,
-        port,
-        "127.0.0.1",
-        "OperCanUseMode = yes\n[Operator]\nName = op\nPassword = op-pass\n",
-    );
+    let _server = start_server_with_an_operator(d, port);
     let (bot, said, echo) = start_bot_with(
         d,
         port,

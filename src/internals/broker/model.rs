@@ -107,7 +107,10 @@ impl<'de, 'p> Visitor<'de> for Fields<'p> {
 /// a `source` of type `url`, a Gemini `file_uri`). The provider fetches it from its own
 /// network, a loopback one's from the host's: a way out for a guest that has none, past
 /// every egress rule. Such a part is refused; inline `data:` parts pass.
-struct FetchScan;
+struct FetchScan {
+    /// Inside a member that names a fetch: a string here must be a `data:` URL.
+    fetch: bool,
+}
 
 impl<'de> DeserializeSeed<'de> for FetchScan {
     type Value = ();
@@ -126,22 +129,26 @@ impl<'de> Visitor<'de> for FetchScan {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            if names_a_fetch(&key) {
-                if let UrlValue(Some(url)) = map.next_value()? {
-                    let scheme = url.split_once(':').map(|(s, _)| s.trim());
-                    if !scheme.is_some_and(|s| s.eq_ignore_ascii_case("data")) {
-                        return Err(A::Error::custom(FETCH_REFUSED));
-                    }
-                }
-            } else {
-                map.next_value_seed(FetchScan)?;
-            }
+            map.next_value_seed(FetchScan {
+                fetch: names_a_fetch(&key),
+            })?;
         }
         Ok(())
     }
 
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(FetchScan)?.is_some() {}
+        while seq
+            .next_element_seed(FetchScan { fetch: self.fetch })?
+            .is_some()
+        {}
+        Ok(())
+    }
+
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<(), E> {
+        let scheme = v.split_once(':').map(|(s, _)| s.trim());
+        if self.fetch && !scheme.is_some_and(|s| s.eq_ignore_ascii_case("data")) {
+            return Err(E::custom(FETCH_REFUSED));
+        }
         Ok(())
     }
 
@@ -157,9 +164,6 @@ impl<'de> Visitor<'de> for FetchScan {
     fn visit_f64<E>(self, _: f64) -> Result<(), E> {
         Ok(())
     }
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
     fn visit_unit<E>(self) -> Result<(), E> {
         Ok(())
     }
@@ -171,52 +175,6 @@ impl<'de> Visitor<'de> for FetchScan {
 fn names_a_fetch(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
     key.ends_with("url") || key.ends_with("uri") || key == "file_data"
-}
-
-/// A fetch member's value: the text when it is a string (anything else is walked on).
-struct UrlValue<'de>(Option<std::borrow::Cow<'de, str>>);
-
-impl<'de> serde::Deserialize<'de> for UrlValue<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = UrlValue<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("JSON")
-            }
-            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(UrlValue(Some(std::borrow::Cow::Borrowed(v))))
-            }
-            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(UrlValue(Some(std::borrow::Cow::Owned(v.to_owned()))))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                FetchScan.visit_map(map).map(|()| UrlValue(None))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                seq: A,
-            ) -> Result<Self::Value, A::Error> {
-                FetchScan.visit_seq(seq).map(|()| UrlValue(None))
-            }
-            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(UrlValue(None))
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(UrlValue(None))
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(UrlValue(None))
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(UrlValue(None))
-            }
-            fn visit_unit<E>(self) -> Result<Self::Value, E> {
-                Ok(UrlValue(None))
-            }
-        }
-        d.deserialize_any(V)
-    }
 }
 
 /// The refusal of a part the provider would fetch.
@@ -275,7 +233,7 @@ pub(crate) fn prepare(
             }
             "messages" => {
                 let mut de = serde_json::Deserializer::from_str(value.get());
-                if let Err(e) = FetchScan.deserialize(&mut de) {
+                if let Err(e) = (FetchScan { fetch: false }).deserialize(&mut de) {
                     let e = e.to_string();
                     return Err(if e.starts_with(FETCH_REFUSED) {
                         FETCH_REFUSED.to_owned()
