@@ -152,26 +152,39 @@ async fn every_refusal_yields_exactly_one_event_with_its_status_and_limit() {
         vec![(429, Refusal::ModelCalls), (429, Refusal::ToolCalls)]
     );
 
-    // A call past `max_calls_in_flight`: the one in flight holds its place.
+    // A call past `max_calls_in_flight`: the one in flight holds its place (the next call
+    // sent once the held one runs: sent beside it, the held one could be the refused one).
+    let started = Arc::new(AtomicBool::new(false));
+    let holds = {
+        let started = started.clone();
+        FnTool::new("holds", "Holds its place", move |_, _| {
+            let started = started.clone();
+            async move {
+                started.store(true, Ordering::SeqCst);
+                std::future::pending::<()>().await;
+                Ok(String::new())
+            }
+        })
+    };
     let mut p = base();
+    p.tools.push(Arc::new(holds));
     p.limits.max_calls_in_flight = 1;
     p.limits.max_tool_calls = 10_000;
     let (turn, seen) = observed(p).await;
     let socket = turn.socket().to_owned();
-    let held = tokio::spawn(async move { post(&socket, "/v1/tools/waits", &[], "{}").await });
-    let mut refused = None;
-    for _ in 0..500 {
-        // Weather answers at once when admitted (before the held call took the place).
-        let a = post(turn.socket(), weather, &[], oslo.clone())
-            .await
-            .unwrap();
-        if a.status == 429 {
-            refused = Some(a);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let held = tokio::spawn(async move { post(&socket, "/v1/tools/holds", &[], "{}").await });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !started.load(Ordering::SeqCst) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the held call never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(refused.is_some(), "never refused");
+    let a = post(turn.socket(), weather, &[], oslo.clone())
+        .await
+        .unwrap();
+    assert_eq!(a.status, 429, "{}", a.text());
     assert_eq!(seen.refusals(), vec![(429, Refusal::CallsInFlight)]);
     held.abort();
 
